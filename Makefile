@@ -1,0 +1,41 @@
+# Tandem: two commands on a fresh machine.
+#   make serve   - create .venv, install, make the default model if absent, serve
+#   make test    - create .venv, install, run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+MODEL_DIR ?= models/tandem-small
+MODEL_PRESET ?= small
+# CPU machines take the local CPU wheel; a CUDA machine takes a CUDA build.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4" || echo "torch==2.13.0")
+PYTEST_ARGS ?=
+
+.PHONY: install serve test lint proto bench-engine clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+$(MODEL_DIR)/config.json: | $(VENV)/.installed
+	$(VENV)/bin/tandem model make --preset $(MODEL_PRESET) --out $(MODEL_DIR)
+
+serve: $(VENV)/.installed $(MODEL_DIR)/config.json
+	$(VENV)/bin/tandem demo --model $(MODEL_DIR)
+
+test: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+bench-engine: $(VENV)/.installed
+	$(PY) -m bench.engine_bench --out docs/benchmarks.md
+
+clean:
+	rm -rf $(VENV) build *.egg-info

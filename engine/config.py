@@ -1,0 +1,218 @@
+"""Configuration of one engine instance (shared by prefill, decode and colocated workers).
+
+`EngineConfig` is built once (CLI, tests, worker start-up) and passed down; `ModelConfig`
+is the narrow view of a Hugging Face `config.json` that the model runtime needs.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class EngineMode(str, enum.Enum):
+    """What a worker's engine does with a request."""
+
+    # Prefill and decode in one engine, chunked prefill mixed with decodes (the baseline).
+    COLOCATED = "colocated"
+    # Stop after sampling the first token and keep the prompt's KV for a transfer.
+    PREFILL_ONLY = "prefill_only"
+    # Admit sequences whose KV was imported into the pool; local prefill only for recovery.
+    DECODE_ONLY = "decode_only"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture facts read from a Hugging Face `config.json`."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    # Qwen2 always has q/k/v biases; Llama has them when `attention_bias` is set.
+    qkv_bias: bool
+    # `rope_theta` plus the scaling entries (`rope_type`, `factor`, ...).
+    rope_parameters: dict[str, Any]
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    # Mistral-style sliding window; None when attention is global.
+    sliding_window: int | None
+    torch_dtype: str
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        raw = json.loads(config_file.read_text())
+        return cls.from_dict(raw, generation=_read_generation_config(path))
+
+    @classmethod
+    def from_dict(
+        cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
+    ) -> ModelConfig:
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHITECTURES}"
+            )
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        head_dim = raw.get("head_dim") or hidden // num_heads
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))))
+        rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
+        eos = _token_ids((generation or {}).get("eos_token_id", raw.get("eos_token_id")))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", not is_qwen2) else None
+        return cls(
+            architecture=arch,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or bool(raw.get("attention_bias", False)),
+            rope_parameters=rope,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=eos,
+            sliding_window=int(sliding) if sliding else None,
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token across all layers, for fp32 (scale by dtype size)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _read_generation_config(path: Path) -> dict[str, Any]:
+    gen_file = path / "generation_config.json"
+    return json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+@dataclass
+class EngineConfig:
+    """Everything one engine needs; validated on construction."""
+
+    model: str
+    # Tokens per KV block.
+    block_size: int = 16
+    # KV blocks in the pool; when None, derived from `kv_cache_memory_bytes`.
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int = 1 << 30
+    # Most sequences in one batch.
+    max_num_seqs: int = 64
+    # Token budget of one engine step (decode tokens + prefill chunk tokens).
+    max_num_batched_tokens: int = 512
+    # Longest prompt + output; None = the model's `max_position_embeddings`.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # When off, a prompt is prefilled in one step (the budget must cover max_model_len).
+    enable_chunked_prefill: bool = True
+    mode: EngineMode = EngineMode.COLOCATED
+    # "auto" = the checkpoint's dtype on CUDA, float32 on CPU.
+    dtype: str = "auto"
+    device: str = "cpu"
+    # torch intra-op threads; None leaves torch's default.
+    num_threads: int | None = None
+    # How long a prefill-only engine keeps unpulled KV before freeing it.
+    kv_lease_s: float = 30.0
+    model_config: ModelConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.mode = EngineMode(self.mode)
+        self.model_config = ModelConfig.from_model_dir(self.model)
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        if not 1 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}], got {self.max_model_len}")
+        window = self.model_config.sliding_window
+        if window is not None and window < self.max_model_len:
+            # Attention is global inside the window, so capping the length keeps it exact.
+            logger.warning("sliding window %d < max_model_len; capping max_model_len", window)
+            self.max_model_len = window
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "with chunked prefill off, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )
+        if self.dtype not in _DTYPES and self.dtype != "auto":
+            raise ValueError(
+                f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {self.dtype!r}"
+            )
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.kv_lease_s <= 0:
+            raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        if self.num_blocks is None:
+            per_block = self.model_config.kv_bytes_per_token * self.block_size
+            per_block *= torch.empty((), dtype=self.torch_dtype).element_size()
+            self.num_blocks = max(1, self.kv_cache_memory_bytes // per_block)
+        if self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if self.device == "cpu":
+            return torch.float32
+        return _DTYPES.get(self.model_config.torch_dtype, torch.bfloat16)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks needed to hold `num_tokens` tokens."""
+        return math.ceil(num_tokens / self.block_size)

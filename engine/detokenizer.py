@@ -1,0 +1,163 @@
+"""Streams a request's generated token ids as text, and finds its stop strings.
+
+The engine feeds every sampled token to the request's `IncrementalDetokenizer` and
+forwards `delta_text` to the client. Decoding re-reads only a short window of recent
+tokens (the prefix_offset / read_offset scheme of TGI and vLLM), so each token costs O(1)
+rather than re-decoding the whole output. Two kinds of text are held back until they are
+settled:
+
+* text ending in U+FFFD: the last token(s) end inside a multi-byte UTF-8 character;
+* a tail that could still grow into a stop string, so a streaming client never sees part
+  of one. When a stop string completes, the output is cut right before it (OpenAI style).
+
+Exactness: for tokenizers whose decode is a concatenation over tokens (byte-level BPE:
+GPT-2, Llama 3, Qwen), the deltas plus `flush()` equal
+`tokenizer.decode(output_ids, skip_special_tokens=...)`, cut at the stop string. The
+window starts on the last few prompt tokens so that tokenizers which strip a leading space
+from the first decoded token (SentencePiece) keep the space before the first output word.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+
+# Prompt tokens placed in the decode window before the first output token (as vLLM).
+NUM_PROMPT_CONTEXT_TOKENS = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class DetokenizerUpdate:
+    """What one new token changed in the visible output."""
+
+    # Text the client may show now; empty while text is held back.
+    delta_text: str
+    # The stop string that just completed (the output was cut before it), else None.
+    stop_string: str | None
+
+
+class IncrementalDetokenizer:
+    """Per-request decoding state; owned by the request, used from the engine thread."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = params.skip_special_tokens
+        self._stops = list(params.stop)
+        self._max_stop_len = max((len(s) for s in self._stops), default=0)
+
+        context = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
+        # A prompt ending inside a UTF-8 character would make the window's text lengths
+        # disagree; such a prompt gets no context (rare: only with raw token-id prompts).
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context = []
+        # Prompt context followed by every output token; the window is _ids[prefix_offset:].
+        self._ids: list[int] = context
+        self._num_context_ids = len(context)
+        self._prefix_offset = 0  # window start; tokens before it are never decoded again
+        self._read_offset = len(context)  # tokens before it are already in _text
+
+        self._text = ""  # all settled output text (cut at the stop string, if one hit)
+        self._num_released = 0  # chars of _text already handed out
+        self._stop_string: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        """All output text so far: released plus held back for stop-string matching."""
+        return self._text
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Every token id passed to `add_token`, in order."""
+        return self._ids[self._num_context_ids :]
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, or None."""
+        return self._stop_string
+
+    def add_token(self, token_id: int) -> DetokenizerUpdate:
+        """Record one generated token; return the newly releasable text."""
+        if self._stop_string is not None:
+            raise RuntimeError(f"output already stopped at {self._stop_string!r}")
+        self._ids.append(token_id)
+        new_text = self._decode_window(final=False)
+        if not new_text:
+            return DetokenizerUpdate(delta_text="", stop_string=None)
+        return self._append_text(new_text)
+
+    def flush(self) -> str:
+        """Release everything held back; call when the request finishes for another reason.
+
+        Text still ending in an incomplete character is released as decoded (with U+FFFD),
+        exactly as a full decode would show it. If that completes a stop string, the output
+        is cut there and `stop_string` is set.
+        """
+        if self._stop_string is not None:
+            return ""
+        update = self._append_text(self._decode_window(final=True))
+        if update.stop_string is not None:
+            return update.delta_text
+        delta = self._text[self._num_released :]
+        self._num_released = len(self._text)
+        return update.delta_text + delta
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _decode_window(self, final: bool) -> str:
+        """Text of the tokens after read_offset, or "" while it is not settled yet."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._ids[self._prefix_offset :])
+        if not final and (
+            len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR)
+        ):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return window_text[len(prefix_text) :]
+
+    def _append_text(self, new_text: str) -> DetokenizerUpdate:
+        """Add settled text, cut at a completed stop string, release what is safe."""
+        old_len = len(self._text)
+        self._text += new_text
+        stop = self._find_stop(old_len)
+        if stop is not None:
+            stop_start, self._stop_string = stop
+            self._text = self._text[:stop_start]
+            delta = self._text[self._num_released :]
+            self._num_released = len(self._text)
+            return DetokenizerUpdate(delta_text=delta, stop_string=self._stop_string)
+        release_to = max(self._num_released, len(self._text) - self._stop_prefix_len())
+        delta = self._text[self._num_released : release_to]
+        self._num_released = release_to
+        return DetokenizerUpdate(delta_text=delta, stop_string=None)
+
+    def _find_stop(self, old_len: int) -> tuple[int, str] | None:
+        """The stop string occurrence that completes first, ending after old_len.
+
+        Ranking by end (then by earliest start) makes the cut independent of how the text
+        was split into tokens: it is where char-by-char generation would have stopped.
+        """
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stops:
+            start = self._text.find(stop, max(0, old_len - len(stop) + 1))
+            if start < 0:
+                continue
+            candidate = (start + len(stop), start, stop)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+        return None if best is None else (best[1], best[2])
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest tail of _text that is a proper prefix of a stop string."""
+        text = self._text
+        for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-length:]
+            if any(len(s) > length and s.startswith(tail) for s in self._stops):
+                return length
+        return 0

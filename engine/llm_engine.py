@@ -1,0 +1,297 @@
+"""The engine: `add_request` / `step` / `abort`, plus the KV hand-off of disaggregation.
+
+`step()` = schedule → run the model → update requests → detokenize. The engine is
+synchronous and single-threaded; workers drive it from one thread and feed it
+through a queue. KV hand-off (the narrow interface `kv_transfer` builds on):
+
+* prefill side (`EngineMode.PREFILL_ONLY`): a request finishes with reason
+  "prefilled" after its first token; its blocks stay pinned under a lease until
+  `export_kv` + `release` (or expiry, checked every step). Released blocks remain in
+  the prefix cache.
+* decode side: `reserve_import` allocates blocks for a prompt (None = not now),
+  `write_kv` fills them, `commit_import` joins the running batch with the first token
+  already sampled; `cancel_import` frees them on failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.model.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import EngineStats, KvExport, RequestOutput
+from engine.request import FinishReason, Request, RequestStatus
+from engine.sampler import make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _HeldKv:
+    request: Request
+    expires_at: float
+
+
+class Engine:
+    """One model replica with its paged KV cache."""
+
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_config = config.model_config
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(config.model)
+        self.tokenizer = tokenizer
+        model = load_model(
+            config.model,
+            config.model_config,
+            config.torch_dtype,
+            torch.device(config.device),
+            config.max_model_len,
+        )
+        self.pool = BlockPool(config.num_blocks)
+        self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv)
+        self.runner = ModelRunner(config, model, self.kv)
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._held: dict[str, _HeldKv] = {}
+        self._importing: dict[str, Request] = {}
+
+    # ----- requests -------------------------------------------------------------
+
+    def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Queue a request; raises ValueError on bad input (nothing is kept then)."""
+        prompt_ids = self._prompt_ids(prompt)
+        request = self._new_request(req_id, prompt_ids, params)
+        self._requests[req_id] = request
+        self._detokenizers[req_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, req_id: str) -> bool:
+        """Stop a request wherever it is and free what it holds; False if unknown."""
+        if req_id in self._held:
+            self.release(req_id)
+            return True
+        if req_id in self._importing:
+            self.cancel_import(req_id)
+            return True
+        request = self._requests.pop(req_id, None)
+        if request is None:
+            return False
+        self._detokenizers.pop(req_id, None)
+        self.scheduler.finish(request, FinishReason.ABORT)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; returns the requests that produced a token."""
+        self.expire_leases(time.monotonic())
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        outputs = []
+        for request in self.scheduler.update(out, sampled):
+            outputs.append(self._emit(request))
+        return outputs
+
+    def _emit(self, request: Request) -> RequestOutput:
+        req_id = request.req_id
+        detok = self._detokenizers[req_id]
+        update = detok.add_token(request.output_token_ids[-1])
+        delta = update.delta_text
+        if update.stop_string is not None and not request.is_finished:
+            self.scheduler.finish(request, FinishReason.STOP)
+        reason = request.finish_reason
+        if request.is_finished:
+            if update.stop_string is None and reason is not FinishReason.PREFILLED:
+                delta += detok.flush()
+            del self._requests[req_id]
+            del self._detokenizers[req_id]
+            if reason is FinishReason.PREFILLED:
+                self._held[req_id] = _HeldKv(request, time.monotonic() + self.config.kv_lease_s)
+        return RequestOutput(
+            req_id=req_id,
+            new_token_ids=request.output_token_ids[-1:],
+            new_logprobs=request.output_logprobs[-1:],
+            delta_text=delta,
+            finished=request.is_finished,
+            finish_reason=reason.value if reason else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=len(request.output_token_ids),
+        )
+
+    # ----- prefill side of the KV hand-off -------------------------------------
+
+    def export_kv(self, req_id: str) -> KvExport:
+        """Copy out a prefilled request's prompt KV (blocks stay pinned until release)."""
+        held = self._held.get(req_id)
+        if held is None:
+            raise KeyError(f"no prefilled KV held for request {req_id!r}")
+        block_ids = list(self.kv.block_ids[req_id])
+        return KvExport(
+            req_id=req_id,
+            num_tokens=held.request.num_prompt_tokens,
+            block_ids=block_ids,
+            blocks=self.runner.read_kv_blocks(block_ids),
+        )
+
+    def held_block_ids(self, req_id: str) -> list[int]:
+        """The pinned blocks of a prefilled request (for zero-copy transfer backends)."""
+        if req_id not in self._held:
+            raise KeyError(f"no prefilled KV held for request {req_id!r}")
+        return list(self.kv.block_ids[req_id])
+
+    def release(self, req_id: str) -> bool:
+        """Unpin a prefilled request's blocks (they stay in the prefix cache)."""
+        held = self._held.pop(req_id, None)
+        if held is None:
+            return False
+        self.kv.free(held.request)
+        return True
+
+    def expire_leases(self, now: float) -> list[str]:
+        """Release every held KV whose lease ran out; returns their request ids."""
+        expired = [r for r, h in self._held.items() if h.expires_at <= now]
+        for req_id in expired:
+            logger.warning("KV lease of %s expired unpulled; freeing its blocks", req_id)
+            self.release(req_id)
+        return expired
+
+    # ----- decode side of the KV hand-off --------------------------------------
+
+    def reserve_import(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
+    ) -> list[int] | None:
+        """Allocate blocks for a remote prefill's KV; None when the pool is too full now."""
+        prompt_ids = self._prompt_ids(prompt_token_ids)
+        self._check_token_ids([first_token_id])
+        request = self._new_request(req_id, prompt_ids, params)
+        if not self.kv.allocate_slots(request, len(prompt_ids)):
+            return None
+        request.output_token_ids.append(first_token_id)
+        self._importing[req_id] = request
+        return list(self.kv.block_ids[req_id])
+
+    def write_kv(self, req_id: str, blocks: torch.Tensor) -> None:
+        """Fill a reserved request's blocks with KV read by the prefill side's `export_kv`."""
+        request = self._importing.get(req_id)
+        if request is None:
+            raise KeyError(f"no import reserved for request {req_id!r}")
+        self.runner.write_kv_blocks(self.kv.block_ids[req_id], blocks)
+
+    def commit_import(self, req_id: str) -> None:
+        """The KV is in place: join the running batch (decoding from the first token)."""
+        request = self._importing.pop(req_id, None)
+        if request is None:
+            raise KeyError(f"no import reserved for request {req_id!r}")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_full_blocks(request)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
+        # The prefill side already streamed the first token's text.
+        detok.add_token(request.output_token_ids[0])
+        self._requests[req_id] = request
+        self._detokenizers[req_id] = detok
+        self.scheduler.add_running(request)
+
+    def cancel_import(self, req_id: str) -> bool:
+        request = self._importing.pop(req_id, None)
+        if request is None:
+            return False
+        self.kv.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = FinishReason.ABORT
+        return True
+
+    # ----- introspection --------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        queued = sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            for r in (*sched.waiting, *sched.running)
+        )
+        return EngineStats(
+            num_waiting=len(sched.waiting),
+            num_running=len(sched.running),
+            num_held=len(self._held),
+            num_importing=len(self._importing),
+            num_free_blocks=self.pool.num_free_blocks,
+            num_blocks=self.pool.num_blocks,
+            num_queued_prefill_tokens=queued,
+            prefix_cache_queries=self.kv.num_prefix_queries,
+            prefix_cache_hits=self.kv.num_prefix_hits,
+            num_preemptions=sched.num_preemptions,
+            num_cached_blocks=self.pool.num_cached_blocks,
+        )
+
+    def is_idle(self) -> bool:
+        """No request, hold or import left, and every block free."""
+        return (
+            not self._requests
+            and not self._held
+            and not self._importing
+            and self.pool.num_free_blocks == self.pool.num_blocks
+        )
+
+    # ----- validation -----------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must hold at least one token")
+        self._check_token_ids(ids)
+        return ids
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"token ids must be ints, got {token_id!r}")
+            if not 0 <= token_id < vocab:
+                raise ValueError(f"token id {token_id} is outside the vocabulary [0, {vocab})")
+
+    def _new_request(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        if not isinstance(req_id, str) or not req_id:
+            raise ValueError(f"req_id must be a non-empty string, got {req_id!r}")
+        if req_id in self._requests or req_id in self._held or req_id in self._importing:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        max_len = self.config.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} "
+                "(prompt + at least one output token)"
+            )
+        needed = self.config.blocks_for(min(len(prompt_ids) + params.max_tokens, max_len))
+        if needed > self.config.num_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks but the pool has {self.config.num_blocks}"
+            )
+        generator = make_generator(params.seed, self.config.device)
+        return Request(req_id, prompt_ids, params, generator=generator)

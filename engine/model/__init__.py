@@ -1,0 +1,1 @@
+"""Llama-family model definitions written for the paged KV cache."""

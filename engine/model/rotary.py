@@ -1,0 +1,60 @@
+"""Rotary position embeddings (RoPE) as Hugging Face Llama computes them.
+
+Default RoPE is computed here; scaled variants (`linear`, `llama3`, `yarn`, ...) take
+their inverse frequencies from `transformers.modeling_rope_utils`, so they match the
+reference implementation exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_POSITION_DEPENDENT = ("dynamic",)
+
+
+def inverse_frequencies(
+    head_dim: int, rope_parameters: dict[str, Any], hf_config: Any = None
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention_scaling) for a model's RoPE."""
+    rope_type = rope_parameters.get("rope_type", "default")
+    if rope_type == "default":
+        base = float(rope_parameters["rope_theta"])
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (base**exponents), 1.0
+    if rope_type in _POSITION_DEPENDENT:
+        raise ValueError(f"rope_type {rope_type!r} depends on sequence length; not supported")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or hf_config is None:
+        raise ValueError(f"unsupported rope_type {rope_type!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position."""
+
+    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_len: int) -> None:
+        super().__init__()
+        positions = torch.arange(max_len, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, Hq, D], key [T, Hkv, D] rotated in place of a copy."""
+        cos = self.cos[positions].unsqueeze(1).to(query.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(query.dtype)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

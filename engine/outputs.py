@@ -1,0 +1,73 @@
+"""What the engine reports to its caller (workers, the offline `generate` helper)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one request from one engine step."""
+
+    req_id: str
+    # Tokens sampled this step (one per step today).
+    new_token_ids: list[int]
+    # log_softmax of the raw logits at each new token.
+    new_logprobs: list[float]
+    # Text released this step (never ends inside a UTF-8 character or a stop string).
+    delta_text: str
+    finished: bool
+    # "stop", "length", "abort" or "prefilled" (KV held for a transfer); None if running.
+    finish_reason: str | None
+    num_prompt_tokens: int
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int
+    # All tokens generated so far.
+    num_output_tokens: int
+
+
+@dataclass
+class CompletionOutput:
+    """A finished request, as `generate` returns it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class KvExport:
+    """A prefilled request's KV, read out for a transfer (see `Engine.export_kv`)."""
+
+    req_id: str
+    # Prompt positions covered: blocks hold positions [0, num_tokens).
+    num_tokens: int
+    block_ids: list[int]
+    # [layers, 2 (K, V), len(block_ids), block_size, kv_heads, head_dim]
+    blocks: torch.Tensor
+
+
+@dataclass
+class EngineStats:
+    """A snapshot for metrics, routing and leak checks."""
+
+    num_waiting: int
+    num_running: int
+    # Prefilled requests whose KV is held for a transfer.
+    num_held: int
+    # Decode-side requests with blocks allocated and KV being written.
+    num_importing: int
+    num_free_blocks: int
+    num_blocks: int
+    # Prompt tokens not yet computed across waiting and running requests.
+    num_queued_prefill_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_cached_blocks: int

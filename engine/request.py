@@ -1,0 +1,75 @@
+"""A request's state inside one engine, from `add_request` to its finish."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)prefill
+    RUNNING = "running"  # holds KV blocks, scheduled every step
+    PREEMPTED = "preempted"  # blocks taken back; will be recomputed from its tokens
+    FINISHED = "finished"  # done; blocks freed or handed to the KV transfer
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the caller
+    # Prefill-only engines: the first token is sampled and the prompt's KV is held for
+    # a transfer (see Engine.export_kv / Engine.release).
+    PREFILLED = "prefilled"
+
+
+@dataclass
+class Request:
+    """Tokens and progress of one sequence (the engine runs `n = 1` per request)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    # Tokens whose KV is in the pool (prefix-cache hits + computed chunks).
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache at the first admission.
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    # Drawn from only by this request, so a seed gives the same tokens in any batch.
+    generator: torch.Generator | None = None
+    # Chained hashes of the request's full blocks, extended as blocks fill.
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_id(self, position: int) -> int:
+        if position < len(self.prompt_token_ids):
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - len(self.prompt_token_ids)]
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens in positions [start, end) over prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        head = self.prompt_token_ids[start:num_prompt] if start < num_prompt else []
+        return head + self.output_token_ids[max(0, start - num_prompt) : end - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

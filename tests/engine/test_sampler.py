@@ -1,0 +1,158 @@
+"""Sampler: greedy parity with argmax, filters, seeded reproducibility, distributions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, make_generator
+from engine.sampling_params import SamplingParams
+
+VOCAB_SIZE = 64
+
+
+def random_logits(num_seqs: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(num_seqs, vocab_size, generator=generator) * 3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+    logits = random_logits(32).to(dtype)
+    params = [SamplingParams(temperature=0.0)] * 32
+    out = Sampler().sample(logits, params, [None] * 32)
+    assert out.token_ids == torch.argmax(logits, dim=-1).tolist()
+    assert len(out.logprobs) == 32
+
+
+def test_greedy_rows_in_mixed_batch_are_argmax() -> None:
+    logits = random_logits(8)
+    params = [SamplingParams(temperature=0.0 if i % 2 else 1.0) for i in range(8)]
+    out = Sampler().sample(logits, params, [make_generator(i) for i in range(8)])
+    argmax = torch.argmax(logits, dim=-1).tolist()
+    assert [out.token_ids[i] for i in range(1, 8, 2)] == [argmax[i] for i in range(1, 8, 2)]
+
+
+def test_top_k_one_is_greedy() -> None:
+    logits = random_logits(50, seed=1)
+    params = [SamplingParams(temperature=1.5, top_k=1)] * 50
+    out = Sampler().sample(logits, params, [make_generator(i) for i in range(50)])
+    assert out.token_ids == torch.argmax(logits, dim=-1).tolist()
+
+
+def test_tiny_top_p_is_greedy() -> None:
+    logits = random_logits(50, seed=2)
+    params = [SamplingParams(temperature=2.0, top_p=1e-6)] * 50
+    out = Sampler().sample(logits, params, [make_generator(i) for i in range(50)])
+    assert out.token_ids == torch.argmax(logits, dim=-1).tolist()
+
+
+def test_logprob_is_log_softmax_of_raw_logits() -> None:
+    logits = random_logits(6, seed=3)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=2.0, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=3.0),
+    ]
+    out = Sampler().sample(logits, params, [make_generator(i) for i in range(6)])
+    expected = torch.log_softmax(logits, dim=-1)
+    for row, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        assert logprob == pytest.approx(expected[row, token_id].item(), abs=1e-5)
+
+
+def _draw_sequence(seed: int, other_rows: int, position: int, num_steps: int) -> list[int]:
+    """Tokens drawn for one seeded request sharing the batch with `other_rows` others."""
+    sampler = Sampler()
+    generator = make_generator(seed)
+    others = [make_generator(1000 + i) if i % 2 else None for i in range(other_rows)]
+    tokens = []
+    for step in range(num_steps):
+        # The request sees the same logits at every step whatever its batch neighbours.
+        own_logits = random_logits(1, seed=step)
+        batch = random_logits(other_rows + 1, seed=500 + step)
+        batch[position] = own_logits[0]
+        params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.95)] * (other_rows + 1)
+        generators = [*others[:position], generator, *others[position:]]
+        tokens.append(sampler.sample(batch, params, generators).token_ids[position])
+    return tokens
+
+
+def test_seed_reproducible_regardless_of_batch() -> None:
+    alone = _draw_sequence(seed=7, other_rows=0, position=0, num_steps=20)
+    assert _draw_sequence(seed=7, other_rows=5, position=3, num_steps=20) == alone
+    assert _draw_sequence(seed=7, other_rows=9, position=9, num_steps=20) == alone
+    # Sampling is really random: another seed gives another sequence.
+    assert _draw_sequence(seed=8, other_rows=0, position=0, num_steps=20) != alone
+
+
+def _frequencies(token_ids: list[int], vocab_size: int) -> torch.Tensor:
+    counts = torch.bincount(torch.tensor(token_ids), minlength=vocab_size).float()
+    return counts / len(token_ids)
+
+
+# Fixed seeds make these deterministic; 0.02 is also > 5 standard deviations at these sizes.
+FREQ_TOLERANCE = 0.02
+
+
+def test_temperature_frequencies_follow_softmax_seeded() -> None:
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    num_draws = 6000
+    params = [SamplingParams(temperature=2.0)] * num_draws
+    out = Sampler().sample(
+        base.expand(num_draws, -1), params, [make_generator(i) for i in range(num_draws)]
+    )
+    expected = torch.softmax(base / 2.0, dim=-1)
+    assert torch.allclose(_frequencies(out.token_ids, 5), expected, atol=FREQ_TOLERANCE)
+
+
+def test_unseeded_frequencies_follow_softmax() -> None:
+    base = torch.tensor([1.0, 0.0, -0.5, 0.3])
+    num_draws = 20000
+    params = [SamplingParams(temperature=0.7)] * num_draws
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        out = Sampler().sample(base.expand(num_draws, -1), params, [None] * num_draws)
+    expected = torch.softmax(base / 0.7, dim=-1)
+    assert torch.allclose(_frequencies(out.token_ids, 4), expected, atol=FREQ_TOLERANCE)
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "kept"),
+    [
+        (2, 1.0, [0, 1]),
+        (0, 0.75, [0, 1]),  # probs .5,.3,.15,.05: mass before token 2 is .8 >= .75
+        (-1, 0.85, [0, 1, 2]),
+        (3, 0.5, [0]),  # after top-k, mass before token 1 is .5/.95 >= .5
+        # top-p sees what top-k left, renormalised: mass before token 2 is .8/.95 >= .83
+        (3, 0.83, [0, 1]),
+    ],
+)
+def test_top_k_top_p_keep_the_nucleus(top_k: int, top_p: float, kept: list[int]) -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    num_draws = 6000
+    params = [SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)] * num_draws
+    out = Sampler().sample(
+        probs.log().expand(num_draws, -1), params, [make_generator(i) for i in range(num_draws)]
+    )
+    expected = torch.zeros(4)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    assert torch.allclose(_frequencies(out.token_ids, 4), expected, atol=FREQ_TOLERANCE)
+
+
+def test_rows_use_their_own_filters() -> None:
+    logits = random_logits(2, seed=4).repeat(200, 1)
+    params = [SamplingParams(top_k=1), SamplingParams(top_k=0)] * 200
+    out = Sampler().sample(logits, params, [make_generator(i) for i in range(400)])
+    argmax = torch.argmax(logits, dim=-1).tolist()
+    assert out.token_ids[0::2] == argmax[0::2]
+    assert out.token_ids[1::2] != argmax[1::2]
+
+
+def test_rejects_mismatched_inputs() -> None:
+    with pytest.raises(ValueError, match="params"):
+        Sampler().sample(random_logits(3), [SamplingParams()] * 2, [None] * 3)
+    with pytest.raises(ValueError, match="shape"):
+        Sampler().sample(torch.zeros(VOCAB_SIZE), [SamplingParams()], [None])
