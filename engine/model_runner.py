@@ -39,6 +39,7 @@ class ModelRunner:
             device=self.device,
         )
         self.sampler = Sampler()
+        self.eos_token_ids = list(cfg.eos_token_ids)
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
@@ -67,6 +68,7 @@ class ModelRunner:
         ends = meta.query_start_loc[1:]
         rows = [int(ends[i]) - 1 for i, c in enumerate(chunks) if c.samples]
         logits = self.model.compute_logits(hidden[rows])
+        self._mask_early_stops(logits, sampling)
         result = self.sampler.sample(
             logits,
             [c.request.params for c in sampling],
@@ -76,6 +78,18 @@ class ModelRunner:
             c.request.req_id: SampledToken(tok, lp)
             for c, tok, lp in zip(sampling, result.token_ids, result.logprobs, strict=True)
         }
+
+    def _mask_early_stops(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> None:
+        """Forbid EOS and stop token ids while a request is below its `min_tokens`."""
+        for row, chunk in enumerate(sampling):
+            req = chunk.request
+            if len(req.output_token_ids) >= req.params.min_tokens:
+                continue
+            banned = list(req.params.stop_token_ids)
+            if not req.params.ignore_eos:
+                banned += self.eos_token_ids
+            if banned:
+                logits[row, banned] = float("-inf")
 
     def _prepare(
         self, chunks: list[ScheduledChunk]

@@ -1,0 +1,53 @@
+"""Hugging Face `transformers` as the reference: random variant models and greedy runs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def save_random_model(
+    model_cls: type[PreTrainedModel],
+    config: PretrainedConfig,
+    out_dir: Path,
+    tokenizer_dir: Path,
+    seed: int = 0,
+) -> Path:
+    """A seeded random checkpoint of `config`, with the tokenizer of `tokenizer_dir`.
+
+    The output projection gets a logit std of about 4 so that greedy argmax is never
+    decided by a near-tie (fp32 rounding must not be able to flip a token).
+    """
+    torch.manual_seed(seed)
+    model = model_cls(config).float()
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 4.0 / config.hidden_size**0.5)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation of each prompt by `AutoModelForCausalLM.generate` (fp32, CPU)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=eos if isinstance(eos, int) else eos[0],
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return outputs

@@ -1,0 +1,197 @@
+"""Engine behaviour: KV hand-off between engines, leases, aborts, stops, bad input.
+
+Every test ends with the pools back to idle.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.config import EngineConfig, EngineMode
+from engine.generate import generate
+from engine.llm_engine import Engine
+from engine.sampling_params import SamplingParams
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_hf_equivalence import make_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def make_engine(model_dir, **overrides) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), max_model_len=1024, **overrides))
+
+
+def drain(engine: Engine, limit: int = 10_000) -> list:
+    outputs = []
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            return outputs
+        outputs += engine.step()
+    raise AssertionError("engine did not finish its requests")
+
+
+def test_prefill_engine_kv_moved_to_decode_engine_matches_transformers(tiny_model_dir):
+    prompts = make_prompts(2048, (5, 40, 129, 300), seed=3)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    prefill = make_engine(tiny_model_dir, mode=EngineMode.PREFILL_ONLY, max_num_batched_tokens=64)
+    decode = make_engine(tiny_model_dir, mode=EngineMode.DECODE_ONLY)
+    first_tokens = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params)
+    for out in drain(prefill):
+        assert out.finished and out.finish_reason == "prefilled"
+        first_tokens[out.req_id] = out.new_token_ids[0]
+    assert prefill.stats().num_held == len(prompts)
+    for i, prompt in enumerate(prompts):
+        req_id = f"r{i}"
+        exported = prefill.export_kv(req_id)
+        assert exported.num_tokens == len(prompt)
+        block_ids = decode.reserve_import(req_id, prompt, first_tokens[req_id], params)
+        assert block_ids is not None and len(block_ids) == len(exported.block_ids)
+        decode.write_kv(req_id, exported.blocks)
+        decode.commit_import(req_id)
+        assert prefill.release(req_id)
+    generated = {f"r{i}": [first_tokens[f"r{i}"]] for i in range(len(prompts))}
+    for out in drain(decode):
+        generated[out.req_id] += out.new_token_ids
+    expected = hf_greedy(tiny_model_dir, prompts, 16)
+    assert [generated[f"r{i}"] for i in range(len(prompts))] == expected
+    assert prefill.is_idle() and decode.is_idle()
+
+
+def test_released_prefill_blocks_stay_in_prefix_cache(tiny_model_dir):
+    prefill = make_engine(tiny_model_dir, mode=EngineMode.PREFILL_ONLY)
+    prompt = make_prompts(2048, (100,))[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prefill.add_request("a", prompt, params)
+    drain(prefill)
+    prefill.release("a")
+    prefill.add_request("b", prompt, params)
+    [out] = drain(prefill)
+    assert out.num_cached_tokens == 96
+    prefill.release("b")
+    assert prefill.is_idle()
+
+
+def test_unpulled_lease_expires_and_frees_blocks(tiny_model_dir):
+    prefill = make_engine(tiny_model_dir, mode=EngineMode.PREFILL_ONLY, kv_lease_s=0.05)
+    prefill.add_request("a", make_prompts(2048, (70,))[0], SamplingParams(max_tokens=4))
+    drain(prefill)
+    assert prefill.stats().num_free_blocks < prefill.stats().num_blocks
+    time.sleep(0.1)
+    assert prefill.expire_leases(time.monotonic()) == ["a"]
+    with pytest.raises(KeyError):
+        prefill.export_kv("a")
+    assert prefill.is_idle()
+
+
+def test_reserve_import_refuses_when_pool_is_full_and_cancel_frees(tiny_model_dir):
+    decode = make_engine(tiny_model_dir, num_blocks=8)
+    params = SamplingParams(max_tokens=4)
+    prompt = make_prompts(2048, (100,))[0]  # 7 blocks
+    assert decode.reserve_import("a", prompt, 5, params) is not None
+    assert decode.reserve_import("b", prompt, 5, params) is None
+    assert decode.cancel_import("a")
+    assert decode.is_idle()
+
+
+def test_abort_mid_generation_frees_blocks(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(make_prompts(2048, (30, 300), seed=4)):
+        engine.add_request(f"r{i}", prompt, params)
+    for _ in range(5):
+        engine.step()
+    assert engine.abort("r0") and engine.abort("r1")
+    assert not engine.abort("r1")
+    assert engine.step() == []
+    assert engine.is_idle()
+
+
+def test_max_tokens_and_ignore_eos_give_exact_length(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    params = SamplingParams(max_tokens=37, temperature=0.0, ignore_eos=True)
+    [out] = generate(engine, make_prompts(2048, (12,)), params)
+    assert len(out.token_ids) == 37 and out.finish_reason == "length"
+    assert engine.is_idle()
+
+
+def test_stop_string_truncates_output(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = [engine.tokenizer.encode("the model and the cache")]
+    base = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    [full] = generate(engine, prompt, base)
+    text = full.text
+    assert len(text) > 10, text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = text.index(stop)
+    [stopped] = generate(engine, prompt, SamplingParams(**{**vars(base), "stop": [stop]}), "s")
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[:cut]
+    assert engine.is_idle()
+
+
+def test_stop_token_ids_and_min_tokens(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompt = make_prompts(2048, (20,), seed=5)
+    [free_run] = generate(engine, prompt, SamplingParams(max_tokens=8, temperature=0.0))
+    first = free_run.token_ids[0]
+    stop_at_first = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first])
+    [stopped] = generate(engine, prompt, stop_at_first, "a")
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    held_off = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first], min_tokens=3)
+    [later] = generate(engine, prompt, held_off, "b")
+    assert len(later.token_ids) >= 3 and first not in later.token_ids[:3]
+    assert engine.is_idle()
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    prompts = make_prompts(2048, (10, 50, 90), seed=6)
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+    other = SamplingParams(max_tokens=12, temperature=1.0)
+    [alone] = generate(engine, prompts[:1], seeded, "alone")
+    batch = generate(engine, prompts, [seeded, other, other], "batch")
+    assert batch[0].token_ids == alone.token_ids
+    assert all(lp <= 0.0 for lp in alone.logprobs) and len(alone.logprobs) == 12
+    assert engine.is_idle()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ("", SamplingParams(), "empty"),
+        ([], SamplingParams(), "at least one token"),
+        ([1, 5000], SamplingParams(), "outside the vocabulary"),
+        ([1, -1], SamplingParams(), "outside the vocabulary"),
+        ([1] * 1024, SamplingParams(), "max_model_len"),
+        ([1, 2.5], SamplingParams(), "must be ints"),
+    ],
+)
+def test_bad_input_is_rejected_and_nothing_is_kept(tiny_model_dir, prompt, params, message):
+    engine = make_engine(tiny_model_dir)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("bad", prompt, params)
+    assert not engine.has_unfinished_requests() and engine.is_idle()
+
+
+def test_duplicate_request_id_and_oversized_request_are_rejected(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, num_blocks=4)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("b", [1] * 60, SamplingParams(max_tokens=20))
+    drain(engine)
+    assert engine.is_idle()
+
+
+def test_config_validation_names_the_field(tiny_model_dir):
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig(model=str(tiny_model_dir), block_size=12)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(model=str(tiny_model_dir), enable_chunked_prefill=False)
+    with pytest.raises(FileNotFoundError):
+        EngineConfig(model=str(tiny_model_dir / "missing"))
