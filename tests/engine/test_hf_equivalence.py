@@ -88,7 +88,8 @@ def test_prefix_cache_hits_match_transformers(tiny_model_dir, prompts, expected)
     # Second wave: long shared prefixes of the first wave's prompts, new suffixes.
     suffixes = make_prompts(config.model_config.vocab_size, (9, 40, 3, 77), seed=1)
     wave2 = [
-        prompts[i][:keep] + s[1:] for i, keep, s in zip((7, 6, 5, 4), (650, 500, 300, 64), suffixes)
+        prompts[i][:keep] + s[1:]
+        for i, keep, s in zip((7, 6, 5, 4), (650, 500, 300, 64), suffixes, strict=True)
     ]
     outputs = generate(engine, wave2, GREEDY, req_id_prefix="wave2")
     assert_token_equal(outputs, hf_greedy(tiny_model_dir, wave2, MAX_NEW_TOKENS))
