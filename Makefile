@@ -31,6 +31,12 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+PROTOS := $(shell find proto -name '*.proto')
+
+# Regenerate the Python stubs (committed; tests/proto checks they are current).
+proto: $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 
