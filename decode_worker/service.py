@@ -1,0 +1,182 @@
+"""gRPC `DecodeWorker` service: admit, pull the KV, join the batch, stream tokens.
+
+With a KvHandle the worker reserves blocks (pull-based admission: it waits until the
+pool can hold the prompt), pulls the KV from the prefill worker, releases it there and
+decodes from the first token. Without one it prefills locally (colocated mode and
+conditional disaggregation). A failed or timed-out pull is recomputed locally, so the
+client only sees a slower stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.engine_loop import EngineLoop, RequestStream
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.worker_config import WorkerConfig
+from kv_transfer.client import KvTransferClient
+from kv_transfer.errors import KvTransferError
+from kv_transfer.handle import KvHandle
+from proto.convert import FINISH_REASONS, sampling_params_from_proto, stats_to_proto
+from proto.tandem.worker.v1 import worker_pb2 as pb
+from proto.tandem.worker.v1 import worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+_ADMISSION_POLL_S = 0.01
+_RELEASE_TIMEOUT_S = 5.0
+
+
+class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, config: WorkerConfig, loop: EngineLoop, kv_client: KvTransferClient):
+        self.config = config
+        self.loop = loop
+        self.kv_client = kv_client
+        self.num_kv_recomputes = 0
+        self._peers: dict[str, grpc.aio.Channel] = {}
+        self._release_tasks: set[asyncio.Task] = set()
+
+    async def close(self) -> None:
+        if self._release_tasks:
+            await asyncio.wait(self._release_tasks, timeout=_RELEASE_TIMEOUT_S)
+        for channel in self._peers.values():
+            await channel.close()
+        self._peers.clear()
+
+    async def Decode(self, request: pb.DecodeRequest, context) -> AsyncIterator[pb.DecodeResponse]:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        try:
+            params = sampling_params_from_proto(request.params)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        started = time.monotonic()
+        prompt = list(request.prompt_token_ids)
+        recomputed = False
+        transfer_s = 0.0
+        try:
+            if request.HasField("kv_handle"):
+                stream, recomputed, transfer_s = await self._start_remote(request, prompt, params)
+            else:
+                stream = await self.loop.generate(request.request_id, prompt, params)
+            async with stream:
+                async for out in stream:
+                    yield self._response(out, recomputed, started, transfer_s)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"no KV blocks free within {self.config.admission_timeout_s:.1f} s",
+            )
+
+    def _response(
+        self, out: RequestOutput, recomputed: bool, started: float, transfer_s: float
+    ) -> pb.DecodeResponse:
+        msg = pb.DecodeResponse(
+            token_ids=out.new_token_ids,
+            logprobs=out.new_logprobs,
+            text=out.delta_text,
+            finish_reason=FINISH_REASONS[out.finish_reason],
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            kv_recomputed=recomputed,
+        )
+        if out.finished:
+            msg.timings.CopyFrom(
+                pb.Timings(compute_s=time.monotonic() - started, transfer_s=transfer_s)
+            )
+        return msg
+
+    async def _start_remote(
+        self, request: pb.DecodeRequest, prompt: list[int], params: SamplingParams
+    ) -> tuple[RequestStream, bool, float]:
+        """Reserve, pull and commit; on a failed pull, a local recompute stream."""
+        req_id = request.request_id
+        handle = KvHandle.from_proto(request.kv_handle)
+        first = request.first_token_id
+        await self._reserve(req_id, prompt, first, params)
+        started = time.monotonic()
+        try:
+            blocks = await asyncio.wait_for(self.kv_client.pull(handle), self.config.pull_timeout_s)
+            await asyncio.to_thread(self.loop.engine.write_kv, req_id, blocks)
+        except (KvTransferError, TimeoutError, OSError) as exc:
+            logger.warning("KV pull for %s failed (%s); recomputing locally", req_id, exc)
+            await self.loop.call(lambda e: e.cancel_import(req_id))
+            self.num_kv_recomputes += 1
+            self._release_remote(handle)
+            return await self._recompute(req_id, prompt, first, params), True, 0.0
+        except BaseException:
+            await asyncio.shield(self.loop.call(lambda e: e.cancel_import(req_id)))
+            self._release_remote(handle)
+            raise
+        self._release_remote(handle)
+        transfer_s = time.monotonic() - started
+        stream = await self.loop.submit(req_id, lambda e: e.commit_import(req_id))
+        return stream, False, transfer_s
+
+    async def _reserve(
+        self, req_id: str, prompt: list[int], first: int, params: SamplingParams
+    ) -> None:
+        """Wait until the pool can hold the prompt's KV (pull-based admission)."""
+        deadline = time.monotonic() + self.config.admission_timeout_s
+        while True:
+            block_ids = await self.loop.call(
+                lambda e: e.reserve_import(req_id, prompt, first, params)
+            )
+            if block_ids is not None:
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no KV blocks for {req_id}")
+            await asyncio.sleep(_ADMISSION_POLL_S)
+
+    async def _recompute(
+        self, req_id: str, prompt: list[int], first: int, params: SamplingParams
+    ) -> RequestStream:
+        """Prefill prompt + first token here; the stream continues after the first token."""
+        rest = dataclasses.replace(
+            params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1)
+        )
+        return await self.loop.generate(req_id, [*prompt, first], rest)
+
+    def _release_remote(self, handle: KvHandle) -> None:
+        """Tell the prefill worker to unpin (best effort: its lease is the backstop)."""
+        task = asyncio.get_running_loop().create_task(self._release(handle))
+        self._release_tasks.add(task)
+        task.add_done_callback(self._release_tasks.discard)
+
+    async def _release(self, handle: KvHandle) -> None:
+        channel = self._peers.get(handle.endpoint)
+        if channel is None:
+            channel = self._peers[handle.endpoint] = grpc.aio.insecure_channel(handle.endpoint)
+        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        try:
+            await stub.Release(
+                pb.ReleaseRequest(request_id=handle.request_id), timeout=_RELEASE_TIMEOUT_S
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.info("release of %s on %s failed: %s", handle.request_id, handle.endpoint, exc)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        aborted = await self.loop.call(lambda e: e.abort(request.request_id))
+        return pb.AbortResponse(aborted=aborted)
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        stats = await self.loop.call(lambda e: e.stats())
+        transfer = self.kv_client.stats()
+        return stats_to_proto(
+            stats,
+            self.config.worker_id,
+            self.config.role.value,
+            num_open_streams=self.loop.num_open_streams,
+            num_open_channels=transfer.num_open_channels,
+            num_transfer_threads=transfer.num_transfer_threads,
+            num_kv_recomputes=self.num_kv_recomputes,
+        )

@@ -1,0 +1,105 @@
+"""gRPC `PrefillWorker` service: prefill a prompt, answer its first token and KvHandle.
+
+The engine runs in prefill-only mode: a request ends after its first token with its
+prompt blocks pinned under a lease. The handle tells the decode worker where to pull
+them; `Release` (or lease expiry) unpins them, leaving them in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from engine.engine_loop import EngineLoop
+from engine.outputs import RequestOutput
+from engine.worker_config import WorkerConfig
+from kv_transfer.handle import KvHandle
+from kv_transfer.layout import KvLayout
+from proto.convert import FINISH_REASONS, sampling_params_from_proto, stats_to_proto
+from proto.tandem.worker.v1 import worker_pb2 as pb
+from proto.tandem.worker.v1 import worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        loop: EngineLoop,
+        layout: KvLayout,
+        endpoint: str,
+        transfer_stats,
+    ) -> None:
+        self.config = config
+        self.loop = loop
+        self.fingerprint = layout.fingerprint()
+        self.endpoint = endpoint
+        self._transfer_stats = transfer_stats
+
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        try:
+            params = sampling_params_from_proto(request.params)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        req_id = request.request_id
+        started = time.monotonic()
+        last: RequestOutput | None = None
+        try:
+            prompt = list(request.prompt_token_ids)
+            async with await self.loop.generate(req_id, prompt, params) as stream:
+                async for out in stream:
+                    last = out
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if last is None or not last.finished:
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {req_id} did not finish")
+        response = pb.PrefillResponse(
+            first_token_id=last.new_token_ids[0],
+            first_token_logprob=last.new_logprobs[0],
+            first_token_text=last.delta_text,
+            num_cached_tokens=last.num_cached_tokens,
+            timings=pb.Timings(compute_s=time.monotonic() - started),
+        )
+        if last.finish_reason != "prefilled":
+            response.finish_reason = FINISH_REASONS[last.finish_reason]
+            return response
+        try:
+            block_ids = await self.loop.call(lambda e: e.held_block_ids(req_id))
+            handle = KvHandle(
+                worker_id=self.config.worker_id,
+                endpoint=self.endpoint,
+                request_id=req_id,
+                block_ids=block_ids,
+                num_tokens=last.num_prompt_tokens,
+                layout_fingerprint=self.fingerprint,
+                lease_expiry_unix_s=time.time() + self.config.engine.kv_lease_s,
+            )
+            response.kv_handle.CopyFrom(handle.to_proto())
+        except BaseException:
+            # The caller never gets the handle (cancelled, or the lease already ran out).
+            await self.loop.call(lambda e: e.release(req_id))
+            raise
+        if context.cancelled():
+            await self.loop.call(lambda e: e.release(req_id))
+        return response
+
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        released = await self.loop.call(lambda e: e.release(request.request_id))
+        return pb.ReleaseResponse(released=released)
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        stats = await self.loop.call(lambda e: e.stats())
+        transfer = self._transfer_stats()
+        return stats_to_proto(
+            stats,
+            self.config.worker_id,
+            self.config.role.value,
+            num_open_streams=self.loop.num_open_streams,
+            num_open_channels=transfer.num_open_channels,
+            num_transfer_threads=transfer.num_transfer_threads,
+        )

@@ -1,0 +1,37 @@
+"""Router settings, built once by `tandem serve` (or a test) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class RouterConfig:
+    # Model directory (tokenizer, config) the workers serve.
+    model_dir: str
+    # Name clients use in `model`; default: the directory's name.
+    model_name: str = ""
+    host: str = "127.0.0.1"
+    # Public gRPC (tandem.v1.Generation) and HTTP ports; 0 picks a free port.
+    grpc_port: int = 50051
+    http_port: int = 8000
+    # Longest a prefill call may take (queueing included).
+    prefill_timeout_s: float = 300.0
+    # Longest a whole request may stream.
+    request_timeout_s: float = 1800.0
+    # Longest a worker may take to answer a health or stats probe.
+    probe_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not Path(self.model_dir, "config.json").is_file():
+            raise ValueError(f"model_dir {self.model_dir!r} has no config.json")
+        if not self.model_name:
+            self.model_name = Path(self.model_dir).resolve().name
+        for name in ("grpc_port", "http_port"):
+            port = getattr(self, name)
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        for name in ("prefill_timeout_s", "request_timeout_s", "probe_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -1,0 +1,85 @@
+"""Public gRPC `tandem.v1.Generation`: validate, tokenize, stream through the cluster."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from proto.tandem.v1 import generation_pb2 as gen_pb
+from proto.tandem.v1 import generation_pb2_grpc
+from router.request_flow import RequestFlow
+from router.tokenization import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+
+_FINISH = {
+    None: gen_pb.FINISH_REASON_UNSPECIFIED,
+    "stop": gen_pb.FINISH_REASON_STOP,
+    "length": gen_pb.FINISH_REASON_LENGTH,
+    "abort": gen_pb.FINISH_REASON_ABORT,
+}
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, flow: RequestFlow, tokenizer: PromptTokenizer, model_name: str) -> None:
+        self.flow = flow
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    async def Generate(
+        self, request: gen_pb.GenerateRequest, context
+    ) -> AsyncIterator[gen_pb.GenerateResponse]:
+        try:
+            prompt_ids, params = self._validate(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        req_id = request.request_id or uuid.uuid4().hex
+        try:
+            async for chunk in self.flow.generate(req_id, prompt_ids, params):
+                msg = gen_pb.GenerateResponse(
+                    request_id=req_id,
+                    token_ids=chunk.token_ids,
+                    text=chunk.text,
+                    logprobs=chunk.logprobs,
+                    finish_reason=_FINISH[chunk.finish_reason],
+                )
+                if chunk.usage is not None:
+                    msg.usage.CopyFrom(
+                        gen_pb.Usage(
+                            prompt_tokens=chunk.usage.prompt_tokens,
+                            completion_tokens=chunk.usage.completion_tokens,
+                            cached_prompt_tokens=chunk.usage.cached_prompt_tokens,
+                        )
+                    )
+                yield msg
+        except grpc.aio.AioRpcError as exc:
+            # A worker refused or failed: pass its status on (e.g. RESOURCE_EXHAUSTED).
+            logger.warning("request %s failed at a worker: %s", req_id, exc.details())
+            await context.abort(exc.code(), f"worker error: {exc.details()}")
+
+    def _validate(self, request: gen_pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        if request.model and request.model != self.model_name:
+            raise ValueError(
+                f"unknown model {request.model!r}; this server serves {self.model_name!r}"
+            )
+        if request.prompt_token_ids:
+            prompt_ids = self.tokenizer.check_ids(list(request.prompt_token_ids))
+        else:
+            prompt_ids = self.tokenizer.encode(request.prompt)
+        params = SamplingParams(
+            max_tokens=request.max_tokens or 16,
+            temperature=request.temperature if request.HasField("temperature") else 1.0,
+            top_k=request.top_k,
+            top_p=request.top_p if request.HasField("top_p") else 1.0,
+            seed=request.seed if request.HasField("seed") else None,
+            stop=list(request.stop),
+            stop_token_ids=list(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs,
+        )
+        self.tokenizer.check_length(len(prompt_ids), params.max_tokens)
+        return prompt_ids, params

@@ -1,0 +1,126 @@
+"""One request through the cluster: prefill worker, then decode worker, as one stream.
+
+The first token is yielded as soon as the prefill worker returns it (TTFT never waits
+for the KV transfer). Cancelling the consumer cancels the worker calls, and the
+workers free what they hold; a prefill whose handle is never used is released here
+(its lease is the backstop if even that fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from engine.sampling_params import SamplingParams
+from proto.convert import FINISH_REASON_NAMES, sampling_params_to_proto
+from proto.tandem.worker.v1 import worker_pb2 as pb
+from router.worker_pool import WorkerPair, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+_RELEASE_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class GenerationChunk:
+    """New tokens of a request, in the order the client sees them."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] = field(default_factory=list)
+    # "stop", "length" or "abort" on the last chunk; None before.
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class RequestFlow:
+    """Runs requests over a worker pool; stateless between requests."""
+
+    def __init__(self, pool: WorkerPool, prefill_timeout_s: float, request_timeout_s: float):
+        self.pool = pool
+        self.prefill_timeout_s = prefill_timeout_s
+        self.request_timeout_s = request_timeout_s
+
+    async def generate(
+        self, req_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        pair = self.pool.next_pair()
+        usage = Usage(prompt_tokens=len(prompt_ids))
+        wire_params = sampling_params_to_proto(params)
+        decode_request = pb.DecodeRequest(
+            request_id=req_id, prompt_token_ids=prompt_ids, params=wire_params
+        )
+        if pair.prefill_stub is not None:
+            prefill = await self._prefill(pair, req_id, prompt_ids, wire_params)
+            usage.completion_tokens = 1
+            usage.cached_prompt_tokens = prefill.num_cached_tokens
+            finish = FINISH_REASON_NAMES[prefill.finish_reason]
+            first = GenerationChunk(
+                [prefill.first_token_id],
+                prefill.first_token_text,
+                [prefill.first_token_logprob] if params.logprobs else [],
+            )
+            if finish is not None:
+                first.finish_reason, first.usage = finish, usage
+                yield first
+                return
+            decode_request.kv_handle.CopyFrom(prefill.kv_handle)
+            decode_request.first_token_id = prefill.first_token_id
+            try:
+                yield first
+            except BaseException:
+                await self._release(pair, req_id)
+                raise
+        async for chunk in self._decode(pair, decode_request, usage, params.logprobs):
+            yield chunk
+
+    async def _prefill(
+        self, pair: WorkerPair, req_id: str, prompt_ids: list[int], params: pb.SamplingParams
+    ) -> pb.PrefillResponse:
+        request = pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt_ids, params=params)
+        return await pair.prefill_stub.Prefill(request, timeout=self.prefill_timeout_s)
+
+    async def _decode(
+        self, pair: WorkerPair, request: pb.DecodeRequest, usage: Usage, logprobs: bool
+    ) -> AsyncIterator[GenerationChunk]:
+        call = pair.decode_stub.Decode(request, timeout=self.request_timeout_s)
+        try:
+            async for msg in call:
+                usage.completion_tokens += len(msg.token_ids)
+                if not request.HasField("kv_handle"):
+                    usage.cached_prompt_tokens = msg.num_cached_tokens
+                finish = FINISH_REASON_NAMES[msg.finish_reason]
+                yield GenerationChunk(
+                    list(msg.token_ids),
+                    msg.text,
+                    list(msg.logprobs) if logprobs else [],
+                    finish,
+                    usage if finish is not None else None,
+                )
+                if finish is not None:
+                    return
+        finally:
+            # Client gone or finished early: the decode worker aborts on cancellation.
+            call.cancel()
+
+    async def _release(self, pair: WorkerPair, req_id: str) -> None:
+        """Unpin a prefill nobody will pull (cancelled between prefill and decode)."""
+        try:
+            await asyncio.shield(
+                pair.prefill_stub.Release(
+                    pb.ReleaseRequest(request_id=req_id), timeout=_RELEASE_TIMEOUT_S
+                )
+            )
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            logger.info("release of %s failed (%s); its lease will expire", req_id, exc)

@@ -1,0 +1,70 @@
+"""The router process: public gRPC server + HTTP server over one worker pool."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto.server_options import GRPC_OPTIONS
+from proto.tandem.v1 import generation_pb2, generation_pb2_grpc
+from router.config import RouterConfig
+from router.generation_service import GenerationService
+from router.http_server import make_http_app
+from router.request_flow import RequestFlow
+from router.tokenization import PromptTokenizer
+from router.worker_pool import WorkerEndpoint, WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+class Router:
+    """Owns the worker pool, the gRPC server and the HTTP runner."""
+
+    def __init__(self, config: RouterConfig, workers: list[WorkerEndpoint]) -> None:
+        self.config = config
+        self.pool = WorkerPool(workers)
+        self.grpc_endpoint = ""
+        self.http_endpoint = ""
+        self._server: grpc.aio.Server | None = None
+        self._http: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        config = self.config
+        tokenizer = PromptTokenizer(config.model_dir)
+        flow = RequestFlow(self.pool, config.prefill_timeout_s, config.request_timeout_s)
+        self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
+        generation_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationService(flow, tokenizer, config.model_name), server
+        )
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (
+                generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                health.SERVICE_NAME,
+                reflection.SERVICE_NAME,
+            ),
+            server,
+        )
+        port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        self.grpc_endpoint = f"{config.host}:{port}"
+        await server.start()
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._http = web.AppRunner(make_http_app(self.pool, config.probe_timeout_s))
+        await self._http.setup()
+        site = web.TCPSite(self._http, config.host, config.http_port)
+        await site.start()
+        http_port = self._http.addresses[0][1]
+        self.http_endpoint = f"http://{config.host}:{http_port}"
+        logger.info("router: gRPC %s, HTTP %s", self.grpc_endpoint, self.http_endpoint)
+
+    async def stop(self, grace_s: float = 10.0) -> None:
+        if self._http is not None:
+            await self._http.cleanup()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+        await self.pool.close()

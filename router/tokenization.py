@@ -1,0 +1,40 @@
+"""Prompt tokenization and length/vocabulary checks at the router (before any worker)."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from engine.config import ModelConfig
+
+
+class PromptTokenizer:
+    """The served model's tokenizer plus the limits a prompt must respect."""
+
+    def __init__(self, model_dir: str, max_model_len: int | None = None) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model_config = ModelConfig.from_model_dir(model_dir)
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = max_model_len or model_config.max_position_embeddings
+
+    def encode(self, prompt: str) -> list[int]:
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError("prompt must be a non-empty string")
+        return list(self.tokenizer.encode(prompt))
+
+    def check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        for token_id in ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        return ids
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; "
+                f"the request asks for {num_prompt_tokens + max_tokens} "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} to generate)"
+            )

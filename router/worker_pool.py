@@ -1,0 +1,106 @@
+"""The router's view of the workers: endpoints, gRPC stubs, readiness, pair choice.
+
+For now pairs are chosen round-robin; the goodput-aware policy replaces `next_pair`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto.server_options import GRPC_OPTIONS
+from proto.tandem.worker.v1 import worker_pb2 as pb
+from proto.tandem.worker.v1 import worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerEndpoint:
+    worker_id: str
+    # "prefill", "decode" or "colocated"
+    role: str
+    # host:port of the worker's gRPC server
+    endpoint: str
+
+
+@dataclass
+class WorkerPair:
+    """Where one request runs: `prefill` is None when the decode worker prefills itself."""
+
+    prefill: WorkerEndpoint | None
+    prefill_stub: worker_pb2_grpc.PrefillWorkerStub | None
+    decode: WorkerEndpoint
+    decode_stub: worker_pb2_grpc.DecodeWorkerStub
+
+
+class WorkerPool:
+    """Owns one gRPC channel per worker; closed by `close()`."""
+
+    def __init__(self, workers: list[WorkerEndpoint]) -> None:
+        self.prefill = [w for w in workers if w.role == "prefill"]
+        self.decode = [w for w in workers if w.role in ("decode", "colocated")]
+        if not self.decode:
+            raise ValueError("the cluster needs at least one decode or colocated worker")
+        if self.prefill and any(w.role == "colocated" for w in self.decode):
+            raise ValueError("prefill workers pair with decode workers, not colocated ones")
+        self._channels = {
+            w.worker_id: grpc.aio.insecure_channel(w.endpoint, options=GRPC_OPTIONS)
+            for w in workers
+        }
+        self._prefill_cycle = itertools.cycle(self.prefill) if self.prefill else None
+        self._decode_cycle = itertools.cycle(self.decode)
+
+    @property
+    def workers(self) -> list[WorkerEndpoint]:
+        return [*self.prefill, *self.decode]
+
+    def next_pair(self) -> WorkerPair:
+        prefill = next(self._prefill_cycle) if self._prefill_cycle else None
+        decode = next(self._decode_cycle)
+        return WorkerPair(
+            prefill=prefill,
+            prefill_stub=self.prefill_stub(prefill) if prefill else None,
+            decode=decode,
+            decode_stub=self.decode_stub(decode),
+        )
+
+    def prefill_stub(self, worker: WorkerEndpoint) -> worker_pb2_grpc.PrefillWorkerStub:
+        return worker_pb2_grpc.PrefillWorkerStub(self._channels[worker.worker_id])
+
+    def decode_stub(self, worker: WorkerEndpoint) -> worker_pb2_grpc.DecodeWorkerStub:
+        return worker_pb2_grpc.DecodeWorkerStub(self._channels[worker.worker_id])
+
+    async def is_ready(self, timeout_s: float) -> bool:
+        """True when every worker's gRPC health check answers SERVING."""
+        checks = [self._serving(w, timeout_s) for w in self.workers]
+        return all(await asyncio.gather(*checks))
+
+    async def _serving(self, worker: WorkerEndpoint, timeout_s: float) -> bool:
+        stub = health_pb2_grpc.HealthStub(self._channels[worker.worker_id])
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def stats(self, timeout_s: float) -> dict[str, pb.StatsResponse]:
+        """Every worker's `Stats`, keyed by worker id."""
+
+        async def one(worker: WorkerEndpoint) -> pb.StatsResponse:
+            if worker.role == "prefill":
+                return await self.prefill_stub(worker).Stats(pb.StatsRequest(), timeout=timeout_s)
+            return await self.decode_stub(worker).Stats(pb.StatsRequest(), timeout=timeout_s)
+
+        replies = await asyncio.gather(*(one(w) for w in self.workers))
+        return {w.worker_id: r for w, r in zip(self.workers, replies, strict=True)}
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -1,0 +1,77 @@
+"""Test clients: public `Generate` streams and worker `Stats` idle checks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from proto.tandem.v1 import generation_pb2 as gen_pb
+from proto.tandem.v1 import generation_pb2_grpc
+from proto.tandem.worker.v1 import worker_pb2 as pb
+from proto.tandem.worker.v1 import worker_pb2_grpc
+
+
+async def generate_tokens(
+    endpoint: str, prompts: list[list[int]], max_tokens: int, timeout_s: float = 120.0
+) -> list[list[int]]:
+    """Greedy-generate every prompt concurrently over `Generate`; token ids per prompt."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def one(prompt: list[int]) -> list[int]:
+            request = gen_pb.GenerateRequest(
+                prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0
+            )
+            tokens: list[int] = []
+            finished = False
+            async for msg in stub.Generate(request, timeout=timeout_s):
+                tokens += msg.token_ids
+                if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+                    finished = True
+                    assert msg.usage.prompt_tokens == len(prompt)
+                    assert msg.usage.completion_tokens == len(tokens)
+            assert finished, "stream ended without a finish reason"
+            return tokens
+
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def worker_stats(endpoint: str, role: str) -> pb.StatsResponse:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        if role == "prefill":
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        else:
+            stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        return await stub.Stats(pb.StatsRequest(), timeout=10)
+
+
+async def assert_workers_idle(
+    workers: list[tuple[str, str]], max_channels: int, timeout_s: float = 5.0
+) -> None:
+    """Every (endpoint, role) back to idle: all blocks free, nothing held or streaming.
+
+    Transfer channels are reused across requests, so a decode worker may keep at most
+    one per prefill worker (`max_channels`), never one per request.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        stats = [await worker_stats(endpoint, role) for endpoint, role in workers]
+        problems = [_busy(s, max_channels) for s in stats]
+        if not any(problems):
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("; ".join(p for p in problems if p))
+        await asyncio.sleep(0.1)
+
+
+def _busy(s: pb.StatsResponse, max_channels: int) -> str:
+    issues = []
+    if s.num_free_blocks != s.num_blocks:
+        issues.append(f"{s.num_blocks - s.num_free_blocks} blocks in use")
+    for name in ("num_waiting", "num_running", "num_held", "num_importing", "num_open_streams"):
+        if getattr(s, name):
+            issues.append(f"{name}={getattr(s, name)}")
+    if s.num_open_channels > max_channels:
+        issues.append(f"{s.num_open_channels} channels open")
+    return f"{s.worker_id}: {', '.join(issues)}" if issues else ""

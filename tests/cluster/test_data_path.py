@@ -1,0 +1,134 @@
+"""Prefill and decode workers in this process, over real gRPC and TCP KV transfer.
+
+Covers what a live cluster cannot stage deterministically: a prefill worker that dies
+between prefill and pull (the decode worker must recompute, token-equal), and a lease
+that expires unpulled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from decode_worker.server import DecodeWorker
+from engine.config import EngineConfig
+from engine.worker_config import WorkerConfig, WorkerRole
+from prefill_worker.server import PrefillWorker
+from proto.tandem.worker.v1 import worker_pb2 as pb
+from proto.tandem.worker.v1 import worker_pb2_grpc
+from tests.cluster.client import assert_workers_idle, worker_stats
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_hf_equivalence import make_prompts
+
+pytestmark = pytest.mark.timeout(300)
+MAX_TOKENS = 10
+
+
+def worker_config(model_dir, worker_id: str, role: WorkerRole, **engine) -> WorkerConfig:
+    engine_config = EngineConfig(
+        model=str(model_dir), mode=role.engine_mode, max_model_len=1024, num_threads=1, **engine
+    )
+    return WorkerConfig(worker_id=worker_id, role=role, engine=engine_config, pull_timeout_s=5.0)
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> pb.SamplingParams:
+    return pb.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+async def decode_all(stub, request: pb.DecodeRequest) -> tuple[list[int], bool]:
+    tokens, recomputed = [], False
+    async for msg in stub.Decode(request, timeout=60):
+        tokens += msg.token_ids
+        recomputed |= msg.kv_recomputed
+    return tokens, recomputed
+
+
+def test_pull_from_dead_prefill_worker_is_recomputed(tiny_model_dir):
+    prompt = make_prompts(2048, (150,), seed=21)[0]
+    [expected] = hf_greedy(tiny_model_dir, [prompt], MAX_TOKENS)
+
+    async def scenario() -> None:
+        prefill = PrefillWorker(worker_config(tiny_model_dir, "p0", WorkerRole.PREFILL))
+        decode = DecodeWorker(worker_config(tiny_model_dir, "d0", WorkerRole.DECODE))
+        p_endpoint = await prefill.start()
+        d_endpoint = await decode.start()
+        try:
+            async with grpc.aio.insecure_channel(p_endpoint) as channel:
+                stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+                request = pb.PrefillRequest(
+                    request_id="r1", prompt_token_ids=prompt, params=greedy()
+                )
+                reply = await stub.Prefill(request, timeout=60)
+            assert reply.HasField("kv_handle") and reply.first_token_id == expected[0]
+            await prefill.stop()  # dies between prefill and pull
+            async with grpc.aio.insecure_channel(d_endpoint) as channel:
+                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+                request = pb.DecodeRequest(
+                    request_id="r1",
+                    prompt_token_ids=prompt,
+                    params=greedy(),
+                    kv_handle=reply.kv_handle,
+                    first_token_id=reply.first_token_id,
+                )
+                tokens, recomputed = await decode_all(stub, request)
+            assert recomputed
+            assert [reply.first_token_id, *tokens] == expected
+            stats = await worker_stats(d_endpoint, "decode")
+            assert stats.num_kv_recomputes == 1
+            await assert_workers_idle([(d_endpoint, "decode")], max_channels=1)
+        finally:
+            await decode.stop()
+            await prefill.stop()
+
+    asyncio.run(scenario())
+
+
+def test_pulled_kv_matches_and_unpulled_lease_expires(tiny_model_dir):
+    prompts = make_prompts(2048, (40, 200), seed=22)
+    expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
+
+    async def scenario() -> None:
+        prefill = PrefillWorker(
+            worker_config(tiny_model_dir, "p0", WorkerRole.PREFILL, kv_lease_s=1.0)
+        )
+        decode = DecodeWorker(worker_config(tiny_model_dir, "d0", WorkerRole.DECODE))
+        p_endpoint = await prefill.start()
+        d_endpoint = await decode.start()
+        try:
+            async with (
+                grpc.aio.insecure_channel(p_endpoint) as p_channel,
+                grpc.aio.insecure_channel(d_endpoint) as d_channel,
+            ):
+                p_stub = worker_pb2_grpc.PrefillWorkerStub(p_channel)
+                d_stub = worker_pb2_grpc.DecodeWorkerStub(d_channel)
+                # Pulled: the decode side's output continues the prefill's first token.
+                pulled = await p_stub.Prefill(
+                    pb.PrefillRequest(request_id="a", prompt_token_ids=prompts[0], params=greedy()),
+                    timeout=60,
+                )
+                request = pb.DecodeRequest(
+                    request_id="a",
+                    prompt_token_ids=prompts[0],
+                    params=greedy(),
+                    kv_handle=pulled.kv_handle,
+                    first_token_id=pulled.first_token_id,
+                )
+                tokens, recomputed = await decode_all(d_stub, request)
+                assert not recomputed
+                assert [pulled.first_token_id, *tokens] == expected[0]
+                # Unpulled: the lease runs out and the blocks come back.
+                await p_stub.Prefill(
+                    pb.PrefillRequest(request_id="b", prompt_token_ids=prompts[1], params=greedy()),
+                    timeout=60,
+                )
+                held = await worker_stats(p_endpoint, "prefill")
+                assert held.num_held == 1 and held.num_free_blocks < held.num_blocks
+                await asyncio.sleep(1.5)
+            await assert_workers_idle([(p_endpoint, "prefill"), (d_endpoint, "decode")], 1)
+        finally:
+            await decode.stop()
+            await prefill.stop()
+
+    asyncio.run(scenario())
