@@ -11,6 +11,7 @@ import grpc
 from engine.sampling_params import SamplingParams
 from proto.tandem.v1 import generation_pb2 as gen_pb
 from proto.tandem.v1 import generation_pb2_grpc
+from router.errors import RouterError
 from router.request_flow import RequestFlow
 from router.tokenization import PromptTokenizer
 
@@ -56,10 +57,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         )
                     )
                 yield msg
-        except grpc.aio.AioRpcError as exc:
-            # A worker refused or failed: pass its status on (e.g. RESOURCE_EXHAUSTED).
-            logger.warning("request %s failed at a worker: %s", req_id, exc.details())
-            await context.abort(exc.code(), f"worker error: {exc.details()}")
+        except RouterError as exc:
+            logger.warning("request %s failed: %s", req_id, exc)
+            await context.abort(exc.grpc_code, str(exc))
 
     def _validate(self, request: gen_pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         if request.model and request.model != self.model_name:

@@ -18,6 +18,7 @@ import grpc
 from engine.sampling_params import SamplingParams
 from proto.convert import FINISH_REASON_NAMES, sampling_params_to_proto
 from proto.tandem.worker.v1 import worker_pb2 as pb
+from router.errors import from_worker_error
 from router.worker_pool import WorkerPair, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,16 @@ class RequestFlow:
         self.request_timeout_s = request_timeout_s
 
     async def generate(
+        self, req_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[GenerationChunk]:
+        """Stream the request's chunks; worker failures surface as `RouterError`s."""
+        try:
+            async for chunk in self._generate(req_id, prompt_ids, params):
+                yield chunk
+        except grpc.aio.AioRpcError as exc:
+            raise from_worker_error(exc) from exc
+
+    async def _generate(
         self, req_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
         pair = self.pool.next_pair()

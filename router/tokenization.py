@@ -21,6 +21,20 @@ class PromptTokenizer:
             raise ValueError("prompt must be a non-empty string")
         return list(self.tokenizer.encode(prompt))
 
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat (the model's chat template, with the assistant prompt)."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def check_ids(self, ids: list[int]) -> list[int]:
         if not ids:
             raise ValueError("prompt_token_ids must not be empty")
