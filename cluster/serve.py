@@ -1,0 +1,35 @@
+"""`tandem serve`: run a cluster until Ctrl-C / SIGTERM, then drain and stop it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from cluster.launcher import ClusterConfig, LocalCluster
+
+logger = logging.getLogger(__name__)
+
+
+async def serve(config: ClusterConfig, announce=print) -> None:
+    """Start the cluster, announce its endpoints, wait for a stop signal, stop it."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    cluster = LocalCluster(config)
+    try:
+        await cluster.start()
+        router = cluster.router
+        announce(f"Tandem serving {config.model_dir}")
+        for worker in cluster.workers:
+            announce(f"  {worker.role:<9} {worker.worker_id:<12} {worker.endpoint}")
+        announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")
+        announce(f"  HTTP  {router.http_endpoint}/health")
+        announce("Ctrl-C to stop.")
+        await stop.wait()
+        announce("stopping: draining requests, then workers and Ray")
+    finally:
+        await cluster.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

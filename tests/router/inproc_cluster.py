@@ -1,0 +1,92 @@
+"""A real cluster inside the test process: 1 prefill + 1 decode worker and a router,
+over real gRPC, TCP KV transfer and HTTP, on an asyncio loop in a background thread
+(so synchronous clients such as `openai` or `tritonclient` can call it)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from decode_worker.server import DecodeWorker
+from engine.config import EngineConfig
+from engine.worker_config import WorkerConfig, WorkerRole
+from prefill_worker.server import PrefillWorker
+from router.config import RouterConfig
+from router.server import Router
+from router.worker_pool import WorkerEndpoint
+from tests.cluster.client import assert_workers_idle
+
+
+@dataclass
+class InprocCluster:
+    model_dir: str
+    router_overrides: dict[str, Any] = field(default_factory=dict)
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+    router: Router | None = None
+    workers: list[WorkerEndpoint] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._servers: list = []
+
+    def run(self, coro: Coroutine, timeout_s: float = 120.0) -> Any:
+        """Run a coroutine on the cluster's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def start(self) -> InprocCluster:
+        self._thread.start()
+        self.run(self._start(), timeout_s=300)
+        return self
+
+    async def _start(self) -> None:
+        for worker_id, role, cls in (
+            ("prefill-0", WorkerRole.PREFILL, PrefillWorker),
+            ("decode-0", WorkerRole.DECODE, DecodeWorker),
+        ):
+            engine = EngineConfig(
+                model=self.model_dir,
+                mode=role.engine_mode,
+                num_threads=1,
+                max_model_len=1024,
+                **self.engine_overrides,
+            )
+            server = cls(WorkerConfig(worker_id=worker_id, role=role, engine=engine))
+            self._servers.append(server)
+            endpoint = await server.start()
+            self.workers.append(WorkerEndpoint(worker_id, role.value, endpoint))
+        config = RouterConfig(
+            model_dir=self.model_dir, grpc_port=0, http_port=0, **self.router_overrides
+        )
+        self.router = Router(config, self.workers)
+        await self.router.start()
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return self.router.grpc_endpoint
+
+    @property
+    def http_endpoint(self) -> str:
+        return self.router.http_endpoint
+
+    def assert_idle(self, timeout_s: float = 5.0) -> None:
+        """Every worker back to idle (blocks free, nothing held, no stream open)."""
+        workers = [(w.endpoint, w.role) for w in self.workers]
+        self.run(assert_workers_idle(workers, max_channels=1, timeout_s=timeout_s))
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            if self.router is not None:
+                await self.router.stop()
+            for server in reversed(self._servers):
+                await server.stop()
+
+        try:
+            self.run(_stop(), timeout_s=60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()
