@@ -19,6 +19,7 @@ from engine.sampling_params import SamplingParams
 from proto.convert import FINISH_REASON_NAMES, sampling_params_to_proto
 from proto.tandem.worker.v1 import worker_pb2 as pb
 from router.errors import from_worker_error
+from router.metrics import RequestRecord, RouterMetrics
 from router.worker_pool import WorkerPair, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -48,8 +49,15 @@ class GenerationChunk:
 class RequestFlow:
     """Runs requests over a worker pool; stateless between requests."""
 
-    def __init__(self, pool: WorkerPool, prefill_timeout_s: float, request_timeout_s: float):
+    def __init__(
+        self,
+        pool: WorkerPool,
+        metrics: RouterMetrics,
+        prefill_timeout_s: float,
+        request_timeout_s: float,
+    ) -> None:
         self.pool = pool
+        self.metrics = metrics
         self.prefill_timeout_s = prefill_timeout_s
         self.request_timeout_s = request_timeout_s
 
@@ -57,16 +65,26 @@ class RequestFlow:
         self, req_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the request's chunks; worker failures surface as `RouterError`s."""
+        record = self.metrics.record(len(prompt_ids))
+        reason = "abort"
         try:
-            async for chunk in self._generate(req_id, prompt_ids, params):
+            async for chunk in self._generate(req_id, prompt_ids, params, record):
+                record.on_tokens(len(chunk.token_ids))
+                if chunk.finish_reason is not None:
+                    reason = chunk.finish_reason
                 yield chunk
         except grpc.aio.AioRpcError as exc:
+            reason = "error"
             raise from_worker_error(exc) from exc
+        finally:
+            record.finish(reason)
 
     async def _generate(
-        self, req_id: str, prompt_ids: list[int], params: SamplingParams
+        self, req_id: str, prompt_ids: list[int], params: SamplingParams, record: RequestRecord
     ) -> AsyncIterator[GenerationChunk]:
         pair = self.pool.next_pair()
+        decision = "disaggregated" if pair.prefill is not None else "local_prefill"
+        self.metrics.disagg_decisions.labels(self.metrics.model_name, decision).inc()
         usage = Usage(prompt_tokens=len(prompt_ids))
         wire_params = sampling_params_to_proto(params)
         decode_request = pb.DecodeRequest(
@@ -93,7 +111,7 @@ class RequestFlow:
             except BaseException:
                 await self._release(pair, req_id)
                 raise
-        async for chunk in self._decode(pair, decode_request, usage, params.logprobs):
+        async for chunk in self._decode(pair, decode_request, usage, params.logprobs, record):
             yield chunk
 
     async def _prefill(
@@ -103,7 +121,12 @@ class RequestFlow:
         return await pair.prefill_stub.Prefill(request, timeout=self.prefill_timeout_s)
 
     async def _decode(
-        self, pair: WorkerPair, request: pb.DecodeRequest, usage: Usage, logprobs: bool
+        self,
+        pair: WorkerPair,
+        request: pb.DecodeRequest,
+        usage: Usage,
+        logprobs: bool,
+        record: RequestRecord,
     ) -> AsyncIterator[GenerationChunk]:
         call = pair.decode_stub.Decode(request, timeout=self.request_timeout_s)
         try:
@@ -112,6 +135,8 @@ class RequestFlow:
                 if not request.HasField("kv_handle"):
                     usage.cached_prompt_tokens = msg.num_cached_tokens
                 finish = FINISH_REASON_NAMES[msg.finish_reason]
+                if msg.timings.transfer_s > 0:
+                    record.on_kv_transfer(msg.timings.transfer_s)
                 yield GenerationChunk(
                     list(msg.token_ids),
                     msg.text,

@@ -8,12 +8,14 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from proto.server_options import GRPC_OPTIONS
 from proto.tandem.v1 import generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.generation_service import GenerationService
 from router.http_server import make_http_app
+from router.metrics import RouterMetrics
 from router.request_flow import RequestFlow
 from router.tokenization import PromptTokenizer
 from router.worker_pool import WorkerEndpoint, WorkerPool
@@ -35,7 +37,10 @@ class Router:
     async def start(self) -> None:
         config = self.config
         tokenizer = PromptTokenizer(config.model_dir)
-        flow = RequestFlow(self.pool, config.prefill_timeout_s, config.request_timeout_s)
+        self.metrics = RouterMetrics(config.model_name)
+        flow = RequestFlow(
+            self.pool, self.metrics, config.prefill_timeout_s, config.request_timeout_s
+        )
         self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(flow, tokenizer, config.model_name), server
@@ -54,13 +59,20 @@ class Router:
         self.grpc_endpoint = f"{config.host}:{port}"
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        self._http = web.AppRunner(make_http_app(self.pool, config.probe_timeout_s))
+        app = make_http_app(self.pool, config.probe_timeout_s)
+        app.router.add_get("/metrics", self._metrics_handler)
+        self._http = web.AppRunner(app)
         await self._http.setup()
         site = web.TCPSite(self._http, config.host, config.http_port)
         await site.start()
         http_port = self._http.addresses[0][1]
         self.http_endpoint = f"http://{config.host}:{http_port}"
         logger.info("router: gRPC %s, HTTP %s", self.grpc_endpoint, self.http_endpoint)
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def stop(self, grace_s: float = 10.0) -> None:
         if self._http is not None:

@@ -1,0 +1,176 @@
+"""Router metrics in Prometheus exposition, with vLLM's names under `tandem:`.
+
+One `RouterMetrics` per router (its own registry, no module globals). Every API goes
+through `RequestFlow`, which reports each request's lifecycle to a `RequestRecord`,
+so counts and histograms are the same whichever API a request came in on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Bucket bounds follow vLLM's, so dashboards and alerts port unchanged.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0)  # fmt: skip
+# Finished requests the SLO-attainment gauge averages over.
+SLO_WINDOW = 1000
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.request_success = Counter(
+            "tandem:request_success", "Finished requests.", [*labels, "finished_reason"], registry=r
+        )
+        self.prompt_tokens = Counter(
+            "tandem:prompt_tokens", "Prompt tokens of admitted requests.", labels, registry=r
+        )
+        self.generation_tokens = Counter(
+            "tandem:generation_tokens", "Generated tokens.", labels, registry=r
+        )
+        self.ttft = Histogram(
+            "tandem:time_to_first_token_seconds",
+            "Time to first token, from arrival at the router.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "tandem:inter_token_latency_seconds",
+            "Gap between consecutive streamed tokens.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tandem:e2e_request_latency_seconds",
+            "Arrival to last token.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
+        self.kv_transfer = Histogram(
+            "tandem:kv_transfer_seconds",
+            "KV pull time on the decode worker.",
+            labels,
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "tandem:num_requests_running", "Requests streaming.", labels, registry=r
+        )
+        self.waiting = Gauge(
+            "tandem:num_requests_waiting",
+            "Requests queued by admission control.",
+            labels,
+            registry=r,
+        )
+        self.disagg_decisions = Counter(
+            "tandem:disagg_decisions",
+            "Where prefill ran: on a prefill worker or locally on the decode worker.",
+            [*labels, "decision"],
+            registry=r,
+        )
+        self.goodput = Counter(
+            "tandem:goodput_requests", "Finished requests that met their SLO.", labels, registry=r
+        )
+        self.rejected = Counter(
+            "tandem:requests_rejected", "Requests shed or refused.", [*labels, "reason"], registry=r
+        )
+        self.slo_attainment = Gauge(
+            "tandem:slo_attainment",
+            f"Fraction of the last {SLO_WINDOW} finished requests that met their SLO.",
+            labels,
+            registry=r,
+        )
+        self._slo_window: deque[bool] = deque(maxlen=SLO_WINDOW)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def record(self, num_prompt_tokens: int, ttft_target_s: float | None = None,
+               itl_target_s: float | None = None) -> RequestRecord:  # fmt: skip
+        """Start tracking one admitted request."""
+        self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
+        self.running.labels(self.model_name).inc()
+        return RequestRecord(self, ttft_target_s, itl_target_s)
+
+    def _finish(self, record: RequestRecord, reason: str) -> None:
+        name = self.model_name
+        self.running.labels(name).dec()
+        self.request_success.labels(name, reason).inc()
+        if record.first_token_at is not None:
+            self.e2e.labels(name).observe(record.last_token_at - record.arrival)
+        met = record.met_slo()
+        self._slo_window.append(met)
+        if met:
+            self.goodput.labels(name).inc()
+        self.slo_attainment.labels(name).set(sum(self._slo_window) / len(self._slo_window))
+
+
+@dataclass
+class RequestRecord:
+    """Timestamps of one request, fed by the request flow as chunks stream."""
+
+    metrics: RouterMetrics
+    ttft_target_s: float | None
+    itl_target_s: float | None
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    last_token_at: float = 0.0
+    num_tokens: int = 0
+    finished: bool = False
+
+    def on_tokens(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        name = self.metrics.model_name
+        self.metrics.generation_tokens.labels(name).inc(num_tokens)
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.metrics.ttft.labels(name).observe(now - self.arrival)
+            num_gaps = num_tokens - 1
+            gap = 0.0
+        else:
+            num_gaps = num_tokens
+            gap = (now - self.last_token_at) / num_tokens
+        for _ in range(num_gaps):
+            self.metrics.itl.labels(name).observe(gap)
+        self.last_token_at = now
+        self.num_tokens += num_tokens
+
+    def on_kv_transfer(self, seconds: float) -> None:
+        self.metrics.kv_transfer.labels(self.metrics.model_name).observe(seconds)
+
+    def met_slo(self) -> bool:
+        """TTFT within target, and mean inter-token time (TPOT, as DistServe) within
+        the ITL target."""
+        if self.first_token_at is None:
+            return False
+        ttft = self.first_token_at - self.arrival
+        ttft_ok = self.ttft_target_s is None or ttft <= self.ttft_target_s
+        tpot = 0.0
+        if self.num_tokens > 1:
+            tpot = (self.last_token_at - self.first_token_at) / (self.num_tokens - 1)
+        itl_ok = self.itl_target_s is None or tpot <= self.itl_target_s
+        return ttft_ok and itl_ok
+
+    def finish(self, reason: str) -> None:
+        """Count the request once, whatever ended it ("stop", "length", "abort", "error")."""
+        if not self.finished:
+            self.finished = True
+            self.metrics._finish(self, reason)

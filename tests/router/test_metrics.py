@@ -1,0 +1,70 @@
+"""`/metrics` after a known workload: counts and histograms match what was sent."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.engine.test_hf_equivalence import make_prompts
+from tests.router.inproc_cluster import InprocCluster
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_TOKENS = 7
+
+
+async def run_fixed_length(endpoint: str, prompts: list[list[int]]) -> None:
+    import grpc
+
+    from proto.tandem.v1 import generation_pb2 as gen_pb
+    from proto.tandem.v1 import generation_pb2_grpc
+
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        for prompt in prompts:
+            request = gen_pb.GenerateRequest(
+                prompt_token_ids=prompt, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True
+            )
+            async for _ in stub.Generate(request, timeout=60):
+                pass
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sample name + sorted labels -> value."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            if "le" in sample.labels:
+                continue
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+def test_metrics_match_a_known_workload(tiny_model_dir):
+    prompts = make_prompts(2048, (5, 33, 120, 64, 9), seed=41)
+    cluster = InprocCluster(str(tiny_model_dir)).start()
+    try:
+        cluster.run(run_fixed_length(cluster.grpc_endpoint, prompts))
+        metrics = scrape(f"{cluster.http_endpoint}/metrics")
+        model = f"model_name={cluster.router.config.model_name}"
+        n = len(prompts)
+        assert metrics[f"tandem:request_success_total{{finished_reason=length,{model}}}"] == n
+        assert metrics[f"tandem:prompt_tokens_total{{{model}}}"] == sum(map(len, prompts))
+        assert metrics[f"tandem:generation_tokens_total{{{model}}}"] == n * MAX_TOKENS
+        assert metrics[f"tandem:time_to_first_token_seconds_count{{{model}}}"] == n
+        assert metrics[f"tandem:inter_token_latency_seconds_count{{{model}}}"] == n * (
+            MAX_TOKENS - 1
+        )
+        assert metrics[f"tandem:e2e_request_latency_seconds_count{{{model}}}"] == n
+        assert metrics[f"tandem:kv_transfer_seconds_count{{{model}}}"] == n
+        assert metrics[f"tandem:disagg_decisions_total{{decision=disaggregated,{model}}}"] == n
+        assert metrics[f"tandem:num_requests_running{{{model}}}"] == 0
+        assert metrics[f"tandem:time_to_first_token_seconds_sum{{{model}}}"] > 0
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
