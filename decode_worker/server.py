@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from decode_worker.service import DecodeService
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import Engine
+from engine.tracing import Tracing
 from engine.worker_config import WorkerConfig, WorkerRole
 from kv_transfer.client import KvTransferClient
 from kv_transfer.layout import KvLayout
@@ -23,12 +24,13 @@ logger = logging.getLogger(__name__)
 class DecodeWorker:
     """Owns the engine loop, the KV transfer client and the gRPC server."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, tracing: Tracing | None = None) -> None:
         if config.role not in (WorkerRole.DECODE, WorkerRole.COLOCATED):
             raise ValueError(
                 f"DecodeWorker needs role decode or colocated, got {config.role.value}"
             )
         self.config = config
+        self.tracing = tracing or Tracing(f"tandem-{config.worker_id}", config.trace_exporter)
         self.endpoint = ""
         self._loop: EngineLoop | None = None
         self._server: grpc.aio.Server | None = None
@@ -48,7 +50,7 @@ class DecodeWorker:
         self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         self.endpoint = f"{config.host}:{port}"
-        self._service = DecodeService(config, loop, self._kv_client)
+        self._service = DecodeService(config, loop, self._kv_client, self.tracing)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self._service, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -69,3 +71,4 @@ class DecodeWorker:
             await self._kv_client.close()
         if self._loop is not None:
             self._loop.stop()
+        self.tracing.shutdown()

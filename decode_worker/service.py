@@ -20,6 +20,7 @@ import grpc
 from engine.engine_loop import EngineLoop, RequestStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.tracing import Tracing
 from engine.worker_config import WorkerConfig
 from kv_transfer.client import KvTransferClient
 from kv_transfer.errors import KvTransferError
@@ -35,8 +36,11 @@ _RELEASE_TIMEOUT_S = 5.0
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, config: WorkerConfig, loop: EngineLoop, kv_client: KvTransferClient):
+    def __init__(
+        self, config: WorkerConfig, loop: EngineLoop, kv_client: KvTransferClient, tracing: Tracing
+    ) -> None:
         self.config = config
+        self.tracing = tracing
         self.loop = loop
         self.kv_client = kv_client
         self.num_kv_recomputes = 0
@@ -61,14 +65,26 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         recomputed = False
         transfer_s = 0.0
+        parent = self.tracing.context_from(context.invocation_metadata())
         try:
             if request.HasField("kv_handle"):
-                stream, recomputed, transfer_s = await self._start_remote(request, prompt, params)
+                span = self.tracing.start_span("kv_transfer", parent)
+                try:
+                    stream, recomputed, transfer_s = await self._start_remote(
+                        request, prompt, params
+                    )
+                finally:
+                    span.set_attribute("tandem.kv_recomputed", recomputed)
+                    span.end()
             else:
                 stream = await self.loop.generate(request.request_id, prompt, params)
-            async with stream:
-                async for out in stream:
-                    yield self._response(out, recomputed, started, transfer_s)
+            span = self.tracing.start_span("decode.stream", parent)
+            try:
+                async with stream:
+                    async for out in stream:
+                        yield self._response(out, recomputed, started, transfer_s)
+            finally:
+                span.end()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TimeoutError:

@@ -41,6 +41,8 @@ class WorkerConfig:
     pull_timeout_s: float = 30.0
     # Longest a graceful stop waits for in-flight requests.
     drain_timeout_s: float = 10.0
+    # OpenTelemetry trace exporter: "none", "console" or "otlp".
+    trace_exporter: str = "none"
 
     def __post_init__(self) -> None:
         self.role = WorkerRole(self.role)

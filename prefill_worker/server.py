@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import Engine
+from engine.tracing import Tracing
 from engine.worker_config import WorkerConfig, WorkerRole
 from kv_transfer.layout import KvLayout
 from kv_transfer.service import KvTransferService
@@ -23,10 +24,11 @@ logger = logging.getLogger(__name__)
 class PrefillWorker:
     """Owns the engine loop, the KV transfer service and the gRPC server."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, tracing: Tracing | None = None) -> None:
         if config.role is not WorkerRole.PREFILL:
             raise ValueError(f"PrefillWorker needs role prefill, got {config.role.value}")
         self.config = config
+        self.tracing = tracing or Tracing(f"tandem-{config.worker_id}", config.trace_exporter)
         self.endpoint = ""
         self._loop: EngineLoop | None = None
         self._server: grpc.aio.Server | None = None
@@ -47,7 +49,9 @@ class PrefillWorker:
         self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         self.endpoint = f"{config.host}:{port}"
-        service = PrefillService(config, loop, layout, self.endpoint, self._transfer.stats)
+        service = PrefillService(
+            config, loop, layout, self.endpoint, self._transfer.stats, self.tracing
+        )
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(service, server)
         worker_pb2_grpc.add_KvTransferServicer_to_server(self._transfer, server)
         health_servicer = health.aio.HealthServicer()
@@ -66,3 +70,4 @@ class PrefillWorker:
             await self._transfer.stop()
         if self._loop is not None:
             self._loop.stop()
+        self.tracing.shutdown()

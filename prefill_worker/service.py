@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
 from engine.engine_loop import EngineLoop
 from engine.outputs import RequestOutput
+from engine.tracing import Tracing
 from engine.worker_config import WorkerConfig
 from kv_transfer.handle import KvHandle
 from kv_transfer.layout import KvLayout
+from kv_transfer.stats import TransferStats
 from proto.convert import FINISH_REASONS, sampling_params_from_proto, stats_to_proto
 from proto.tandem.worker.v1 import worker_pb2 as pb
 from proto.tandem.worker.v1 import worker_pb2_grpc
@@ -31,13 +34,15 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         loop: EngineLoop,
         layout: KvLayout,
         endpoint: str,
-        transfer_stats,
+        transfer_stats: Callable[[], TransferStats],
+        tracing: Tracing,
     ) -> None:
         self.config = config
         self.loop = loop
         self.fingerprint = layout.fingerprint()
         self.endpoint = endpoint
         self._transfer_stats = transfer_stats
+        self.tracing = tracing
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         if not request.request_id:
@@ -49,6 +54,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         req_id = request.request_id
         started = time.monotonic()
         last: RequestOutput | None = None
+        parent = self.tracing.context_from(context.invocation_metadata())
+        span = self.tracing.start_span("prefill.compute", parent, **{"tandem.request_id": req_id})
         try:
             prompt = list(request.prompt_token_ids)
             async with await self.loop.generate(req_id, prompt, params) as stream:
@@ -56,6 +63,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                     last = out
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            if last is not None:
+                span.set_attribute("tandem.cached_tokens", last.num_cached_tokens)
+            span.end()
         if last is None or not last.finished:
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {req_id} did not finish")
         response = pb.PrefillResponse(

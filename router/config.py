@@ -22,6 +22,8 @@ class RouterConfig:
     request_timeout_s: float = 1800.0
     # Longest a worker may take to answer a health or stats probe.
     probe_timeout_s: float = 5.0
+    # OpenTelemetry trace exporter: "none", "console" or "otlp".
+    trace_exporter: str = "none"
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir, "config.json").is_file():

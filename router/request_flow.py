@@ -14,8 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import Span
 
 from engine.sampling_params import SamplingParams
+from engine.tracing import Tracing
 from proto.convert import FINISH_REASON_NAMES, sampling_params_to_proto
 from proto.tandem.worker.v1 import worker_pb2 as pb
 from router.errors import from_worker_error
@@ -53,11 +55,13 @@ class RequestFlow:
         self,
         pool: WorkerPool,
         metrics: RouterMetrics,
+        tracing: Tracing,
         prefill_timeout_s: float,
         request_timeout_s: float,
     ) -> None:
         self.pool = pool
         self.metrics = metrics
+        self.tracing = tracing
         self.prefill_timeout_s = prefill_timeout_s
         self.request_timeout_s = request_timeout_s
 
@@ -66,9 +70,17 @@ class RequestFlow:
     ) -> AsyncIterator[GenerationChunk]:
         """Stream the request's chunks; worker failures surface as `RouterError`s."""
         record = self.metrics.record(len(prompt_ids))
+        span = self.tracing.start_span(
+            "tandem.request",
+            **{
+                "tandem.request_id": req_id,
+                "gen_ai.request.max_tokens": params.max_tokens,
+                "gen_ai.usage.input_tokens": len(prompt_ids),
+            },
+        )
         reason = "abort"
         try:
-            async for chunk in self._generate(req_id, prompt_ids, params, record):
+            async for chunk in self._generate(req_id, prompt_ids, params, record, span):
                 record.on_tokens(len(chunk.token_ids))
                 if chunk.finish_reason is not None:
                     reason = chunk.finish_reason
@@ -78,11 +90,21 @@ class RequestFlow:
             raise from_worker_error(exc) from exc
         finally:
             record.finish(reason)
+            span.set_attribute("gen_ai.response.finish_reasons", [reason])
+            span.set_attribute("gen_ai.usage.output_tokens", record.num_tokens)
+            span.end()
 
     async def _generate(
-        self, req_id: str, prompt_ids: list[int], params: SamplingParams, record: RequestRecord
+        self,
+        req_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        record: RequestRecord,
+        span: Span,
     ) -> AsyncIterator[GenerationChunk]:
+        queue_span = self.tracing.start_span("queue", span)
         pair = self.pool.next_pair()
+        queue_span.end()
         decision = "disaggregated" if pair.prefill is not None else "local_prefill"
         self.metrics.disagg_decisions.labels(self.metrics.model_name, decision).inc()
         usage = Usage(prompt_tokens=len(prompt_ids))
@@ -91,7 +113,7 @@ class RequestFlow:
             request_id=req_id, prompt_token_ids=prompt_ids, params=wire_params
         )
         if pair.prefill_stub is not None:
-            prefill = await self._prefill(pair, req_id, prompt_ids, wire_params)
+            prefill = await self._prefill(pair, req_id, prompt_ids, wire_params, span)
             usage.completion_tokens = 1
             usage.cached_prompt_tokens = prefill.num_cached_tokens
             finish = FINISH_REASON_NAMES[prefill.finish_reason]
@@ -111,14 +133,35 @@ class RequestFlow:
             except BaseException:
                 await self._release(pair, req_id)
                 raise
-        async for chunk in self._decode(pair, decode_request, usage, params.logprobs, record):
-            yield chunk
+        decode_span = self.tracing.start_span(
+            "decode", span, **{"tandem.worker": pair.decode.worker_id}
+        )
+        try:
+            async for chunk in self._decode(
+                pair, decode_request, usage, params.logprobs, record, decode_span
+            ):
+                yield chunk
+        finally:
+            decode_span.end()
 
     async def _prefill(
-        self, pair: WorkerPair, req_id: str, prompt_ids: list[int], params: pb.SamplingParams
+        self,
+        pair: WorkerPair,
+        req_id: str,
+        prompt_ids: list[int],
+        params: pb.SamplingParams,
+        parent: Span,
     ) -> pb.PrefillResponse:
         request = pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt_ids, params=params)
-        return await pair.prefill_stub.Prefill(request, timeout=self.prefill_timeout_s)
+        span = self.tracing.start_span(
+            "prefill", parent, **{"tandem.worker": pair.prefill.worker_id}
+        )
+        try:
+            return await pair.prefill_stub.Prefill(
+                request, timeout=self.prefill_timeout_s, metadata=self.tracing.metadata(span)
+            )
+        finally:
+            span.end()
 
     async def _decode(
         self,
@@ -127,8 +170,11 @@ class RequestFlow:
         usage: Usage,
         logprobs: bool,
         record: RequestRecord,
+        span: Span,
     ) -> AsyncIterator[GenerationChunk]:
-        call = pair.decode_stub.Decode(request, timeout=self.request_timeout_s)
+        call = pair.decode_stub.Decode(
+            request, timeout=self.request_timeout_s, metadata=self.tracing.metadata(span)
+        )
         try:
             async for msg in call:
                 usage.completion_tokens += len(msg.token_ids)

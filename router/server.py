@@ -10,6 +10,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from engine.tracing import Tracing
 from proto.server_options import GRPC_OPTIONS
 from proto.tandem.v1 import generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
@@ -26,8 +27,11 @@ logger = logging.getLogger(__name__)
 class Router:
     """Owns the worker pool, the gRPC server and the HTTP runner."""
 
-    def __init__(self, config: RouterConfig, workers: list[WorkerEndpoint]) -> None:
+    def __init__(
+        self, config: RouterConfig, workers: list[WorkerEndpoint], tracing: Tracing | None = None
+    ) -> None:
         self.config = config
+        self.tracing = tracing or Tracing("tandem-router", config.trace_exporter)
         self.pool = WorkerPool(workers)
         self.grpc_endpoint = ""
         self.http_endpoint = ""
@@ -39,7 +43,11 @@ class Router:
         tokenizer = PromptTokenizer(config.model_dir)
         self.metrics = RouterMetrics(config.model_name)
         flow = RequestFlow(
-            self.pool, self.metrics, config.prefill_timeout_s, config.request_timeout_s
+            self.pool,
+            self.metrics,
+            self.tracing,
+            config.prefill_timeout_s,
+            config.request_timeout_s,
         )
         self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
         generation_pb2_grpc.add_GenerationServicer_to_server(
@@ -80,3 +88,4 @@ class Router:
         if self._server is not None:
             await self._server.stop(grace_s)
         await self.pool.close()
+        self.tracing.shutdown()

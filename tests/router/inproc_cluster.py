@@ -12,6 +12,7 @@ from typing import Any
 
 from decode_worker.server import DecodeWorker
 from engine.config import EngineConfig
+from engine.tracing import Tracing
 from engine.worker_config import WorkerConfig, WorkerRole
 from prefill_worker.server import PrefillWorker
 from router.config import RouterConfig
@@ -25,6 +26,8 @@ class InprocCluster:
     model_dir: str
     router_overrides: dict[str, Any] = field(default_factory=dict)
     engine_overrides: dict[str, Any] = field(default_factory=dict)
+    # Shared by the router and both workers (e.g. to collect every span in memory).
+    tracing: Tracing | None = None
     router: Router | None = None
     workers: list[WorkerEndpoint] = field(default_factory=list)
 
@@ -54,14 +57,15 @@ class InprocCluster:
                 max_model_len=1024,
                 **self.engine_overrides,
             )
-            server = cls(WorkerConfig(worker_id=worker_id, role=role, engine=engine))
+            config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
+            server = cls(config, tracing=self.tracing)
             self._servers.append(server)
             endpoint = await server.start()
             self.workers.append(WorkerEndpoint(worker_id, role.value, endpoint))
         config = RouterConfig(
             model_dir=self.model_dir, grpc_port=0, http_port=0, **self.router_overrides
         )
-        self.router = Router(config, self.workers)
+        self.router = Router(config, self.workers, tracing=self.tracing)
         await self.router.start()
 
     @property
