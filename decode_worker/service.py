@@ -118,7 +118,11 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         req_id = request.request_id
         handle = KvHandle.from_proto(request.kv_handle)
         first = request.first_token_id
-        await self._reserve(req_id, prompt, first, params)
+        try:
+            await self._reserve(req_id, prompt, first, params)
+        except BaseException:
+            self._release_remote(handle)  # it will never be pulled
+            raise
         started = time.monotonic()
         try:
             blocks = await asyncio.wait_for(self.kv_client.pull(handle), self.config.pull_timeout_s)

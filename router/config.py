@@ -24,6 +24,11 @@ class RouterConfig:
     probe_timeout_s: float = 5.0
     # OpenTelemetry trace exporter: "none", "console" or "otlp".
     trace_exporter: str = "none"
+    # OpenAI HTTP API: clients must send `Authorization: Bearer <api_key>`; None: open.
+    # (`/health` and `/metrics` stay open either way.)
+    api_key: str | None = None
+    # Largest HTTP request body accepted; bigger ones get 413.
+    max_body_bytes: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not Path(self.model_dir, "config.json").is_file():
@@ -37,3 +42,7 @@ class RouterConfig:
         for name in ("prefill_timeout_s", "request_timeout_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise ValueError("api_key must be a non-empty string or None")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

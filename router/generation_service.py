@@ -39,8 +39,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req_id = request.request_id or uuid.uuid4().hex
+        stream = self.flow.generate(req_id, prompt_ids, params)
+        # Client cancel or deadline: the RPC ends while we may be parked at a yield.
+        context.add_done_callback(lambda _: stream.cancel())
         try:
-            async for chunk in self.flow.generate(req_id, prompt_ids, params):
+            async for chunk in stream:
                 msg = gen_pb.GenerateResponse(
                     request_id=req_id,
                     token_ids=chunk.token_ids,
@@ -60,6 +63,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except RouterError as exc:
             logger.warning("request %s failed: %s", req_id, exc)
             await context.abort(exc.grpc_code, str(exc))
+        finally:
+            await stream.aclose()
 
     def _validate(self, request: gen_pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         if request.model and request.model != self.model_name:

@@ -1,18 +1,37 @@
-"""The router's HTTP side (aiohttp): `/health` now; the OpenAI API joins it later."""
+"""The router's HTTP side (aiohttp): `/health` and the OpenAI-compatible API.
+
+Middlewares, outermost first: OpenAI error JSON for every failure, then the optional
+API key check. The body size limit is aiohttp's `client_max_size`.
+"""
 
 from __future__ import annotations
 
 from aiohttp import web
 
+from router.config import RouterConfig
+from router.openai.auth import make_auth_middleware
+from router.openai.errors import MAX_BODY_BYTES, error_middleware
+from router.openai.handlers import OpenAIHandlers
+from router.request_flow import RequestFlow
+from router.tokenization import PromptTokenizer
 from router.worker_pool import WorkerPool
 
 
-def make_http_app(pool: WorkerPool, probe_timeout_s: float) -> web.Application:
+def make_http_app(
+    pool: WorkerPool, flow: RequestFlow, tokenizer: PromptTokenizer, config: RouterConfig
+) -> web.Application:
     async def health(request: web.Request) -> web.Response:
-        if await pool.is_ready(probe_timeout_s):
+        if await pool.is_ready(config.probe_timeout_s):
             return web.json_response({"status": "ok", "workers": len(pool.workers)})
         return web.json_response({"status": "starting"}, status=503)
 
-    app = web.Application()
+    middlewares = [error_middleware]
+    if config.api_key is not None:
+        middlewares.append(make_auth_middleware(config.api_key))
+    app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app[MAX_BODY_BYTES] = config.max_body_bytes
     app.router.add_get("/health", health)
+    OpenAIHandlers(
+        flow, tokenizer, config.model_name, config.model_dir, config.max_body_bytes
+    ).add_routes(app)
     return app

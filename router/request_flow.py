@@ -48,6 +48,61 @@ class GenerationChunk:
     usage: Usage | None = None
 
 
+_END = object()
+
+
+class ChunkStream:
+    """An async iterator of one request's chunks, produced by a task it owns.
+
+    Iterating starts the task. `cancel()` / `aclose()` (or cancelling the consumer while
+    it waits for a chunk) cancels the task, which cancels the worker calls in flight.
+    API handlers must close the stream when they exit, however they exit.
+    """
+
+    def __init__(self, source: AsyncIterator[GenerationChunk]) -> None:
+        self._source = source
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._pump())
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def _pump(self) -> None:
+        try:
+            async for chunk in self._source:
+                self._queue.put_nowait(chunk)
+            self._queue.put_nowait(_END)
+        except Exception as exc:  # handed to the consumer, never swallowed
+            self._queue.put_nowait(exc)
+
+    def cancel(self) -> None:
+        if self._task is None:
+            # Never started: nothing is held yet; close the source so it cannot start.
+            self._task = asyncio.get_running_loop().create_task(self._source.aclose())
+        elif not self._task.done() and not self._task.cancelling():
+            # Once: a second cancel would interrupt the request's own cleanup.
+            self._task.cancel()
+
+    async def aclose(self) -> None:
+        """Cancel the request (if still running) and wait for its cleanup."""
+        self.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
 class RequestFlow:
     """Runs requests over a worker pool; stateless between requests."""
 
@@ -65,10 +120,17 @@ class RequestFlow:
         self.prefill_timeout_s = prefill_timeout_s
         self.request_timeout_s = request_timeout_s
 
-    async def generate(
+    def generate(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> ChunkStream:
+        """The request's chunks; worker failures surface as `RouterError`s.
+
+        The request runs in a task the returned stream owns, so cancelling or closing the
+        stream stops it wherever it is (worker calls cancelled, held KV released).
+        """
+        return ChunkStream(self._traced(req_id, prompt_ids, params))
+
+    async def _traced(
         self, req_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[GenerationChunk]:
-        """Stream the request's chunks; worker failures surface as `RouterError`s."""
         record = self.metrics.record(len(prompt_ids))
         span = self.tracing.start_span(
             "tandem.request",
@@ -128,19 +190,21 @@ class RequestFlow:
                 return
             decode_request.kv_handle.CopyFrom(prefill.kv_handle)
             decode_request.first_token_id = prefill.first_token_id
-            try:
-                yield first
-            except BaseException:
-                await self._release(pair, req_id)
-                raise
         decode_span = self.tracing.start_span(
             "decode", span, **{"tandem.worker": pair.decode.worker_id}
         )
         try:
+            if pair.prefill_stub is not None:
+                yield first
             async for chunk in self._decode(
                 pair, decode_request, usage, params.logprobs, record, decode_span
             ):
                 yield chunk
+        except BaseException:
+            if pair.prefill_stub is not None:
+                # The decode side may never have pulled: unpin (a no-op if it did).
+                await self._release(pair, req_id)
+            raise
         finally:
             decode_span.end()
 

@@ -11,11 +11,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from engine.tracing import Tracing
+from proto.inference.grpc_service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
 from proto.server_options import GRPC_OPTIONS
 from proto.tandem.v1 import generation_pb2, generation_pb2_grpc
 from router.config import RouterConfig
 from router.generation_service import GenerationService
 from router.http_server import make_http_app
+from router.kserve_service import SERVICE_NAME as KSERVE_SERVICE_NAME
+from router.kserve_service import KserveService
 from router.metrics import RouterMetrics
 from router.request_flow import RequestFlow
 from router.tokenization import PromptTokenizer
@@ -53,11 +56,16 @@ class Router:
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(flow, tokenizer, config.model_name), server
         )
+        add_GRPCInferenceServiceServicer_to_server(
+            KserveService(flow, tokenizer, self.pool, config.model_name, config.probe_timeout_s),
+            server,
+        )
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             (
                 generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                KSERVE_SERVICE_NAME,
                 health.SERVICE_NAME,
                 reflection.SERVICE_NAME,
             ),
@@ -67,9 +75,10 @@ class Router:
         self.grpc_endpoint = f"{config.host}:{port}"
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        app = make_http_app(self.pool, config.probe_timeout_s)
+        app = make_http_app(self.pool, flow, tokenizer, config)
         app.router.add_get("/metrics", self._metrics_handler)
-        self._http = web.AppRunner(app)
+        # A client that disconnects cancels its handler, which cancels its worker calls.
+        self._http = web.AppRunner(app, handler_cancellation=True)
         await self._http.setup()
         site = web.TCPSite(self._http, config.host, config.http_port)
         await site.start()

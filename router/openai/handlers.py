@@ -1,0 +1,151 @@
+"""aiohttp handlers of the OpenAI-compatible API.
+
+`/v1/completions` and `/v1/chat/completions` parse and validate (protocol.py), run the
+request through `RequestFlow`, and answer with one JSON object or an SSE stream
+(responses.py, streaming.py). The flow's generator is always closed here, on every
+exit: when the client disconnects the handler is cancelled (or its write fails), and
+closing the generator cancels the worker calls so the workers free the request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from router.errors import InvalidRequest, ModelNotFound
+from router.openai.errors import dumps
+from router.openai.fields import show
+from router.openai.protocol import GenerationRequest, RequestParser
+from router.openai.responses import (
+    ChatResponses,
+    Collected,
+    CompletionResponses,
+    LogprobsFormatter,
+    ResponseBuilder,
+)
+from router.openai.streaming import stream_sse
+from router.request_flow import RequestFlow
+from router.tokenization import PromptTokenizer
+
+_JSON_TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number"}
+
+
+class OpenAIHandlers:
+    """The OpenAI routes over one served model."""
+
+    def __init__(
+        self,
+        flow: RequestFlow,
+        tokenizer: PromptTokenizer,
+        model_name: str,
+        model_dir: str,
+        max_body_bytes: int,
+    ) -> None:
+        self.flow = flow
+        self.tokenizer = tokenizer
+        self.parser = RequestParser(tokenizer, model_name)
+        self.model_name = model_name
+        self.model_dir = model_dir
+        self.max_body_bytes = max_body_bytes
+        # Reported as the model's `created` time.
+        self.started = int(time.time())
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_post("/tokenize", self.tokenize)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        generation = self.parser.completion(await self._read_json(request))
+        builder = CompletionResponses(
+            f"cmpl-{uuid.uuid4().hex}",
+            self.model_name,
+            int(time.time()),
+            self._logprobs(generation),
+            generation.include_usage,
+        )
+        return await self._run(request, generation, builder)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        generation = self.parser.chat(await self._read_json(request))
+        builder = ChatResponses(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            self.model_name,
+            int(time.time()),
+            self._logprobs(generation),
+            generation.include_usage,
+        )
+        return await self._run(request, generation, builder)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]}, dumps=dumps)
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if model != self.model_name:
+            raise ModelNotFound(
+                f"the model {show(model)} does not exist; this server serves "
+                f"{show(self.model_name)}",
+                param="model",
+            )
+        return web.json_response(self._model_card(), dumps=dumps)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        ids = self.parser.tokenize(await self._read_json(request))
+        body = {"tokens": ids, "count": len(ids), "max_model_len": self.tokenizer.max_model_len}
+        return web.json_response(body, dumps=dumps)
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "tandem",
+            "root": self.model_dir,
+            "parent": None,
+            "max_model_len": self.tokenizer.max_model_len,
+        }
+
+    def _logprobs(self, generation: GenerationRequest) -> LogprobsFormatter | None:
+        if not generation.logprobs:
+            return None
+        return LogprobsFormatter(self.tokenizer, generation.num_top_logprobs)
+
+    async def _run(
+        self, request: web.Request, generation: GenerationRequest, builder: ResponseBuilder
+    ) -> web.StreamResponse:
+        headers = {"X-Request-Id": builder.id}
+        chunks = self.flow.generate(builder.id, generation.prompt_ids, generation.params)
+        # Closing the generator (on any exit, cancellation included) cancels the worker calls.
+        async with contextlib.aclosing(chunks):
+            if generation.stream:
+                return await stream_sse(request, chunks, builder, headers)
+            collected = Collected()
+            async for chunk in chunks:
+                collected.add(chunk)
+        return web.json_response(builder.response(collected), headers=headers, dumps=dumps)
+
+    async def _read_json(self, request: web.Request) -> dict[str, Any]:
+        """The body as a JSON object; 400 if it is not one, 413 if it is too large."""
+        length = request.content_length
+        if length is not None and length > self.max_body_bytes:
+            # Refuse before reading a byte of it.
+            raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=length)
+        raw = await request.read()  # aiohttp raises 413 past `client_max_size`
+        if not raw.strip():
+            raise InvalidRequest("the request body is empty; send a JSON object")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            kind = _JSON_TYPE_NAMES.get(type(body), "a literal")
+            raise InvalidRequest(f"the request body must be a JSON object, got {kind}")
+        return body

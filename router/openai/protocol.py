@@ -1,0 +1,339 @@
+"""OpenAI request JSON → a typed `GenerationRequest` (prompt ids + `SamplingParams`).
+
+Everything a client can get wrong is found here, before any worker is involved, and
+raised as `InvalidRequest` (400) / `ModelNotFound` (404) naming the field and its value.
+Fields we do not implement are refused when set to anything but their neutral value, so
+a request never silently means something else than what its sender asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2 import TemplateError
+
+from engine.sampling_params import MAX_NUM_STOP_STRINGS, SamplingParams
+from router.errors import InvalidRequest, ModelNotFound
+from router.openai.errors import ContextLengthExceeded
+from router.openai.fields import (
+    get_bool,
+    get_float,
+    get_int,
+    get_int_list,
+    get_object,
+    get_str,
+    get_str_list,
+    invalid,
+    show,
+)
+from router.tokenization import PromptTokenizer
+
+# Most alternatives a client may ask for per position (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
+# Seeds travel as uint64.
+MAX_SEED = 2**64 - 1
+# OpenAI's default for /v1/completions when `max_tokens` is absent.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+# Field → values that mean "feature not used"; any other value is refused.
+_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+}
+_COMPLETION_UNSUPPORTED = {
+    **_COMMON_UNSUPPORTED,
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+}
+_CHAT_UNSUPPORTED = {
+    **_COMMON_UNSUPPORTED,
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+@dataclass
+class GenerationRequest:
+    """One validated completion or chat request, ready for `RequestFlow.generate`."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    # stream_options.include_usage: end the stream with a usage chunk (empty `choices`).
+    include_usage: bool
+    # Report the chosen token's logprob for each generated token.
+    logprobs: bool
+    # Alternatives asked per position; only the chosen token is reported (see responses).
+    num_top_logprobs: int
+
+
+class RequestParser:
+    """Validates request bodies against the served model (name, vocabulary, context)."""
+
+    def __init__(self, tokenizer: PromptTokenizer, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+
+    def completion(self, body: dict[str, Any]) -> GenerationRequest:
+        self._check_common(body, _COMPLETION_UNSUPPORTED)
+        prompt_ids = self._prompt_ids(body)
+        logprobs = get_int(body, "logprobs", min_value=0, max_value=MAX_LOGPROBS)
+        return self._generation(
+            body,
+            prompt_ids,
+            prompt_field="prompt",
+            default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
+            logprobs=logprobs is not None,
+            num_top_logprobs=logprobs or 0,
+        )
+
+    def chat(self, body: dict[str, Any]) -> GenerationRequest:
+        self._check_common(body, _CHAT_UNSUPPORTED)
+        prompt_ids = self._chat_ids(body)
+        logprobs = bool(get_bool(body, "logprobs"))
+        top_logprobs = get_int(body, "top_logprobs", min_value=0, max_value=MAX_LOGPROBS)
+        if top_logprobs and not logprobs:
+            raise invalid("top_logprobs", "requires 'logprobs': true")
+        return self._generation(
+            body,
+            prompt_ids,
+            prompt_field="messages",
+            default_max_tokens=None,
+            logprobs=logprobs,
+            num_top_logprobs=top_logprobs or 0,
+        )
+
+    def tokenize(self, body: dict[str, Any]) -> list[int]:
+        """Token ids of `prompt` or `messages` (no context-length check: this is for counting)."""
+        self.check_model(body)
+        has_prompt, has_messages = "prompt" in body, "messages" in body
+        if has_prompt == has_messages:
+            raise invalid("prompt", "send exactly one of 'prompt' and 'messages'")
+        return self._prompt_ids(body) if has_prompt else self._chat_ids(body)
+
+    def check_model(self, body: dict[str, Any]) -> None:
+        model = get_str(body, "model")
+        if model is not None and model != self.model_name:
+            raise ModelNotFound(
+                f"the model {show(model)} does not exist; this server serves "
+                f"{show(self.model_name)}",
+                param="model",
+            )
+
+    def _check_common(self, body: dict[str, Any], unsupported: dict[str, tuple[Any, ...]]) -> None:
+        self.check_model(body)
+        n = get_int(body, "n")
+        if n is not None and n != 1:
+            raise invalid("n", f"must be 1 (one choice per request is supported), got {n}")
+        for name, neutral in unsupported.items():
+            value = body.get(name)
+            if not any(_same(value, v) for v in neutral):
+                raise invalid(name, f"is not supported by this server (got {show(value)})")
+
+    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise invalid("prompt", "is required")
+        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > 1:
+                raise invalid(
+                    "prompt",
+                    f"holds {len(prompt)} prompts: batched prompts are not supported; "
+                    "send one prompt per request",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise invalid("prompt", "must not be empty")
+            ids = self.tokenizer.encode(prompt)
+            if not ids:
+                raise invalid("prompt", f"encodes to no tokens: {show(prompt)}")
+            return ids
+        if not isinstance(prompt, list):
+            raise invalid("prompt", f"must be a string or a list of token ids, got {show(prompt)}")
+        if not prompt:
+            raise invalid("prompt", "must not be empty")
+        self._check_token_ids("prompt", prompt)
+        return list(prompt)
+
+    def _check_token_ids(self, name: str, ids: list[Any]) -> None:
+        vocab_size = self.tokenizer.vocab_size
+        for i, token_id in enumerate(ids):
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise invalid(
+                    name, f"must hold integer token ids, got {show(token_id)} at index {i}"
+                )
+            if not 0 <= token_id < vocab_size:
+                raise invalid(
+                    name,
+                    f"holds token id {token_id} at index {i}, "
+                    f"outside the vocabulary [0, {vocab_size})",
+                )
+
+    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+        messages = body.get("messages")
+        if messages is None:
+            raise invalid("messages", "is required")
+        if not isinstance(messages, list):
+            raise invalid("messages", f"must be a list of message objects, got {show(messages)}")
+        if not messages:
+            raise invalid("messages", "must not be empty")
+        chat = [_chat_message(i, message) for i, message in enumerate(messages)]
+        try:
+            ids = self.tokenizer.encode_chat(chat)
+        except (ValueError, TemplateError) as exc:
+            raise invalid("messages", f"cannot be encoded with the chat template: {exc}") from exc
+        if not ids:
+            raise invalid("messages", "encode to no tokens")
+        return ids
+
+    def _generation(
+        self,
+        body: dict[str, Any],
+        prompt_ids: list[int],
+        prompt_field: str,
+        default_max_tokens: int | None,
+        logprobs: bool,
+        num_top_logprobs: int,
+    ) -> GenerationRequest:
+        stream = bool(get_bool(body, "stream"))
+        stream_options = get_object(body, "stream_options")
+        include_usage = False
+        if stream_options is not None:
+            if not stream:
+                raise invalid("stream_options", "is only allowed when 'stream' is true")
+            include_usage = stream_options.get("include_usage") or False
+            if not isinstance(include_usage, bool):
+                raise invalid(
+                    "stream_options",
+                    f"field 'include_usage' must be true or false, got {show(include_usage)}",
+                )
+        max_tokens = self._max_tokens(body, len(prompt_ids), prompt_field, default_max_tokens)
+        params = self._sampling_params(body, max_tokens, logprobs)
+        return GenerationRequest(
+            prompt_ids=prompt_ids,
+            params=params,
+            stream=stream,
+            include_usage=include_usage,
+            logprobs=logprobs,
+            num_top_logprobs=num_top_logprobs,
+        )
+
+    def _max_tokens(
+        self,
+        body: dict[str, Any],
+        num_prompt_tokens: int,
+        prompt_field: str,
+        default: int | None,
+    ) -> int:
+        limit = self.tokenizer.max_model_len
+        given = {
+            name: value
+            for name in ("max_tokens", "max_completion_tokens")
+            if (value := get_int(body, name, min_value=1)) is not None
+        }
+        if len(set(given.values())) > 1:
+            raise invalid(
+                "max_completion_tokens",
+                f"is {given['max_completion_tokens']} but 'max_tokens' is "
+                f"{given['max_tokens']}; send one of them",
+            )
+        if num_prompt_tokens >= limit:
+            raise ContextLengthExceeded(
+                f"the prompt ('{prompt_field}') has {num_prompt_tokens} tokens; this model's "
+                f"maximum context length is {limit} tokens, including at least one "
+                "generated token",
+                param=prompt_field,
+            )
+        room = limit - num_prompt_tokens
+        if not given:
+            return room if default is None else min(default, room)
+        name, max_tokens = next(iter(given.items()))
+        if max_tokens > room:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {limit} tokens; the request asks "
+                f"for {num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, "
+                f"'{name}' = {max_tokens}); '{name}' may be at most {room} for this prompt",
+                param=name,
+            )
+        return max_tokens
+
+    def _sampling_params(
+        self, body: dict[str, Any], max_tokens: int, logprobs: bool
+    ) -> SamplingParams:
+        temperature = get_float(body, "temperature")
+        if temperature is not None and temperature < 0:
+            raise invalid("temperature", f"must be >= 0, got {show(body['temperature'])}")
+        top_p = get_float(body, "top_p")
+        if top_p is not None and not 0 < top_p <= 1:
+            raise invalid("top_p", f"must be in (0, 1], got {show(body['top_p'])}")
+        top_k = get_int(body, "top_k")
+        if top_k is not None and top_k < -1:
+            raise invalid("top_k", f"must be -1 or 0 (off) or >= 1, got {top_k}")
+        stop_token_ids = get_int_list(body, "stop_token_ids")
+        self._check_token_ids("stop_token_ids", stop_token_ids)
+        min_tokens = get_int(body, "min_tokens", min_value=0, max_value=max_tokens)
+        skip_special_tokens = get_bool(body, "skip_special_tokens")
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if temperature is None else temperature,
+                top_k=top_k or 0,
+                top_p=1.0 if top_p is None else top_p,
+                seed=get_int(body, "seed", min_value=0, max_value=MAX_SEED),
+                stop=get_str_list(body, "stop", MAX_NUM_STOP_STRINGS),
+                stop_token_ids=stop_token_ids,
+                ignore_eos=bool(get_bool(body, "ignore_eos")),
+                min_tokens=min_tokens or 0,
+                logprobs=logprobs,
+                skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
+            )
+        except ValueError as exc:  # a combination the engine refuses; its message names it
+            raise InvalidRequest(str(exc)) from exc
+
+
+def _chat_message(index: int, message: Any) -> dict[str, str]:
+    """One chat message as the chat template takes it: {role, content: str}."""
+    label = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(label, f"must be an object with 'role' and 'content', got {show(message)}")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        allowed = ", ".join(repr(r) for r in CHAT_ROLES)
+        raise invalid(f"{label}.role", f"must be one of {allowed}; got {show(role)}")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        content = "\n".join(_text_part(f"{label}.content[{i}]", p) for i, p in enumerate(content))
+    if not isinstance(content, str):
+        raise invalid(
+            f"{label}.content", f"must be a string or a list of text parts, got {show(content)}"
+        )
+    return {"role": role, "content": content}
+
+
+def _text_part(label: str, part: Any) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text":
+        raise invalid(
+            label, f"must be a text part {{'type': 'text', 'text': ...}}, got {show(part)}"
+        )
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise invalid(f"{label}.text", f"must be a string, got {show(text)}")
+    return text
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """JSON equality where `true` is not 1 and `0.0` is 0."""
+    if isinstance(value, bool) != isinstance(neutral, bool):
+        return False
+    return value == neutral

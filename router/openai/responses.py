@@ -1,0 +1,207 @@
+"""Response JSON for `/v1/completions` and `/v1/chat/completions`, shaped like OpenAI's.
+
+One builder per request turns the `GenerationChunk`s of `RequestFlow` into stream chunks
+(`text_completion` / `chat.completion.chunk`) or, collected, into one whole response.
+
+Logprobs: the engine computes only the chosen token's logprob, so `top_logprobs` holds
+that one token however many alternatives were asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.request_flow import GenerationChunk, Usage
+from router.tokenization import PromptTokenizer
+
+# What OpenAI reports for a token whose logprob is -inf (JSON has no infinities).
+_MIN_LOGPROB = -9999.0
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
+    }
+
+
+@dataclass
+class Collected:
+    """A whole generation gathered from its chunks (non-streaming responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, chunk: GenerationChunk) -> None:
+        self.text += chunk.text
+        self.token_ids += chunk.token_ids
+        self.logprobs += chunk.logprobs
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        self.usage = chunk.usage or self.usage
+
+
+class LogprobsFormatter:
+    """Per-request logprobs JSON; remembers the text offset across stream chunks."""
+
+    def __init__(self, tokenizer: PromptTokenizer, num_top_logprobs: int) -> None:
+        self.tokenizer = tokenizer
+        self.num_top_logprobs = num_top_logprobs
+        self._text_offset = 0
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def completion(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+        tokens = [self._token_text(t) for t in token_ids]
+        values = [_finite(lp) for lp in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self._text_offset)
+            self._text_offset += len(token)
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": [{t: lp} for t, lp in zip(tokens, values, strict=True)],
+            "text_offset": offsets,
+        }
+
+    def chat(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+        content = []
+        for token_id, logprob in zip(token_ids, logprobs, strict=True):
+            token = self._token_text(token_id)
+            entry = {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+            top = [dict(entry)] if self.num_top_logprobs else []
+            content.append({**entry, "top_logprobs": top})
+        return {"content": content}
+
+
+class ResponseBuilder:
+    """Common part of the completion and chat builders: ids, envelope, usage chunk."""
+
+    id_prefix = ""
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(
+        self,
+        req_id: str,
+        model: str,
+        created: int,
+        logprobs: LogprobsFormatter | None,
+        include_usage: bool = False,
+    ) -> None:
+        self.id = req_id
+        self.model = model
+        self.created = created
+        self.logprobs = logprobs
+        self.include_usage = include_usage
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object_name, [{"index": 0, **choice}])
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """Chunks sent before the first token (chat: the assistant role)."""
+        return []
+
+    def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
+        """The stream chunk for `chunk`; None when it carries nothing to show yet."""
+        wants_logprobs = self.logprobs is not None and chunk.token_ids
+        if not chunk.text and chunk.finish_reason is None and not wants_logprobs:
+            return None
+        return self._chunk(self._choice_delta(chunk))
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object_name, [])
+        body["usage"] = usage_json(usage)
+        return body
+
+    def response(self, collected: Collected) -> dict[str, Any]:
+        body = self._envelope(self.object_name, [{"index": 0, **self._choice_whole(collected)}])
+        if collected.usage is not None:
+            body["usage"] = usage_json(collected.usage)
+        return body
+
+    def _logprobs_json(self, token_ids: list[int], logprobs: list[float]) -> Any:
+        raise NotImplementedError
+
+    def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _logprobs_of(self, token_ids: list[int], logprobs: list[float]) -> Any:
+        if self.logprobs is None:
+            return None
+        return self._logprobs_json(token_ids, logprobs)
+
+
+class CompletionResponses(ResponseBuilder):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def _logprobs_json(self, token_ids: list[int], logprobs: list[float]) -> Any:
+        return self.logprobs.completion(token_ids, logprobs)
+
+    def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
+        return {
+            "text": chunk.text,
+            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs),
+            "finish_reason": chunk.finish_reason,
+        }
+
+    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+        return {
+            "text": collected.text,
+            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
+            "finish_reason": collected.finish_reason,
+        }
+
+
+class ChatResponses(ResponseBuilder):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _logprobs_json(self, token_ids: list[int], logprobs: list[float]) -> Any:
+        return self.logprobs.chat(token_ids, logprobs)
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        delta = {"role": "assistant", "content": ""}
+        return [self._chunk({"delta": delta, "logprobs": None, "finish_reason": None})]
+
+    def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
+        return {
+            "delta": {"content": chunk.text} if chunk.text else {},
+            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs),
+            "finish_reason": chunk.finish_reason,
+        }
+
+    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+        return {
+            "message": {"role": "assistant", "content": collected.text},
+            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
+            "finish_reason": collected.finish_reason,
+        }
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _MIN_LOGPROB

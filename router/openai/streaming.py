@@ -1,0 +1,87 @@
+"""Server-sent events for streamed completions: `data: {json}\\n\\n` ... `data: [DONE]`.
+
+The first chunk is awaited before the response starts, so a request refused up front
+(overloaded, worker down) still gets a real HTTP status. After that, an error becomes an
+`{"error": ...}` event followed by `[DONE]` (what OpenAI clients raise on).
+
+Whoever calls `stream_sse` owns the chunk iterator and closes it; a client that goes
+away surfaces here as a failed write (or the handler's cancellation), which ends the
+stream so the owner's close cancels the worker calls.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from router.errors import RouterError
+from router.openai.errors import HttpApiError, dumps, error_body
+from router.openai.responses import ResponseBuilder
+from router.request_flow import GenerationChunk, Usage
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
+}
+
+
+def sse_event(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else dumps(payload)
+    return f"data: {data}\n\n".encode()
+
+
+async def stream_sse(
+    request: web.Request,
+    chunks: AsyncIterator[GenerationChunk],
+    builder: ResponseBuilder,
+    extra_headers: dict[str, str],
+) -> web.StreamResponse:
+    """Stream `chunks` as SSE; raises (before any byte is sent) if the first chunk fails."""
+    first = await anext(chunks, None)
+    response = web.StreamResponse(headers={**SSE_HEADERS, **extra_headers})
+    await response.prepare(request)
+    usage: Usage | None = None
+    try:
+        for opening in builder.opening_chunks():
+            await response.write(sse_event(opening))
+        chunk = first
+        while chunk is not None:
+            usage = chunk.usage or usage
+            body = builder.chunk(chunk)
+            if body is not None:
+                await response.write(sse_event(body))
+            chunk = await anext(chunks, None)
+        if builder.include_usage and usage is not None:
+            await response.write(sse_event(builder.usage_chunk(usage)))
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+        logger.info("client of %s went away mid-stream", builder.id)
+        return response
+    except RouterError as exc:
+        logger.warning("stream %s failed: %s", builder.id, exc)
+        if not await _write_quietly(response, sse_event(error_body(exc))):
+            return response
+    except Exception:
+        logger.exception("stream %s: unexpected error", builder.id)
+        error = HttpApiError(500, "internal server error; see the router log", "internal_error")
+        if not await _write_quietly(response, sse_event(error_body(error))):
+            return response
+    if await _write_quietly(response, sse_event("[DONE]"), eof=True):
+        logger.debug("stream %s done", builder.id)
+    return response
+
+
+async def _write_quietly(response: web.StreamResponse, data: bytes, eof: bool = False) -> bool:
+    """Write (and end the response if `eof`) if the client is still there; False if gone."""
+    try:
+        await response.write(data)
+        if eof:
+            await response.write_eof()
+    except ConnectionResetError:
+        return False
+    return True

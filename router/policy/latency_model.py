@@ -1,0 +1,292 @@
+"""Per-worker latency models: how long a prefill or a decode step takes, in seconds.
+
+- `PrefillLatencyModel`: `t(n) = a + b·n + c·n²` for `n` uncached prompt tokens (the
+  quadratic term is attention over the prompt).
+- `DecodeLatencyModel`: `t(batch, ctx) = a + b·batch + c·ctx` for one decode step of
+  `batch` sequences holding `ctx` context tokens in total.
+
+Both are linear in their coefficients and fitted by non-negative weighted least squares
+over a bounded window of recent observations; weights halve every `half_life`
+observations, so the model follows a regime shift (thermal throttling, a noisy
+neighbour, a different GPU) after a few half-lives. The warm-up profile seeds the
+window and also fixes the *prior*: a few low-weight pseudo-observations drawn from the
+profile's fit (or from built-in defaults), which keep predictions sane with few or
+degenerate observations. Coefficients are never negative, so predictions are
+non-negative and non-decreasing in every input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+# Features are divided by these so the normal equations stay well conditioned.
+_TOKEN_SCALE = 1024.0
+_BATCH_SCALE = 32.0
+_CONTEXT_SCALE = 65536.0
+
+
+@dataclass(frozen=True)
+class PrefillObservation:
+    # Prompt tokens actually computed (prompt minus prefix-cache hits).
+    num_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodeObservation:
+    batch_size: int
+    # Context tokens of the whole batch (sum of sequence lengths).
+    num_context_tokens: int
+    # Duration of one decode step (or the inter-token gap the router saw).
+    seconds: float
+
+
+def _nnls(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """argmin ||Xβ - y||² s.t. β >= 0, from the normal equations (exact for few features).
+
+    Tries every support set and keeps the feasible solution with the least loss; with
+    at most three features that is eight tiny solves.
+    """
+    dim = len(rhs)
+    best, best_loss = np.zeros(dim), 0.0  # β = 0 has loss ||y||² - 0 (constant dropped)
+    for size in range(1, dim + 1):
+        for support in itertools.combinations(range(dim), size):
+            idx = list(support)
+            sub = gram[np.ix_(idx, idx)]
+            try:
+                sol = np.linalg.solve(sub, rhs[idx])
+            except np.linalg.LinAlgError:
+                continue
+            if np.any(sol < 0) or not np.all(np.isfinite(sol)):
+                continue
+            beta = np.zeros(dim)
+            beta[idx] = sol
+            # ||Xβ - y||² = βᵀGβ - 2βᵀr + const
+            loss = float(beta @ gram @ beta - 2 * beta @ rhs)
+            if loss < best_loss:
+                best, best_loss = beta, loss
+    return best
+
+
+class LinearLatencyModel:
+    """Non-negative, exponentially weighted least squares over scaled features.
+
+    Subclasses define `_features(*inputs)` (already scaled) and the prior points.
+    Memory is bounded by `window` observations; refits are lazy (on the next predict).
+    """
+
+    def __init__(
+        self,
+        prior: Sequence[float],
+        prior_points: Sequence[Sequence[float]],
+        *,
+        window: int = 256,
+        half_life: float = 32.0,
+        prior_weight: float = 0.5,
+    ) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if half_life <= 0:
+            raise ValueError(f"half_life must be > 0, got {half_life}")
+        if prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
+        self.half_life = half_life
+        self.prior_weight = prior_weight
+        # (sequence number, features, seconds), oldest first.
+        self._window: deque[tuple[int, np.ndarray, float]] = deque(maxlen=window)
+        self._seq = 0
+        self._set_prior(np.asarray(prior, dtype=float), prior_points)
+
+    # ----- subclass hooks --------------------------------------------------------
+
+    def _features(self, *inputs: float) -> np.ndarray:
+        raise NotImplementedError
+
+    # ----- fitting ---------------------------------------------------------------
+
+    def _set_prior(self, prior: np.ndarray, prior_points: Sequence[Sequence[float]]) -> None:
+        self._prior_x = np.stack([self._features(*p) for p in prior_points])
+        self._prior_y = self._prior_x @ prior
+        self._coef = prior.copy()
+        self._dirty = bool(self._window)
+
+    def _add(self, inputs: Sequence[float], seconds: float) -> None:
+        if not math.isfinite(seconds) or seconds < 0:
+            raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
+        self._window.append((self._seq, self._features(*inputs), float(seconds)))
+        self._seq += 1
+        self._dirty = True
+
+    def _fit_window(self) -> np.ndarray:
+        x = np.stack([f for _, f, _ in self._window])
+        y = np.array([s for _, _, s in self._window])
+        age = self._seq - 1 - np.array([n for n, _, _ in self._window], dtype=float)
+        w = np.power(0.5, age / self.half_life)
+        # Pseudo-observations of the prior, weight `prior_weight` each, never forgotten.
+        pw = np.full(len(self._prior_y), self.prior_weight)
+        x = np.vstack([x, self._prior_x])
+        y = np.concatenate([y, self._prior_y])
+        w = np.concatenate([w, pw])
+        gram = (x * w[:, None]).T @ x
+        rhs = (x * w[:, None]).T @ y
+        return _nnls(gram, rhs)
+
+    def _coefficients(self) -> np.ndarray:
+        if self._dirty:
+            self._coef = self._fit_window()
+            self._dirty = False
+        return self._coef
+
+    def _predict(self, *inputs: float) -> float:
+        return max(0.0, float(self._features(*inputs) @ self._coefficients()))
+
+    @property
+    def num_observations(self) -> int:
+        """Observations currently in the window (profile seeds included)."""
+        return len(self._window)
+
+
+class PrefillLatencyModel(LinearLatencyModel):
+    """Seconds to prefill `n` uncached tokens: `a + b·n + c·n²`.
+
+    Defaults are a small model on one modern GPU (5 ms + 10k tokens/s); a warm-up
+    profile or a few online observations replace them.
+    """
+
+    DEFAULT_COEFFICIENTS = (5e-3, 1e-4, 1e-9)  # s, s/token, s/token²
+    _PRIOR_TOKENS = (16, 256, 1024, 4096)
+
+    def __init__(
+        self,
+        coefficients: Sequence[float] = DEFAULT_COEFFICIENTS,
+        *,
+        window: int = 256,
+        half_life: float = 32.0,
+        prior_weight: float = 0.5,
+    ) -> None:
+        a, b, c = coefficients
+        scaled = (a, b * _TOKEN_SCALE, c * _TOKEN_SCALE**2)
+        points = [(n,) for n in self._PRIOR_TOKENS]
+        super().__init__(
+            scaled, points, window=window, half_life=half_life, prior_weight=prior_weight
+        )
+
+    @classmethod
+    def from_profile(
+        cls,
+        observations: Iterable[PrefillObservation],
+        *,
+        window: int = 256,
+        half_life: float = 32.0,
+        prior_weight: float = 0.5,
+    ) -> PrefillLatencyModel:
+        """A model whose prior is the profile's fit and whose window starts with it."""
+        model = cls(window=window, half_life=half_life, prior_weight=prior_weight)
+        model.observe_all(observations)
+        if model.num_observations:
+            model._set_prior(model._coefficients(), [(n,) for n in cls._PRIOR_TOKENS])
+        return model
+
+    def _features(self, *inputs: float) -> np.ndarray:
+        x = max(0.0, inputs[0]) / _TOKEN_SCALE
+        return np.array([1.0, x, x * x])
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        self._add((num_tokens,), seconds)
+
+    def observe_all(self, observations: Iterable[PrefillObservation]) -> None:
+        for obs in observations:
+            self.observe(obs.num_tokens, obs.seconds)
+
+    def predict(self, num_tokens: int) -> float:
+        """Seconds to prefill `num_tokens` uncached tokens (0 tokens costs nothing)."""
+        return 0.0 if num_tokens <= 0 else self._predict(num_tokens)
+
+    def predict_queue(self, num_tokens: int, num_requests: int) -> float:
+        """Seconds to drain a queue of `num_requests` prompts totalling `num_tokens`.
+
+        The queue's size distribution is unknown, so prompts are taken as equal:
+        `num_requests·a + b·N + c·N²/num_requests`.
+        """
+        if num_tokens <= 0 or num_requests <= 0:
+            return 0.0
+        a, b, c = self.coefficients
+        return num_requests * a + b * num_tokens + c * num_tokens**2 / num_requests
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """`(a, b, c)` in seconds, seconds/token, seconds/token²."""
+        a, b, c = self._coefficients()
+        return float(a), float(b / _TOKEN_SCALE), float(c / _TOKEN_SCALE**2)
+
+
+class DecodeLatencyModel(LinearLatencyModel):
+    """Seconds per decode step: `a + b·batch + c·context_tokens`.
+
+    Defaults: 10 ms floor (weights read once per step), 0.1 ms per sequence, 1 ms per
+    ~6.5k context tokens of KV read.
+    """
+
+    DEFAULT_COEFFICIENTS = (1e-2, 1e-4, 1.5e-7)  # s, s/seq, s/token
+    _PRIOR_POINTS = ((1, 512), (8, 8192), (32, 65536), (64, 131072))
+
+    def __init__(
+        self,
+        coefficients: Sequence[float] = DEFAULT_COEFFICIENTS,
+        *,
+        window: int = 256,
+        half_life: float = 32.0,
+        prior_weight: float = 0.5,
+    ) -> None:
+        a, b, c = coefficients
+        scaled = (a, b * _BATCH_SCALE, c * _CONTEXT_SCALE)
+        super().__init__(
+            scaled,
+            self._PRIOR_POINTS,
+            window=window,
+            half_life=half_life,
+            prior_weight=prior_weight,
+        )
+
+    @classmethod
+    def from_profile(
+        cls,
+        observations: Iterable[DecodeObservation],
+        *,
+        window: int = 256,
+        half_life: float = 32.0,
+        prior_weight: float = 0.5,
+    ) -> DecodeLatencyModel:
+        """A model whose prior is the profile's fit and whose window starts with it."""
+        model = cls(window=window, half_life=half_life, prior_weight=prior_weight)
+        model.observe_all(observations)
+        if model.num_observations:
+            model._set_prior(model._coefficients(), cls._PRIOR_POINTS)
+        return model
+
+    def _features(self, *inputs: float) -> np.ndarray:
+        batch, context = inputs
+        return np.array([1.0, max(0.0, batch) / _BATCH_SCALE, max(0.0, context) / _CONTEXT_SCALE])
+
+    def observe(self, batch_size: int, num_context_tokens: int, seconds: float) -> None:
+        self._add((batch_size, num_context_tokens), seconds)
+
+    def observe_all(self, observations: Iterable[DecodeObservation]) -> None:
+        for obs in observations:
+            self.observe(obs.batch_size, obs.num_context_tokens, obs.seconds)
+
+    def predict(self, batch_size: int, num_context_tokens: int) -> float:
+        """Seconds per step for a batch of `batch_size` holding `num_context_tokens`."""
+        return 0.0 if batch_size <= 0 else self._predict(batch_size, num_context_tokens)
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """`(a, b, c)` in seconds, seconds/sequence, seconds/context token."""
+        a, b, c = self._coefficients()
+        return float(a), float(b / _BATCH_SCALE), float(c / _CONTEXT_SCALE)

@@ -1,0 +1,234 @@
+"""Pair selection (request-flow step 3): which prefill worker, which decode worker.
+
+For a prompt of `n` tokens and `max_tokens` to generate:
+
+- **Prefill score** of worker `p` = predicted queue wait on `p` + predicted time to
+  prefill the tokens `p` does not have cached (`n - p.prefix.match_len(prompt)`).
+  The lowest score wins, except that prefix affinity may not overload a worker: only
+  workers whose wait is within `affinity_max_wait_ratio × least wait +
+  affinity_min_wait_gap_s` are eligible. A hot prefix thus spills onto a second
+  worker (which caches it too) instead of piling onto one. Near-ties go to the worker
+  with the smaller cached set, which spreads new prefixes across workers.
+- **Decode choice**: among workers with `prompt + max_tokens` worth of free KV blocks,
+  the one with the lowest predicted step time after admitting the request (the
+  request's ITL), preferring those within the request's ITL target.
+- **Conditional disaggregation**: the decode worker may prefill the prompt itself
+  (`prefill_worker_id=None`) when its uncached part is at most
+  `max_local_prefill_tokens`, the prefill stall it adds to the running batch's steps
+  keeps every running request within its ITL target, and it predicts an earlier
+  *second* token than the disaggregated pair (which pays the KV transfer). Without
+  available prefill workers, local prefill is the only option.
+
+The selector is pure: it reads `WorkerState`s and returns a `Placement`; committing
+the placement (accounting, prefix index) is the caller's job (`GoodputPolicy`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.policy.prefix_tree import block_hashes
+from router.policy.slo import RequestSlo
+from router.policy.worker_state import WorkerState
+
+Decision = Literal["disaggregated", "local_prefill"]
+DISAGGREGATED: Decision = "disaggregated"
+LOCAL_PREFILL: Decision = "local_prefill"
+
+
+@dataclass(frozen=True)
+class SelectorConfig:
+    # Affinity may choose a worker whose queue wait is at most this many times the
+    # least-loaded worker's wait, plus `affinity_min_wait_gap_s`.
+    affinity_max_wait_ratio: float = 2.0
+    affinity_min_wait_gap_s: float = 0.05
+    # Prefill scores within this many seconds of the best count as a tie.
+    score_tie_s: float = 1e-3
+    enable_local_prefill: bool = True
+    # Longest uncached prompt a decode worker may prefill itself (bounds the stall).
+    max_local_prefill_tokens: int = 512
+    # Prefill chunk a decode worker interleaves with its decode steps.
+    local_prefill_chunk_tokens: int = 512
+    # Predicted KV transfer cost per prompt token (delays the second token only).
+    kv_transfer_s_per_token: float = 2e-6
+
+    def __post_init__(self) -> None:
+        if self.affinity_max_wait_ratio < 1:
+            raise ValueError(
+                f"affinity_max_wait_ratio must be >= 1, got {self.affinity_max_wait_ratio}"
+            )
+        for name in ("affinity_min_wait_gap_s", "score_tie_s", "kv_transfer_s_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_local_prefill_tokens", "local_prefill_chunk_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request runs and what the policy predicts for it."""
+
+    # None: the decode worker prefills locally.
+    prefill_worker_id: str | None
+    decode_worker_id: str
+    # "disaggregated" or "local_prefill"; labels `tandem:disagg_decisions_total`.
+    decision: Decision
+    # Queue wait before the prompt starts prefilling (on whichever worker prefills it).
+    predicted_queue_s: float
+    # Queue wait + uncached prefill time.
+    predicted_ttft_s: float
+    # Decode step time after the request joins the batch.
+    predicted_itl_s: float
+    num_prompt_tokens: int
+    # Prompt tokens predicted to hit the prefix cache where the prompt is prefilled.
+    num_cached_tokens: int
+    # KV blocks the decode worker must hold for prompt + max_tokens.
+    num_decode_blocks: int
+    # The decode worker has those blocks free now (else admission must wait or shed).
+    fits: bool
+    # The load guard overrode the best-affinity prefill worker.
+    affinity_overridden: bool = False
+    # Chained block hashes of the prompt, reused when the placement is committed.
+    prompt_hashes: tuple[bytes, ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        """Prompt tokens predicted to be computed."""
+        return self.num_prompt_tokens - self.num_cached_tokens
+
+
+@dataclass(frozen=True)
+class _PrefillOption:
+    worker: WorkerState
+    wait_s: float
+    cached: int
+    ttft_s: float
+
+
+class PairSelector:
+    """Scores the available workers for one request; see the module docstring."""
+
+    def __init__(
+        self,
+        prefill: Sequence[WorkerState],
+        decode: Sequence[WorkerState],
+        config: SelectorConfig | None = None,
+    ) -> None:
+        if not decode:
+            raise ValueError("decode must name at least one decode or colocated worker")
+        sizes = {w.block_size for w in (*prefill, *decode)}
+        if len(sizes) != 1:
+            raise ValueError(f"all workers must share one block size, got {sorted(sizes)}")
+        self.prefill = list(prefill)
+        self.decode = list(decode)
+        self.config = config or SelectorConfig()
+        self.block_size = sizes.pop()
+
+    def select(self, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo) -> Placement:
+        """The best pair for this request now; raises RuntimeError if no decode worker is up."""
+        cfg = self.config
+        n = len(prompt_ids)
+        hashes = block_hashes(prompt_ids, self.block_size)
+        need = -(-(n + max_tokens) // self.block_size)
+        decode = self._pick_decode(n, need, slo)
+        itl = decode.predicted_step_s(1, n)
+        fits = decode.num_free_blocks >= need
+        remote, overridden = self._pick_prefill(hashes, n)
+
+        local_ttft = math.inf
+        local_cached = 0
+        if cfg.enable_local_prefill or remote is None:
+            local_cached = decode.prefix.match_blocks(hashes, n) * self.block_size
+            local_ttft = self._local_ttft(decode, n - local_cached, slo, forced=remote is None)
+        if remote is not None:
+            remote_second = remote.ttft_s + cfg.kv_transfer_s_per_token * n
+            if not local_ttft <= remote_second:
+                return Placement(
+                    prefill_worker_id=remote.worker.worker_id,
+                    decode_worker_id=decode.worker_id,
+                    decision=DISAGGREGATED,
+                    predicted_queue_s=remote.wait_s,
+                    predicted_ttft_s=remote.ttft_s,
+                    predicted_itl_s=itl,
+                    num_prompt_tokens=n,
+                    num_cached_tokens=remote.cached,
+                    num_decode_blocks=need,
+                    fits=fits,
+                    affinity_overridden=overridden,
+                    prompt_hashes=tuple(hashes),
+                )
+        return Placement(
+            prefill_worker_id=None,
+            decode_worker_id=decode.worker_id,
+            decision=LOCAL_PREFILL,
+            predicted_queue_s=decode.predicted_queue_s(),
+            predicted_ttft_s=local_ttft,
+            predicted_itl_s=itl,
+            num_prompt_tokens=n,
+            num_cached_tokens=local_cached,
+            num_decode_blocks=need,
+            fits=fits,
+            prompt_hashes=tuple(hashes),
+        )
+
+    # ----- decode side ---------------------------------------------------------------
+
+    def _pick_decode(self, n: int, need: int, slo: RequestSlo) -> WorkerState:
+        workers = [w for w in self.decode if w.available]
+        if not workers:
+            raise RuntimeError("no decode worker is available")
+        fitting = [w for w in workers if w.num_free_blocks >= need]
+        if not fitting:
+            return max(workers, key=lambda w: w.num_free_blocks)
+
+        def key(w: WorkerState) -> tuple[bool, float, int]:
+            step = w.predicted_step_s(1, n)
+            misses = slo.itl_s is not None and step > slo.itl_s
+            return (misses, step, -w.num_free_blocks)
+
+        return min(fitting, key=key)
+
+    def _local_ttft(
+        self, decode: WorkerState, uncached: int, slo: RequestSlo, *, forced: bool
+    ) -> float:
+        """Predicted TTFT of a local prefill on `decode`, or inf when it is not allowed."""
+        cfg = self.config
+        ttft = decode.predicted_queue_s() + decode.prefill_model.predict(uncached)
+        if forced:
+            return ttft
+        if uncached > cfg.max_local_prefill_tokens:
+            return math.inf
+        tightest = decode.min_itl_slo_s
+        if tightest is not None and decode.num_running > 0:
+            chunk = min(uncached, cfg.local_prefill_chunk_tokens)
+            stall = decode.predicted_step_s() + decode.prefill_model.predict(chunk)
+            if stall > tightest:
+                return math.inf
+        return ttft
+
+    # ----- prefill side --------------------------------------------------------------
+
+    def _pick_prefill(self, hashes: list[bytes], n: int) -> tuple[_PrefillOption | None, bool]:
+        """Best prefill option and whether the load guard overrode pure affinity."""
+        options = []
+        for w in self.prefill:
+            if not w.available:
+                continue
+            cached = w.prefix.match_blocks(hashes, n) * self.block_size
+            wait = w.predicted_queue_s()
+            options.append(_PrefillOption(w, wait, cached, wait + w.prefill_model.predict(n - cached)))
+        if not options:
+            return None, False
+        cfg = self.config
+        best_score = min(o.ttft_s for o in options)
+        least_wait = min(o.wait_s for o in options)
+        limit = cfg.affinity_max_wait_ratio * least_wait + cfg.affinity_min_wait_gap_s
+        eligible = [o for o in options if o.wait_s <= limit]
+        top = min(o.ttft_s for o in eligible)
+        ties = [o for o in eligible if o.ttft_s <= top + cfg.score_tie_s]
+        chosen = min(ties, key=lambda o: (len(o.worker.prefix), o.wait_s))
+        return chosen, chosen.ttft_s > best_score + cfg.score_tie_s

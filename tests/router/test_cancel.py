@@ -1,0 +1,65 @@
+"""A client that cancels mid-stream frees every worker's resources within a second."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from proto.tandem.v1 import generation_pb2 as gen_pb
+from proto.tandem.v1 import generation_pb2_grpc
+from tests.engine.test_hf_equivalence import make_prompts
+from tests.router.inproc_cluster import InprocCluster
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir):
+    cluster = InprocCluster(str(tiny_model_dir)).start()
+    yield cluster
+    cluster.stop()
+
+
+async def cancel_after(endpoint: str, prompt: list[int], num_messages: int) -> int:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = gen_pb.GenerateRequest(
+            prompt_token_ids=prompt, max_tokens=900, temperature=0.0, ignore_eos=True
+        )
+        call = stub.Generate(request, timeout=60)
+        received = 0
+        async for _ in call:
+            received += 1
+            if received == num_messages:
+                call.cancel()
+                break
+        return received
+
+
+@pytest.mark.parametrize("num_messages", [1, 2, 10])
+def test_grpc_cancel_mid_stream_frees_workers(cluster, num_messages):
+    prompt = make_prompts(2048, (100,), seed=51)[0]
+    received = cluster.run(cancel_after(cluster.grpc_endpoint, prompt, num_messages))
+    assert received == num_messages
+    cluster.assert_idle(timeout_s=1.0)
+
+
+def test_grpc_deadline_expiry_frees_workers(cluster):
+    async def scenario() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            request = gen_pb.GenerateRequest(
+                prompt_token_ids=make_prompts(2048, (60,), seed=52)[0],
+                max_tokens=900,
+                temperature=0.0,
+                ignore_eos=True,
+            )
+            try:
+                async for _ in stub.Generate(request, timeout=0.5):
+                    pass
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+    assert cluster.run(scenario()) is grpc.StatusCode.DEADLINE_EXCEEDED
+    cluster.assert_idle(timeout_s=1.0)
