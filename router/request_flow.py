@@ -63,6 +63,7 @@ class ChunkStream:
         self._source = source
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
+        self._cancel_requested = False
 
     def __aiter__(self) -> ChunkStream:
         return self
@@ -93,8 +94,9 @@ class ChunkStream:
         if self._task is None:
             # Never started: nothing is held yet; close the source so it cannot start.
             self._task = asyncio.get_running_loop().create_task(self._source.aclose())
-        elif not self._task.done() and not self._task.cancelling():
+        elif not self._task.done() and not self._cancel_requested:
             # Once: a second cancel would interrupt the request's own cleanup.
+            self._cancel_requested = True
             self._task.cancel()
 
     async def aclose(self) -> None:
