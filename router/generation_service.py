@@ -11,7 +11,7 @@ import grpc
 from engine.sampling_params import SamplingParams
 from proto.tandem.v1 import generation_pb2 as gen_pb
 from proto.tandem.v1 import generation_pb2_grpc
-from router.errors import RouterError
+from router.errors import InvalidRequest, ModelNotFound, RouterError
 from router.request_flow import RequestFlow
 from router.tokenization import PromptTokenizer
 
@@ -36,8 +36,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
         try:
             prompt_ids, params = self._validate(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except RouterError as exc:
+            await context.abort(exc.grpc_code, str(exc))
         req_id = request.request_id or uuid.uuid4().hex
         stream = self.flow.generate(req_id, prompt_ids, params)
         # Client cancel or deadline: the RPC ends while we may be parked at a yield.
@@ -66,11 +66,44 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             await stream.aclose()
 
-    def _validate(self, request: gen_pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        if request.model and request.model != self.model_name:
-            raise ValueError(
-                f"unknown model {request.model!r}; this server serves {self.model_name!r}"
+    async def Tokenize(self, request: gen_pb.TokenizeRequest, context) -> gen_pb.TokenizeResponse:
+        try:
+            self._check_model(request.model)
+            ids = self.tokenizer.encode(request.prompt)
+        except RouterError as exc:
+            await context.abort(exc.grpc_code, str(exc))
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return gen_pb.TokenizeResponse(token_ids=ids, max_model_len=self.tokenizer.max_model_len)
+
+    async def ListModels(
+        self, request: gen_pb.ListModelsRequest, context
+    ) -> gen_pb.ListModelsResponse:
+        card = gen_pb.ModelCard(
+            id=self.model_name,
+            root=self.tokenizer.model_dir,
+            max_model_len=self.tokenizer.max_model_len,
+            vocab_size=self.tokenizer.vocab_size,
+        )
+        return gen_pb.ListModelsResponse(models=[card])
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise ModelNotFound(
+                f"model {model!r} does not exist; this server serves {self.model_name!r}", "model"
             )
+
+    def _validate(self, request: gen_pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """Prompt ids and sampling params, or InvalidRequest naming the bad field."""
+        self._check_model(request.model)
+        try:
+            return self._parse(request)
+        except RouterError:
+            raise
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+    def _parse(self, request: gen_pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         if request.prompt_token_ids:
             prompt_ids = self.tokenizer.check_ids(list(request.prompt_token_ids))
         else:

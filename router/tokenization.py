@@ -11,6 +11,7 @@ class PromptTokenizer:
     """The served model's tokenizer plus the limits a prompt must respect."""
 
     def __init__(self, model_dir: str, max_model_len: int | None = None) -> None:
+        self.model_dir = str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model_config = ModelConfig.from_model_dir(model_dir)
         self.vocab_size = model_config.vocab_size

@@ -39,6 +39,16 @@ class GenerationStub:
                 request_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/tandem.v1.Generation/Tokenize',
+                request_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/tandem.v1.Generation/ListModels',
+                request_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -51,6 +61,20 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids a prompt becomes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListModels(self, request, context):
+        """The models this server serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -58,6 +82,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
+                    response_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -87,6 +121,60 @@ class Generation:
             '/tandem.v1.Generation/Generate',
             proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
             proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/Tokenize',
+            proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/ListModels',
+            proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+            proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,
