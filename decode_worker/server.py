@@ -13,6 +13,7 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import Engine
 from engine.tracing import Tracing
 from engine.worker_config import WorkerConfig, WorkerRole
+from engine.worker_metrics import WorkerMetrics
 from kv_transfer.client import KvTransferClient
 from kv_transfer.layout import KvLayout
 from proto.server_options import GRPC_OPTIONS
@@ -32,6 +33,7 @@ class DecodeWorker:
         self.config = config
         self.tracing = tracing or Tracing(f"tandem-{config.worker_id}", config.trace_exporter)
         self.endpoint = ""
+        self.metrics = WorkerMetrics(config.worker_id, config.role.value)
         self._loop: EngineLoop | None = None
         self._server: grpc.aio.Server | None = None
         self._kv_client: KvTransferClient | None = None
@@ -50,11 +52,12 @@ class DecodeWorker:
         self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         self.endpoint = f"{config.host}:{port}"
-        self._service = DecodeService(config, loop, self._kv_client, self.tracing)
+        self._service = DecodeService(config, loop, self._kv_client, self.tracing, self.metrics)
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(self._service, server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         await server.start()
+        await self.metrics.start(loop, config.host, config.metrics_port)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         logger.info(
             "%s worker %s serving on %s", config.role.value, config.worker_id, self.endpoint
@@ -65,6 +68,7 @@ class DecodeWorker:
         """Finish in-flight streams (up to the drain timeout), then free everything."""
         if self._server is not None:
             await self._server.stop(self.config.drain_timeout_s)
+        await self.metrics.stop()
         if self._service is not None:
             await self._service.close()
         if self._kv_client is not None:

@@ -22,6 +22,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tracing import Tracing
 from engine.worker_config import WorkerConfig
+from engine.worker_metrics import WorkerMetrics
 from kv_transfer.client import KvTransferClient
 from kv_transfer.errors import KvTransferError
 from kv_transfer.handle import KvHandle
@@ -37,10 +38,16 @@ _RELEASE_TIMEOUT_S = 5.0
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(
-        self, config: WorkerConfig, loop: EngineLoop, kv_client: KvTransferClient, tracing: Tracing
+        self,
+        config: WorkerConfig,
+        loop: EngineLoop,
+        kv_client: KvTransferClient,
+        tracing: Tracing,
+        metrics: WorkerMetrics,
     ) -> None:
         self.config = config
         self.tracing = tracing
+        self.metrics = metrics
         self.loop = loop
         self.kv_client = kv_client
         self.num_kv_recomputes = 0
@@ -131,6 +138,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             logger.warning("KV pull for %s failed (%s); recomputing locally", req_id, exc)
             await self.loop.call(lambda e: e.cancel_import(req_id))
             self.num_kv_recomputes += 1
+            self.metrics.kv_recomputes.inc()
             self._release_remote(handle)
             return await self._recompute(req_id, prompt, first, params), True, 0.0
         except BaseException:
@@ -139,6 +147,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             raise
         self._release_remote(handle)
         transfer_s = time.monotonic() - started
+        self.metrics.kv_transfer_seconds.observe(transfer_s)
+        self.metrics.kv_transfer_bytes.inc(blocks.numel() * blocks.element_size())
         stream = await self.loop.submit(req_id, lambda e: e.commit_import(req_id))
         return stream, False, transfer_s
 

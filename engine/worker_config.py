@@ -33,6 +33,8 @@ class WorkerConfig:
     # Address the worker's gRPC server binds; port 0 picks a free port.
     host: str = "127.0.0.1"
     port: int = 0
+    # Port of the worker's Prometheus /metrics HTTP endpoint; 0 picks a free port.
+    metrics_port: int = 0
     # KV transfer backend: "tcp" (CPU), "nccl" (GPU) or "local" (same process).
     kv_backend: str = "tcp"
     # Longest a decode worker waits for free blocks before refusing a request.

@@ -12,6 +12,7 @@ from engine.engine_loop import EngineLoop
 from engine.llm_engine import Engine
 from engine.tracing import Tracing
 from engine.worker_config import WorkerConfig, WorkerRole
+from engine.worker_metrics import WorkerMetrics
 from kv_transfer.layout import KvLayout
 from kv_transfer.service import KvTransferService
 from prefill_worker.service import PrefillService
@@ -30,6 +31,7 @@ class PrefillWorker:
         self.config = config
         self.tracing = tracing or Tracing(f"tandem-{config.worker_id}", config.trace_exporter)
         self.endpoint = ""
+        self.metrics = WorkerMetrics(config.worker_id, config.role.value)
         self._loop: EngineLoop | None = None
         self._server: grpc.aio.Server | None = None
         self._transfer: KvTransferService | None = None
@@ -58,6 +60,7 @@ class PrefillWorker:
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         self._transfer.start()
         await server.start()
+        await self.metrics.start(loop, config.host, config.metrics_port)
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         logger.info("prefill worker %s serving on %s", config.worker_id, self.endpoint)
         return self.endpoint
@@ -66,6 +69,7 @@ class PrefillWorker:
         """Finish in-flight calls (up to the drain timeout), then free everything."""
         if self._server is not None:
             await self._server.stop(self.config.drain_timeout_s)
+        await self.metrics.stop()
         if self._transfer is not None:
             await self._transfer.stop()
         if self._loop is not None:

@@ -69,6 +69,11 @@ class InprocCluster:
         await self.router.start()
 
     @property
+    def worker_metrics_endpoints(self) -> dict[str, str]:
+        """worker id -> its Prometheus endpoint (http://host:port)."""
+        return {s.config.worker_id: s.metrics.endpoint for s in self._servers}
+
+    @property
     def grpc_endpoint(self) -> str:
         return self.router.grpc_endpoint
 

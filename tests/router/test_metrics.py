@@ -65,6 +65,15 @@ def test_metrics_match_a_known_workload(tiny_model_dir):
         assert metrics[f"tandem:disagg_decisions_total{{decision=disaggregated,{model}}}"] == n
         assert metrics[f"tandem:num_requests_running{{{model}}}"] == 0
         assert metrics[f"tandem:time_to_first_token_seconds_sum{{{model}}}"] > 0
+        endpoints = cluster.worker_metrics_endpoints
+        prefill = scrape(f"{endpoints['prefill-0']}/metrics")
+        decode = scrape(f"{endpoints['decode-0']}/metrics")
+        p_labels, d_labels = "role=prefill,worker_id=prefill-0", "role=decode,worker_id=decode-0"
+        assert prefill[f"tandem:prefix_cache_queries_total{{{p_labels}}}"] == sum(map(len, prompts))
+        assert prefill[f"tandem:kv_cache_usage_perc{{{p_labels}}}"] == 0.0
+        assert decode[f"tandem:kv_transfer_seconds_count{{{d_labels}}}"] == n
+        assert decode[f"tandem:kv_transfer_bytes_total{{{d_labels}}}"] > 0
+        assert decode[f"tandem:num_requests_running{{{d_labels}}}"] == 0
         cluster.assert_idle()
     finally:
         cluster.stop()
