@@ -46,12 +46,17 @@ class ClusterConfig:
     kv_backend: str | None = None
     # Engine settings applied to every worker (EngineConfig field -> value).
     engine_overrides: dict = field(default_factory=dict)
+    # GPUs per worker bundle; a fraction lets several workers share one GPU.
+    gpus_per_worker: float = 1.0
     # torch threads per worker process; None = cores / workers (at least 1).
     threads_per_worker: int | None = None
     worker_start_timeout_s: float = 600.0
     kv_lease_s: float = 30.0
 
     def __post_init__(self) -> None:
+        gpus = self.gpus_per_worker
+        if gpus <= 0 or (gpus > 1 and not float(gpus).is_integer()):
+            raise ValueError(f"gpus_per_worker must be in (0, 1] or a whole number, got {gpus}")
         if self.num_colocated < 0 or self.num_prefill < 0 or self.num_decode < 0:
             raise ValueError("worker counts must be >= 0")
         if self.num_colocated == 0 and (self.num_prefill < 1 or self.num_decode < 1):
@@ -86,7 +91,7 @@ class LocalCluster:
         roles = config.roles
         self._init_ray(len(roles))
         use_gpu = config.device.startswith("cuda")
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        bundle = {"GPU": config.gpus_per_worker, "CPU": 1} if use_gpu else {"CPU": 1}
         self._pg = placement_group([dict(bundle) for _ in roles], strategy="PACK")
         await asyncio.wait_for(self._pg.ready(), config.worker_start_timeout_s)
         threads = config.threads_per_worker or max(1, (os.cpu_count() or 1) // len(roles))
