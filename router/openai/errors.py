@@ -21,6 +21,8 @@ from router.errors import InvalidRequest, ModelNotFound, Overloaded, RouterError
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The app's body size limit (`client_max_size`), for the 413 message.
+MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 
 
 class HttpApiError(RouterError):
@@ -94,9 +96,6 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> HttpApi
         return HttpApiError(413, message, code="request_too_large")
     openai_type = "server_error" if status >= 500 else "invalid_request_error"
     return HttpApiError(status, exc.text or exc.reason, openai_type)
-
-
-MAX_BODY_BYTES = web.AppKey("max_body_bytes", int)
 
 
 @web.middleware

@@ -282,21 +282,25 @@ class RequestParser:
         self._check_token_ids("stop_token_ids", stop_token_ids)
         min_tokens = get_int(body, "min_tokens", min_value=0, max_value=max_tokens)
         skip_special_tokens = get_bool(body, "skip_special_tokens")
+        seed = get_int(body, "seed", min_value=0, max_value=MAX_SEED)
+        stop = get_str_list(body, "stop", MAX_NUM_STOP_STRINGS)
+        ignore_eos = bool(get_bool(body, "ignore_eos"))
+        # Every field is checked above; this only catches combinations the engine refuses.
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if temperature is None else temperature,
                 top_k=top_k or 0,
                 top_p=1.0 if top_p is None else top_p,
-                seed=get_int(body, "seed", min_value=0, max_value=MAX_SEED),
-                stop=get_str_list(body, "stop", MAX_NUM_STOP_STRINGS),
+                seed=seed,
+                stop=stop,
                 stop_token_ids=stop_token_ids,
-                ignore_eos=bool(get_bool(body, "ignore_eos")),
+                ignore_eos=ignore_eos,
                 min_tokens=min_tokens or 0,
                 logprobs=logprobs,
                 skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
             )
-        except ValueError as exc:  # a combination the engine refuses; its message names it
+        except ValueError as exc:  # its message names the fields
             raise InvalidRequest(str(exc)) from exc
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from engine.model_maker import separate_logits
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -20,14 +22,15 @@ def save_random_model(
 ) -> Path:
     """A seeded random checkpoint of `config`, with the tokenizer of `tokenizer_dir`.
 
-    The output projection gets a logit std of about 4 so that greedy argmax is never
-    decided by a near-tie (fp32 rounding must not be able to flip a token).
+    Weights are drawn wide enough that the layers shape the output (`initializer_range`
+    0.1 / sqrt(hidden / 256)) and the logits are separated like the model maker's, so
+    greedy argmax is rarely a near-tie and the output varies.
     """
+    config.initializer_range = 0.1 / (config.hidden_size / 256) ** 0.5
     torch.manual_seed(seed)
     model = model_cls(config).float()
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 4.0 / config.hidden_size**0.5)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    separate_logits(model)
+    model.save_pretrained(out_dir)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():
             shutil.copy(tokenizer_dir / name, out_dir / name)

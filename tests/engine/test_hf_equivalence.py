@@ -42,6 +42,9 @@ def run_engine(model_dir: Path, prompts: list[list[int]], **overrides) -> tuple[
 def assert_token_equal(outputs, expected: list[list[int]]) -> None:
     for i, (out, ref) in enumerate(zip(outputs, expected, strict=True)):
         assert out.token_ids == ref, f"prompt {i} ({len(out.prompt_token_ids)} tokens) diverged"
+    # Equality means little if the model just repeats one token.
+    distinct = {t for ref in expected for t in ref}
+    assert len(distinct) >= 2 * len(expected), f"degenerate reference output: {len(distinct)} ids"
 
 
 def assert_idle(engine: Engine) -> None:

@@ -1,0 +1,123 @@
+"""The `tandem` command line: one subcommand per entry point into the system.
+
+    tandem model make --preset tiny|small --out DIR [--seed N]
+    tandem demo --model DIR [--max-tokens N] [--prompt TEXT ...]
+
+Each subcommand imports what it needs inside its handler, so `tandem model make`
+works before (or without) the engine and cluster code it does not use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+DEMO_PROMPTS = (
+    "The quick brown fox",
+    "Hello, my name is",
+    "A cache block holds",
+    "Once upon a time, the server",
+)
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `tandem` console script; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler: Handler = args.handler
+    return handler(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_model_commands(commands)
+    _add_demo_command(commands)
+    # `tandem serve` (Ray cluster + router) plugs in here as one more _add_*_command.
+    return parser
+
+
+def _add_model_commands(commands: argparse._SubParsersAction) -> None:
+    model = commands.add_parser("model", help="make or inspect model directories")
+    model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    make = model_commands.add_parser(
+        "make", help="write a random-weight Llama model directory that transformers loads"
+    )
+    # Presets are checked by make_model: importing it here would slow every command.
+    make.add_argument("--preset", default="tiny", help="tiny (~3M params) or small (~125M)")
+    make.add_argument("--out", required=True, help="output directory (created if absent)")
+    make.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
+    make.set_defaults(handler=_run_model_make)
+
+
+def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    demo = commands.add_parser("demo", help="generate offline with one in-process engine")
+    demo.add_argument("--model", required=True, help="Hugging Face model directory")
+    demo.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
+    demo.add_argument(
+        "--prompt",
+        action="append",
+        dest="prompts",
+        help="a prompt (repeat for several); default: a few built-in prompts",
+    )
+    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    demo.set_defaults(handler=_run_demo)
+
+
+def _run_model_make(args: argparse.Namespace) -> int:
+    from engine.model_maker import make_model
+
+    started = time.perf_counter()
+    try:
+        out = make_model(args.preset, args.out, seed=args.seed)
+    except ValueError as exc:
+        print(f"tandem model make: {exc}", file=sys.stderr)
+        return 2
+    logging.getLogger(__name__).info("made in %.1fs", time.perf_counter() - started)
+    print(out)
+    return 0
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.generate import generate
+    from engine.llm_engine import Engine
+    from engine.sampling_params import SamplingParams
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    prompts = list(args.prompts or DEMO_PROMPTS)
+    started = time.perf_counter()
+    engine = Engine(EngineConfig(model=args.model, device=device))
+    print(f"engine ready on {device} in {time.perf_counter() - started:.1f}s: {args.model}")
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    started = time.perf_counter()
+    outputs = generate(engine, prompts, params)
+    elapsed_s = time.perf_counter() - started
+
+    for prompt, output in zip(prompts, outputs, strict=True):
+        print(f"\nprompt:     {prompt!r}")
+        print(f"completion: {output.text!r}")
+        print(f"            ({len(output.token_ids)} tokens, finish: {output.finish_reason})")
+    num_tokens = sum(len(output.token_ids) for output in outputs)
+    print(
+        f"\n{len(outputs)} requests, {num_tokens} tokens in {elapsed_s:.2f}s: "
+        f"{num_tokens / max(elapsed_s, 1e-9):.1f} tokens/s (greedy, batched)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

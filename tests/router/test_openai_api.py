@@ -1,0 +1,282 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client.
+
+One real in-process cluster (1 prefill + 1 decode worker, router with an API key) for
+the module; every test ends with the workers back to idle.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+
+from engine.model_maker import make_model
+from router.tokenization import PromptTokenizer
+from tests.cluster.client import worker_stats
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.test_hf_equivalence import make_prompts
+from tests.router.inproc_cluster import InprocCluster
+
+API_KEY = "sk-tandem-test"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared tiny model where a conftest provides one, else a module-local one."""
+    try:
+        return Path(request.getfixturevalue("tiny_model_dir"))
+    except pytest.FixtureLookupError:
+        return make_model("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path):
+    cluster = InprocCluster(str(model_dir), router_overrides={"api_key": API_KEY}).start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def client(cluster: InprocCluster):
+    client = openai.OpenAI(
+        base_url=f"{cluster.http_endpoint}/v1", api_key=API_KEY, max_retries=0, timeout=60
+    )
+    yield client
+    client.close()
+    cluster.assert_idle()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> PromptTokenizer:
+    return PromptTokenizer(str(model_dir))
+
+
+def model_name(cluster: InprocCluster) -> str:
+    return cluster.router.config.model_name
+
+
+def post(cluster: InprocCluster, path: str, body: dict, key: str | None = API_KEY) -> dict:
+    request = urllib.request.Request(
+        cluster.http_endpoint + path, data=json.dumps(body).encode(), method="POST"
+    )
+    request.add_header("Content-Type", "application/json")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())
+
+
+def test_streamed_completion_has_usage_chunk_and_matches_non_streamed(client, cluster, tokenizer):
+    prompt = "the quick brown fox jumps over the lazy dog"
+    args = dict(
+        model=model_name(cluster),
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(
+        client.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    *token_chunks, usage_chunk = chunks
+    assert token_chunks and all(len(c.choices) == 1 for c in token_chunks)
+    assert {c.id for c in chunks} == {chunks[0].id} and chunks[0].id.startswith("cmpl-")
+    assert all(c.object == "text_completion" and c.model == model_name(cluster) for c in chunks)
+    assert all(c.usage is None for c in token_chunks)
+    assert [c.choices[0].finish_reason for c in token_chunks][-1] == "length"
+    assert usage_chunk.choices == []
+    num_prompt_tokens = len(tokenizer.encode(prompt))
+    assert usage_chunk.usage.prompt_tokens == num_prompt_tokens
+    assert usage_chunk.usage.completion_tokens == 12
+    assert usage_chunk.usage.total_tokens == num_prompt_tokens + 12
+    assert usage_chunk.usage.prompt_tokens_details.cached_tokens >= 0
+
+    whole = client.completions.create(**args)
+    assert whole.object == "text_completion" and whole.id.startswith("cmpl-")
+    assert whole.choices[0].text == "".join(c.choices[0].text for c in token_chunks)
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.prompt_tokens == num_prompt_tokens
+    assert whole.usage.completion_tokens == 12
+
+
+def test_greedy_completion_equals_transformers(client, cluster, model_dir, tokenizer):
+    prompts = make_prompts(tokenizer.vocab_size, (5, 90), seed=7)
+    expected = hf_greedy(model_dir, prompts, 8)
+    for prompt, ref in zip(prompts, expected, strict=True):
+        out = client.completions.create(
+            model=model_name(cluster), prompt=prompt, max_tokens=8, temperature=0, logprobs=1
+        )
+        choice = out.choices[0]
+        assert choice.text == tokenizer.decode(ref)
+        # Per-token strings pin the exact ids, not just the joined text.
+        token_text = tokenizer.tokenizer.decode
+        assert choice.logprobs.tokens == [token_text([t], skip_special_tokens=False) for t in ref]
+        assert len(choice.logprobs.token_logprobs) == len(ref)
+        assert all(lp <= 0.0 for lp in choice.logprobs.token_logprobs)
+        assert out.usage.prompt_tokens == len(prompt)
+        assert out.usage.completion_tokens == len(ref)
+
+
+def test_streamed_chat_starts_with_role_and_ends_with_usage(client, cluster):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "name a river"},
+    ]
+    args = dict(
+        model=model_name(cluster),
+        messages=messages,
+        max_completion_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(
+        client.chat.completions.create(**args, stream=True, stream_options={"include_usage": True})
+    )
+    *delta_chunks, usage_chunk = chunks
+    assert chunks[0].id.startswith("chatcmpl-")
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert delta_chunks[0].choices[0].delta.role == "assistant"
+    assert delta_chunks[-1].choices[0].finish_reason == "length"
+    streamed_text = "".join(c.choices[0].delta.content or "" for c in delta_chunks)
+    num_prompt_tokens = post(cluster, "/tokenize", {"messages": messages})["count"]
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.prompt_tokens == num_prompt_tokens
+    assert usage_chunk.usage.completion_tokens == 10
+
+    whole = client.chat.completions.create(**args, logprobs=True, top_logprobs=2)
+    assert whole.object == "chat.completion" and whole.id.startswith("chatcmpl-")
+    message = whole.choices[0].message
+    assert message.role == "assistant" and message.content == streamed_text
+    assert len(whole.choices[0].logprobs.content) == 10
+    assert whole.choices[0].logprobs.content[0].top_logprobs[0].token == (
+        whole.choices[0].logprobs.content[0].token
+    )
+    assert whole.usage.prompt_tokens == num_prompt_tokens
+    assert whole.usage.completion_tokens == 10
+
+
+def test_stop_string_cuts_the_text(client, cluster):
+    args = dict(model=model_name(cluster), prompt="model token request", temperature=0)
+    full = client.completions.create(**args, max_tokens=24, extra_body={"ignore_eos": True})
+    text = full.choices[0].text
+    assert len(text) > 12, text
+    stop = text[8:11]
+    cut = client.completions.create(**args, max_tokens=24, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client, cluster):
+    args = dict(
+        model=model_name(cluster),
+        prompt="the cache",
+        max_tokens=16,
+        temperature=1.0,
+        top_p=0.9,
+        seed=1234,
+        extra_body={"ignore_eos": True, "top_k": 50},
+    )
+    first = client.completions.create(**args).choices[0].text
+    assert client.completions.create(**args).choices[0].text == first
+
+
+def test_models_and_tokenize(client, cluster, model_dir, tokenizer):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name(cluster)]
+    card = models.data[0].model_dump()
+    assert card["object"] == "model" and card["owned_by"] == "tandem"
+    assert card["root"] == str(model_dir)
+    assert card["max_model_len"] == tokenizer.max_model_len
+    assert isinstance(card["created"], int)
+    assert client.models.retrieve(model_name(cluster)).id == model_name(cluster)
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+    out = post(cluster, "/tokenize", {"prompt": "hello world"})
+    assert out == {
+        "tokens": tokenizer.encode("hello world"),
+        "count": len(tokenizer.encode("hello world")),
+        "max_model_len": tokenizer.max_model_len,
+    }
+    chat = [{"role": "user", "content": "hi"}]
+    assert post(cluster, "/tokenize", {"messages": chat})["tokens"] == tokenizer.encode_chat(chat)
+
+
+def test_api_key_is_required_and_health_stays_open(client, cluster):
+    out = client.completions.create(model=model_name(cluster), prompt="hello", max_tokens=2)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    wrong = openai.OpenAI(
+        base_url=f"{cluster.http_endpoint}/v1", api_key="sk-wrong", max_retries=0, timeout=30
+    )
+    with pytest.raises(openai.AuthenticationError) as excinfo:
+        wrong.completions.create(model=model_name(cluster), prompt="hello", max_tokens=2)
+    assert excinfo.value.status_code == 401
+    wrong.close()
+    with urllib.request.urlopen(cluster.http_endpoint + "/health", timeout=30) as response:
+        assert json.loads(response.read())["status"] == "ok"
+
+
+def _send_completion(cluster: InprocCluster, body: dict) -> socket.socket:
+    """A raw HTTP request on its own socket, so the test can hang up at any moment."""
+    url = urlsplit(cluster.http_endpoint)
+    sock = socket.create_connection((url.hostname, url.port), timeout=60)
+    data = json.dumps(body).encode()
+    head = (
+        "POST /v1/completions HTTP/1.1\r\n"
+        f"Host: {url.netloc}\r\n"
+        f"Authorization: Bearer {API_KEY}\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def _long_generation(cluster: InprocCluster, stream: bool) -> dict:
+    # 1000 tokens take the tiny model on CPU several seconds: far longer than the 1 s
+    # the workers get to become idle, so only a real cancellation passes.
+    return {
+        "model": model_name(cluster),
+        "prompt": "the",
+        "max_tokens": 1000,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": stream,
+    }
+
+
+@pytest.mark.parametrize("num_events", [1, 4])
+def test_client_disconnect_mid_stream_frees_the_workers(cluster, num_events):
+    sock = _send_completion(cluster, _long_generation(cluster, stream=True))
+    received = b""
+    try:
+        while received.count(b"data: ") < num_events:
+            data = sock.recv(65536)
+            assert data, f"stream closed early: {received!r}"
+            received += data
+    finally:
+        sock.close()
+    assert received.startswith(b"HTTP/1.1 200"), received[:200]
+    assert b"[DONE]" not in received  # the generation was still running
+    cluster.assert_idle(timeout_s=1.0)
+
+
+def test_client_disconnect_during_non_streamed_completion_frees_the_workers(cluster):
+    sock = _send_completion(cluster, _long_generation(cluster, stream=False))
+    decode = next(w for w in cluster.workers if w.role == "decode")
+    try:
+        deadline = time.monotonic() + 30
+        while not cluster.run(worker_stats(decode.endpoint, decode.role)).num_running:
+            assert time.monotonic() < deadline, "the decode worker never started the request"
+            time.sleep(0.05)
+    finally:
+        sock.close()
+    cluster.assert_idle(timeout_s=1.0)

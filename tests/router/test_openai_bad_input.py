@@ -1,0 +1,415 @@
+"""Bad HTTP input to the OpenAI API: the right status, OpenAI error JSON, a message that
+names the problem, and nothing left running in the cluster afterwards.
+
+Also: router errors (overload, worker failures) map to 429 / 503 / 504, before and
+during a stream, checked on an app whose request flow fails on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from engine.model_maker import make_model
+from router.config import RouterConfig
+from router.errors import Overloaded, RouterError, WorkerUnavailable, from_worker_error
+from router.http_server import make_http_app
+from router.request_flow import GenerationChunk, Usage
+from router.tokenization import PromptTokenizer
+from tests.router.inproc_cluster import InprocCluster
+
+API_KEY = "sk-tandem-bad-input"
+MAX_BODY_BYTES = 256 * 1024
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared tiny model where a conftest provides one, else a module-local one."""
+    try:
+        return Path(request.getfixturevalue("tiny_model_dir"))
+    except pytest.FixtureLookupError:
+        return make_model("tiny", tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path):
+    overrides = {"api_key": API_KEY, "max_body_bytes": MAX_BODY_BYTES}
+    cluster = InprocCluster(str(model_dir), router_overrides=overrides).start()
+    yield cluster
+    cluster.stop()
+
+
+def http(
+    base_url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    key: str | None = API_KEY,
+) -> tuple[int, dict[str, str], Any]:
+    """One request; `body` is JSON-encoded unless already bytes (or an iterable of bytes)."""
+    if body is None or isinstance(body, (bytes, Iterator)):
+        data = body
+    else:
+        data = json.dumps(body).encode()
+    request = urllib.request.Request(base_url + path, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+@dataclass
+class Bad:
+    """One bad request and what the answer must say."""
+
+    name: str
+    body: Any
+    status: int
+    # Substrings the error message must contain (case-insensitive).
+    words: tuple[str, ...]
+    path: str = "/v1/completions"
+    method: str = "POST"
+    key: str | None = API_KEY
+    # Expected `param` (checked when not ...).
+    param: Any = ...
+    code: Any = ...
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _chunks(total: int) -> Iterator[bytes]:
+    """A body sent with chunked transfer encoding (no Content-Length to refuse early)."""
+    yield b'{"prompt": "'
+    for _ in range(total // 4096):
+        yield b"a" * 4096
+    yield b'"}'
+
+
+def _chat(**fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+CASES = [
+    Bad("empty prompt", {"prompt": ""}, 400, ("'prompt'", "empty"), param="prompt"),
+    Bad("missing prompt", {"max_tokens": 3}, 400, ("'prompt'", "required"), param="prompt"),
+    Bad(
+        "prompt longer than the context",
+        {"prompt": [5] * 2100, "max_tokens": 1},
+        400,
+        ("2100 tokens", "maximum context length is 2048"),
+        param="prompt",
+        code="context_length_exceeded",
+    ),
+    Bad("max_tokens 0", {"prompt": "hi", "max_tokens": 0}, 400, ("'max_tokens'", ">= 1", "0")),
+    Bad("max_tokens negative", {"prompt": "hi", "max_tokens": -3}, 400, ("'max_tokens'", "-3")),
+    Bad(
+        "max_tokens above the limit",
+        {"prompt": "hi", "max_tokens": 5000},
+        400,
+        ("'max_tokens' = 5000", "maximum context length is 2048"),
+        param="max_tokens",
+        code="context_length_exceeded",
+    ),
+    Bad(
+        "max_tokens and max_completion_tokens disagree",
+        {"prompt": "hi", "max_tokens": 3, "max_completion_tokens": 4},
+        400,
+        ("'max_completion_tokens'", "'max_tokens'"),
+    ),
+    Bad(
+        "negative temperature",
+        {"prompt": "hi", "temperature": -0.5},
+        400,
+        ("'temperature'", "-0.5"),
+        param="temperature",
+    ),
+    Bad(
+        "NaN temperature",
+        b'{"prompt": "hi", "temperature": NaN}',
+        400,
+        ("'temperature'", "finite", "nan"),
+        param="temperature",
+    ),
+    Bad(
+        "temperature string",
+        {"prompt": "hi", "temperature": "hot"},
+        400,
+        ("'temperature'", "number", '"hot"'),
+    ),
+    Bad("top_p 0", {"prompt": "hi", "top_p": 0}, 400, ("'top_p'", "(0, 1]", "0"), param="top_p"),
+    Bad("top_p 1.5", {"prompt": "hi", "top_p": 1.5}, 400, ("'top_p'", "1.5")),
+    Bad("top_p infinite", b'{"prompt": "hi", "top_p": Infinity}', 400, ("'top_p'", "infinity")),
+    Bad("top_k -2", {"prompt": "hi", "top_k": -2}, 400, ("'top_k'", "-2")),
+    Bad("negative seed", {"prompt": "hi", "seed": -1}, 400, ("'seed'", "-1")),
+    Bad(
+        "unknown model",
+        {"prompt": "hi", "model": "gpt-17"},
+        404,
+        ("gpt-17", "does not exist"),
+        param="model",
+        code="model_not_found",
+        extra={"type": "invalid_request_error"},
+    ),
+    Bad("invalid JSON", b'{"prompt": "hi",', 400, ("not valid json",)),
+    Bad("empty body", b"", 400, ("empty",)),
+    Bad("body is an array", [1, 2], 400, ("json object", "array")),
+    Bad(
+        "string max_tokens",
+        {"prompt": "hi", "max_tokens": "10"},
+        400,
+        ("'max_tokens'", "integer", '"10"'),
+    ),
+    Bad("prompt is a dict", {"prompt": {"text": "hi"}}, 400, ("'prompt'", "string", "token ids")),
+    Bad(
+        "batched prompts",
+        {"prompt": ["one", "two"]},
+        400,
+        ("batched prompts are not supported", "2 prompts"),
+        param="prompt",
+    ),
+    Bad("n=2", {"prompt": "hi", "n": 2}, 400, ("'n'", "2"), param="n"),
+    Bad(
+        "17 stop strings",
+        {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]},
+        400,
+        ("'stop'", "at most 16", "17"),
+        param="stop",
+    ),
+    Bad("empty stop string", {"prompt": "hi", "stop": ["ok", ""]}, 400, ("'stop'", "index 1")),
+    Bad(
+        "token id outside the vocabulary",
+        {"prompt": [1, 5, 99999]},
+        400,
+        ("99999", "index 2", "vocabulary [0, 2048)"),
+        param="prompt",
+    ),
+    Bad("negative token id", {"prompt": [1, -4]}, 400, ("-4", "vocabulary")),
+    Bad("token id not an int", {"prompt": [1, "x"]}, 400, ("'prompt'", '"x"')),
+    Bad("logprobs too many", {"prompt": "hi", "logprobs": 21}, 400, ("'logprobs'", "<= 20")),
+    Bad(
+        "stream_options without stream",
+        {"prompt": "hi", "stream_options": {"include_usage": True}},
+        400,
+        ("'stream_options'", "'stream'"),
+    ),
+    Bad(
+        "ignore_eos not a bool",
+        {"prompt": "hi", "ignore_eos": "yes"},
+        400,
+        ("'ignore_eos'", '"yes"'),
+    ),
+    Bad("echo unsupported", {"prompt": "hi", "echo": True}, 400, ("'echo'", "not supported")),
+    Bad(
+        "presence_penalty unsupported",
+        {"prompt": "hi", "presence_penalty": 0.5},
+        400,
+        ("'presence_penalty'", "not supported", "0.5"),
+    ),
+    Bad(
+        "oversized body",
+        {"prompt": "a" * (MAX_BODY_BYTES + 10)},
+        413,
+        ("too large", str(MAX_BODY_BYTES)),
+        code="request_too_large",
+    ),
+    Bad(
+        "oversized chunked body",
+        lambda: _chunks(MAX_BODY_BYTES + 10),
+        413,
+        ("too large", str(MAX_BODY_BYTES)),
+    ),
+    Bad("missing API key", {"prompt": "hi"}, 401, ("missing api key", "bearer"), key=None),
+    Bad(
+        "wrong API key",
+        {"prompt": "hi"},
+        401,
+        ("incorrect api key",),
+        key="sk-nope",
+        code="invalid_api_key",
+    ),
+    Bad("unknown route", {"prompt": "hi"}, 404, ("/v1/nothing",), path="/v1/nothing"),
+    Bad("wrong method", None, 405, ("get", "/v1/completions", "post"), method="GET"),
+    Bad(
+        "messages empty",
+        {"messages": []},
+        400,
+        ("'messages'", "empty"),
+        path="/v1/chat/completions",
+        param="messages",
+    ),
+    Bad(
+        "message with a bad role",
+        {"messages": [{"role": "robot", "content": "hi"}]},
+        400,
+        ("messages[0].role", '"robot"', "'user'"),
+        path="/v1/chat/completions",
+        param="messages[0].role",
+    ),
+    Bad(
+        "message content not text",
+        {"messages": [{"role": "user", "content": 42}]},
+        400,
+        ("messages[0].content", "42"),
+        path="/v1/chat/completions",
+    ),
+    Bad(
+        "chat top_logprobs without logprobs",
+        _chat(top_logprobs=2),
+        400,
+        ("'top_logprobs'", "'logprobs': true"),
+        path="/v1/chat/completions",
+    ),
+    Bad(
+        "chat logprobs not a bool",
+        _chat(logprobs=3),
+        400,
+        ("'logprobs'", "true or false"),
+        path="/v1/chat/completions",
+    ),
+    Bad(
+        "chat tools unsupported",
+        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        400,
+        ("'tools'", "not supported"),
+        path="/v1/chat/completions",
+    ),
+    Bad(
+        "chat max_completion_tokens above the limit",
+        _chat(max_completion_tokens=4000),
+        400,
+        ("'max_completion_tokens' = 4000", "2048"),
+        path="/v1/chat/completions",
+        param="max_completion_tokens",
+    ),
+    Bad("tokenize with nothing", {}, 400, ("'prompt'", "'messages'"), path="/tokenize"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_gets_openai_error(cluster: InprocCluster, case: Bad):
+    body = case.body() if callable(case.body) else case.body
+    status, _, answer = http(cluster.http_endpoint, case.method, case.path, body, case.key)
+    assert status == case.status, answer
+    assert set(answer) == {"error"}, answer
+    error = answer["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["type"], str) and error["type"], error
+    message = error["message"].lower()
+    for word in case.words:
+        assert word.lower() in message, f"{word!r} not in {error['message']!r}"
+    if case.param is not ...:
+        assert error["param"] == case.param, error
+    if case.code is not ...:
+        assert error["code"] == case.code, error
+    for key, value in case.extra.items():
+        assert error[key] == value, error
+
+
+def test_good_request_after_bad_ones_succeeds_and_cluster_is_idle(cluster: InprocCluster):
+    body = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, headers, answer = http(cluster.http_endpoint, "POST", "/v1/completions", body)
+    assert status == 200, answer
+    assert answer["usage"]["completion_tokens"] == 4
+    assert headers["X-Request-Id"] == answer["id"]
+    status, _, answer = http(cluster.http_endpoint, "GET", "/health", key=None)
+    assert status == 200 and answer["status"] == "ok"
+    cluster.assert_idle()
+
+
+# --- router errors → HTTP status, on an app whose flow fails on purpose ---------------
+
+
+class FailingFlow:
+    """Stands in for `RequestFlow`: yields `num_chunks` chunks, then raises `error`."""
+
+    def __init__(self, error: RouterError, num_chunks: int) -> None:
+        self.error = error
+        self.num_chunks = num_chunks
+        self.closed = False
+
+    async def generate(self, req_id: str, prompt_ids: list[int], params) -> AsyncIterator:
+        try:
+            for _ in range(self.num_chunks):
+                yield GenerationChunk([5], "x", usage=Usage(len(prompt_ids)))
+            raise self.error
+        finally:
+            self.closed = True
+
+
+def _deadline_error() -> RouterError:
+    metadata = grpc.aio.Metadata()
+    rpc_error = grpc.aio.AioRpcError(
+        grpc.StatusCode.DEADLINE_EXCEEDED, metadata, metadata, details="decode took too long"
+    )
+    return from_worker_error(rpc_error)
+
+
+async def _call_failing_app(
+    model_dir: Path, flow: FailingFlow, body: dict
+) -> tuple[int, dict[str, str], str]:
+    config = RouterConfig(model_dir=str(model_dir), grpc_port=0, http_port=0)
+    app = make_http_app(None, flow, PromptTokenizer(str(model_dir)), config)
+    async with TestClient(TestServer(app)) as client:
+        response = await client.post("/v1/completions", json=body)
+        return response.status, dict(response.headers), await response.text()
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "words"),
+    [
+        (Overloaded("no worker pair can meet the SLO", retry_after_s=2.5), 429, ("slo",)),
+        (WorkerUnavailable("decode worker decode-0 is down"), 503, ("decode-0",)),
+        (_deadline_error(), 504, ("deadline_exceeded", "decode took too long")),
+    ],
+)
+def test_router_errors_before_the_stream_map_to_http_status(model_dir, error, status, words):
+    for stream in (False, True):
+        flow = FailingFlow(error, num_chunks=0)
+        body = {"prompt": "hi", "stream": stream}
+        got, headers, text = asyncio.run(_call_failing_app(model_dir, flow, body))
+        assert got == status, text
+        error_json = json.loads(text)["error"]
+        assert error_json["type"] == error.openai_type
+        assert all(w in error_json["message"].lower() for w in words), error_json
+        if status == 429:
+            assert headers["Retry-After"] == "3"
+        assert flow.closed
+
+
+def test_router_error_mid_stream_becomes_an_error_event(model_dir):
+    flow = FailingFlow(WorkerUnavailable("decode worker decode-0 is down"), num_chunks=2)
+    body = {"prompt": "hi", "stream": True}
+    status, _, text = asyncio.run(_call_failing_app(model_dir, flow, body))
+    assert status == 200
+    events = [line[len("data: ") :] for line in text.split("\n\n") if line]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["x", "x"]
+    assert json.loads(events[2])["error"]["message"] == "decode worker decode-0 is down"
+    assert events[3:] == ["[DONE]"]
+    assert flow.closed
+
+
+def test_unexpected_error_is_a_500_without_details(model_dir):
+    class Broken(FailingFlow):
+        async def generate(self, req_id, prompt_ids, params):
+            raise RuntimeError("secret internal state")
+            yield  # an async generator
+
+    status, _, text = asyncio.run(_call_failing_app(model_dir, Broken(None, 0), {"prompt": "hi"}))
+    assert status == 500
+    error = json.loads(text)["error"]
+    assert error["type"] == "internal_error" and "secret" not in error["message"]
