@@ -2,6 +2,7 @@
 
     tandem model make --preset tiny|small --out DIR [--seed N]
     tandem demo --model DIR [--max-tokens N] [--prompt TEXT ...]
+    tandem serve [--model DIR] [--prefill N --decode M | --colocated K] [...]
 
 Each subcommand imports what it needs inside its handler, so `tandem model make`
 works before (or without) the engine and cluster code it does not use.
@@ -43,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_model_commands(commands)
     _add_demo_command(commands)
-    # `tandem serve` (Ray cluster + router) plugs in here as one more _add_*_command.
+    _add_serve_command(commands)
     return parser
 
 
@@ -72,6 +73,68 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
     demo.set_defaults(handler=_run_demo)
+
+
+def _add_serve_command(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve", help="start the cluster on Ray: prefill + decode workers and the router"
+    )
+    serve.add_argument("--model", default="models/tandem-small", help="HF model directory")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    serve.add_argument("--decode", type=int, default=1, help="decode workers")
+    serve.add_argument(
+        "--colocated", type=int, default=0, help="K colocated workers instead of P/D pools"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address the servers bind")
+    serve.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
+    serve.add_argument("--http-port", type=int, default=8000, help="HTTP port (OpenAI API)")
+    serve.add_argument("--ray-address", default=None, help="join this Ray cluster")
+    serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
+    serve.add_argument("--kv-backend", default=None, help="tcp, nccl or local (default: by device)")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads per worker")
+    serve.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output")
+    serve.add_argument(
+        "--max-num-batched-tokens", type=int, default=512, help="engine token budget per step"
+    )
+    serve.add_argument("--api-key", default=None, help="require this key (or TANDEM_API_KEY)")
+    serve.add_argument(
+        "--trace-exporter", default="none", help="OpenTelemetry exporter: none, console, otlp"
+    )
+    serve.set_defaults(handler=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from cluster.launcher import ClusterConfig
+    from cluster.serve import serve
+
+    overrides: dict[str, object] = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.max_model_len is not None:
+        overrides["max_model_len"] = args.max_model_len
+    try:
+        config = ClusterConfig(
+            model_dir=args.model,
+            num_prefill=0 if args.colocated else args.prefill,
+            num_decode=0 if args.colocated else args.decode,
+            num_colocated=args.colocated,
+            host=args.host,
+            grpc_port=args.grpc_port,
+            http_port=args.http_port,
+            ray_address=args.ray_address,
+            device=args.device,
+            kv_backend=args.kv_backend,
+            threads_per_worker=args.threads,
+            engine_overrides=overrides,
+            api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
+            trace_exporter=args.trace_exporter,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(config))
+    return 0
 
 
 def _run_model_make(args: argparse.Namespace) -> int:

@@ -52,6 +52,9 @@ class ClusterConfig:
     threads_per_worker: int | None = None
     worker_start_timeout_s: float = 600.0
     kv_lease_s: float = 30.0
+    # Router: optional API key of the HTTP API; OpenTelemetry exporter of every process.
+    api_key: str | None = None
+    trace_exporter: str = "none"
 
     def __post_init__(self) -> None:
         gpus = self.gpus_per_worker
@@ -120,6 +123,9 @@ class LocalCluster:
             host=config.host,
             grpc_port=config.grpc_port,
             http_port=config.http_port,
+            max_model_len=config.engine_overrides.get("max_model_len"),
+            api_key=config.api_key,
+            trace_exporter=config.trace_exporter,
         )
         self.router = Router(router_config, self.workers)
         await self.router.start()
@@ -151,6 +157,7 @@ class LocalCluster:
             engine=engine,
             host=config.host,
             kv_backend=config.kv_backend,
+            trace_exporter=config.trace_exporter,
         )
 
     async def stop(self, timeout_s: float = 30.0) -> None:

@@ -128,6 +128,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             await self._reserve(req_id, prompt, first, params)
         except BaseException:
+            # Cancelled mid-call, the reservation may still land: undo it (a no-op if not).
+            await asyncio.shield(self.loop.call(lambda e: e.cancel_import(req_id)))
             self._release_remote(handle)  # it will never be pulled
             raise
         started = time.monotonic()

@@ -24,6 +24,8 @@ class RouterConfig:
     probe_timeout_s: float = 5.0
     # OpenTelemetry trace exporter: "none", "console" or "otlp".
     trace_exporter: str = "none"
+    # Longest prompt + output; must equal the workers' (None = the model's limit).
+    max_model_len: int | None = None
     # OpenAI HTTP API: clients must send `Authorization: Bearer <api_key>`; None: open.
     # (`/health` and `/metrics` stay open either way.)
     api_key: str | None = None

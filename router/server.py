@@ -43,7 +43,7 @@ class Router:
 
     async def start(self) -> None:
         config = self.config
-        tokenizer = PromptTokenizer(config.model_dir)
+        tokenizer = PromptTokenizer(config.model_dir, config.max_model_len)
         self.metrics = RouterMetrics(config.model_name)
         flow = RequestFlow(
             self.pool,

@@ -63,7 +63,11 @@ class InprocCluster:
             endpoint = await server.start()
             self.workers.append(WorkerEndpoint(worker_id, role.value, endpoint))
         config = RouterConfig(
-            model_dir=self.model_dir, grpc_port=0, http_port=0, **self.router_overrides
+            model_dir=self.model_dir,
+            grpc_port=0,
+            http_port=0,
+            max_model_len=1024,
+            **self.router_overrides,
         )
         self.router = Router(config, self.workers, tracing=self.tracing)
         await self.router.start()

@@ -62,7 +62,7 @@ def test_tokenize_and_list_models(channel, cluster):
     stub = generation_pb2_grpc.GenerationStub(channel)
     reply = stub.Tokenize(gen_pb.TokenizeRequest(prompt="hello world"), timeout=5)
     assert reply.token_ids[0] == 1 and len(reply.token_ids) > 1
-    assert reply.max_model_len == 2048
+    assert reply.max_model_len == 1024
     models = stub.ListModels(gen_pb.ListModelsRequest(), timeout=5).models
     assert [m.id for m in models] == [cluster.router.config.model_name]
     assert models[0].vocab_size == 2048
