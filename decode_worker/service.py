@@ -135,7 +135,15 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         started = time.monotonic()
         try:
             blocks = await asyncio.wait_for(self.kv_client.pull(handle), self.config.pull_timeout_s)
-            await asyncio.to_thread(self.loop.engine.write_kv, req_id, blocks)
+            # Written off the engine thread: the blocks are reserved, no step touches them.
+            write = asyncio.ensure_future(
+                asyncio.to_thread(self.loop.engine.write_kv, req_id, blocks)
+            )
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                await write  # never free blocks a thread is still writing into
+                raise
         except (KvTransferError, TimeoutError, OSError) as exc:
             logger.warning("KV pull for %s failed (%s); recomputing locally", req_id, exc)
             await self.loop.call(lambda e: e.cancel_import(req_id))

@@ -1,0 +1,29 @@
+"""KV transfer: move a prefilled request's KV blocks from a prefill to a decode worker.
+
+Prefill side: `KvTransferService` (gRPC `KvTransfer` + data plane). Decode side:
+`KvTransferClient.pull(handle)`. Backends: `tcp` (CPU default), `local` (same
+process), `nccl` (GPU). See docs/architecture.md ("KV transfer").
+"""
+
+from kv_transfer.blocks import HeldBlocks, ReadBlocks
+from kv_transfer.client import KvTransferClient
+from kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
+from kv_transfer.handle import KvHandle
+from kv_transfer.layout import KvLayout
+from kv_transfer.local import LocalRegistry
+from kv_transfer.service import KvTransferService
+from kv_transfer.stats import TransferStats
+
+__all__ = [
+    "HeldBlocks",
+    "KvHandle",
+    "KvLayout",
+    "KvPullError",
+    "KvTransferClient",
+    "KvTransferError",
+    "KvTransferService",
+    "LayoutMismatchError",
+    "LocalRegistry",
+    "ReadBlocks",
+    "TransferStats",
+]

@@ -5,21 +5,22 @@
 - `DecodeLatencyModel`: `t(batch, ctx) = a + b·batch + c·ctx` for one decode step of
   `batch` sequences holding `ctx` context tokens in total.
 
-Both are linear in their coefficients and fitted by non-negative weighted least squares
-over a bounded window of recent observations; weights halve every `half_life`
-observations, so the model follows a regime shift (thermal throttling, a noisy
-neighbour, a different GPU) after a few half-lives. The warm-up profile seeds the
-window and also fixes the *prior*: a few low-weight pseudo-observations drawn from the
-profile's fit (or from built-in defaults), which keep predictions sane with few or
-degenerate observations. Coefficients are never negative, so predictions are
-non-negative and non-decreasing in every input.
+Both are linear in their coefficients and fitted by non-negative weighted least
+squares over a bounded window of recent observations, minimising relative error.
+Weights halve every `half_life` observations, so the model follows a regime shift
+(thermal throttling, a noisy neighbour, a different GPU) after a few half-lives.
+
+The warm-up profile seeds the window and fixes the *prior*: a few low-weight
+pseudo-observations drawn from the profile's fit (or from built-in defaults) and
+rescaled to the observed level. With few or degenerate observations the model thus
+predicts the prior's shape at the data's level. Coefficients are never negative, so
+predictions are non-negative and non-decreasing in every input.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ import numpy as np
 _TOKEN_SCALE = 1024.0
 _BATCH_SCALE = 32.0
 _CONTEXT_SCALE = 65536.0
+# Floor on durations in ratios and weights (timer resolution, empty steps).
+_MIN_SECONDS = 1e-4
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,12 @@ def _nnls(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     at most three features that is eight tiny solves.
     """
     dim = len(rhs)
+    try:
+        full = np.linalg.solve(gram, rhs)
+        if np.all(full >= 0) and np.all(np.isfinite(full)):
+            return full  # the unconstrained optimum is feasible (the usual case)
+    except np.linalg.LinAlgError:
+        pass
     best, best_loss = np.zeros(dim), 0.0  # β = 0 has loss ||y||² - 0 (constant dropped)
     for size in range(1, dim + 1):
         for support in itertools.combinations(range(dim), size):
@@ -98,58 +107,76 @@ class LinearLatencyModel:
             raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
         self.half_life = half_life
         self.prior_weight = prior_weight
-        # (sequence number, features, seconds), oldest first.
-        self._window: deque[tuple[int, np.ndarray, float]] = deque(maxlen=window)
+        # Ring buffer of the last `window` observations: features, seconds, sequence no.
+        self._window = window
         self._seq = 0
-        self._set_prior(np.asarray(prior, dtype=float), prior_points)
+        self._set_prior(prior, prior_points)
+        dim = len(self._coef)
+        self._x = np.zeros((window, dim))
+        self._y = np.zeros(window)
+        self._obs_seq = np.zeros(window)
 
     # ----- subclass hooks --------------------------------------------------------
 
-    def _features(self, *inputs: float) -> np.ndarray:
+    def _features(self, *inputs: float) -> tuple[float, ...]:
         raise NotImplementedError
 
     # ----- fitting ---------------------------------------------------------------
 
-    def _set_prior(self, prior: np.ndarray, prior_points: Sequence[Sequence[float]]) -> None:
-        self._prior_x = np.stack([self._features(*p) for p in prior_points])
-        self._prior_y = self._prior_x @ prior
-        self._coef = prior.copy()
-        self._dirty = bool(self._window)
+    def _set_prior(self, prior: Sequence[float], prior_points: Sequence[Sequence[float]]) -> None:
+        self._prior_coef = np.asarray(prior, dtype=float)
+        self._prior_x = np.array([self._features(*p) for p in prior_points])
+        self._prior_y = self._prior_x @ self._prior_coef
+        self._coef = tuple(float(v) for v in prior)
+        self._dirty = self._seq > 0
 
     def _add(self, inputs: Sequence[float], seconds: float) -> None:
         if not math.isfinite(seconds) or seconds < 0:
             raise ValueError(f"seconds must be finite and >= 0, got {seconds}")
-        self._window.append((self._seq, self._features(*inputs), float(seconds)))
+        slot = self._seq % self._window
+        self._x[slot] = self._features(*inputs)
+        self._y[slot] = seconds
+        self._obs_seq[slot] = self._seq
         self._seq += 1
         self._dirty = True
 
     def _fit_window(self) -> np.ndarray:
-        x = np.stack([f for _, f, _ in self._window])
-        y = np.array([s for _, _, s in self._window])
-        age = self._seq - 1 - np.array([n for n, _, _ in self._window], dtype=float)
+        count = self.num_observations
+        x, y = self._x[:count], self._y[:count]
+        age = self._seq - 1 - self._obs_seq[:count]
         w = np.power(0.5, age / self.half_life)
+        # The prior's *shape* is kept but its level follows the data: scale it by the
+        # weighted geometric mean of observed / prior, so one observation 3x slower
+        # than the prior predicts 3x slower everywhere instead of bending the curve.
+        prior_at_obs = np.maximum(x @ self._prior_coef, _MIN_SECONDS)
+        log_ratio = np.log(np.maximum(y, _MIN_SECONDS) / prior_at_obs)
+        level = float(np.exp(np.sum(w * log_ratio) / np.sum(w)))
         # Pseudo-observations of the prior, weight `prior_weight` each, never forgotten.
         pw = np.full(len(self._prior_y), self.prior_weight)
         x = np.vstack([x, self._prior_x])
-        y = np.concatenate([y, self._prior_y])
-        w = np.concatenate([w, pw])
+        y = np.concatenate([y, self._prior_y * level])
+        # Relative error is what matters (a 5 ms error is huge for a short prompt and
+        # noise for a long one), so residuals are weighted by 1 / seconds².
+        w = np.concatenate([w, pw]) / np.maximum(y, _MIN_SECONDS) ** 2
         gram = (x * w[:, None]).T @ x
         rhs = (x * w[:, None]).T @ y
         return _nnls(gram, rhs)
 
-    def _coefficients(self) -> np.ndarray:
+    def _coefficients(self) -> tuple[float, ...]:
         if self._dirty:
-            self._coef = self._fit_window()
+            self._coef = tuple(float(v) for v in self._fit_window())
             self._dirty = False
         return self._coef
 
     def _predict(self, *inputs: float) -> float:
-        return max(0.0, float(self._features(*inputs) @ self._coefficients()))
+        # Plain floats: predictions run per worker per request, numpy costs more here.
+        coef = self._coefficients()
+        return max(0.0, sum(f * c for f, c in zip(self._features(*inputs), coef, strict=True)))
 
     @property
     def num_observations(self) -> int:
         """Observations currently in the window (profile seeds included)."""
-        return len(self._window)
+        return min(self._seq, self._window)
 
 
 class PrefillLatencyModel(LinearLatencyModel):
@@ -193,9 +220,9 @@ class PrefillLatencyModel(LinearLatencyModel):
             model._set_prior(model._coefficients(), [(n,) for n in cls._PRIOR_TOKENS])
         return model
 
-    def _features(self, *inputs: float) -> np.ndarray:
+    def _features(self, *inputs: float) -> tuple[float, ...]:
         x = max(0.0, inputs[0]) / _TOKEN_SCALE
-        return np.array([1.0, x, x * x])
+        return (1.0, x, x * x)
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         self._add((num_tokens,), seconds)
@@ -270,9 +297,9 @@ class DecodeLatencyModel(LinearLatencyModel):
             model._set_prior(model._coefficients(), cls._PRIOR_POINTS)
         return model
 
-    def _features(self, *inputs: float) -> np.ndarray:
+    def _features(self, *inputs: float) -> tuple[float, ...]:
         batch, context = inputs
-        return np.array([1.0, max(0.0, batch) / _BATCH_SCALE, max(0.0, context) / _CONTEXT_SCALE])
+        return (1.0, max(0.0, batch) / _BATCH_SCALE, max(0.0, context) / _CONTEXT_SCALE)
 
     def observe(self, batch_size: int, num_context_tokens: int, seconds: float) -> None:
         self._add((batch_size, num_context_tokens), seconds)

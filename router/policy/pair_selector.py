@@ -198,6 +198,10 @@ class PairSelector:
         """Predicted TTFT of a local prefill on `decode`, or inf when it is not allowed."""
         cfg = self.config
         ttft = decode.predicted_queue_s() + decode.prefill_model.predict(uncached)
+        if decode.num_running > 0:
+            # Each prefill chunk shares its step with the running batch's decodes.
+            num_chunks = -(-max(1, uncached) // max(1, cfg.local_prefill_chunk_tokens))
+            ttft += num_chunks * decode.predicted_step_s()
         if forced:
             return ttft
         if uncached > cfg.max_local_prefill_tokens:
@@ -220,7 +224,9 @@ class PairSelector:
                 continue
             cached = w.prefix.match_blocks(hashes, n) * self.block_size
             wait = w.predicted_queue_s()
-            options.append(_PrefillOption(w, wait, cached, wait + w.prefill_model.predict(n - cached)))
+            options.append(
+                _PrefillOption(w, wait, cached, wait + w.prefill_model.predict(n - cached))
+            )
         if not options:
             return None, False
         cfg = self.config
