@@ -26,6 +26,20 @@ class RouterConfig:
     trace_exporter: str = "none"
     # Longest prompt + output; must equal the workers' (None = the model's limit).
     max_model_len: int | None = None
+    # KV block size of the workers (the router mirrors their prefix caches with it).
+    block_size: int = 16
+    # SLO admission: "none" (admit all, route by prediction), "shed" (429 when no pair
+    # can meet the SLO) or "queue" (wait, bounded, then shed).
+    admission_policy: str = "none"
+    # SLO class of requests that name none, and overrides of the interactive targets.
+    slo_class: str = "interactive"
+    ttft_slo_s: float | None = None
+    itl_slo_s: float | None = None
+    # How often the router polls every worker's Stats for the policy's live view.
+    stats_interval_s: float = 0.25
+    # Conditional disaggregation: the longest uncached prompt a decode worker may
+    # prefill itself when that predicts better goodput; 0 = always use prefill workers.
+    max_local_prefill_tokens: int = 512
     # OpenAI HTTP API: clients must send `Authorization: Bearer <api_key>`; None: open.
     # (`/health` and `/metrics` stay open either way.)
     api_key: str | None = None
@@ -33,6 +47,16 @@ class RouterConfig:
     max_body_bytes: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        if self.admission_policy not in ("none", "shed", "queue"):
+            raise ValueError(
+                f"admission_policy must be none, shed or queue, got {self.admission_policy!r}"
+            )
+        if self.max_local_prefill_tokens < 0:
+            raise ValueError(
+                f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}"
+            )
+        if self.stats_interval_s <= 0:
+            raise ValueError(f"stats_interval_s must be > 0, got {self.stats_interval_s}")
         if not Path(self.model_dir, "config.json").is_file():
             raise ValueError(f"model_dir {self.model_dir!r} has no config.json")
         if not self.model_name:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 from opentelemetry.trace import Span
@@ -20,8 +20,10 @@ from engine.sampling_params import SamplingParams
 from engine.tracing import Tracing
 from proto.convert import FINISH_REASON_NAMES, sampling_params_to_proto
 from proto.tandem.worker.v1 import worker_pb2 as pb
-from router.errors import from_worker_error
+from router.chunk_stream import ChunkStream, GenerationChunk, Usage
+from router.errors import Overloaded, from_worker_error
 from router.metrics import RequestRecord, RouterMetrics
+from router.policy import GoodputPolicy, Placement, RequestSlo, SloConfig
 from router.worker_pool import WorkerPair, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -29,111 +31,48 @@ logger = logging.getLogger(__name__)
 _RELEASE_TIMEOUT_S = 5.0
 
 
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
-
-
-@dataclass
-class GenerationChunk:
-    """New tokens of a request, in the order the client sees them."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] = field(default_factory=list)
-    # "stop", "length" or "abort" on the last chunk; None before.
-    finish_reason: str | None = None
-    usage: Usage | None = None
-
-
-_END = object()
-
-
-class ChunkStream:
-    """An async iterator of one request's chunks, produced by a task it owns.
-
-    Iterating starts the task. `cancel()` / `aclose()` (or cancelling the consumer while
-    it waits for a chunk) cancels the task, which cancels the worker calls in flight.
-    API handlers must close the stream when they exit, however they exit.
-    """
-
-    def __init__(self, source: AsyncIterator[GenerationChunk]) -> None:
-        self._source = source
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._task: asyncio.Task | None = None
-        self._cancel_requested = False
-
-    def __aiter__(self) -> ChunkStream:
-        return self
-
-    async def __anext__(self) -> GenerationChunk:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._pump())
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
-        if item is _END:
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    async def _pump(self) -> None:
-        try:
-            async for chunk in self._source:
-                self._queue.put_nowait(chunk)
-            self._queue.put_nowait(_END)
-        except Exception as exc:  # handed to the consumer, never swallowed
-            self._queue.put_nowait(exc)
-
-    def cancel(self) -> None:
-        if self._task is None:
-            # Never started: nothing is held yet; close the source so it cannot start.
-            self._task = asyncio.get_running_loop().create_task(self._source.aclose())
-        elif not self._task.done() and not self._cancel_requested:
-            # Once: a second cancel would interrupt the request's own cleanup.
-            self._cancel_requested = True
-            self._task.cancel()
-
-    async def aclose(self) -> None:
-        """Cancel the request (if still running) and wait for its cleanup."""
-        self.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+__all__ = ["ChunkStream", "GenerationChunk", "RequestFlow", "Usage"]
 
 
 class RequestFlow:
-    """Runs requests over a worker pool; stateless between requests."""
+    """Runs requests over a worker pool, placed by the goodput policy."""
 
     def __init__(
         self,
         pool: WorkerPool,
+        policy: GoodputPolicy,
+        slo: SloConfig,
         metrics: RouterMetrics,
         tracing: Tracing,
         prefill_timeout_s: float,
         request_timeout_s: float,
     ) -> None:
         self.pool = pool
+        self.policy = policy
+        self.slo = slo
         self.metrics = metrics
         self.tracing = tracing
         self.prefill_timeout_s = prefill_timeout_s
         self.request_timeout_s = request_timeout_s
 
-    def generate(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> ChunkStream:
-        """The request's chunks; worker failures surface as `RouterError`s.
+    def generate(
+        self,
+        req_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        slo: RequestSlo | None = None,
+    ) -> ChunkStream:
+        """The request's chunks; a shed request raises `Overloaded`, worker failures
+        other `RouterError`s. `slo` None = the default class.
 
         The request runs in a task the returned stream owns, so cancelling or closing the
         stream stops it wherever it is (worker calls cancelled, held KV released).
         """
-        return ChunkStream(self._traced(req_id, prompt_ids, params))
+        return ChunkStream(self._traced(req_id, prompt_ids, params, slo or self.slo.resolve()))
 
     async def _traced(
-        self, req_id: str, prompt_ids: list[int], params: SamplingParams
+        self, req_id: str, prompt_ids: list[int], params: SamplingParams, slo: RequestSlo
     ) -> AsyncIterator[GenerationChunk]:
-        record = self.metrics.record(len(prompt_ids))
         span = self.tracing.start_span(
             "tandem.request",
             **{
@@ -142,10 +81,16 @@ class RequestFlow:
                 "gen_ai.usage.input_tokens": len(prompt_ids),
             },
         )
+        placement = await self._place(req_id, prompt_ids, params, slo, span)
+        record = self.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s)
+        self.metrics.disagg_decisions.labels(self.metrics.model_name, placement.decision).inc()
         reason = "abort"
+        output_ids: list[int] = []
         try:
-            async for chunk in self._generate(req_id, prompt_ids, params, record, span):
+            chunks = self._generate(req_id, prompt_ids, params, placement, record, span)
+            async for chunk in chunks:
                 record.on_tokens(len(chunk.token_ids))
+                output_ids += chunk.token_ids
                 if chunk.finish_reason is not None:
                     reason = chunk.finish_reason
                 yield chunk
@@ -153,24 +98,44 @@ class RequestFlow:
             reason = "error"
             raise from_worker_error(exc) from exc
         finally:
+            self.policy.on_finish(req_id, output_ids)
             record.finish(reason)
             span.set_attribute("gen_ai.response.finish_reasons", [reason])
             span.set_attribute("gen_ai.usage.output_tokens", record.num_tokens)
             span.end()
+
+    async def _place(
+        self,
+        req_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        slo: RequestSlo,
+        span: Span,
+    ) -> Placement:
+        """Pick the worker pair (may wait in the admission queue, or shed)."""
+        queue_span = self.tracing.start_span("queue", span, **{"tandem.slo_class": slo.class_name})
+        try:
+            placement = await self.policy.place(req_id, prompt_ids, params.max_tokens, slo)
+        except Overloaded:
+            self.metrics.rejected.labels(self.metrics.model_name, "overloaded").inc()
+            span.set_attribute("tandem.rejected", True)
+            span.end()
+            raise
+        finally:
+            queue_span.end()
+        span.set_attribute("tandem.decision", placement.decision)
+        return placement
 
     async def _generate(
         self,
         req_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
+        placement: Placement,
         record: RequestRecord,
         span: Span,
     ) -> AsyncIterator[GenerationChunk]:
-        queue_span = self.tracing.start_span("queue", span)
-        pair = self.pool.next_pair()
-        queue_span.end()
-        decision = "disaggregated" if pair.prefill is not None else "local_prefill"
-        self.metrics.disagg_decisions.labels(self.metrics.model_name, decision).inc()
+        pair = self.pool.pair(placement.prefill_worker_id, placement.decode_worker_id)
         usage = Usage(prompt_tokens=len(prompt_ids))
         wire_params = sampling_params_to_proto(params)
         decode_request = pb.DecodeRequest(
@@ -178,6 +143,11 @@ class RequestFlow:
         )
         if pair.prefill_stub is not None:
             prefill = await self._prefill(pair, req_id, prompt_ids, wire_params, span)
+            self.policy.on_prefill_done(
+                req_id,
+                num_cached_tokens=prefill.num_cached_tokens,
+                compute_s=prefill.timings.compute_s,
+            )
             usage.completion_tokens = 1
             usage.cached_prompt_tokens = prefill.num_cached_tokens
             finish = FINISH_REASON_NAMES[prefill.finish_reason]
@@ -241,10 +211,24 @@ class RequestFlow:
         call = pair.decode_stub.Decode(
             request, timeout=self.request_timeout_s, metadata=self.tracing.metadata(span)
         )
+        local = not request.HasField("kv_handle")
+        last_at: float | None = None
         try:
             async for msg in call:
+                now = time.monotonic()
+                if last_at is None:
+                    if local:
+                        self.policy.on_prefill_done(
+                            request.request_id, num_cached_tokens=msg.num_cached_tokens
+                        )
+                    self.policy.on_kv_pulled(request.request_id)
+                elif msg.token_ids:
+                    self.policy.observe_itl(
+                        request.request_id, (now - last_at) / len(msg.token_ids)
+                    )
+                last_at = now
                 usage.completion_tokens += len(msg.token_ids)
-                if not request.HasField("kv_handle"):
+                if local:
                     usage.cached_prompt_tokens = msg.num_cached_tokens
                 finish = FINISH_REASON_NAMES[msg.finish_reason]
                 if msg.timings.transfer_s > 0:

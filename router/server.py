@@ -20,6 +20,7 @@ from router.http_server import make_http_app
 from router.kserve_service import SERVICE_NAME as KSERVE_SERVICE_NAME
 from router.kserve_service import KserveService
 from router.metrics import RouterMetrics
+from router.policy_runtime import PolicyRuntime
 from router.request_flow import RequestFlow
 from router.tokenization import PromptTokenizer
 from router.worker_pool import WorkerEndpoint, WorkerPool
@@ -40,13 +41,18 @@ class Router:
         self.http_endpoint = ""
         self._server: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
+        self.policy_runtime: PolicyRuntime | None = None
 
     async def start(self) -> None:
         config = self.config
         tokenizer = PromptTokenizer(config.model_dir, config.max_model_len)
         self.metrics = RouterMetrics(config.model_name)
+        self.policy_runtime = PolicyRuntime(config, self.pool)
+        policy = await self.policy_runtime.start()
         flow = RequestFlow(
             self.pool,
+            policy,
+            self.policy_runtime.slo,
             self.metrics,
             self.tracing,
             config.prefill_timeout_s,
@@ -96,5 +102,7 @@ class Router:
             await self._http.cleanup()
         if self._server is not None:
             await self._server.stop(grace_s)
+        if self.policy_runtime is not None:
+            await self.policy_runtime.stop()
         await self.pool.close()
         self.tracing.shutdown()

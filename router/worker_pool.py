@@ -1,12 +1,11 @@
 """The router's view of the workers: endpoints, gRPC stubs, readiness, pair choice.
 
-For now pairs are chosen round-robin; the goodput-aware policy replaces `next_pair`.
+The goodput policy (`router.policy`) chooses the pair; `pair()` turns its choice into stubs.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -53,16 +52,16 @@ class WorkerPool:
             w.worker_id: grpc.aio.insecure_channel(w.endpoint, options=GRPC_OPTIONS)
             for w in workers
         }
-        self._prefill_cycle = itertools.cycle(self.prefill) if self.prefill else None
-        self._decode_cycle = itertools.cycle(self.decode)
 
     @property
     def workers(self) -> list[WorkerEndpoint]:
         return [*self.prefill, *self.decode]
 
-    def next_pair(self) -> WorkerPair:
-        prefill = next(self._prefill_cycle) if self._prefill_cycle else None
-        decode = next(self._decode_cycle)
+    def pair(self, prefill_id: str | None, decode_id: str) -> WorkerPair:
+        """The stubs of the workers a placement chose (prefill None = local prefill)."""
+        by_id = {w.worker_id: w for w in self.workers}
+        prefill = by_id[prefill_id] if prefill_id is not None else None
+        decode = by_id[decode_id]
         return WorkerPair(
             prefill=prefill,
             prefill_stub=self.prefill_stub(prefill) if prefill else None,
@@ -89,15 +88,15 @@ class WorkerPool:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
+    async def worker_stats(self, worker: WorkerEndpoint, timeout_s: float) -> pb.StatsResponse:
+        if worker.role == "prefill":
+            return await self.prefill_stub(worker).Stats(pb.StatsRequest(), timeout=timeout_s)
+        return await self.decode_stub(worker).Stats(pb.StatsRequest(), timeout=timeout_s)
+
     async def stats(self, timeout_s: float) -> dict[str, pb.StatsResponse]:
         """Every worker's `Stats`, keyed by worker id."""
 
-        async def one(worker: WorkerEndpoint) -> pb.StatsResponse:
-            if worker.role == "prefill":
-                return await self.prefill_stub(worker).Stats(pb.StatsRequest(), timeout=timeout_s)
-            return await self.decode_stub(worker).Stats(pb.StatsRequest(), timeout=timeout_s)
-
-        replies = await asyncio.gather(*(one(w) for w in self.workers))
+        replies = await asyncio.gather(*(self.worker_stats(w, timeout_s) for w in self.workers))
         return {w.worker_id: r for w, r in zip(self.workers, replies, strict=True)}
 
     async def close(self) -> None:

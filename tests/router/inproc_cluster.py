@@ -86,9 +86,12 @@ class InprocCluster:
         return self.router.http_endpoint
 
     def assert_idle(self, timeout_s: float = 5.0) -> None:
-        """Every worker back to idle (blocks free, nothing held, no stream open)."""
+        """Every worker back to idle (blocks free, nothing held, no stream open), and the
+        router's policy charges no request."""
         workers = [(w.endpoint, w.role) for w in self.workers]
         self.run(assert_workers_idle(workers, max_channels=1, timeout_s=timeout_s))
+        policy = self.router.policy_runtime.policy
+        assert policy.is_idle(), f"router policy still charges {policy.num_in_flight} requests"
 
     def stop(self) -> None:
         async def _stop() -> None:

@@ -47,7 +47,9 @@ def scrape(url: str) -> dict[str, float]:
 
 def test_metrics_match_a_known_workload(tiny_model_dir):
     prompts = make_prompts(2048, (5, 33, 120, 64, 9), seed=41)
-    cluster = InprocCluster(str(tiny_model_dir)).start()
+    # Every request through the prefill worker, so the transfer counts are exact.
+    cluster = InprocCluster(str(tiny_model_dir), router_overrides={"max_local_prefill_tokens": 0})
+    cluster.start()
     try:
         cluster.run(run_fixed_length(cluster.grpc_endpoint, prompts))
         metrics = scrape(f"{cluster.http_endpoint}/metrics")
@@ -61,8 +63,9 @@ def test_metrics_match_a_known_workload(tiny_model_dir):
             MAX_TOKENS - 1
         )
         assert metrics[f"tandem:e2e_request_latency_seconds_count{{{model}}}"] == n
+        num_remote = metrics[f"tandem:disagg_decisions_total{{decision=disaggregated,{model}}}"]
+        assert num_remote == n
         assert metrics[f"tandem:kv_transfer_seconds_count{{{model}}}"] == n
-        assert metrics[f"tandem:disagg_decisions_total{{decision=disaggregated,{model}}}"] == n
         assert metrics[f"tandem:num_requests_running{{{model}}}"] == 0
         assert metrics[f"tandem:time_to_first_token_seconds_sum{{{model}}}"] > 0
         endpoints = cluster.worker_metrics_endpoints
@@ -71,9 +74,25 @@ def test_metrics_match_a_known_workload(tiny_model_dir):
         p_labels, d_labels = "role=prefill,worker_id=prefill-0", "role=decode,worker_id=decode-0"
         assert prefill[f"tandem:prefix_cache_queries_total{{{p_labels}}}"] == sum(map(len, prompts))
         assert prefill[f"tandem:kv_cache_usage_perc{{{p_labels}}}"] == 0.0
-        assert decode[f"tandem:kv_transfer_seconds_count{{{d_labels}}}"] == n
+        assert decode[f"tandem:kv_transfer_seconds_count{{{d_labels}}}"] == num_remote
         assert decode[f"tandem:kv_transfer_bytes_total{{{d_labels}}}"] > 0
         assert decode[f"tandem:num_requests_running{{{d_labels}}}"] == 0
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
+
+
+def test_short_prompts_on_an_idle_cluster_are_prefilled_locally(tiny_model_dir):
+    prompts = make_prompts(2048, (4, 9, 6), seed=42)
+    cluster = InprocCluster(str(tiny_model_dir)).start()
+    try:
+        cluster.run(run_fixed_length(cluster.grpc_endpoint, prompts))
+        metrics = scrape(f"{cluster.http_endpoint}/metrics")
+        model = f"model_name={cluster.router.config.model_name}"
+        assert metrics[f"tandem:disagg_decisions_total{{decision=local_prefill,{model}}}"] == 3
+        assert f"tandem:kv_transfer_seconds_count{{{model}}}" not in metrics or (
+            metrics[f"tandem:kv_transfer_seconds_count{{{model}}}"] == 0
+        )
         cluster.assert_idle()
     finally:
         cluster.stop()

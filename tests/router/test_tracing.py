@@ -14,7 +14,11 @@ from tests.router.inproc_cluster import InprocCluster
 @pytest.mark.timeout(300)
 def test_request_trace_spans_queue_prefill_transfer_decode(tiny_model_dir):
     exporter = InMemorySpanExporter()
-    cluster = InprocCluster(str(tiny_model_dir), tracing=Tracing("test", exporter)).start()
+    cluster = InprocCluster(
+        str(tiny_model_dir),
+        router_overrides={"max_local_prefill_tokens": 0},  # always the disaggregated path
+        tracing=Tracing("test", exporter),
+    ).start()
     try:
         cluster.run(generate_tokens(cluster.grpc_endpoint, make_prompts(2048, (40,)), 5))
         cluster.assert_idle()

@@ -1,0 +1,83 @@
+"""What a request's stream carries to the APIs, and the task-owning stream itself."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class GenerationChunk:
+    """New tokens of a request, in the order the client sees them."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float] = field(default_factory=list)
+    # "stop", "length" or "abort" on the last chunk; None before.
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+_END = object()
+
+
+class ChunkStream:
+    """An async iterator of one request's chunks, produced by a task it owns.
+
+    Iterating starts the task. `cancel()` / `aclose()` (or cancelling the consumer while
+    it waits for a chunk) cancels the task, which cancels the worker calls in flight.
+    API handlers must close the stream when they exit, however they exit.
+    """
+
+    def __init__(self, source: AsyncIterator[GenerationChunk]) -> None:
+        self._source = source
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._cancel_requested = False
+
+    def __aiter__(self) -> ChunkStream:
+        return self
+
+    async def __anext__(self) -> GenerationChunk:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._pump())
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def _pump(self) -> None:
+        try:
+            async for chunk in self._source:
+                self._queue.put_nowait(chunk)
+            self._queue.put_nowait(_END)
+        except Exception as exc:  # handed to the consumer, never swallowed
+            self._queue.put_nowait(exc)
+
+    def cancel(self) -> None:
+        if self._task is None:
+            # Never started: nothing is held yet; close the source so it cannot start.
+            self._task = asyncio.get_running_loop().create_task(self._source.aclose())
+        elif not self._task.done() and not self._cancel_requested:
+            # Once: a second cancel would interrupt the request's own cleanup.
+            self._cancel_requested = True
+            self._task.cancel()
+
+    async def aclose(self) -> None:
+        """Cancel the request (if still running) and wait for its cleanup."""
+        self.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)

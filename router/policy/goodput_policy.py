@@ -1,0 +1,262 @@
+"""The goodput-aware routing policy as one object `RequestFlow` drives.
+
+`place()` = select a pair → admit / queue / shed → commit (account the request on
+both workers and in their prefix indexes). The request flow then reports the
+request's progress so the live view stays right and the latency models learn:
+
+    placement = await policy.place(req_id, prompt_ids, max_tokens, slo)  # may raise Overloaded
+    try:
+        # disaggregated: PrefillResponse arrived (token 1 streamed to the client)
+        policy.on_prefill_done(req_id, num_cached_tokens=r.num_cached_tokens,
+                               compute_s=r.timings.compute_s)
+        # first Decode message: KV pulled, the prefill worker let its blocks go
+        # (local prefill: this is also when the prompt is done -> on_prefill_done)
+        policy.on_kv_pulled(req_id)
+        policy.observe_itl(req_id, gap_s)            # per later Decode message, optional
+    finally:
+        policy.on_finish(req_id, output_ids)          # success, error or cancel: always
+
+Every hook is idempotent and `on_finish` releases whatever is still held, so a
+request that fails anywhere leaves no accounting behind (`is_idle()` checks it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.errors import Overloaded
+from router.policy.admission import (
+    AdmissionConfig,
+    AdmissionController,
+    AdmissionDecision,
+    AdmissionPolicy,
+    AdmissionQueue,
+)
+from router.policy.pair_selector import PairSelector, Placement, SelectorConfig
+from router.policy.slo import RequestSlo
+from router.policy.worker_state import WorkerState, WorkerStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Record:
+    """What the policy remembers about an admitted request until it finishes."""
+
+    placement: Placement
+    slo: RequestSlo
+    prompt_ids: Sequence[int]
+    prefill_done: bool = False
+    kv_pulled: bool = False
+
+
+class GoodputPolicy:
+    """Selector + admission + live worker view; one per router, used from its event loop."""
+
+    def __init__(
+        self,
+        prefill: Sequence[WorkerState],
+        decode: Sequence[WorkerState],
+        *,
+        selector_config: SelectorConfig | None = None,
+        admission_config: AdmissionConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.selector = PairSelector(prefill, decode, selector_config)
+        self.admission = AdmissionController(admission_config)
+        self.queue: AdmissionQueue[Placement] = AdmissionQueue(self.admission.config, clock)
+        self.clock = clock
+        self.workers = {w.worker_id: w for w in (*prefill, *decode)}
+        if len(self.workers) != len(prefill) + len(decode):
+            raise ValueError("worker ids must be unique")
+        self._requests: dict[str, _Record] = {}
+        # Placements per decision label (`tandem:disagg_decisions_total{decision}`).
+        self.decisions: Counter[str] = Counter()
+        # Requests not admitted at once, per reason ("ttft", "kv_blocks", ...); "queue":
+        # shed after waiting (timeout, full queue, displaced).
+        self.rejections: Counter[str] = Counter()
+        # Predicted vs reported prefix hits, to watch the approximate index's accuracy.
+        self.num_predicted_cached_tokens = 0
+        self.num_reported_cached_tokens = 0
+
+    # ----- admission ---------------------------------------------------------------
+
+    def place_now(
+        self, req_id: str, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo
+    ) -> Placement:
+        """Place and commit the request now, or raise `Overloaded` (any policy but `none`)."""
+        result = self._attempt(req_id, prompt_ids, max_tokens, slo, self.queue.outranks)
+        if isinstance(result, AdmissionDecision):
+            self.rejections[result.reason] += 1
+            raise self.admission.overloaded(result)
+        return result
+
+    async def place(
+        self, req_id: str, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo
+    ) -> Placement:
+        """Place and commit the request; under policy `queue` wait for capacity first."""
+        if self.admission.config.policy is not AdmissionPolicy.QUEUE:
+            return self.place_now(req_id, prompt_ids, max_tokens, slo)
+        result = self._attempt(req_id, prompt_ids, max_tokens, slo, self.queue.outranks)
+        if not isinstance(result, AdmissionDecision):
+            return result
+        self.rejections[result.reason] += 1
+        try:
+            return await self.queue.wait(
+                req_id,
+                slo.priority,
+                lambda: self._attempt(req_id, prompt_ids, max_tokens, slo, None),
+            )
+        except Overloaded:
+            self.rejections["queue"] += 1
+            raise
+        except BaseException:
+            # Admitted by a `notify` but cancelled before we resumed: undo the commit.
+            self.on_finish(req_id)
+            raise
+
+    def _attempt(
+        self,
+        req_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        slo: RequestSlo,
+        outranks: Callable[[int], bool] | None,
+    ) -> Placement | AdmissionDecision:
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} is already placed")
+        placement = self.selector.select(prompt_ids, max_tokens, slo)
+        outranked = outranks(slo.priority) if outranks is not None else False
+        decision = self.admission.evaluate(placement, slo, outranked=outranked)
+        if not decision.admit:
+            return decision
+        self._commit(req_id, placement, prompt_ids, slo)
+        return placement
+
+    def _commit(
+        self, req_id: str, placement: Placement, prompt_ids: Sequence[int], slo: RequestSlo
+    ) -> None:
+        now = self.clock()
+        hashes = placement.prompt_hashes
+        decode = self.workers[placement.decode_worker_id]
+        local = placement.prefill_worker_id is None
+        if not local:
+            prefill = self.workers[placement.prefill_worker_id]
+            prefill.on_send(
+                req_id,
+                num_prefill_tokens=placement.num_prefill_tokens,
+                num_blocks=-(-placement.num_prompt_tokens // prefill.block_size),
+                decoding=False,
+                now_s=now,
+            )
+            prefill.prefix.insert(prompt_ids, req_id, hashes)
+        decode.on_send(
+            req_id,
+            num_prefill_tokens=placement.num_prefill_tokens if local else 0,
+            num_blocks=placement.num_decode_blocks,
+            decoding=True,
+            now_s=now,
+            itl_slo_s=slo.itl_s,
+        )
+        # Imported KV lands in the decode worker's prefix cache too.
+        decode.prefix.insert(prompt_ids, req_id, hashes)
+        self._requests[req_id] = _Record(placement, slo, prompt_ids)
+        self.decisions[placement.decision] += 1
+        self.num_predicted_cached_tokens += placement.num_cached_tokens
+
+    # ----- progress hooks ------------------------------------------------------------
+
+    def on_prefill_done(
+        self,
+        req_id: str,
+        *,
+        num_cached_tokens: int | None = None,
+        compute_s: float | None = None,
+    ) -> None:
+        """Token 1 is out: the prompt left the prefill queue (and teaches the model)."""
+        record = self._requests.get(req_id)
+        if record is None or record.prefill_done:
+            return
+        record.prefill_done = True
+        p = record.placement
+        worker = self.workers[p.prefill_worker_id or p.decode_worker_id]
+        worker.on_prefill_done(req_id, self.clock())
+        if num_cached_tokens is not None:
+            self.num_reported_cached_tokens += num_cached_tokens
+            if compute_s is not None:
+                worker.prefill_model.observe(p.num_prompt_tokens - num_cached_tokens, compute_s)
+        self.queue.notify()
+
+    def on_kv_pulled(self, req_id: str) -> None:
+        """The decode side has the KV: the prefill worker's blocks are no longer pinned."""
+        record = self._requests.get(req_id)
+        if record is None or record.kv_pulled:
+            return
+        record.kv_pulled = True
+        self.on_prefill_done(req_id)  # no-op if already reported
+        p = record.placement
+        if p.prefill_worker_id is None:
+            return
+        prefill = self.workers[p.prefill_worker_id]
+        prefill.on_complete(req_id, self.clock())
+        prefill.prefix.unlock(req_id)
+        self.queue.notify()
+
+    def observe_itl(self, req_id: str, itl_s: float) -> None:
+        """One observed inter-token gap of a decoding request (teaches the decode model)."""
+        record = self._requests.get(req_id)
+        if record is None:
+            return
+        decode = self.workers[record.placement.decode_worker_id]
+        decode.decode_model.observe(decode.num_running, decode.num_context_tokens, itl_s)
+
+    def on_finish(self, req_id: str, output_ids: Sequence[int] = ()) -> None:
+        """The request ended (any way): release everything the policy still charges it."""
+        record = self._requests.pop(req_id, None)
+        if record is None:
+            return
+        now = self.clock()
+        p = record.placement
+        if p.prefill_worker_id is not None:
+            prefill = self.workers[p.prefill_worker_id]
+            prefill.on_complete(req_id, now)
+            prefill.prefix.unlock(req_id)
+        decode = self.workers[p.decode_worker_id]
+        decode.on_complete(req_id, now)
+        decode.prefix.unlock(req_id)
+        if output_ids:
+            # Generated tokens' blocks are cached too: a follow-up turn can hit them.
+            decode.prefix.insert([*record.prompt_ids, *output_ids])
+        self.queue.notify()
+
+    def update_stats(self, worker_id: str, stats: WorkerStats, taken_at_s: float) -> None:
+        self.workers[worker_id].update_stats(stats, taken_at_s)
+        self.queue.notify()
+
+    def set_available(self, worker_id: str, available: bool) -> None:
+        """Mark a worker (un)usable: draining, failed health checks, back again."""
+        self.workers[worker_id].available = available
+        if available:
+            self.queue.notify()
+
+    # ----- introspection -------------------------------------------------------------
+
+    def placement_of(self, req_id: str) -> Placement | None:
+        record = self._requests.get(req_id)
+        return record.placement if record else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._requests)
+
+    def is_idle(self) -> bool:
+        """No request charged anywhere and nobody queued (leak checks assert it)."""
+        return (
+            not self._requests
+            and not len(self.queue)
+            and all(w.is_idle() for w in self.workers.values())
+        )

@@ -1,0 +1,109 @@
+"""Builds the router's `GoodputPolicy` from config and keeps its worker view fresh.
+
+`PolicyRuntime` owns a background task that polls every worker's `Stats` (and
+health) every `stats_interval_s`, feeding snapshots to the policy and marking
+unreachable workers unavailable so no new request is placed on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import grpc
+
+from router.config import RouterConfig
+from router.policy import (
+    AdmissionConfig,
+    AdmissionPolicy,
+    GoodputPolicy,
+    SelectorConfig,
+    SloClass,
+    SloConfig,
+    WorkerState,
+    WorkerStats,
+)
+from router.policy.slo import Slo, default_classes
+from router.worker_pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+
+def slo_config(config: RouterConfig) -> SloConfig:
+    """The SLO classes, with the interactive targets overridden from config."""
+    classes = default_classes()
+    interactive = classes["interactive"]
+    classes["interactive"] = SloClass(
+        interactive.name,
+        Slo(
+            ttft_s=config.ttft_slo_s if config.ttft_slo_s is not None else interactive.slo.ttft_s,
+            itl_s=config.itl_slo_s if config.itl_slo_s is not None else interactive.slo.itl_s,
+        ),
+        interactive.priority,
+    )
+    return SloConfig(default_class=config.slo_class, classes=classes)
+
+
+class PolicyRuntime:
+    """The policy plus the Stats poller that feeds it."""
+
+    def __init__(self, config: RouterConfig, pool: WorkerPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.slo = slo_config(config)
+        self.policy: GoodputPolicy | None = None
+        self._poller: asyncio.Task | None = None
+
+    async def start(self) -> GoodputPolicy:
+        """Read every worker's pool size, build the policy, start polling."""
+        stats = await self.pool.stats(self.config.probe_timeout_s)
+        now = time.monotonic()
+
+        def state(worker) -> WorkerState:
+            s = WorkerState(
+                worker.worker_id,
+                worker.role,
+                block_size=self.config.block_size,
+                num_blocks=max(1, stats[worker.worker_id].num_blocks),
+            )
+            s.update_stats(WorkerStats.from_proto(stats[worker.worker_id]), now)
+            return s
+
+        self.policy = GoodputPolicy(
+            [state(w) for w in self.pool.prefill],
+            [state(w) for w in self.pool.decode],
+            selector_config=SelectorConfig(
+                enable_local_prefill=self.config.max_local_prefill_tokens > 0,
+                max_local_prefill_tokens=self.config.max_local_prefill_tokens,
+            ),
+            admission_config=AdmissionConfig(policy=AdmissionPolicy(self.config.admission_policy)),
+        )
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+        return self.policy
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.stats_interval_s)
+            for worker in self.pool.workers:
+                await self._poll_one(worker)
+
+    async def _poll_one(self, worker) -> None:
+        taken_at = time.monotonic()
+        try:
+            reply = await self.pool.worker_stats(worker, self.config.probe_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("worker %s unreachable (%s); not placing on it", worker.worker_id,
+                           exc.code().name)  # fmt: skip
+            self.policy.set_available(worker.worker_id, False)
+            return
+        self.policy.set_available(worker.worker_id, True)
+        self.policy.update_stats(worker.worker_id, WorkerStats.from_proto(reply), taken_at)
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None

@@ -1,0 +1,102 @@
+"""The facade RequestFlow drives: commit, progress hooks, learning, no leaks."""
+
+import pytest
+
+from router.policy import (
+    DISAGGREGATED,
+    LOCAL_PREFILL,
+    GoodputPolicy,
+    SloConfig,
+    WorkerState,
+    WorkerStats,
+)
+
+BS = 16
+INTERACTIVE = SloConfig().resolve("interactive")
+
+
+def make() -> GoodputPolicy:
+    prefill = [WorkerState(f"p{i}", "prefill", block_size=BS, num_blocks=4096) for i in range(2)]
+    decode = [WorkerState("d0", "decode", block_size=BS, num_blocks=4096)]
+    return GoodputPolicy(prefill, decode)
+
+
+def test_disaggregated_lifecycle():
+    policy = make()
+    prompt = list(range(2000))
+    placement = policy.place_now("r1", prompt, 64, INTERACTIVE)
+    assert placement.decision == DISAGGREGATED
+    prefill = policy.workers[placement.prefill_worker_id]
+    decode = policy.workers["d0"]
+    assert prefill.num_queued_prefill_tokens == 2000
+    assert prefill.prefix.num_locked_requests == 1 and decode.num_running == 1
+    assert decode.num_free_blocks == 4096 - placement.num_decode_blocks
+    observed = prefill.prefill_model.num_observations
+    policy.on_prefill_done("r1", num_cached_tokens=0, compute_s=0.4)
+    policy.on_prefill_done("r1", num_cached_tokens=0, compute_s=0.4)  # idempotent
+    assert prefill.prefill_model.num_observations == observed + 1
+    assert prefill.num_queued_prefill_tokens == 0 and not prefill.is_idle()  # KV held
+    policy.on_kv_pulled("r1")
+    assert prefill.is_idle() and decode.num_running == 1
+    before = decode.decode_model.num_observations
+    policy.observe_itl("r1", 0.03)
+    assert decode.decode_model.num_observations == before + 1
+    output = list(range(50_000, 50_064))
+    policy.on_finish("r1", output)
+    policy.on_finish("r1", output)  # idempotent
+    assert policy.is_idle()
+    # The follow-up turn finds prompt + answer cached where the request decoded.
+    follow_up = prompt + output + list(range(70_000, 70_040))
+    assert decode.prefix.match_len(follow_up) == (2000 + 64) // BS * BS
+    assert prefill.prefix.match_len(follow_up) == 2000 // BS * BS
+    assert policy.decisions[DISAGGREGATED] == 1
+
+
+def test_local_prefill_lifecycle_and_abort_before_first_token():
+    policy = make()
+    placement = policy.place_now("r1", list(range(40)), 16, INTERACTIVE)
+    assert placement.decision == LOCAL_PREFILL
+    decode = policy.workers["d0"]
+    assert decode.num_queued_prefill_tokens == 40
+    policy.on_kv_pulled("r1")  # first Decode message: for local prefill, the prompt is done
+    assert decode.num_queued_prefill_tokens == 0 and decode.num_running == 1
+    policy.on_finish("r1")
+    # Abort while still queued for prefill: everything is released.
+    policy.place_now("r2", list(range(3000)), 16, INTERACTIVE)
+    policy.on_finish("r2")
+    assert policy.is_idle()
+    assert policy.decisions == {LOCAL_PREFILL: 1, DISAGGREGATED: 1}
+
+
+def test_stats_and_availability_feed_placement():
+    policy = make()
+    policy.update_stats(
+        "p0",
+        WorkerStats(
+            num_waiting=5, num_blocks=4096, num_free_blocks=4096, num_queued_prefill_tokens=4000
+        ),
+        taken_at_s=policy.clock(),
+    )
+    assert policy.place_now("r1", list(range(3000)), 16, INTERACTIVE).prefill_worker_id == "p1"
+    policy.set_available("p1", False)
+    assert (
+        policy.place_now("r2", list(range(9000, 12000)), 16, INTERACTIVE).prefill_worker_id == "p0"
+    )
+    with pytest.raises(ValueError, match="already placed"):
+        policy.place_now("r1", [1, 2, 3], 16, INTERACTIVE)
+    policy.on_finish("r1")
+    policy.on_finish("r2")
+    assert policy.is_idle()
+
+
+def test_prefix_prediction_accuracy_counters():
+    policy = make()
+    prompt = list(range(1000))
+    policy.place_now("a", prompt, 16, INTERACTIVE)
+    policy.on_prefill_done("a", num_cached_tokens=0, compute_s=0.1)
+    policy.on_finish("a")
+    p = policy.place_now("b", [*prompt, 1], 16, INTERACTIVE)
+    assert p.num_cached_tokens == 992
+    policy.on_prefill_done("b", num_cached_tokens=992, compute_s=0.01)
+    policy.on_finish("b")
+    assert policy.num_predicted_cached_tokens == policy.num_reported_cached_tokens == 992
