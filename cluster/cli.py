@@ -100,6 +100,17 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--trace-exporter", default="none", help="OpenTelemetry exporter: none, console, otlp"
     )
+    serve.add_argument(
+        "--admission", default="none", help="SLO admission: none, shed (429) or queue"
+    )
+    serve.add_argument("--ttft-slo", type=float, default=None, help="interactive TTFT target, s")
+    serve.add_argument("--itl-slo", type=float, default=None, help="interactive ITL target, s")
+    serve.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=512,
+        help="longest prompt a decode worker may prefill itself (0: always disaggregate)",
+    )
     serve.set_defaults(handler=_run_serve)
 
 
@@ -129,6 +140,12 @@ def _run_serve(args: argparse.Namespace) -> int:
             engine_overrides=overrides,
             api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
             trace_exporter=args.trace_exporter,
+            router_overrides={
+                "admission_policy": args.admission,
+                "ttft_slo_s": args.ttft_slo,
+                "itl_slo_s": args.itl_slo,
+                "max_local_prefill_tokens": args.max_local_prefill_tokens,
+            },
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)

@@ -55,6 +55,8 @@ class ClusterConfig:
     # Router: optional API key of the HTTP API; OpenTelemetry exporter of every process.
     api_key: str | None = None
     trace_exporter: str = "none"
+    # Other RouterConfig fields (admission_policy, ttft_slo_s, ...).
+    router_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         gpus = self.gpus_per_worker
@@ -126,6 +128,8 @@ class LocalCluster:
             max_model_len=config.engine_overrides.get("max_model_len"),
             api_key=config.api_key,
             trace_exporter=config.trace_exporter,
+            block_size=config.engine_overrides.get("block_size", 16),
+            **config.router_overrides,
         )
         self.router = Router(router_config, self.workers)
         await self.router.start()

@@ -36,10 +36,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
         try:
             prompt_ids, params = self._validate(request)
+            slo = self.flow.slo.resolve(
+                request.slo_class or None,
+                ttft_s=request.ttft_slo_s if request.HasField("ttft_slo_s") else None,
+                itl_s=request.itl_slo_s if request.HasField("itl_slo_s") else None,
+            )
         except RouterError as exc:
             await context.abort(exc.grpc_code, str(exc))
         req_id = request.request_id or uuid.uuid4().hex
-        stream = self.flow.generate(req_id, prompt_ids, params)
+        stream = self.flow.generate(req_id, prompt_ids, params, slo)
         # Client cancel or deadline: the RPC ends while we may be parked at a yield.
         context.add_done_callback(lambda _: stream.cancel())
         try:

@@ -48,7 +48,7 @@ class OpenAIHandlers:
     ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
-        self.parser = RequestParser(tokenizer, model_name)
+        self.parser = RequestParser(tokenizer, model_name, flow.slo)
         self.model_name = model_name
         self.model_dir = model_dir
         self.max_body_bytes = max_body_bytes
@@ -122,7 +122,9 @@ class OpenAIHandlers:
         self, request: web.Request, generation: GenerationRequest, builder: ResponseBuilder
     ) -> web.StreamResponse:
         headers = {"X-Request-Id": builder.id}
-        chunks = self.flow.generate(builder.id, generation.prompt_ids, generation.params)
+        chunks = self.flow.generate(
+            builder.id, generation.prompt_ids, generation.params, generation.slo
+        )
         # Closing the generator (on any exit, cancellation included) cancels the worker calls.
         async with contextlib.aclosing(chunks):
             if generation.stream:

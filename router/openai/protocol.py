@@ -27,6 +27,7 @@ from router.openai.fields import (
     invalid,
     show,
 )
+from router.policy import RequestSlo, SloConfig
 from router.tokenization import PromptTokenizer
 
 # Most alternatives a client may ask for per position (vLLM's default `max_logprobs`).
@@ -73,14 +74,17 @@ class GenerationRequest:
     logprobs: bool
     # Alternatives asked per position; only the chosen token is reported (see responses).
     num_top_logprobs: int
+    # The request's SLO (Tandem extension fields `slo_class`, `ttft_slo_s`, `itl_slo_s`).
+    slo: RequestSlo
 
 
 class RequestParser:
     """Validates request bodies against the served model (name, vocabulary, context)."""
 
-    def __init__(self, tokenizer: PromptTokenizer, model_name: str) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, model_name: str, slo: SloConfig) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.slo = slo
 
     def completion(self, body: dict[str, Any]) -> GenerationRequest:
         self._check_common(body, _COMPLETION_UNSUPPORTED)
@@ -225,6 +229,11 @@ class RequestParser:
             include_usage=include_usage,
             logprobs=logprobs,
             num_top_logprobs=num_top_logprobs,
+            slo=self.slo.resolve(
+                get_str(body, "slo_class"),
+                ttft_s=get_float(body, "ttft_slo_s"),
+                itl_s=get_float(body, "itl_slo_s"),
+            ),
         )
 
     def _max_tokens(

@@ -24,6 +24,7 @@ from engine.model_maker import make_model
 from router.config import RouterConfig
 from router.errors import Overloaded, RouterError, WorkerUnavailable, from_worker_error
 from router.http_server import make_http_app
+from router.policy import SloConfig
 from router.request_flow import GenerationChunk, Usage
 from router.tokenization import PromptTokenizer
 from tests.router.inproc_cluster import InprocCluster
@@ -297,6 +298,8 @@ CASES = [
         param="max_completion_tokens",
     ),
     Bad("tokenize with nothing", {}, 400, ("'prompt'", "'messages'"), path="/tokenize"),
+    Bad("unknown SLO class", {"prompt": "hi", "slo_class": "gold"}, 400, ("slo_class", "gold")),
+    Bad("negative TTFT target", {"prompt": "hi", "ttft_slo_s": -1}, 400, ("ttft",)),
 ]
 
 
@@ -341,8 +344,9 @@ class FailingFlow:
         self.error = error
         self.num_chunks = num_chunks
         self.closed = False
+        self.slo = SloConfig()
 
-    async def generate(self, req_id: str, prompt_ids: list[int], params) -> AsyncIterator:
+    async def generate(self, req_id: str, prompt_ids: list[int], params, slo) -> AsyncIterator:
         try:
             for _ in range(self.num_chunks):
                 yield GenerationChunk([5], "x", usage=Usage(len(prompt_ids)))
