@@ -1,5 +1,6 @@
 # Tandem: two commands on a fresh machine.
-#   make serve   - create .venv, install, make the default model if absent, serve
+#   make serve   - create .venv, install, make the default model if absent, start the
+#                  local cluster (Ray: 1 prefill + 1 decode worker, router on :50051/:8000)
 #   make test    - create .venv, install, run the whole test suite
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ MODEL_PRESET ?= small
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
 
-.PHONY: install serve test lint proto bench-engine clean
+.PHONY: install serve demo test lint proto bench-engine clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +25,12 @@ install: $(VENV)/.installed
 $(MODEL_DIR)/config.json: | $(VENV)/.installed
 	$(VENV)/bin/tandem model make --preset $(MODEL_PRESET) --out $(MODEL_DIR)
 
+SERVE_ARGS ?=
+
 serve: $(VENV)/.installed $(MODEL_DIR)/config.json
+	$(VENV)/bin/tandem serve --model $(MODEL_DIR) $(SERVE_ARGS)
+
+demo: $(VENV)/.installed $(MODEL_DIR)/config.json
 	$(VENV)/bin/tandem demo --model $(MODEL_DIR)
 
 test: $(VENV)/.installed
