@@ -35,6 +35,8 @@ class TorchAttentionBackend:
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
+        # Reused K and V gather buffers of the decode path (one step at a time).
+        self._buffers: list[torch.Tensor | None] = [None, None]
 
     def forward(
         self,
@@ -85,9 +87,13 @@ class TorchAttentionBackend:
         num_decodes = query.shape[0]
         length = meta.max_decode_len
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        tables = meta.block_tables[:num_decodes, : -(-length // block_size)]
-        k = k_cache[tables].view(num_decodes, -1, num_kv_heads, head_dim)[:, :length]
-        v = v_cache[tables].view(num_decodes, -1, num_kv_heads, head_dim)[:, :length]
+        num_blocks = -(-length // block_size)
+        index = meta.block_tables[:num_decodes, :num_blocks].reshape(-1)
+        # Gathered into reused buffers: fresh multi-MB allocations cost page faults per layer.
+        k = torch.index_select(k_cache, 0, index, out=self._scratch(0, k_cache, index.numel()))
+        v = torch.index_select(v_cache, 0, index, out=self._scratch(1, v_cache, index.numel()))
+        k = k.view(num_decodes, -1, num_kv_heads, head_dim)[:, :length]
+        v = v.view(num_decodes, -1, num_kv_heads, head_dim)[:, :length]
         o = F.scaled_dot_product_attention(
             query.unsqueeze(2),
             k.transpose(1, 2),
@@ -97,6 +103,15 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return o.squeeze(2)
+
+    def _scratch(self, slot: int, cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """A [num_blocks, *block shape] buffer for gathered blocks, grown on demand."""
+        shape = (num_blocks, *cache.shape[1:])
+        buf = self._buffers[slot]
+        if buf is None or buf.shape[0] < num_blocks or buf.dtype != cache.dtype:
+            buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+            self._buffers[slot] = buf
+        return buf[:num_blocks]
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

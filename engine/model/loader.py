@@ -60,8 +60,6 @@ def load_model(
     # The RoPE tables stay float32 (as in transformers) and are built for real here.
     rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
     model.rotary = rotary
-    for layer in model.layers:
-        layer.self_attn.rotary = rotary
     _load_weights(model, Path(model_dir), cfg)
     return model.eval()
 
