@@ -5,7 +5,7 @@ Prefill side: `KvTransferService` (gRPC `KvTransfer` + data plane). Decode side:
 process), `nccl` (GPU). See docs/architecture.md ("KV transfer").
 """
 
-from kv_transfer.blocks import HeldBlocks, ReadBlocks
+from kv_transfer.blocks import CacheBlocks, ReadBlocks
 from kv_transfer.client import KvTransferClient
 from kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
 from kv_transfer.handle import KvHandle
@@ -15,7 +15,7 @@ from kv_transfer.service import KvTransferService
 from kv_transfer.stats import TransferStats
 
 __all__ = [
-    "HeldBlocks",
+    "CacheBlocks",
     "KvHandle",
     "KvLayout",
     "KvPullError",

@@ -1,0 +1,150 @@
+"""What a prefill worker hands to the service, and how it becomes a payload.
+
+`read_blocks(request_id)` returns either
+* a tensor `[layers, 2, n, block_size, kv_heads, head_dim]` (e.g. `Engine.export_kv`'s
+  copy), sent as is; or
+* `CacheBlocks(kv_cache, block_ids)` (e.g. the runner's cache and
+  `Engine.held_block_ids`): zero-copy, sent straight from the cache (see
+  `PayloadReader`); the blocks must stay pinned until the pull completes.
+It raises KeyError when the request holds no KV. It is called from transfer threads.
+"""
+
+from __future__ import annotations
+
+import math
+import socket
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from kv_transfer.layout import KvLayout, dtype_name
+from kv_transfer.wire import DataReply, byte_view, send_buffers, send_payload
+
+
+@dataclass(frozen=True)
+class CacheBlocks:
+    """A request's blocks inside a worker's paged cache: the prefill side's held blocks
+    (a pull's source; they must stay pinned until it completes) or the decode side's
+    reserved blocks (a pull's destination, `KvTransferClient.pull(handle, out=...)`)."""
+
+    # The whole cache: [layers, 2, num_blocks_total, block_size, kv_heads, head_dim].
+    kv_cache: torch.Tensor
+    # The request's blocks in position order.
+    block_ids: list[int]
+
+    def check(self, layout: KvLayout) -> None:
+        """ValueError unless the cache has the layout and every block id is in it."""
+        check_shape(self.kv_cache, layout, "kv_cache")
+        total = self.kv_cache.shape[2]
+        bad = [b for b in self.block_ids if not 0 <= b < total]
+        if bad:
+            raise ValueError(f"block ids {bad[:8]} outside the cache's {total} blocks")
+
+    def gather(self) -> torch.Tensor:
+        """A contiguous copy [layers, 2, len(block_ids), ...] on the cache's device."""
+        return self.kv_cache.index_select(2, self._ids())
+
+    def scatter(self, blocks: torch.Tensor) -> None:
+        """Write `blocks` [layers, 2, len(block_ids), ...] into these blocks."""
+        self.kv_cache.index_copy_(2, self._ids(), blocks.to(self.kv_cache.device))
+
+    def _ids(self) -> torch.Tensor:
+        return torch.tensor(self.block_ids, dtype=torch.long, device=self.kv_cache.device)
+
+    @property
+    def is_scatterable(self) -> bool:
+        """Sockets can read/write these blocks in place (contiguous CPU cache)."""
+        return self.kv_cache.device.type == "cpu" and self.kv_cache.is_contiguous()
+
+
+ReadBlocks = Callable[[str], "torch.Tensor | CacheBlocks"]
+
+
+def check_shape(tensor: torch.Tensor, layout: KvLayout, what: str) -> None:
+    """ValueError unless `tensor` is [layers, 2, *, block_size, heads, dim] of the layout."""
+    expected = layout.block_shape(tensor.shape[2] if tensor.dim() == 6 else 0)
+    if tuple(tensor.shape) != expected or tensor.dtype != layout.torch_dtype:
+        raise ValueError(
+            f"{what} is {tuple(tensor.shape)} {tensor.dtype}, layout wants "
+            f"{(*expected[:2], 'n', *expected[3:])} {layout.torch_dtype}"
+        )
+
+
+SendPayload = Callable[[socket.socket], int]
+
+
+class PayloadReader:
+    """Turns `read_blocks` results into a reply and a function that sends the payload.
+
+    `CacheBlocks` of a contiguous CPU cache go out by vectored send straight from the
+    cache (runs of adjacent blocks merged): no gather copy at all. A CUDA (or strided)
+    cache is gathered one (layer, K/V) slab at a time into a staging buffer that this
+    reader (one per connection) reuses across pulls."""
+
+    def __init__(self, layout: KvLayout) -> None:
+        self.layout = layout
+        self._staging = torch.empty(0, dtype=layout.torch_dtype)
+
+    def prepare(self, result: torch.Tensor | CacheBlocks) -> tuple[DataReply, SendPayload]:
+        """ValueError when the result does not fit the layout (nothing is sent then)."""
+        if isinstance(result, CacheBlocks):
+            return self._prepare_held(result)
+        check_shape(result, self.layout, "read_blocks result")
+        blocks = result.detach().to("cpu").contiguous()
+        reply = self._reply(tuple(blocks.shape), blocks.nbytes)
+        return reply, lambda sock: send_payload(sock, [byte_view(blocks)])
+
+    def _prepare_held(self, held: CacheBlocks) -> tuple[DataReply, SendPayload]:
+        held.check(self.layout)
+        cache = held.kv_cache
+        num_blocks = len(held.block_ids)
+        reply = self._reply(
+            self.layout.block_shape(num_blocks), self.layout.block_nbytes(num_blocks)
+        )
+        if held.is_scatterable:
+            return reply, lambda sock: send_buffers(sock, block_views(held))
+        return reply, lambda sock: send_payload(sock, self._gather(cache, held.block_ids))
+
+    def _gather(self, cache: torch.Tensor, block_ids: list[int]) -> Iterator[memoryview]:
+        """One slab [n, block_size, heads, dim] at a time, in payload order."""
+        if not block_ids:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
+        shape = (len(block_ids), *cache.shape[3:])
+        if self._staging.numel() < math.prod(shape):
+            self._staging = torch.empty(math.prod(shape), dtype=self.layout.torch_dtype)
+        slab = self._staging[: math.prod(shape)].view(shape)
+        for layer in range(cache.shape[0]):
+            for kv in range(2):
+                if cache.is_cuda:
+                    slab.copy_(cache[layer, kv].index_select(0, ids))
+                else:
+                    torch.index_select(cache[layer, kv], 0, ids, out=slab)
+                yield byte_view(slab)
+
+    def _reply(self, shape: tuple[int, ...], nbytes: int) -> DataReply:
+        return DataReply(
+            status="ok", shape=shape, dtype=dtype_name(self.layout.torch_dtype), nbytes=nbytes
+        )
+
+
+def block_views(blocks: CacheBlocks) -> list[memoryview]:
+    """Byte ranges of a payload's bytes inside a contiguous CPU cache, in payload order
+    ([layers, 2, blocks, ...]), adjacent blocks merged into one range."""
+    cache, block_ids = blocks.kv_cache, blocks.block_ids
+    memory = byte_view(cache)
+    block_nbytes = cache[0, 0, 0].nbytes
+    runs: list[tuple[int, int]] = []  # (first block, count) of adjacent ids
+    for block in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    views = []
+    for slab in range(cache.shape[0] * 2):
+        base = slab * cache.shape[2]
+        for first, count in runs:
+            start = (base + first) * block_nbytes
+            views.append(memory[start : start + count * block_nbytes])
+    return views

@@ -1,0 +1,276 @@
+"""Decode side of KV transfer: pull a prefilled request's blocks from its prefill worker.
+
+One channel per prefill worker (keyed by worker id and endpoint), opened on the first
+pull and reused; pulls to one prefill worker are serialised on its channel (each one
+already saturates the link). Blocking socket work runs in a small executor the client
+owns. A channel that breaks is dropped and the next pull opens a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from typing import Any
+
+import grpc
+import torch
+
+from kv_transfer.blocks import CacheBlocks
+from kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
+from kv_transfer.handle import KvHandle
+from kv_transfer.layout import KvLayout
+from kv_transfer.local import LocalChannel, LocalRegistry
+from kv_transfer.nccl_channel import NcclClientChannel
+from kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
+from kv_transfer.tcp_channel import TcpChannel
+from proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = {
+    "tcp": worker_pb2.KV_BACKEND_TCP,
+    "nccl": worker_pb2.KV_BACKEND_NCCL,
+    "local": worker_pb2.KV_BACKEND_LOCAL,
+}
+Channel = TcpChannel | LocalChannel | NcclClientChannel
+_ChannelKey = tuple[str, str]  # (prefill worker id, endpoint)
+
+
+class KvTransferClient:
+    """Pulls KV for one decode worker."""
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        worker_id: str,
+        backend: str = "tcp",
+        timeout_s: float = 30.0,
+        *,
+        local_registry: LocalRegistry | None = None,
+        device: str | None = None,
+        max_num_threads: int = 4,
+    ) -> None:
+        """`local_registry`: required by the local backend. `device`: CUDA device of NCCL
+        receive buffers (default the current one). Every socket and RPC wait is bounded
+        by `timeout_s`."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+        if backend == "local" and local_registry is None:
+            raise ValueError("the local backend needs a local_registry")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.layout = layout
+        self.worker_id = worker_id
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self._registry = local_registry
+        self._device = device
+        self._thread_prefix = f"kv-client-{id(self):x}"
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_num_threads, thread_name_prefix=self._thread_prefix
+        )
+        self._channels: dict[_ChannelKey, Channel] = {}
+        self._locks: dict[_ChannelKey, asyncio.Lock] = {}
+        self._grpc: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._closed = False
+
+    async def pull(
+        self, handle: KvHandle, out: torch.Tensor | CacheBlocks | None = None
+    ) -> torch.Tensor:
+        """The handle's blocks `[layers, 2, len(block_ids), block_size, heads, dim]`.
+
+        `out` (optional) receives them instead of a new tensor: a contiguous tensor of
+        that shape (a reused staging buffer), or `CacheBlocks(kv_cache, block_ids)`, the
+        decode engine's reserved blocks, written in place (tcp with a CPU cache: straight
+        from the socket; then `kv_cache` is returned). Fresh memory is slow to fill
+        (page faults), so both beat the default.
+        Raises LayoutMismatchError, KvPullError (KV gone, peer dead or timed out)."""
+        self.layout.check_matches(
+            handle.layout_fingerprint, self_role="decode", other_role="prefill"
+        )
+        if self._closed:
+            raise KvTransferError("KV transfer client is closed")
+        self._check_out(out, handle.num_blocks)
+        if isinstance(out, CacheBlocks) and not (self.backend == "tcp" and out.is_scatterable):
+            await self._run(out.scatter, await self.pull(handle))
+            return out.kv_cache
+        key = (handle.worker_id, handle.endpoint)
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            if self._closed:  # closed while this pull waited for the channel
+                raise KvTransferError("KV transfer client is closed")
+            channel = self._channels.get(key)
+            if channel is None or not channel.is_open:
+                self._drop(key)
+                channel = await self._open(handle)
+                self._channels[key] = channel
+            try:
+                return await self._pull_on(channel, handle, out)
+            except KvPullError:
+                if not channel.is_open:
+                    self._drop(key)
+                raise
+            except asyncio.CancelledError:
+                channel.abort()  # the transfer thread then fails and closes the socket
+                self._drop(key)
+                raise
+
+    async def close(self) -> None:
+        """Close every channel (CloseChannel RPC, sockets, gRPC channels) and threads."""
+        self._closed = True
+        channels = list(self._channels.items())
+        self._channels.clear()
+        for _, channel in channels:
+            if isinstance(channel, TcpChannel):
+                channel.abort()  # in-flight pulls fail now
+        await asyncio.gather(
+            *(self._close_remote(key[1], ch) for key, ch in channels if ch.channel_id),
+            *self._closing,
+            return_exceptions=True,
+        )
+        for _, channel in channels:
+            channel.close()
+        for grpc_channel in self._grpc.values():
+            await grpc_channel.close()
+        self._grpc.clear()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if await wait_threads_gone(self._thread_prefix, self.timeout_s):
+            logger.warning("KV transfer threads still running after close")
+
+    def stats(self) -> TransferStats:
+        return TransferStats(
+            num_open_channels=len(self._channels),
+            num_transfer_threads=count_threads(self._thread_prefix),
+        )
+
+    # ----- channels -----------------------------------------------------------------
+
+    async def _open(self, handle: KvHandle) -> Channel:
+        if self.backend == "local":
+            assert self._registry is not None
+            return LocalChannel.open(self._registry, handle.worker_id, self.layout)
+        request = worker_pb2.OpenChannelRequest(
+            decode_worker_id=self.worker_id,
+            layout_fingerprint=self.layout.fingerprint(),
+            backend=BACKENDS[self.backend],
+        )
+        if self.backend == "nccl":
+            request.nccl_unique_id = NcclClientChannel.new_unique_id()
+        response = await self._open_rpc(handle.endpoint, request)
+        try:
+            if self.backend == "nccl":
+                return await NcclClientChannel.init(
+                    response.channel_id,
+                    request.nccl_unique_id,
+                    self.layout,
+                    self._cuda_device(),
+                    self.timeout_s,
+                    self._executor,
+                )
+            return await self._run(
+                TcpChannel.connect,
+                response.channel_id,
+                response.tcp_endpoint,
+                self.layout,
+                self.timeout_s,
+            )
+        except KvPullError:
+            await self._close_rpc(handle.endpoint, response.channel_id)
+            raise
+
+    async def _open_rpc(
+        self, endpoint: str, request: worker_pb2.OpenChannelRequest
+    ) -> worker_pb2.OpenChannelResponse:
+        try:
+            return await self._stub(endpoint).OpenChannel(request, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as e:
+            code, details = e.code(), e.details()
+            if code == grpc.StatusCode.FAILED_PRECONDITION:
+                raise LayoutMismatchError(details) from None
+            if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT):
+                raise KvTransferError(f"OpenChannel to {endpoint}: {details}") from None
+            await self._forget_grpc(endpoint)  # reconnect afresh next time
+            raise KvPullError(f"OpenChannel to {endpoint} failed: {code.name} {details}") from e
+
+    async def _pull_on(
+        self, channel: Channel, handle: KvHandle, out: torch.Tensor | CacheBlocks | None
+    ) -> torch.Tensor:
+        if not isinstance(channel, NcclClientChannel):
+            return await self._run(channel.pull, handle.request_id, handle.num_blocks, out)
+        shape = self.layout.block_shape(handle.num_blocks)
+        if not isinstance(out, torch.Tensor):
+            out = torch.empty(shape, dtype=self.layout.torch_dtype, device=channel.comm.device)
+        try:
+            done = channel.post_recv(out)
+            response = await self._stub(handle.endpoint).Pull(
+                worker_pb2.PullRequest(channel_id=channel.channel_id, request_id=handle.request_id),
+                timeout=self.timeout_s,
+            )
+            if response.num_bytes != out.nbytes:
+                raise KvPullError(f"prefill sent {response.num_bytes} bytes, expected {out.nbytes}")
+            await channel.finish_recv(done)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError, TimeoutError, KvTransferError) as e:
+            channel.abort()
+            task = asyncio.create_task(self._close_rpc(handle.endpoint, channel.channel_id))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            if isinstance(e, KvPullError):
+                raise
+            raise KvPullError(f"NCCL pull of {handle.request_id!r} failed: {e!r}") from e
+        return out
+
+    def _drop(self, key: _ChannelKey) -> None:
+        channel = self._channels.pop(key, None)
+        if channel is not None:
+            channel.abort()
+
+    async def _close_remote(self, endpoint: str, channel: Channel) -> None:
+        if not isinstance(channel, LocalChannel):
+            await self._close_rpc(endpoint, channel.channel_id)
+
+    async def _close_rpc(self, endpoint: str, channel_id: str) -> None:
+        try:
+            await self._stub(endpoint).CloseChannel(
+                worker_pb2.CloseChannelRequest(channel_id=channel_id),
+                timeout=min(self.timeout_s, 5.0),
+            )
+        except grpc.aio.AioRpcError as e:
+            logger.debug("CloseChannel %s at %s: %s", channel_id, endpoint, e.code().name)
+
+    # ----- helpers ------------------------------------------------------------------
+
+    def _stub(self, endpoint: str) -> worker_pb2_grpc.KvTransferStub:
+        if endpoint not in self._grpc:
+            self._grpc[endpoint] = grpc.aio.insecure_channel(endpoint)
+        return worker_pb2_grpc.KvTransferStub(self._grpc[endpoint])
+
+    async def _forget_grpc(self, endpoint: str) -> None:
+        channel = self._grpc.pop(endpoint, None)
+        if channel is not None:
+            await channel.close()
+
+    async def _run(self, fn: Any, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _cuda_device(self) -> torch.device:
+        return torch.device(self._device or f"cuda:{torch.cuda.current_device()}")
+
+    def _check_out(self, out: torch.Tensor | CacheBlocks | None, num_blocks: int) -> None:
+        if out is None:
+            return
+        if isinstance(out, CacheBlocks):
+            out.check(self.layout)
+            if len(out.block_ids) != num_blocks:
+                raise ValueError(f"out has {len(out.block_ids)} blocks, pull needs {num_blocks}")
+            return
+        shape = self.layout.block_shape(num_blocks)
+        if tuple(out.shape) != shape or out.dtype != self.layout.torch_dtype:
+            raise ValueError(f"out is {tuple(out.shape)} {out.dtype}, pull needs {shape}")
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+        if self.backend == "tcp" and out.device.type != "cpu":
+            raise ValueError("the tcp backend receives into CPU memory")

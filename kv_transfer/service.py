@@ -1,0 +1,185 @@
+"""Prefill side of KV transfer: the `KvTransfer` gRPC service (control plane).
+
+`OpenChannel` checks the layout fingerprint (FAILED_PRECONDITION on mismatch, with
+every differing field) and sets up the data plane of the chosen backend: for TCP the
+host:port of the service's data server (one socket per channel), for NCCL a 2-rank
+communicator. `Pull` is NCCL's send trigger (TCP pulls on its socket).
+`CloseChannel` frees a channel; `stop()` frees everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import uuid
+
+import grpc
+import torch
+
+from kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape
+from kv_transfer.errors import LayoutMismatchError
+from kv_transfer.layout import KvLayout
+from kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, load_nccl
+from kv_transfer.nccl_channel import PREFILL_RANK, NcclServerChannel
+from kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
+from kv_transfer.tcp_server import TcpDataServer
+from proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class KvTransferService(worker_pb2_grpc.KvTransferServicer):
+    """Serves one prefill worker's held KV to decode workers."""
+
+    def __init__(
+        self,
+        layout: KvLayout,
+        read_blocks: ReadBlocks,
+        host: str = "127.0.0.1",
+        *,
+        timeout_s: float = 30.0,
+        advertise_host: str | None = None,
+        device: str | None = None,
+    ) -> None:
+        """`read_blocks(request_id)`: see `kv_transfer.blocks` (called from transfer
+        threads, so it must be thread-safe; KeyError when nothing is held).
+        `advertise_host`: the data server's address as decode workers reach it (default
+        `host`). `device`: CUDA device of NCCL channels (default the current one)."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.layout = layout
+        self.read_blocks = read_blocks
+        self.timeout_s = timeout_s
+        self._device = device
+        self._tcp = TcpDataServer(layout, read_blocks, host, timeout_s, advertise_host)
+        self._nccl: dict[str, NcclServerChannel] = {}
+        self._thread_prefix = f"kv-service-{id(self):x}"
+        # NCCL init and GPU gathers only; created on the first NCCL channel.
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stopped = False
+
+    def start(self) -> str:
+        """Start the TCP data server now (else on the first TCP channel); its host:port."""
+        return self._tcp.start()
+
+    async def stop(self) -> None:
+        """Close every channel, the data server, its sockets and threads."""
+        self._stopped = True
+        for channel in self._nccl.values():
+            channel.close(abort=True)
+        self._nccl.clear()
+        await self._tcp.stop()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            if await wait_threads_gone(self._thread_prefix, self.timeout_s):
+                logger.warning("NCCL init threads still running after stop")
+
+    def stats(self) -> TransferStats:
+        return TransferStats(
+            num_open_channels=self._tcp.num_channels + len(self._nccl),
+            num_transfer_threads=self._tcp.num_threads + count_threads(self._thread_prefix),
+        )
+
+    # ----- RPCs -------------------------------------------------------------------
+
+    async def OpenChannel(
+        self, request: worker_pb2.OpenChannelRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.OpenChannelResponse:
+        if self._stopped:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "KV transfer service stopped")
+        try:
+            self.layout.check_matches(
+                request.layout_fingerprint, self_role="prefill", other_role="decode"
+            )
+        except LayoutMismatchError as e:
+            logger.error("decode worker %s: %s", request.decode_worker_id, e)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        channel_id = uuid.uuid4().hex
+        backend = request.backend
+        if backend in (worker_pb2.KV_BACKEND_TCP, worker_pb2.KV_BACKEND_UNSPECIFIED):
+            endpoint = self._tcp.open_channel(channel_id)
+            logger.info("KV channel %s (tcp) for %s", channel_id, request.decode_worker_id)
+            return worker_pb2.OpenChannelResponse(channel_id=channel_id, tcp_endpoint=endpoint)
+        if backend == worker_pb2.KV_BACKEND_NCCL:
+            await self._open_nccl(channel_id, request, context)
+            return worker_pb2.OpenChannelResponse(channel_id=channel_id, nccl_rank=PREFILL_RANK)
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"backend {backend} is not served over gRPC"
+        )
+        raise AssertionError("unreachable")  # context.abort raises
+
+    async def _open_nccl(
+        self,
+        channel_id: str,
+        request: worker_pb2.OpenChannelRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        if len(request.nccl_unique_id) != NCCL_UNIQUE_ID_BYTES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"nccl_unique_id must be {NCCL_UNIQUE_ID_BYTES} bytes",
+            )
+        try:
+            load_nccl()
+        except NcclError as e:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, f"NCCL unavailable: {e}")
+        device = torch.device(self._device or f"cuda:{torch.cuda.current_device()}")
+        channel = NcclServerChannel(channel_id, device, self.timeout_s)
+        channel.start_init(request.nccl_unique_id, self._nccl_executor())
+        self._nccl[channel_id] = channel
+        logger.info("KV channel %s (nccl) for %s", channel_id, request.decode_worker_id)
+
+    async def Pull(
+        self, request: worker_pb2.PullRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PullResponse:
+        channel = self._nccl.get(request.channel_id)
+        if channel is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no NCCL channel {request.channel_id!r}"
+            )
+        loop = asyncio.get_running_loop()
+        async with channel.lock:
+            try:
+                result = await loop.run_in_executor(
+                    self._nccl_executor(), self.read_blocks, request.request_id
+                )
+                blocks = self._gather(result)
+            except KeyError:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"no KV held for request {request.request_id!r}"
+                )
+            except ValueError as e:
+                await context.abort(grpc.StatusCode.INTERNAL, str(e))
+            try:
+                num_bytes = await channel.send(blocks)
+            except (NcclError, asyncio.TimeoutError, TimeoutError) as e:
+                self._nccl.pop(request.channel_id, None)
+                channel.close(abort=True)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"NCCL send failed: {e!r}")
+        return worker_pb2.PullResponse(num_bytes=num_bytes)
+
+    def _gather(self, result: torch.Tensor | CacheBlocks) -> torch.Tensor:
+        if isinstance(result, CacheBlocks):
+            result.check(self.layout)
+            return result.gather()
+        check_shape(result, self.layout, "read_blocks result")
+        return result
+
+    async def CloseChannel(
+        self, request: worker_pb2.CloseChannelRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.CloseChannelResponse:
+        channel = self._nccl.pop(request.channel_id, None)
+        if channel is not None:
+            async with channel.lock:
+                channel.close()
+        elif not self._tcp.close_channel(request.channel_id):
+            logger.debug("CloseChannel of unknown channel %s", request.channel_id)
+        return worker_pb2.CloseChannelResponse()
+
+    def _nccl_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix=self._thread_prefix
+            )
+        return self._executor

@@ -1,0 +1,77 @@
+"""The nccl backend: import-safe without CUDA; a real 2-GPU transfer when there is one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from kv_transfer import KvPullError, KvTransferClient, KvTransferError
+from kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, NcclUniqueId, load_nccl
+from tests.kv_transfer.harness import SMALL, TINY, FakeEngine, bits, prefill_server, random_cache
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_unique_id_struct_matches_nccl_abi() -> None:
+    assert NCCL_UNIQUE_ID_BYTES == 128
+    uid = NcclUniqueId.from_buffer_copy(bytes(range(128)))
+    assert bytes(uid.internal) == bytes(range(128))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only behaviour")
+def test_without_cuda_the_nccl_backend_fails_cleanly() -> None:
+    with pytest.raises(NcclError, match="CUDA"):
+        load_nccl()
+    engine = FakeEngine(random_cache(TINY, 4), {"r": [1]})
+
+    async def run() -> None:
+        async with prefill_server(TINY, engine.read_blocks) as prefill:
+            client = KvTransferClient(TINY, "decode-0", backend="nccl")
+            try:
+                with pytest.raises(KvTransferError, match="needs CUDA"):
+                    await client.pull(prefill.handle(TINY, "r", [1]))
+                assert client.stats().num_open_channels == 0
+            finally:
+                await client.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="NCCL refuses two ranks on one GPU: needs 2 CUDA devices",
+)
+def test_nccl_pulls_between_two_gpus_are_bit_exact() -> None:
+    layout = SMALL
+    cache = random_cache(layout, 300).to("cuda:1")
+    engine = FakeEngine(cache, {"a": list(range(0, 300, 2)), "b": [7]})
+
+    async def run() -> None:
+        async with prefill_server(layout, engine.read_blocks, device="cuda:1") as prefill:
+            client = KvTransferClient(layout, "decode-0", backend="nccl", device="cuda:0")
+            try:
+                for _ in range(2):
+                    for request_id, ids in engine.held.items():
+                        got = await client.pull(prefill.handle(layout, request_id, ids))
+                        assert got.device == torch.device("cuda:0")
+                        want = engine.expected(request_id).to("cuda:0")
+                        assert torch.equal(bits(got), bits(want))
+                assert client.stats().num_open_channels == 1
+                # Not found: the posted recv forces a new communicator, then pulls work.
+                with pytest.raises(KvPullError):
+                    await client.pull(prefill.handle(layout, "gone", [1]))
+                got = await client.pull(prefill.handle(layout, "b", [7]))
+                assert torch.equal(bits(got), bits(engine.expected("b").to("cuda:0")))
+                assert client.stats().num_open_channels == 1
+            finally:
+                await client.close()
+            for _ in range(100):  # CloseChannel RPCs of the aborted and the last channel
+                if prefill.service.stats().num_open_channels == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert prefill.service.stats().num_open_channels == 0
+
+    asyncio.run(run())
