@@ -1,0 +1,191 @@
+"""Streaming clients, one per target kind, behind one interface.
+
+`make_client(config)` picks by the target's scheme: `grpc://HOST:PORT` streams Tandem's
+`tandem.v1.Generation/Generate`; `http://` or `https://` streams any OpenAI-compatible
+`/v1/completions` (SSE) — vLLM, SGLang, TGI's OpenAI layer, Tandem's own — so several
+servers are measured by the same code. `start()` connects and learns the model
+(`ConnectionError` when the server cannot be reached or asked);
+`stream(spec)` sends one request and returns its `RequestTrace` (it never raises for a
+failed request: the failure is the trace's `error`); `close()` frees the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from bench.loadgen.traces import RequestTrace
+from bench.loadgen.workloads import FIRST_TOKEN_ID, RequestSpec
+from proto.server_options import GRPC_OPTIONS
+from proto.tandem.v1 import generation_pb2 as gen_pb
+from proto.tandem.v1 import generation_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+PROMPT_FORMATS = ("ids", "text", "auto")
+
+_GRPC_FINISH = {
+    gen_pb.FINISH_REASON_STOP: "stop",
+    gen_pb.FINISH_REASON_LENGTH: "length",
+    gen_pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    # grpc://HOST:PORT (Tandem Generate) or http(s)://HOST:PORT (OpenAI /v1/completions).
+    target: str
+    # Served model name; "" = the first model the server lists.
+    model: str = ""
+    # How prompts travel: "ids" (token ids), "text" (`RequestSpec.prompt_text`) or "auto"
+    # (ids, unless a probe request shows the server refuses them).
+    prompt_format: str = "ids"
+    temperature: float = 0.0
+    # Per-request deadline; a request past it fails with error "timeout"/DEADLINE_EXCEEDED.
+    request_timeout_s: float = 600.0
+    # HTTP only: ask for logprobs so each chunk says how many tokens it carries (exact
+    # arrivals even when a server merges tokens into one chunk; costs the server a little).
+    http_logprobs: bool = False
+    # HTTP only: sent as `Authorization: Bearer ...`.
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.target.startswith(("grpc://", "http://", "https://")):
+            raise ValueError(
+                f"target must be grpc://HOST:PORT or http(s)://HOST:PORT, got {self.target!r}"
+            )
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}")
+        if self.request_timeout_s <= 0:
+            raise ValueError("request_timeout_s must be > 0")
+
+    @property
+    def kind(self) -> str:
+        """ "grpc" or "http"."""
+        return "grpc" if self.target.startswith("grpc://") else "http"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What `start()` learned about the server."""
+
+    model: str
+    # None when the server does not say.
+    max_model_len: int | None
+    vocab_size: int | None
+    # The prompt format actually used ("ids" or "text"; "auto" resolved).
+    prompt_format: str
+
+
+class Client(Protocol):
+    async def start(self) -> ServerInfo: ...
+
+    async def stream(self, spec: RequestSpec) -> RequestTrace: ...
+
+    async def close(self) -> None: ...
+
+
+def make_client(config: ClientConfig) -> Client:
+    if config.kind == "grpc":
+        return GrpcClient(config)
+    from bench.loadgen.http_client import HttpClient
+
+    return HttpClient(config)
+
+
+def probe_spec() -> RequestSpec:
+    """A tiny request used to check the server takes token-id prompts."""
+    return RequestSpec("probe", (FIRST_TOKEN_ID,) * 4, max_tokens=1)
+
+
+class GrpcClient:
+    """Tandem's public gRPC API; token ids come per message, so arrivals are exact."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.endpoint = config.target.removeprefix("grpc://").rstrip("/")
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: generation_pb2_grpc.GenerationStub | None = None
+        self._prompt_format = "ids" if config.prompt_format == "auto" else config.prompt_format
+        self._model = config.model
+
+    async def start(self) -> ServerInfo:
+        self._channel = grpc.aio.insecure_channel(self.endpoint, options=GRPC_OPTIONS)
+        self._stub = generation_pb2_grpc.GenerationStub(self._channel)
+        try:
+            reply = await self._stub.ListModels(gen_pb.ListModelsRequest(), timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            raise ConnectionError(
+                f"{self.config.target}: {exc.code().name}: {exc.details()}"
+            ) from exc
+        if not reply.models:
+            raise RuntimeError(f"{self.config.target} serves no model")
+        card = next((m for m in reply.models if m.id == self._model), reply.models[0])
+        if self._model and card.id != self._model:
+            raise RuntimeError(f"{self.config.target} does not serve {self._model!r}")
+        self._model = card.id
+        return ServerInfo(
+            model=card.id,
+            max_model_len=card.max_model_len or None,
+            vocab_size=card.vocab_size or None,
+            prompt_format=self._prompt_format,
+        )
+
+    def _request(self, spec: RequestSpec) -> gen_pb.GenerateRequest:
+        request = gen_pb.GenerateRequest(
+            model=self._model,
+            max_tokens=spec.max_tokens,
+            temperature=self.config.temperature,
+            ignore_eos=spec.ignore_eos,
+            request_id=spec.req_id,
+        )
+        if self._prompt_format == "text":
+            request.prompt = spec.prompt_text
+        else:
+            request.prompt_token_ids.extend(spec.prompt_ids)
+        return request
+
+    async def stream(self, spec: RequestSpec) -> RequestTrace:
+        if self._stub is None:
+            raise RuntimeError("start() the client first")
+        times: list[float] = []
+        num_output_tokens: int | None = None
+        num_prompt_tokens = spec.prompt_len
+        finish_reason = error = ""
+        send_s = time.perf_counter()
+        try:
+            call = self._stub.Generate(self._request(spec), timeout=self.config.request_timeout_s)
+            async for message in call:
+                now = time.perf_counter()
+                times += [now] * len(message.token_ids)
+                if message.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+                    finish_reason = _GRPC_FINISH.get(message.finish_reason, "")
+                if message.HasField("usage"):
+                    num_output_tokens = message.usage.completion_tokens
+                    num_prompt_tokens = message.usage.prompt_tokens or num_prompt_tokens
+        except grpc.aio.AioRpcError as exc:
+            error = f"{exc.code().name}: {exc.details()}"
+        if not error and not finish_reason:
+            error = "stream ended without a finish reason"
+        return RequestTrace(
+            req_id=spec.req_id,
+            tag=spec.tag,
+            prompt_len=num_prompt_tokens,
+            max_tokens=spec.max_tokens,
+            send_s=send_s,
+            end_s=time.perf_counter(),
+            token_times_s=times,
+            num_output_tokens=len(times) if num_output_tokens is None else num_output_tokens,
+            finish_reason=finish_reason,
+            error=error,
+        )
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await asyncio.wait_for(self._channel.close(), timeout=10)
+            self._channel = None

@@ -1,0 +1,179 @@
+"""OpenAI-compatible `/v1/completions` over SSE, timed per chunk.
+
+Body: `stream: true`, `stream_options.include_usage` (the final usage chunk gives the
+server's own output-token count), `ignore_eos` as an extra field (vLLM, SGLang and
+Tandem honour it; a server that does not may stop early, which the trace shows), and
+the prompt as a list of token ids (OpenAI's `prompt: [int, ...]` form) or as text.
+
+Tokens per chunk: the chunk's `logprobs.tokens` when present (`http_logprobs`), else its
+`token_ids` when the server adds them, else 1 per chunk with text. A server may merge
+several tokens into one chunk (a detokenizer holding back an incomplete character does),
+so without logprobs the arrivals can be fewer than `num_output_tokens`; TPOT uses the
+usage count and stays exact, the ITL gaps are then gaps between chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from bench.loadgen.clients import ClientConfig, ServerInfo, probe_spec
+from bench.loadgen.traces import RequestTrace
+from bench.loadgen.workloads import RequestSpec
+
+logger = logging.getLogger(__name__)
+
+# HTTP statuses that mean "this body is not acceptable" (a probe with token ids got one).
+_REFUSED = (400, 422)
+
+
+class HttpClient:
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.base_url = config.target.rstrip("/")
+        self._session: aiohttp.ClientSession | None = None
+        self._prompt_format = config.prompt_format
+        self._model = config.model
+
+    async def start(self) -> ServerInfo:
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        # No connection limit: the load driver, not the pool, decides the concurrency.
+        self._session = aiohttp.ClientSession(
+            headers=headers, connector=aiohttp.TCPConnector(limit=0)
+        )
+        timeout = aiohttp.ClientTimeout(total=30)
+        try:
+            async with self._session.get(f"{self.base_url}/v1/models", timeout=timeout) as resp:
+                resp.raise_for_status()
+                cards = (await resp.json()).get("data") or []
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            raise ConnectionError(
+                f"{self.base_url}/v1/models: {type(exc).__name__}: {exc}"
+            ) from exc
+        if not cards:
+            raise RuntimeError(f"{self.base_url}/v1/models lists no model")
+        card = next((c for c in cards if c.get("id") == self._model), cards[0])
+        if self._model and card.get("id") != self._model:
+            raise RuntimeError(f"{self.base_url} does not serve {self._model!r}")
+        self._model = str(card["id"])
+        if self._prompt_format == "auto":
+            self._prompt_format = "ids"
+            trace = await self.stream(probe_spec())
+            if trace.error.startswith(tuple(f"HTTP {s}" for s in _REFUSED)):
+                logger.info("%s refuses token-id prompts (%s): sending text", self.base_url, trace)
+                self._prompt_format = "text"
+        return ServerInfo(
+            model=self._model,
+            max_model_len=card.get("max_model_len"),
+            vocab_size=card.get("vocab_size"),
+            prompt_format=self._prompt_format,
+        )
+
+    def _body(self, spec: RequestSpec) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self._model,
+            "prompt": spec.prompt_text if self._prompt_format == "text" else list(spec.prompt_ids),
+            "max_tokens": spec.max_tokens,
+            "temperature": self.config.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": spec.ignore_eos,
+        }
+        if self.config.http_logprobs:
+            body["logprobs"] = 1
+        return body
+
+    async def stream(self, spec: RequestSpec) -> RequestTrace:
+        if self._session is None:
+            raise RuntimeError("start() the client first")
+        state = _StreamState()
+        send_s = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s)
+        try:
+            async with self._session.post(
+                f"{self.base_url}/v1/completions", json=self._body(spec), timeout=timeout
+            ) as resp:
+                if resp.status != 200:
+                    text = (await resp.text())[:200]
+                    state.error = f"HTTP {resp.status}: {text}"
+                else:
+                    async for line in resp.content:
+                        if state.feed(line, time.perf_counter()):
+                            break
+        except asyncio.TimeoutError:
+            state.error = "timeout"
+        except aiohttp.ClientError as exc:
+            state.error = f"{type(exc).__name__}: {exc}"
+        if not state.error and not state.finish_reason:
+            state.error = "stream ended without a finish reason"
+        return RequestTrace(
+            req_id=spec.req_id,
+            tag=spec.tag,
+            prompt_len=state.prompt_usage or spec.prompt_len,
+            max_tokens=spec.max_tokens,
+            send_s=send_s,
+            end_s=time.perf_counter(),
+            token_times_s=state.times,
+            num_output_tokens=len(state.times) if state.usage is None else state.usage,
+            finish_reason=state.finish_reason,
+            error=state.error,
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class _StreamState:
+    """What the SSE lines of one response said so far."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.usage: int | None = None
+        # Prompt tokens as the server counted them (usage), when it says.
+        self.prompt_usage: int | None = None
+        self.finish_reason = ""
+        self.error = ""
+
+    def feed(self, raw: bytes, now: float) -> bool:
+        """Take one SSE line received at `now`; True at `[DONE]` or an error event."""
+        line = raw.decode("utf-8", errors="replace").strip()
+        if not line.startswith("data:"):
+            return False  # blank separators, comments, `event:` lines
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return True
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            self.error = f"bad SSE data: {data[:100]}"
+            return True
+        if event.get("error"):
+            error = event["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            self.error = f"stream error: {message}"
+            return True
+        usage = event.get("usage")
+        if usage and usage.get("completion_tokens") is not None:
+            self.usage = int(usage["completion_tokens"])
+            self.prompt_usage = usage.get("prompt_tokens") or self.prompt_usage
+        for choice in event.get("choices") or []:
+            self.times += [now] * _num_tokens(choice)
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return False
+
+
+def _num_tokens(choice: dict[str, Any]) -> int:
+    """How many tokens one streamed choice carries (see the module docstring)."""
+    logprobs = choice.get("logprobs")
+    if isinstance(logprobs, dict) and logprobs.get("tokens") is not None:
+        return len(logprobs["tokens"])
+    if choice.get("token_ids") is not None:
+        return len(choice["token_ids"])
+    return 1 if choice.get("text") else 0

@@ -1,0 +1,124 @@
+"""Plots of benchmark results, written to PNG (matplotlib `Figure`s rendered by Agg:
+no pyplot, no display, no global figure state).
+
+- `plot_frontier`: output throughput against TTFT and ITL, one curve per server,
+  one point per concurrency (the latency/throughput frontier);
+- `plot_itl_timeline`: every inter-token gap of the short requests against time, with
+  each long prompt's prefill shaded (head-of-line blocking shows as a spike there);
+- `plot_goodput`: goodput and SLO attainment against offered request rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from bench.loadgen.metrics import itl_gaps_s, ttft_s
+from bench.loadgen.report import SweepPoint
+from bench.loadgen.traces import RequestTrace
+
+Series = Mapping[str, Sequence[SweepPoint]]
+
+
+def _save(fig: Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def plot_frontier(series: Series, path: str | Path, title: str = "") -> Path:
+    """Output tokens/s (x) against TTFT and ITL (y, p50 solid, p99 dashed)."""
+    fig = Figure(figsize=(11, 4.2))
+    axes = fig.subplots(1, 2)
+    for (label, points), color in zip(series.items(), _colors(), strict=False):
+        xs = [p.summary.output_throughput_tps for p in points]
+        for ax, metric in zip(axes, ("ttft_s", "itl_s"), strict=True):
+            p50 = [getattr(p.summary, metric).p50 * 1000 for p in points]
+            p99 = [getattr(p.summary, metric).p99 * 1000 for p in points]
+            ax.plot(xs, p50, "o-", color=color, label=f"{label} p50")
+            ax.plot(xs, p99, "s--", color=color, alpha=0.7, label=f"{label} p99")
+            for x, y, point in zip(xs, p50, points, strict=True):
+                ax.annotate(
+                    point.load_label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7
+                )
+    for ax, name in zip(axes, ("TTFT", "ITL"), strict=True):
+        ax.set_xlabel("output throughput (tokens/s)")
+        ax.set_ylabel(f"{name} (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "throughput vs latency (concurrency sweep)")
+    return _save(fig, path)
+
+
+def plot_itl_timeline(
+    traces: Sequence[RequestTrace], path: str | Path, long_tag: str = "long", title: str = ""
+) -> Path:
+    """ITL gaps of the non-long requests at their arrival times; long prefills shaded.
+
+    `traces` should share one time origin (a `LoadResult`'s traces do: the run start).
+    """
+    fig = Figure(figsize=(11, 4.2))
+    ax = fig.subplots()
+    times: list[float] = []
+    gaps: list[float] = []
+    for trace in traces:
+        if trace.tag == long_tag or not trace.ok:
+            continue
+        times += trace.token_times_s[1:]
+        gaps += [g * 1000 for g in itl_gaps_s(trace)]
+    ax.scatter(times, gaps, s=4, alpha=0.5, label="short requests: ITL gaps")
+    for i, trace in enumerate(t for t in traces if t.tag == long_tag):
+        first = ttft_s(trace)
+        prefill_end = trace.send_s + first if first is not None else trace.end_s
+        ax.axvspan(
+            trace.send_s,
+            prefill_end,
+            color="tab:red",
+            alpha=0.15,
+            label="long prompt: send → first token" if i == 0 else None,
+        )
+        ax.axvline(
+            trace.end_s,
+            color="tab:red",
+            alpha=0.4,
+            linestyle=":",
+            label="long prompt: end" if i == 0 else None,
+        )
+    ax.set_xlabel("time since start (s)")
+    ax.set_ylabel("inter-token gap (ms)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title or "ITL of short requests around long-prompt injections")
+    return _save(fig, path)
+
+
+def plot_goodput(series: Series, path: str | Path, title: str = "") -> Path:
+    """Goodput (left) and SLO attainment (right) against the offered request rate."""
+    fig = Figure(figsize=(11, 4.2))
+    left, right = fig.subplots(1, 2)
+    max_rate = 0.0
+    for (label, points), color in zip(series.items(), _colors(), strict=False):
+        rates = [p.rate_rps or 0.0 for p in points]
+        max_rate = max([max_rate, *rates])
+        left.plot(rates, [p.summary.goodput_rps for p in points], "o-", color=color, label=label)
+        right.plot(
+            rates, [p.summary.slo_attainment * 100 for p in points], "o-", color=color, label=label
+        )
+    left.plot([0, max_rate], [0, max_rate], color="gray", linestyle=":", label="offered")
+    left.set_ylabel("goodput (req/s meeting the SLO)")
+    right.set_ylabel("SLO attainment (%)")
+    right.set_ylim(0, 105)
+    for ax in (left, right):
+        ax.set_xlabel("offered rate (req/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title or "goodput vs request rate")
+    return _save(fig, path)
+
+
+def _colors() -> list[str]:
+    return [f"C{i}" for i in range(10)]

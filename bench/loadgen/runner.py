@@ -1,0 +1,246 @@
+"""One benchmark run, or a sweep of runs, from a `BenchConfig`: the API experiments use.
+
+    config = BenchConfig(ClientConfig("grpc://127.0.0.1:50051"), WorkloadConfig("chat"),
+                         LoadConfig(rate_rps=4, num_requests=200), slo=SloTargets(1.0, 0.1))
+    result = asyncio.run(run_benchmark(config))   # result.summary, result.to_json()
+
+A run: start the client (learn the model, its limits and vocabulary), build the
+workload, send `warmup_requests` unrecorded requests one by one, drive the load (with
+any long-prompt injections), summarise. A sweep reuses one client for every point and
+sends the same requests (same seed) at each load level.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from bench.loadgen.clients import Client, ClientConfig, ServerInfo, make_client
+from bench.loadgen.load import Injection, LoadConfig, LoadResult, run_load
+from bench.loadgen.metrics import RunSummary, SloTargets, summarize
+from bench.loadgen.report import SweepPoint
+from bench.loadgen.workloads import (
+    ChatMix,
+    ChatWorkload,
+    FixedWorkload,
+    RandomWorkload,
+    SharedPrefixWorkload,
+    Vocab,
+    Workload,
+)
+
+logger = logging.getLogger(__name__)
+
+WORKLOAD_KINDS = ("fixed", "random", "shared-prefix", "chat")
+# Bumped when the results JSON changes shape.
+RESULTS_VERSION = 1
+# Used to clip the chat mix when the server does not say its limit.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    kind: str = "fixed"
+    # fixed/random: prompt length; shared-prefix: suffix length; chat: mean (None = ChatMix's).
+    input_len: int | None = None
+    # Output tokens (chat: the mean; None = ChatMix's).
+    output_len: int | None = None
+    # random: lengths uniform in len·(1 ± range_ratio).
+    range_ratio: float = 0.5
+    # shared-prefix: K prefixes of prefix_len ids × M suffixes.
+    num_prefixes: int = 4
+    num_suffixes: int = 8
+    prefix_len: int = 256
+    # Token ids are drawn below this; None = the server's vocabulary (gRPC reports it).
+    vocab_size: int | None = None
+    # chat: clip prompt + output to this; None = the server's limit.
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOAD_KINDS:
+            raise ValueError(f"workload must be one of {WORKLOAD_KINDS}, got {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class LongPromptConfig:
+    """Long prompts injected over the main load (head-of-line blocking experiments)."""
+
+    # Send offsets, seconds from the run's start; one long request each.
+    at_s: tuple[float, ...]
+    input_len: int = 2048
+    output_len: int = 16
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    client: ClientConfig
+    workload: WorkloadConfig
+    load: LoadConfig
+    slo: SloTargets = field(default_factory=SloTargets)
+    long_prompt: LongPromptConfig | None = None
+    # Sent one at a time before the run and not recorded (connections, first-call costs).
+    warmup_requests: int = 1
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["client"].pop("api_key", None)  # never write a secret into a results file
+        return data
+
+
+def build_workload(config: WorkloadConfig, server: ServerInfo) -> Workload:
+    vocab_size = config.vocab_size or server.vocab_size
+    if vocab_size is None:
+        if server.prompt_format == "ids":
+            raise ValueError(
+                "the server does not report its vocabulary size: give vocab_size "
+                "(--vocab-size) or send text prompts (--prompt-format text)"
+            )
+        vocab_size = 32000  # text prompts only use ids to pick words
+    vocab = Vocab(vocab_size, config.seed)
+    input_len, output_len = config.input_len or 128, config.output_len or 128
+    if config.kind == "fixed":
+        return FixedWorkload(vocab, input_len, output_len)
+    if config.kind == "random":
+        return RandomWorkload(vocab, input_len, output_len, config.range_ratio)
+    if config.kind == "shared-prefix":
+        return SharedPrefixWorkload(
+            vocab,
+            config.num_prefixes,
+            config.num_suffixes,
+            config.prefix_len,
+            input_len,
+            output_len,
+        )
+    defaults = ChatMix()
+    mix = ChatMix(
+        mean_input_len=config.input_len or defaults.mean_input_len,
+        mean_output_len=config.output_len or defaults.mean_output_len,
+    )
+    max_model_len = config.max_model_len or server.max_model_len or DEFAULT_MAX_MODEL_LEN
+    return ChatWorkload(vocab, mix, max_model_len)
+
+
+def build_injections(
+    config: LongPromptConfig | None, vocab_size: int, seed: int
+) -> list[Injection]:
+    if config is None:
+        return []
+    workload = FixedWorkload(Vocab(vocab_size, seed), config.input_len, config.output_len, "long")
+    return [Injection(at_s, workload.request(i)) for i, at_s in enumerate(config.at_s)]
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    config: BenchConfig
+    server: ServerInfo
+    load: LoadResult
+    summary: RunSummary
+    # Per tag ("short", "long"), when the run had more than one.
+    by_tag: dict[str, RunSummary]
+
+    def to_json(self, include_traces: bool = True) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "version": RESULTS_VERSION,
+            "config": self.config.to_json(),
+            "server": asdict(self.server),
+            "summary": self.summary.to_json(),
+            "by_tag": {tag: s.to_json() for tag, s in self.by_tag.items()},
+        }
+        if include_traces:
+            data["traces"] = [t.to_json() for t in self.load.traces]
+        return data
+
+
+def summarize_run(load: LoadResult, slo: SloTargets) -> tuple[RunSummary, dict[str, RunSummary]]:
+    """The whole run's summary, and one per tag when there are several."""
+    tags = sorted({t.tag for t in load.traces})
+    by_tag: dict[str, RunSummary] = {}
+    if len(tags) > 1:
+        for tag in tags:
+            traces = [t for t in load.traces if t.tag == tag]
+            by_tag[tag] = summarize(traces, load.duration_s, slo)
+    return summarize(load.traces, load.duration_s, slo), by_tag
+
+
+async def run_benchmark(config: BenchConfig) -> BenchResult:
+    """One run as `config` says (see the module docstring)."""
+    results = await run_sweep(config, [config.load])
+    return results[0]
+
+
+async def run_sweep(config: BenchConfig, loads: Sequence[LoadConfig]) -> list[BenchResult]:
+    """One run per load level, same client and same requests; `config.load` is ignored."""
+    client = make_client(config.client)
+    try:
+        server = await client.start()
+        workload = build_workload(config.workload, server)
+        logger.info(
+            "target %s: model %s, prompts as %s, workload %s",
+            config.client.target,
+            server.model,
+            server.prompt_format,
+            workload.name,
+        )
+        injections = build_injections(
+            config.long_prompt, workload.vocab.vocab_size, config.workload.seed
+        )
+        await _warm_up(client, workload.vocab, config.warmup_requests)
+        results = []
+        for load in loads:
+            result = await run_load(client, workload, load, injections)
+            summary, by_tag = summarize_run(result, config.slo)
+            run_config = replace(config, load=load)
+            results.append(BenchResult(run_config, server, result, summary, by_tag))
+        return results
+    finally:
+        await client.close()
+
+
+async def _warm_up(client: Client, vocab: Vocab, num_requests: int) -> None:
+    """Short requests of their own (tag "warmup"): they must not warm the prefix cache
+    for the run's prompts."""
+    warmup = FixedWorkload(vocab, input_len=16, output_len=4, tag="warmup")
+    for i in range(num_requests):
+        trace = await client.stream(warmup.request(i))
+        if not trace.ok:
+            raise RuntimeError(f"warm-up request failed: {trace.error}")
+
+
+def sweep_points(results: Sequence[BenchResult]) -> list[SweepPoint]:
+    return [
+        SweepPoint(r.summary, r.config.load.concurrency, r.config.load.rate_rps) for r in results
+    ]
+
+
+def sweep_to_json(results: Sequence[BenchResult]) -> dict[str, Any]:
+    """One document for a whole sweep: shared config and server, then one entry per level
+    (no traces)."""
+    if not results:
+        raise ValueError("a sweep needs at least one result")
+    config = results[0].config.to_json()
+    config["load"] = [asdict(r.config.load) for r in results]
+    return {
+        "version": RESULTS_VERSION,
+        "config": config,
+        "server": asdict(results[0].server),
+        "points": [
+            {
+                "concurrency": r.config.load.concurrency,
+                "rate_rps": r.config.load.rate_rps,
+                "summary": r.summary.to_json(),
+                "by_tag": {tag: s.to_json() for tag, s in r.by_tag.items()},
+            }
+            for r in results
+        ],
+    }
+
+
+def sweep_points_from_json(data: dict[str, Any]) -> list[SweepPoint]:
+    """The points of a `sweep_to_json` document (to replot or compare saved sweeps)."""
+    return [
+        SweepPoint(RunSummary.from_json(p["summary"]), p["concurrency"], p["rate_rps"])
+        for p in data["points"]
+    ]

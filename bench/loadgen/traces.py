@@ -1,0 +1,60 @@
+"""`RequestTrace`: what one request did, as the load generator saw it.
+
+Clients fill one per request; the metrics are pure functions of a list of them, and the
+results JSON stores them (times relative to the run's start), so any plot can be redrawn
+from a results file without rerunning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RequestTrace:
+    """One request; times are `time.perf_counter()` seconds (or relative to a run start)."""
+
+    req_id: str
+    tag: str
+    # Prompt tokens: the server's count (usage) when it reports one, else the spec's.
+    prompt_len: int
+    max_tokens: int
+    # When the request left the client.
+    send_s: float
+    # When it ended: last byte, error, or cancellation.
+    end_s: float
+    # Arrival time of each output token; a message carrying k tokens adds k equal times.
+    # A server that merges tokens into one SSE chunk without saying how many shows here
+    # as fewer arrivals than `num_output_tokens` (see `clients.HttpClient`).
+    token_times_s: list[float] = field(default_factory=list)
+    # Output tokens generated: the server's own count (usage) when it reports one, else
+    # the number of arrivals.
+    num_output_tokens: int = 0
+    # "stop", "length" or "abort" as the server said; "" when it said nothing.
+    finish_reason: str = ""
+    # "" on success; else what failed: a gRPC status name, "HTTP 429: ...", "timeout", ...
+    error: str = ""
+    # Open loop: when the schedule wanted it sent (send_s − scheduled_s is client lag).
+    scheduled_s: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    def shifted(self, origin_s: float) -> RequestTrace:
+        """The same trace with every time relative to `origin_s`."""
+        return replace(
+            self,
+            send_s=self.send_s - origin_s,
+            end_s=self.end_s - origin_s,
+            token_times_s=[t - origin_s for t in self.token_times_s],
+            scheduled_s=None if self.scheduled_s is None else self.scheduled_s - origin_s,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RequestTrace:
+        return cls(**data)

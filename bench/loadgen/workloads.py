@@ -1,0 +1,243 @@
+"""Request specs for a benchmark run, generated (never downloaded) from a seed.
+
+Every workload is a pure function of its parameters, its seed and the request's index
+(`workload.request(i)`), so the first n requests of a long run equal an n-request run,
+and two servers measured side by side get the same prompts. Prompts are token ids in
+`[FIRST_TOKEN_ID, vocab_size)`; `prompt_text` renders the same ids as words for servers
+that only take text (one word per id, so a shared id prefix stays a shared text prefix;
+the server's token count of that text is only close to `prompt_len`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+# Low ids are special tokens in most vocabularies (unk, bos, eos, ...): prompts skip them.
+FIRST_TOKEN_ID = 10
+
+# Words for text prompts: common, short, and one BPE token each in most vocabularies.
+_WORD_TEXT = """the of and to in is was for on are with as his they be at one have this from or
+    had by word but what some we can out other were all there when up use your how said
+    an each she which do their time if will way about many then them write would like so
+    these her long make thing see him two has look more day could go come did number
+    sound no most people my over know water than call first who may down side been now
+    find any new work part take get place made live where after back little only round
+    man year came show every good me give our under name very through just form sentence
+    great think say help low line differ turn cause much mean before move right boy old
+    too same tell does set three want air well also play small end put home read hand
+    port large spell add even land here must big high such follow act why ask men change
+    went light kind off need house picture try us again animal point mother world near
+    build self earth father head stand own page should country found answer school grow
+    study still learn plant cover food sun four between state keep eye never last let
+    thought city tree cross farm hard start might story saw far sea draw left late run
+    while press close night real life few north open seem together next white children
+    begin got walk example ease paper group always music those both mark often letter
+    until mile river car feet care second book carry took science eat room friend began
+    idea fish mountain stop once base hear horse cut sure watch color face wood main"""
+WORDS = tuple(_WORD_TEXT.split())
+
+# Seed streams: requests of different workloads (and long prompts) never share a stream.
+_STREAM_FIXED, _STREAM_RANDOM, _STREAM_PREFIX, _STREAM_SUFFIX, _STREAM_CHAT = range(1, 6)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request to send: what the client puts on the wire."""
+
+    req_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    # Generate exactly max_tokens (the server ignores EOS), so output lengths are known.
+    ignore_eos: bool = True
+    # Which part of the workload it belongs to ("short", "long", ...); summaries group by it.
+    tag: str = "short"
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as words, one per token id (for servers that refuse token ids)."""
+        return " ".join(WORDS[i % len(WORDS)] for i in self.prompt_ids)
+
+
+class Workload(Protocol):
+    """A deterministic, unbounded sequence of request specs."""
+
+    name: str
+    vocab: Vocab
+
+    def request(self, index: int) -> RequestSpec: ...
+
+
+def take(workload: Workload, num_requests: int) -> list[RequestSpec]:
+    """The first `num_requests` specs of `workload`."""
+    return [workload.request(i) for i in range(num_requests)]
+
+
+@dataclass(frozen=True)
+class Vocab:
+    """Where prompt token ids come from."""
+
+    vocab_size: int
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.vocab_size <= FIRST_TOKEN_ID + 1:
+            raise ValueError(f"vocab_size must be > {FIRST_TOKEN_ID + 1}, got {self.vocab_size}")
+
+    def rng(self, stream: int, *keys: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, stream, *keys])
+
+    def token_ids(self, rng: np.random.Generator, length: int) -> tuple[int, ...]:
+        return tuple(int(t) for t in rng.integers(FIRST_TOKEN_ID, self.vocab_size, size=length))
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class FixedWorkload:
+    """Every prompt `input_len` random ids, every output `output_len` tokens."""
+
+    vocab: Vocab
+    input_len: int
+    output_len: int
+    tag: str = "short"
+    name: str = "fixed"
+
+    def __post_init__(self) -> None:
+        _check_positive(input_len=self.input_len, output_len=self.output_len)
+
+    def request(self, index: int) -> RequestSpec:
+        # The tag is part of the seed: long prompts differ from short ones of equal length.
+        rng = self.vocab.rng(_STREAM_FIXED, zlib.crc32(self.tag.encode()), index)
+        ids = self.vocab.token_ids(rng, self.input_len)
+        return RequestSpec(f"{self.tag}-{index}", ids, self.output_len, tag=self.tag)
+
+
+@dataclass(frozen=True)
+class RandomWorkload:
+    """Lengths uniform in [len·(1 − range_ratio), len·(1 + range_ratio)] (as vLLM's
+    `random` dataset), at least 1."""
+
+    vocab: Vocab
+    input_len: int
+    output_len: int
+    range_ratio: float = 0.5
+    name: str = "random"
+
+    def __post_init__(self) -> None:
+        _check_positive(input_len=self.input_len, output_len=self.output_len)
+        if not 0 <= self.range_ratio < 1:
+            raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
+
+    def _length(self, rng: np.random.Generator, mean_len: int) -> int:
+        low = max(1, int(mean_len * (1 - self.range_ratio)))
+        high = max(low, int(mean_len * (1 + self.range_ratio)))
+        return int(rng.integers(low, high + 1))
+
+    def request(self, index: int) -> RequestSpec:
+        rng = self.vocab.rng(_STREAM_RANDOM, index)
+        input_len = self._length(rng, self.input_len)
+        output_len = self._length(rng, self.output_len)
+        return RequestSpec(f"random-{index}", self.vocab.token_ids(rng, input_len), output_len)
+
+
+@dataclass(frozen=True)
+class SharedPrefixWorkload:
+    """K system prompts (`prefix_len` ids) × M user suffixes (`suffix_len` ids).
+
+    Request i uses prefix i mod K (round robin, so all K stay live in the prefix cache)
+    and that prefix's suffix ⌊i / K⌋ mod M; K·M requests cover every pair once.
+    """
+
+    vocab: Vocab
+    num_prefixes: int
+    num_suffixes: int
+    prefix_len: int
+    suffix_len: int
+    output_len: int
+    name: str = "shared-prefix"
+
+    def __post_init__(self) -> None:
+        _check_positive(
+            num_prefixes=self.num_prefixes,
+            num_suffixes=self.num_suffixes,
+            prefix_len=self.prefix_len,
+            suffix_len=self.suffix_len,
+            output_len=self.output_len,
+        )
+
+    @property
+    def num_pairs(self) -> int:
+        return self.num_prefixes * self.num_suffixes
+
+    def request(self, index: int) -> RequestSpec:
+        prefix_index = index % self.num_prefixes
+        suffix_index = (index // self.num_prefixes) % self.num_suffixes
+        prefix = self.vocab.token_ids(self.vocab.rng(_STREAM_PREFIX, prefix_index), self.prefix_len)
+        suffix_rng = self.vocab.rng(_STREAM_SUFFIX, prefix_index, suffix_index)
+        suffix = self.vocab.token_ids(suffix_rng, self.suffix_len)
+        return RequestSpec(f"prefix{prefix_index}-{index}", prefix + suffix, self.output_len)
+
+
+@dataclass(frozen=True)
+class ChatMix:
+    """ShareGPT-like lengths: log-normal input and output lengths (heavy right tail).
+
+    The default means are what vLLM's ShareGPT sampling yields with a Llama tokenizer
+    (≈215 prompt and ≈198 output tokens); sigma sets the tail (median = mean·e^(−σ²/2)).
+    """
+
+    mean_input_len: float = 215.0
+    mean_output_len: float = 198.0
+    input_sigma: float = 1.1
+    output_sigma: float = 0.9
+    min_len: int = 4
+
+    def __post_init__(self) -> None:
+        if self.mean_input_len < self.min_len or self.mean_output_len < self.min_len:
+            raise ValueError(f"mean lengths must be >= min_len ({self.min_len})")
+        if self.input_sigma < 0 or self.output_sigma < 0:
+            raise ValueError("sigmas must be >= 0")
+
+    def sample(self, rng: np.random.Generator) -> tuple[int, int]:
+        """One (input_len, output_len) pair, each at least `min_len`."""
+        lengths = []
+        for mean_len, sigma in (
+            (self.mean_input_len, self.input_sigma),
+            (self.mean_output_len, self.output_sigma),
+        ):
+            mu = np.log(mean_len) - sigma**2 / 2
+            lengths.append(max(self.min_len, round(float(rng.lognormal(mu, sigma)))))
+        return lengths[0], lengths[1]
+
+
+@dataclass(frozen=True)
+class ChatWorkload:
+    """A synthetic chat mix; lengths clipped so prompt + output fit `max_model_len`."""
+
+    vocab: Vocab
+    mix: ChatMix
+    max_model_len: int
+    name: str = "chat"
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2 * self.mix.min_len:
+            raise ValueError(f"max_model_len must be >= {2 * self.mix.min_len}")
+
+    def request(self, index: int) -> RequestSpec:
+        rng = self.vocab.rng(_STREAM_CHAT, index)
+        input_len, output_len = self.mix.sample(rng)
+        input_len = min(input_len, self.max_model_len - self.mix.min_len)
+        output_len = min(output_len, self.max_model_len - input_len)
+        return RequestSpec(f"chat-{index}", self.vocab.token_ids(rng, input_len), output_len)

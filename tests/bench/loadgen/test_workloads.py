@@ -1,0 +1,119 @@
+"""Workloads are deterministic in (seed, index) and have the shapes they promise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.loadgen.workloads import (
+    FIRST_TOKEN_ID,
+    ChatMix,
+    ChatWorkload,
+    FixedWorkload,
+    RandomWorkload,
+    SharedPrefixWorkload,
+    Vocab,
+    take,
+)
+
+VOCAB = 2048
+
+
+def all_workloads(seed: int):
+    vocab = Vocab(VOCAB, seed)
+    return [
+        FixedWorkload(vocab, 32, 8),
+        RandomWorkload(vocab, 32, 8, range_ratio=0.5),
+        SharedPrefixWorkload(vocab, 3, 4, prefix_len=20, suffix_len=6, output_len=8),
+        ChatWorkload(vocab, ChatMix(), max_model_len=1024),
+    ]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_same_seed_same_requests_other_seed_other_prompts(index):
+    first, again, other = all_workloads(1)[index], all_workloads(1)[index], all_workloads(2)[index]
+    assert take(first, 12) == take(again, 12)
+    # A request depends on its index only: the head of a longer run is the shorter run.
+    assert take(first, 30)[:12] == take(first, 12)
+    assert [s.prompt_ids for s in take(first, 12)] != [s.prompt_ids for s in take(other, 12)]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_token_ids_stay_inside_the_vocabulary(index):
+    for spec in take(all_workloads(5)[index], 50):
+        assert min(spec.prompt_ids) >= FIRST_TOKEN_ID and max(spec.prompt_ids) < VOCAB
+        assert spec.max_tokens >= 1 and spec.ignore_eos
+
+
+def test_fixed_lengths_and_tags_seed_separately():
+    vocab = Vocab(VOCAB, 0)
+    specs = take(FixedWorkload(vocab, 32, 8), 5)
+    assert {(s.prompt_len, s.max_tokens, s.tag) for s in specs} == {(32, 8, "short")}
+    assert len({s.req_id for s in specs}) == 5
+    long = FixedWorkload(vocab, 32, 8, tag="long").request(0)
+    assert long.tag == "long" and long.prompt_ids != specs[0].prompt_ids
+
+
+def test_random_lengths_cover_the_range():
+    specs = take(RandomWorkload(Vocab(VOCAB, 0), 100, 40, range_ratio=0.5), 400)
+    input_lens = [s.prompt_len for s in specs]
+    output_lens = [s.max_tokens for s in specs]
+    assert 50 <= min(input_lens) < 60 and 140 < max(input_lens) <= 150
+    assert min(output_lens) >= 20 and max(output_lens) <= 60
+    assert abs(np.mean(input_lens) - 100) < 5
+
+
+def test_shared_prefix_covers_every_pair_once():
+    workload = SharedPrefixWorkload(
+        Vocab(VOCAB, 0), 3, 4, prefix_len=20, suffix_len=6, output_len=8
+    )
+    specs = take(workload, workload.num_pairs)
+    assert len({s.prompt_ids for s in specs}) == 12
+    prefixes = {s.prompt_ids[:20] for s in specs}
+    assert len(prefixes) == 3
+    for k in range(3):
+        group = specs[k::3]  # round robin over prefixes
+        assert {s.prompt_ids[:20] for s in group} == {group[0].prompt_ids[:20]}
+        assert len({s.prompt_ids[20:] for s in group}) == 4
+    assert all(s.prompt_len == 26 for s in specs)
+    # The next round repeats the pairs in the same order.
+    assert [s.prompt_ids for s in take(workload, 24)[12:]] == [s.prompt_ids for s in specs]
+
+
+def test_chat_mix_has_the_asked_means_and_a_heavy_tail():
+    workload = ChatWorkload(Vocab(VOCAB, 0), ChatMix(), max_model_len=100_000)
+    specs = take(workload, 3000)
+    input_lens = np.array([s.prompt_len for s in specs])
+    output_lens = np.array([s.max_tokens for s in specs])
+    assert abs(input_lens.mean() / 215 - 1) < 0.15
+    assert abs(output_lens.mean() / 198 - 1) < 0.15
+    assert np.median(input_lens) < 0.7 * input_lens.mean()  # right-skewed
+    assert input_lens.min() >= 4 and output_lens.min() >= 4
+
+
+def test_chat_lengths_fit_the_model():
+    workload = ChatWorkload(Vocab(VOCAB, 0), ChatMix(), max_model_len=256)
+    for spec in take(workload, 500):
+        assert spec.prompt_len + spec.max_tokens <= 256
+        assert spec.prompt_len >= 4 and spec.max_tokens >= 4
+
+
+def test_prompt_text_is_one_word_per_id_and_keeps_shared_prefixes():
+    workload = SharedPrefixWorkload(
+        Vocab(VOCAB, 0), 2, 2, prefix_len=10, suffix_len=5, output_len=4
+    )
+    first, _, third = take(workload, 3)  # 0 and 2 share prefix 0
+    words = first.prompt_text.split(" ")
+    assert len(words) == first.prompt_len
+    assert third.prompt_text.split(" ")[:10] == words[:10]
+
+
+def test_bad_parameters_raise():
+    with pytest.raises(ValueError):
+        Vocab(5)
+    with pytest.raises(ValueError):
+        FixedWorkload(Vocab(VOCAB), 0, 8)
+    with pytest.raises(ValueError):
+        RandomWorkload(Vocab(VOCAB), 8, 8, range_ratio=1.0)
+    with pytest.raises(ValueError):
+        ChatMix(mean_input_len=2)
