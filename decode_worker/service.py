@@ -112,6 +112,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             num_cached_tokens=out.num_cached_tokens,
             kv_recomputed=recomputed,
         )
+        if out.prefill_s is not None:
+            msg.prefill_timings.CopyFrom(pb.Timings(queue_s=out.queue_s, compute_s=out.prefill_s))
         if out.finished:
             msg.timings.CopyFrom(
                 pb.Timings(compute_s=time.monotonic() - started, transfer_s=transfer_s)

@@ -127,6 +127,10 @@ class Engine:
             del self._detokenizers[req_id]
             if reason is FinishReason.PREFILLED:
                 self._held[req_id] = _HeldKv(request, time.monotonic() + self.config.kv_lease_s)
+        queue_s = prefill_s = None
+        if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
+            queue_s = request.first_scheduled_time - request.arrival_time
+            prefill_s = time.monotonic() - request.first_scheduled_time
         return RequestOutput(
             req_id=req_id,
             new_token_ids=request.output_token_ids[-1:],
@@ -137,6 +141,8 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
+            queue_s=queue_s,
+            prefill_s=prefill_s,
         )
 
     # ----- prefill side of the KV hand-off -------------------------------------

@@ -26,6 +26,10 @@ class RequestOutput:
     num_cached_tokens: int
     # All tokens generated so far.
     num_output_tokens: int
+    # With the first token of a locally prefilled request: seconds queued before the
+    # first chunk ran, and from then to the first token (prefill compute, all chunks).
+    queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 @dataclass

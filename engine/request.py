@@ -43,6 +43,8 @@ class Request:
     # Prompt tokens served from the prefix cache at the first admission.
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # When the scheduler first gave the request a chunk (queueing ends there).
+    first_scheduled_time: float | None = None
     finish_reason: FinishReason | None = None
     # Drawn from only by this request, so a seed gives the same tokens in any batch.
     generator: torch.Generator | None = None

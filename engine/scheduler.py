@@ -11,6 +11,7 @@ recomputed from its tokens. Modes only change what happens after the first token
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -127,6 +128,8 @@ class Scheduler:
             if req.num_preemptions == 0:
                 req.num_cached_tokens = num_cached_tokens
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, num_new))
             budget -= num_new

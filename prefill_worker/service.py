@@ -52,7 +52,6 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req_id = request.request_id
-        started = time.monotonic()
         last: RequestOutput | None = None
         parent = self.tracing.context_from(context.invocation_metadata())
         span = self.tracing.start_span("prefill.compute", parent, **{"tandem.request_id": req_id})
@@ -74,7 +73,10 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             first_token_logprob=last.new_logprobs[0],
             first_token_text=last.delta_text,
             num_cached_tokens=last.num_cached_tokens,
-            timings=pb.Timings(compute_s=time.monotonic() - started),
+            timings=pb.Timings(
+                queue_s=last.queue_s or 0.0,
+                compute_s=last.prefill_s if last.prefill_s is not None else 0.0,
+            ),
         )
         if last.finish_reason != "prefilled":
             response.finish_reason = FINISH_REASONS[last.finish_reason]

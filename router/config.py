@@ -35,6 +35,8 @@ class RouterConfig:
     slo_class: str = "interactive"
     ttft_slo_s: float | None = None
     itl_slo_s: float | None = None
+    # Seed the latency models from timed probe requests at start (a few seconds).
+    warmup_profile: bool = True
     # How often the router polls every worker's Stats for the policy's live view.
     stats_interval_s: float = 0.25
     # Conditional disaggregation: the longest uncached prompt a decode worker may

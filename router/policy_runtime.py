@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from engine.config import ModelConfig
 from router.config import RouterConfig
 from router.policy import (
     AdmissionConfig,
@@ -26,6 +27,7 @@ from router.policy import (
     WorkerStats,
 )
 from router.policy.slo import Slo, default_classes
+from router.warmup_profile import profile_decode, profile_prefill
 from router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -71,9 +73,13 @@ class PolicyRuntime:
             s.update_stats(WorkerStats.from_proto(stats[worker.worker_id]), now)
             return s
 
+        prefill_states = [state(w) for w in self.pool.prefill]
+        decode_states = [state(w) for w in self.pool.decode]
+        if self.config.warmup_profile:
+            await self._profile(prefill_states, decode_states)
         self.policy = GoodputPolicy(
-            [state(w) for w in self.pool.prefill],
-            [state(w) for w in self.pool.decode],
+            prefill_states,
+            decode_states,
             selector_config=SelectorConfig(
                 enable_local_prefill=self.config.max_local_prefill_tokens > 0,
                 max_local_prefill_tokens=self.config.max_local_prefill_tokens,
@@ -82,6 +88,25 @@ class PolicyRuntime:
         )
         self._poller = asyncio.get_running_loop().create_task(self._poll())
         return self.policy
+
+    async def _profile(
+        self, prefill_states: list[WorkerState], decode_states: list[WorkerState]
+    ) -> None:
+        """Seed every worker's latency models from a few timed probe requests."""
+        model = ModelConfig.from_model_dir(self.config.model_dir)
+        max_len = self.config.max_model_len or model.max_position_embeddings
+        timeout = self.config.prefill_timeout_s
+        by_id = {w.worker_id: w for w in self.pool.workers}
+        for state in prefill_states:
+            state.prefill_model = await profile_prefill(
+                self.pool, by_id[state.worker_id], model.vocab_size, max_len, timeout
+            )
+        for state in decode_states:
+            state.prefill_model, state.decode_model = await profile_decode(
+                self.pool, by_id[state.worker_id], model.vocab_size, max_len, timeout
+            )
+        logger.info("seeded latency models of %d workers from a start-up profile",
+                    len(prefill_states) + len(decode_states))  # fmt: skip
 
     async def _poll(self) -> None:
         while True:

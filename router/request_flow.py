@@ -219,7 +219,11 @@ class RequestFlow:
                 if last_at is None:
                     if local:
                         self.policy.on_prefill_done(
-                            request.request_id, num_cached_tokens=msg.num_cached_tokens
+                            request.request_id,
+                            num_cached_tokens=msg.num_cached_tokens,
+                            compute_s=msg.prefill_timings.compute_s
+                            if msg.HasField("prefill_timings")
+                            else None,
                         )
                     self.policy.on_kv_pulled(request.request_id)
                 elif msg.token_ids:

@@ -1,0 +1,176 @@
+"""Arithmetic and formatting shared by the router and SLO benchmarks (pure functions).
+
+Percentiles, latency summaries, Markdown tables, machine facts and the replacement
+of one `## ` section of docs/benchmarks.md. Nothing here times anything, so the
+tests can check every function on synthetic numbers.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+DOC_TITLE = "# Benchmarks"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The `q`-th percentile (0-100) with linear interpolation between ranks (numpy's
+    default), so p50 of an even count is the mean of the middle two."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    """Distribution of one latency, seconds."""
+
+    count: int
+    mean_s: float
+    p50_s: float
+    p90_s: float
+    p99_s: float
+    max_s: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> LatencySummary:
+        if not values:
+            nan = float("nan")
+            return cls(0, nan, nan, nan, nan, nan)
+        return cls(
+            count=len(values),
+            mean_s=sum(values) / len(values),
+            p50_s=percentile(values, 50),
+            p90_s=percentile(values, 90),
+            p99_s=percentile(values, 99),
+            max_s=max(values),
+        )
+
+
+def paired_differences(slow: Sequence[float], fast: Sequence[float]) -> list[float]:
+    """`slow[i] - fast[i]` for requests measured in pairs (interleaved runs)."""
+    if len(slow) != len(fast):
+        raise ValueError(f"unpaired samples: {len(slow)} vs {len(fast)}")
+    return [a - b for a, b in zip(slow, fast, strict=True)]
+
+
+def format_ms(seconds: float, digits: int = 2) -> str:
+    """Seconds as milliseconds ("—" when unknown)."""
+    if math.isnan(seconds):
+        return "—"
+    return f"{seconds * 1e3:.{digits}f} ms"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table; every row must have one cell per header."""
+    for row in rows:
+        if len(row) != len(headers):
+            raise ValueError(f"row {list(row)} has {len(row)} cells, headers {len(headers)}")
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def replace_section(doc: str, heading: str, body: str) -> str:
+    """`doc` with the section under `heading` (up to the next `## `) set to `body`;
+    appended when absent. Other sections are kept byte for byte."""
+    if not heading.startswith("## "):
+        raise ValueError(f"heading must start with '## ', got {heading!r}")
+    if not doc.strip():
+        doc = f"{DOC_TITLE}\n"
+    lines = doc.splitlines()
+    section = [heading, "", *body.strip("\n").splitlines(), ""]
+    try:
+        start = lines.index(heading)
+    except ValueError:
+        return "\n".join([*lines, "", *section]).rstrip("\n") + "\n"
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join([*lines[:start], *section, *lines[end:]]).rstrip("\n") + "\n"
+
+
+def write_section(path: Path, heading: str, body: str) -> None:
+    """Read-modify-write one section right away (other sessions write other sections)."""
+    doc = path.read_text() if path.is_file() else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(replace_section(doc, heading, body))
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Raw results (dataclasses become dicts; NaN is written as null)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_plain(data), indent=2, sort_keys=True) + "\n")
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        return _plain(asdict(value))
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    cpu_model: str
+    num_cores: int
+    python_version: str
+    grpc_version: str
+    ray_version: str
+    date_utc: str
+    # 1/5/15-minute load averages when read (other sessions' work skews timings).
+    load_average: tuple[float, float, float]
+
+    def sentence(self, load_end: tuple[float, float, float]) -> str:
+        start, end = self.load_average, load_end
+        return (
+            f"**Machine.** {self.cpu_model}, {self.num_cores} cores; Python "
+            f"{self.python_version}, grpcio {self.grpc_version}, Ray {self.ray_version}; "
+            f"{self.date_utc}. Load average (1/5/15 min, `uptime`) at start "
+            f"{start[0]:.2f} / {start[1]:.2f} / {start[2]:.2f}, at end "
+            f"{end[0]:.2f} / {end[1]:.2f} / {end[2]:.2f}."
+        )
+
+
+def load_average() -> tuple[float, float, float]:
+    one, five, fifteen = os.getloadavg()
+    return (one, five, fifteen)
+
+
+def machine_facts() -> MachineFacts:
+    import grpc
+    import ray
+
+    cpu_model = "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                cpu_model = value.strip()
+                break
+    return MachineFacts(
+        cpu_model=cpu_model,
+        num_cores=os.cpu_count() or 0,
+        python_version=platform.python_version(),
+        grpc_version=grpc.__version__,
+        ray_version=ray.__version__,
+        date_utc=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        load_average=load_average(),
+    )
