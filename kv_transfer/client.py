@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from kv_transfer.blocks import CacheBlocks
+from kv_transfer.buffers import BufferPool
 from kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
 from kv_transfer.handle import KvHandle
 from kv_transfer.layout import KvLayout
@@ -51,10 +52,12 @@ class KvTransferClient:
         local_registry: LocalRegistry | None = None,
         device: str | None = None,
         max_num_threads: int = 4,
+        max_pooled_bytes: int = 1 << 30,
     ) -> None:
         """`local_registry`: required by the local backend. `device`: CUDA device of NCCL
-        receive buffers (default the current one). Every socket and RPC wait is bounded
-        by `timeout_s`."""
+        receive buffers (default the current one). `max_pooled_bytes`: idle receive
+        memory kept for reuse (see `kv_transfer.buffers`; 0 = none). Every socket and
+        RPC wait is bounded by `timeout_s`."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         if backend == "local" and local_registry is None:
@@ -75,6 +78,7 @@ class KvTransferClient:
         self._locks: dict[_ChannelKey, asyncio.Lock] = {}
         self._grpc: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task[None]] = set()
+        self._buffers = BufferPool(max_pooled_bytes)
         self._closed = False
 
     async def pull(
@@ -82,11 +86,11 @@ class KvTransferClient:
     ) -> torch.Tensor:
         """The handle's blocks `[layers, 2, len(block_ids), block_size, heads, dim]`.
 
-        `out` (optional) receives them instead of a new tensor: a contiguous tensor of
-        that shape (a reused staging buffer), or `CacheBlocks(kv_cache, block_ids)`, the
-        decode engine's reserved blocks, written in place (tcp with a CPU cache: straight
-        from the socket; then `kv_cache` is returned). Fresh memory is slow to fill
-        (page faults), so both beat the default.
+        By default a new tensor on recycled memory (`kv_transfer.buffers`). `out`
+        receives them instead: a contiguous tensor of that shape, or
+        `CacheBlocks(kv_cache, block_ids)`, the decode engine's reserved blocks, written
+        in place (tcp and a CPU cache: straight from the socket), then `kv_cache` is
+        returned and no `write_kv` is needed.
         Raises LayoutMismatchError, KvPullError (KV gone, peer dead or timed out)."""
         self.layout.check_matches(
             handle.layout_fingerprint, self_role="decode", other_role="prefill"
@@ -137,6 +141,7 @@ class KvTransferClient:
             await grpc_channel.close()
         self._grpc.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._buffers.close()
         if await wait_threads_gone(self._thread_prefix, self.timeout_s):
             logger.warning("KV transfer threads still running after close")
 
@@ -176,6 +181,7 @@ class KvTransferClient:
                 response.tcp_endpoint,
                 self.layout,
                 self.timeout_s,
+                self._buffers,
             )
         except KvPullError:
             await self._close_rpc(handle.endpoint, response.channel_id)

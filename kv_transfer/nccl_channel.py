@@ -66,9 +66,9 @@ class NcclClientChannel:
             executor, NcclComm.init, load_nccl(), unique_id, 2, DECODE_RANK, device
         )
         try:
-            comm = await asyncio.wait_for(future, timeout_s)
+            comm = await asyncio.wait_for(asyncio.shield(future), timeout_s)
         except (asyncio.TimeoutError, TimeoutError, NcclError) as e:
-            # A timed-out init thread cannot be interrupted; it ends with NCCL's own timeout.
+            _abort_when_ready(future)
             raise KvPullError(f"NCCL channel {channel_id} init failed: {e!r}") from e
         return cls(channel_id, comm, layout, timeout_s)
 
@@ -131,3 +131,15 @@ class NcclServerChannel:
             self._comm = None
         elif self._init is not None and not self._init.done():
             logger.warning("NCCL channel %s closed during its init", self.channel_id)
+            _abort_when_ready(self._init)
+
+
+def _abort_when_ready(init: asyncio.Future[NcclComm]) -> None:
+    """An init that outlived its waiter: its thread cannot be interrupted (it ends with
+    NCCL's own bootstrap timeout), but a communicator it still makes is aborted."""
+
+    def done(future: asyncio.Future[NcclComm]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            future.result().close(abort=True)
+
+    init.add_done_callback(done)

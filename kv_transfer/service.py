@@ -172,7 +172,8 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         channel = self._nccl.pop(request.channel_id, None)
         if channel is not None:
             async with channel.lock:
-                channel.close()
+                # Abort, not destroy: the decode side may have aborted its end already.
+                channel.close(abort=True)
         elif not self._tcp.close_channel(request.channel_id):
             logger.debug("CloseChannel of unknown channel %s", request.channel_id)
         return worker_pb2.CloseChannelResponse()

@@ -16,6 +16,7 @@ import threading
 import torch
 
 from kv_transfer.blocks import CacheBlocks, block_views
+from kv_transfer.buffers import BufferPool
 from kv_transfer.errors import KvPullError
 from kv_transfer.layout import KvLayout
 from kv_transfer.tcp_server import tune_socket
@@ -45,18 +46,30 @@ class TcpChannel:
     """Blocking; call from a transfer thread. Thread-safe (one pull at a time)."""
 
     def __init__(
-        self, channel_id: str, sock: socket.socket, layout: KvLayout, timeout_s: float
+        self,
+        channel_id: str,
+        sock: socket.socket,
+        layout: KvLayout,
+        timeout_s: float,
+        buffers: BufferPool | None = None,
     ) -> None:
         self.channel_id = channel_id
         self.layout = layout
         self.timeout_s = timeout_s
+        # Where results without `out` are received (recycled memory: no page faults).
+        self.buffers = buffers or BufferPool(0)
         self._sock: socket.socket | None = sock
         # Held for each pull and for closing the socket, so a fd is never closed in use.
         self._io_lock = threading.Lock()
 
     @classmethod
     def connect(
-        cls, channel_id: str, endpoint: str, layout: KvLayout, timeout_s: float
+        cls,
+        channel_id: str,
+        endpoint: str,
+        layout: KvLayout,
+        timeout_s: float,
+        buffers: BufferPool | None = None,
     ) -> TcpChannel:
         """Connect and bind the socket to the opened channel; KvPullError on failure."""
         try:
@@ -72,7 +85,7 @@ class TcpChannel:
         except (OSError, ProtocolError) as e:
             sock.close()
             raise KvPullError(f"KV data server {endpoint} refused channel: {e}") from e
-        return cls(channel_id, sock, layout, timeout_s)
+        return cls(channel_id, sock, layout, timeout_s, buffers)
 
     @property
     def is_open(self) -> bool:
@@ -100,7 +113,7 @@ class TcpChannel:
                 self._check_reply(reply)
                 fits = reply.shape == expected
                 if not fits or out is None:  # (a mismatch is drained, then raised)
-                    out = torch.empty(reply.shape, dtype=self.layout.torch_dtype)
+                    out = self.buffers.empty(reply.shape, self.layout.torch_dtype)
                 if isinstance(out, CacheBlocks):
                     recv_buffers(sock, block_views(out))
                 else:

@@ -191,3 +191,25 @@ def test_strided_source_cache_is_gathered_slab_by_slab() -> None:
                 await client.close()
 
     asyncio.run(run())
+
+
+def test_kept_results_survive_later_pulls_on_recycled_memory() -> None:
+    engine = FakeEngine(random_cache(TINY, 16), {"a": [1, 2, 3], "b": [4, 5, 6]})
+
+    async def run() -> None:
+        async with prefill_server(TINY, engine.read_blocks) as prefill:
+            client = KvTransferClient(TINY, "decode-0")
+            try:
+                kept = await client.pull(prefill.handle(TINY, "a", [1, 2, 3]))
+                kept_view = kept[1]
+                for _ in range(4):  # dropped at once: their memory is recycled
+                    await client.pull(prefill.handle(TINY, "b", [4, 5, 6]))
+                assert torch.equal(kept, engine.expected("a"))
+                del kept
+                for _ in range(4):
+                    await client.pull(prefill.handle(TINY, "b", [4, 5, 6]))
+                assert torch.equal(kept_view, engine.expected("a")[1])
+            finally:
+                await client.close()
+
+    asyncio.run(run())
