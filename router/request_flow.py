@@ -86,9 +86,12 @@ class RequestFlow:
         self.metrics.disagg_decisions.labels(self.metrics.model_name, placement.decision).inc()
         reason = "abort"
         output_ids: list[int] = []
+        placed_at = time.monotonic()
         try:
             chunks = self._generate(req_id, prompt_ids, params, placement, record, span)
             async for chunk in chunks:
+                if not output_ids and chunk.token_ids:
+                    self.policy.observe_ttft(req_id, time.monotonic() - placed_at)
                 record.on_tokens(len(chunk.token_ids))
                 output_ids += chunk.token_ids
                 if chunk.finish_reason is not None:

@@ -5,7 +5,9 @@
 - policy `none`: always admit (the baseline: workers queue everything);
 - the decode worker must have the request's KV blocks free;
 - requests with a latency target are admitted when the predicted TTFT and ITL are
-  within their targets;
+  within their targets; the predicted TTFT is first padded by a quantile of recent
+  prediction errors (measured TTFT − predicted), so noise the models cannot see
+  (a shared CPU, batching of concurrent prefills) does not turn into SLO misses;
 - best-effort requests (no target, e.g. class `batch`) are admitted only into idle
   capacity: when the predicted queue wait is at most `best_effort_max_wait_s`, so the
   work they add to worker queues stays small for the interactive requests behind it;
@@ -28,6 +30,7 @@ import enum
 import heapq
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -59,6 +62,11 @@ class AdmissionConfig:
     # Bounds of the Retry-After estimate.
     min_retry_after_s: float = 0.5
     max_retry_after_s: float = 30.0
+    # Predicted TTFTs are padded by this quantile of recent (actual - predicted) errors,
+    # so admission stays honest on noisy hardware; 0 turns the padding off.
+    ttft_error_quantile: float = 0.9
+    # Recent TTFT prediction errors kept for that quantile.
+    ttft_error_window: int = 200
 
     def __post_init__(self) -> None:
         try:
@@ -75,6 +83,12 @@ class AdmissionConfig:
             raise ValueError(
                 f"best_effort_max_wait_s must be >= 0, got {self.best_effort_max_wait_s}"
             )
+        if not 0.0 <= self.ttft_error_quantile < 1.0:
+            raise ValueError(
+                f"ttft_error_quantile must be in [0, 1), got {self.ttft_error_quantile}"
+            )
+        if self.ttft_error_window < 1:
+            raise ValueError(f"ttft_error_window must be >= 1, got {self.ttft_error_window}")
         if self.max_retry_after_s < self.min_retry_after_s:
             raise ValueError(
                 f"max_retry_after_s must be >= min_retry_after_s, got {self.max_retry_after_s}"
@@ -91,10 +105,28 @@ class AdmissionDecision:
 
 
 class AdmissionController:
-    """Judges a placement against the request's SLO (pure; no state)."""
+    """Judges a placement against the request's SLO.
+
+    Its only state is a window of recent TTFT prediction errors (actual − predicted),
+    whose `ttft_error_quantile` pads every predicted TTFT before it is compared.
+    """
 
     def __init__(self, config: AdmissionConfig | None = None) -> None:
         self.config = config or AdmissionConfig()
+        self._ttft_errors: deque[float] = deque(maxlen=self.config.ttft_error_window)
+
+    def observe_ttft_error(self, error_s: float) -> None:
+        """One admitted request's measured TTFT minus its predicted TTFT."""
+        self._ttft_errors.append(error_s)
+
+    @property
+    def ttft_padding_s(self) -> float:
+        """Seconds added to predicted TTFTs (never negative; 0 without observations)."""
+        q = self.config.ttft_error_quantile
+        if q == 0.0 or not self._ttft_errors:
+            return 0.0
+        errors = sorted(self._ttft_errors)
+        return max(0.0, errors[min(len(errors) - 1, int(q * len(errors)))])
 
     def evaluate(
         self, placement: Placement, slo: RequestSlo, *, outranked: bool = False
@@ -110,8 +142,9 @@ class AdmissionController:
         if slo.is_best_effort:
             excess = placement.predicted_queue_s - cfg.best_effort_max_wait_s
             return AdmissionDecision(True) if excess <= 0 else self._reject("idle_capacity", excess)
-        if slo.ttft_s is not None and placement.predicted_ttft_s > slo.ttft_s:
-            return self._reject("ttft", placement.predicted_ttft_s - slo.ttft_s)
+        predicted_ttft = placement.predicted_ttft_s + self.ttft_padding_s
+        if slo.ttft_s is not None and predicted_ttft > slo.ttft_s:
+            return self._reject("ttft", predicted_ttft - slo.ttft_s)
         if slo.itl_s is not None and placement.predicted_itl_s > slo.itl_s:
             return self._reject("itl", 0.0)
         return AdmissionDecision(True)

@@ -206,6 +206,13 @@ class GoodputPolicy:
         prefill.prefix.unlock(req_id)
         self.queue.notify()
 
+    def observe_ttft(self, req_id: str, ttft_s: float) -> None:
+        """The admitted request's first token came `ttft_s` after placement (feeds the
+        admission padding with the prediction's error)."""
+        record = self._requests.get(req_id)
+        if record is not None:
+            self.admission.observe_ttft_error(ttft_s - record.placement.predicted_ttft_s)
+
     def observe_itl(self, req_id: str, itl_s: float) -> None:
         """One observed inter-token gap of a decoding request (teaches the decode model)."""
         record = self._requests.get(req_id)

@@ -215,3 +215,17 @@ def test_cancelled_waiter_leaves_nothing_behind():
         assert policy.is_idle()
 
     asyncio.run(main())
+
+
+def test_ttft_padding_learns_the_prediction_error():
+    from router.policy.admission import AdmissionConfig, AdmissionController
+
+    controller = AdmissionController(AdmissionConfig(policy="shed", ttft_error_window=10))
+    assert controller.ttft_padding_s == 0.0
+    for error in (0.05, 0.1, -0.2, 0.3, 0.0, 0.2, 0.1, 0.05, 0.4, 0.1):
+        controller.observe_ttft_error(error)
+    # 90th percentile of the ten errors above (nearest rank from below).
+    assert controller.ttft_padding_s == 0.4
+    for _ in range(10):
+        controller.observe_ttft_error(-0.5)  # predictions now pessimistic: no padding
+    assert controller.ttft_padding_s == 0.0
