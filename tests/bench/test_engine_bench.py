@@ -1,0 +1,257 @@
+"""The engine benchmark's pure helpers on synthetic numbers (no timing is asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.engine_bench import make_plan, parse_args
+from bench.engine_doc import render_section
+from bench.engine_hardware import MachineFacts
+from bench.engine_load import CpuSnapshot, busy_seconds, foreign_cores
+from bench.engine_report import (
+    SECTION_HEADING,
+    BenchReport,
+    DtypeResult,
+    Profile,
+    Row,
+    floor_target,
+    format_table,
+    format_time,
+    replace_section,
+)
+from bench.engine_roofline import ModelShape, decode_roofline, prefill_roofline, roofline
+from bench.engine_timing import (
+    OpTime,
+    RepeatPolicy,
+    median,
+    repeat_interleaved,
+    top_ops,
+)
+from engine.config import ModelConfig
+
+SMALL_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 32000,
+    "hidden_size": 768,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+}
+
+
+@pytest.fixture
+def small_shape() -> ModelShape:
+    return ModelShape.from_model_config(ModelConfig.from_dict(SMALL_CONFIG))
+
+
+def make_row(engine_s: float, floor_s: float, hf_s: float, kind: str = "decode") -> Row:
+    return Row(
+        name="decode b1" if kind == "decode" else "prefill 512",
+        kind=kind,
+        num_tokens=1 if kind == "decode" else 512,
+        engine_s=engine_s,
+        transformers_s=hf_s,
+        floor_s=floor_s,
+        roofline_s=0.010,
+        roofline_bound="memory",
+        floor_target=floor_target(kind, 1),
+        context="129–148" if kind == "decode" else "",
+        foreign_cores=0.9,
+    )
+
+
+def make_report(rows: list[Row], quick: bool = False) -> BenchReport:
+    machine = MachineFacts(
+        cpu_model="Test CPU",
+        num_cores=2,
+        cpu_capability="AVX2",
+        has_bf16_instructions=False,
+        torch_version="2.x",
+        transformers_version="5.x",
+        python_version="3.11",
+        num_threads=2,
+        date_utc="2025-01-01 00:00 UTC",
+        load_average=3.0,
+    )
+    report = BenchReport("python -m bench.engine_bench", quick, machine, 15e9, "sdpa")
+    report.results = [DtypeResult("float32", 80e9, rows), DtypeResult("bfloat16", 10e9, rows)]
+    report.profiles = [
+        Profile(
+            "float32",
+            "decode b1",
+            3,
+            0.05,
+            0.04,
+            0.03,
+            [OpTime("aten::mm", 0.03, 75.0), OpTime("aten::index", 0.006, 15.0)],
+        )
+    ]
+    return report
+
+
+def test_median_of_odd_and_even_counts_and_empty_raises():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    with pytest.raises(ValueError):
+        median([])
+
+
+def test_small_preset_matmul_params(small_shape):
+    qkv = 768 * (768 + 2 * 256)
+    o, gate_up, down = 768 * 768, 768 * 4096, 2048 * 768
+    assert small_shape.layer_matmul_params == qkv + o + gate_up + down
+    assert small_shape.matmul_params == 12 * (qkv + o + gate_up + down) + 768 * 32000
+    assert small_shape.kv_elements_per_token == 2 * 12 * 4 * 64
+
+
+def test_flops_count_two_per_multiply_add(small_shape):
+    layers = small_shape.num_layers * small_shape.layer_matmul_params
+    assert small_shape.matmul_flops(4, 1) == 2 * layers * 4 + 2 * small_shape.lm_head_params
+    per_pair = 4 * 12 * 12 * 64
+    assert small_shape.attention_flops(1, 10, causal=False) == per_pair * 11
+    # Causal from position 0: 3 queries see 1, 2 and 3 keys.
+    assert small_shape.attention_flops(3, 0, causal=True) == per_pair * 6
+
+
+def test_roofline_takes_the_slower_bound():
+    memory = roofline(num_bytes=2e9, flops=1e9, bandwidth=1e9, peak_flops=1e10)
+    assert memory.time_s == pytest.approx(2.0)
+    assert memory.bound == "memory"
+    compute = roofline(num_bytes=1e6, flops=1e12, bandwidth=1e9, peak_flops=1e11)
+    assert compute.time_s == pytest.approx(10.0)
+    assert compute.bound == "compute"
+    with pytest.raises(ValueError):
+        roofline(1.0, 1.0, 0.0, 1.0)
+
+
+def test_decode_roofline_reads_weights_once_plus_each_sequences_kv(small_shape):
+    one = decode_roofline(small_shape, 1, 100, 4, bandwidth=1e10, peak_flops=1e11)
+    eight = decode_roofline(small_shape, 8, 100, 4, bandwidth=1e10, peak_flops=1e11)
+    kv_per_seq = 100 * small_shape.kv_elements_per_token * 4
+    assert one.num_bytes == small_shape.matmul_params * 4 + kv_per_seq
+    assert eight.num_bytes - one.num_bytes == pytest.approx(7 * kv_per_seq)
+    assert one.bound == "memory"
+
+
+def test_prefill_roofline_is_compute_bound_for_512_tokens(small_shape):
+    bound = prefill_roofline(small_shape, 512, 4, bandwidth=1.5e10, peak_flops=8e10)
+    assert bound.bound == "compute"
+    assert bound.flops > 2 * small_shape.num_layers * small_shape.layer_matmul_params * 512
+
+
+def test_floor_targets():
+    assert floor_target("decode", 1) == 1.2
+    assert floor_target("decode", 32) == 1.3
+    assert floor_target("prefill", 1) == 1.3
+
+
+def test_row_ratios_and_targets():
+    row = make_row(engine_s=0.012, floor_s=0.010, hf_s=0.015)
+    assert row.engine_over_floor == pytest.approx(1.2)
+    assert row.engine_over_transformers == pytest.approx(0.8)
+    assert row.floor_met and row.transformers_met
+    slow = make_row(engine_s=0.020, floor_s=0.010, hf_s=0.015)
+    assert not slow.floor_met and not slow.transformers_met
+
+
+def test_format_time_picks_a_unit():
+    assert format_time(2.5) == "2.50 s"
+    assert format_time(0.0123) == "12.3 ms"
+    assert format_time(0.000456) == "456 µs"
+
+
+def test_table_has_one_line_per_row_and_marks_misses():
+    rows = [make_row(0.012, 0.010, 0.015), make_row(0.020, 0.010, 0.015, kind="prefill")]
+    table = format_table(rows).splitlines()
+    assert len(table) == 2 + len(rows)
+    assert table[0].count("|") == 11
+    assert "(ctx 129–148)" in table[2] and "**missed**" not in table[2]
+    assert "**missed**" in table[3]
+
+
+def test_replace_section_creates_replaces_and_keeps_other_sections():
+    created = replace_section("", SECTION_HEADING, "first")
+    assert created.startswith("# Benchmarks\n")
+    assert "## Engine\n\nfirst\n" in created
+    doc = "# Benchmarks\n\n## Router\n\nrouter text\n\n## Engine\n\nold\n\n## KV\n\nkv text\n"
+    updated = replace_section(doc, SECTION_HEADING, "new\n\n### float32\n\ntable")
+    assert "old" not in updated
+    assert updated.count("## Engine") == 1
+    assert "## Router\n\nrouter text" in updated and "## KV\n\nkv text" in updated
+    assert updated.index("## Router") < updated.index("## Engine") < updated.index("## KV")
+    # Subsections do not end the section, so a second replace leaves no debris.
+    again = replace_section(updated, SECTION_HEADING, "newer")
+    assert "table" not in again and "## KV\n\nkv text" in again
+
+
+def test_top_ops_ranks_by_self_time():
+    self_times = {"aten::mm": 60.0, "aten::index": 30.0, "aten::add": 10.0}
+    ops = top_ops(self_times, 2)
+    assert [op.op for op in ops] == ["aten::mm", "aten::index"]
+    assert ops[0].percent == pytest.approx(60.0)
+    assert ops[0].self_s == pytest.approx(60e-6)
+    assert top_ops({}, 3) == []
+
+
+def test_repeat_interleaved_runs_rounds_within_policy():
+    calls: list[str] = []
+
+    def timer(name: str):
+        def run_once() -> float:
+            calls.append(name)
+            return 1.0
+
+        return run_once
+
+    timers = {"a": timer("a"), "b": timer("b")}
+    samples = repeat_interleaved(timers, RepeatPolicy(1, 2, 4, budget_s=1e9))
+    assert samples == {"a": [1.0] * 4, "b": [1.0] * 4}
+    assert calls[:4] == ["a", "b", "a", "b"]
+    calls.clear()
+    samples = repeat_interleaved(timers, RepeatPolicy(0, 2, 4, budget_s=1e-12))
+    assert len(samples["a"]) == 2 and len(calls) == 4
+
+
+def test_repeat_policy_rejects_bad_bounds():
+    with pytest.raises(ValueError):
+        RepeatPolicy(0, 3, 2, 1.0)
+    with pytest.raises(ValueError):
+        RepeatPolicy(0, 1, 2, 0.0)
+
+
+def test_rendered_section_has_tables_profiles_and_reading():
+    report = make_report([make_row(0.020, 0.010, 0.015)], quick=True)
+    body = render_section(report, ModelShape.from_model_config(ModelConfig.from_dict(SMALL_CONFIG)))
+    assert "quick smoke run" in body
+    assert "### float32" in body and "### bfloat16" in body
+    assert "### Profiles of missed targets" in body and "`aten::mm`" in body
+    assert "10.0 ms outside ops" in body  # 50 ms wall - 40 ms in ops
+    assert "led by `aten::index` (float32 decode b1 6.0 ms per step)" in body
+    assert "### Reading" in body
+    assert "Test CPU" in body and "15.0 GB/s" in body
+    assert "bfloat16 against float32 (engine time ratio): decode b1 1.00×" in body
+    # The GEMV floor of the row (10 ms) is 1.0× its 10 ms roofline.
+    assert "batch-1 matmul floor is itself 1.0× the roofline" in body
+    assert "Other processes kept cores busy during float32 decode b1 (0.90)" in body
+
+
+def test_quick_plan_is_smaller_than_full():
+    quick = make_plan(parse_args(["--quick"]))
+    full = make_plan(parse_args([]))
+    assert quick.dtypes == ("float32",) and quick.batch_sizes == (1, 8)
+    assert full.dtypes == ("float32", "bfloat16") and full.batch_sizes == (1, 8, 32)
+    assert quick.decode.max_runs <= full.decode.max_runs
+    assert full.decode_seq_len > full.prompt_len + full.decode.max_runs
+
+
+def test_busy_seconds_and_foreign_cores():
+    stat = "cpu  100 5 50 1000 20 3 2 10 0 0\ncpu0 50 2 25 500 10 1 1 5 0 0\n"
+    # user + nice + system + irq + softirq + steal, idle and iowait excluded.
+    assert busy_seconds(stat, ticks_per_s=100) == pytest.approx(1.70)
+    with pytest.raises(ValueError):
+        busy_seconds("intr 1 2 3\n", 100)
+    start = CpuSnapshot(busy_s=10.0, own_s=4.0, wall_s=100.0)
+    end = CpuSnapshot(busy_s=14.0, own_s=6.0, wall_s=102.0)
+    assert foreign_cores(start, end) == pytest.approx(1.0)  # (4 - 2) CPU-s over 2 s
+    assert foreign_cores(end, start) == 0.0
