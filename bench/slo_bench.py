@@ -270,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     setups = [RunSetup("shed", "shed"), RunSetup("none", "none")]
     if args.local_prefill_run:
         setups.append(RunSetup("shed, default local prefill", "shed", DEFAULT_LOCAL_PREFILL))
+        setups.append(RunSetup("none, default local prefill", "none", DEFAULT_LOCAL_PREFILL))
     runs = tuple(
         run_policy(args, setup, calibration.ttft_target_s, arrivals, requests) for setup in setups
     )

@@ -11,7 +11,7 @@ import grpc
 from engine.sampling_params import SamplingParams
 from proto.tandem.v1 import generation_pb2 as gen_pb
 from proto.tandem.v1 import generation_pb2_grpc
-from router.errors import InvalidRequest, ModelNotFound, RouterError
+from router.errors import InvalidRequest, ModelNotFound, Overloaded, RouterError
 from router.request_flow import RequestFlow
 from router.tokenization import PromptTokenizer
 
@@ -65,6 +65,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         )
                     )
                 yield msg
+        except Overloaded as exc:
+            logger.info("request %s shed: %s", req_id, exc)
+            await context.abort(exc.grpc_code, str(exc))
         except RouterError as exc:
             logger.warning("request %s failed: %s", req_id, exc)
             await context.abort(exc.grpc_code, str(exc))

@@ -65,8 +65,11 @@ class AdmissionConfig:
     # Predicted TTFTs are padded by this quantile of recent (actual - predicted) errors,
     # so admission stays honest on noisy hardware; 0 turns the padding off.
     ttft_error_quantile: float = 0.9
-    # Recent TTFT prediction errors kept for that quantile.
+    # Recent TTFT prediction errors kept for that quantile: at most this many, and
+    # none older than the horizon (while everything is shed no new errors arrive, so
+    # stale ones must age out or the padding would shed forever).
     ttft_error_window: int = 200
+    ttft_error_horizon_s: float = 10.0
 
     def __post_init__(self) -> None:
         try:
@@ -87,6 +90,8 @@ class AdmissionConfig:
             raise ValueError(
                 f"ttft_error_quantile must be in [0, 1), got {self.ttft_error_quantile}"
             )
+        if self.ttft_error_horizon_s <= 0:
+            raise ValueError(f"ttft_error_horizon_s must be > 0, got {self.ttft_error_horizon_s}")
         if self.ttft_error_window < 1:
             raise ValueError(f"ttft_error_window must be >= 1, got {self.ttft_error_window}")
         if self.max_retry_after_s < self.min_retry_after_s:
@@ -111,21 +116,28 @@ class AdmissionController:
     whose `ttft_error_quantile` pads every predicted TTFT before it is compared.
     """
 
-    def __init__(self, config: AdmissionConfig | None = None) -> None:
+    def __init__(
+        self, config: AdmissionConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.config = config or AdmissionConfig()
-        self._ttft_errors: deque[float] = deque(maxlen=self.config.ttft_error_window)
+        self.clock = clock
+        # (observed at, actual - predicted TTFT), oldest first.
+        self._ttft_errors: deque[tuple[float, float]] = deque(maxlen=self.config.ttft_error_window)
 
     def observe_ttft_error(self, error_s: float) -> None:
         """One admitted request's measured TTFT minus its predicted TTFT."""
-        self._ttft_errors.append(error_s)
+        self._ttft_errors.append((self.clock(), error_s))
 
     @property
     def ttft_padding_s(self) -> float:
-        """Seconds added to predicted TTFTs (never negative; 0 without observations)."""
+        """Seconds added to predicted TTFTs (never negative; 0 without recent errors)."""
+        horizon = self.clock() - self.config.ttft_error_horizon_s
+        while self._ttft_errors and self._ttft_errors[0][0] < horizon:
+            self._ttft_errors.popleft()
         q = self.config.ttft_error_quantile
         if q == 0.0 or not self._ttft_errors:
             return 0.0
-        errors = sorted(self._ttft_errors)
+        errors = sorted(e for _, e in self._ttft_errors)
         return max(0.0, errors[min(len(errors) - 1, int(q * len(errors)))])
 
     def evaluate(

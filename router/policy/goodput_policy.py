@@ -67,7 +67,7 @@ class GoodputPolicy:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.selector = PairSelector(prefill, decode, selector_config)
-        self.admission = AdmissionController(admission_config)
+        self.admission = AdmissionController(admission_config, clock)
         self.queue: AdmissionQueue[Placement] = AdmissionQueue(self.admission.config, clock)
         self.clock = clock
         self.workers = {w.worker_id: w for w in (*prefill, *decode)}

@@ -220,12 +220,21 @@ def test_cancelled_waiter_leaves_nothing_behind():
 def test_ttft_padding_learns_the_prediction_error():
     from router.policy.admission import AdmissionConfig, AdmissionController
 
-    controller = AdmissionController(AdmissionConfig(policy="shed", ttft_error_window=10))
+    now = [0.0]
+    controller = AdmissionController(
+        AdmissionConfig(policy="shed", ttft_error_window=10, ttft_error_horizon_s=5.0),
+        clock=lambda: now[0],
+    )
     assert controller.ttft_padding_s == 0.0
     for error in (0.05, 0.1, -0.2, 0.3, 0.0, 0.2, 0.1, 0.05, 0.4, 0.1):
         controller.observe_ttft_error(error)
     # 90th percentile of the ten errors above (nearest rank from below).
     assert controller.ttft_padding_s == 0.4
+    now[0] = 6.0  # nothing admitted (so observed) for longer than the horizon
+    assert controller.ttft_padding_s == 0.0
+    for _ in range(10):
+        controller.observe_ttft_error(0.3)
+    assert controller.ttft_padding_s == 0.3
     for _ in range(10):
         controller.observe_ttft_error(-0.5)  # predictions now pessimistic: no padding
     assert controller.ttft_padding_s == 0.0
