@@ -46,10 +46,6 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         return len(self._cache)
 
-    def usage(self) -> float:
-        """Fraction of blocks referenced by requests (0.0 idle, 1.0 full)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
-
     def ref_cnt(self, block_id: int) -> int:
         return self._ref_cnt[block_id]
 
@@ -103,11 +99,6 @@ class BlockPool:
             return
         self._cache[block_hash] = CachedBlock(block_id, token_ids)
         self._block_hash[block_id] = block_hash
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (blocks in use keep their data)."""
-        self._cache.clear()
-        self._block_hash.clear()
 
     def _evict(self, block_id: int) -> None:
         block_hash = self._block_hash.pop(block_id, None)

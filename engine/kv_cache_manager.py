@@ -116,6 +116,3 @@ class KVCacheManager:
         blocks = self.block_ids.pop(request.req_id, [])
         self._num_cached_blocks.pop(request.req_id, None)
         self.pool.free(list(reversed(blocks)))
-
-    def num_blocks_held(self) -> int:
-        return sum(len(b) for b in self.block_ids.values())

@@ -72,10 +72,6 @@ class Scheduler:
         self.eos_token_ids = frozenset(config.model_config.eos_token_ids)
         self.num_preemptions = 0
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 

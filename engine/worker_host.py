@@ -1,0 +1,70 @@
+"""What every worker process runs around its role's services.
+
+`WorkerHost` owns the engine (on its `EngineLoop` thread), the gRPC server with the
+standard health service, the Prometheus `/metrics` endpoint and the tracer. Prefill
+and decode workers open it, register their own services, then `serve()`; on stop
+they `close_server()` (drain), free their own resources, then `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import Engine
+from engine.tracing import Tracing
+from engine.worker_config import WorkerConfig
+from engine.worker_metrics import WorkerMetrics
+from proto.server_options import GRPC_OPTIONS
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerHost:
+    def __init__(self, config: WorkerConfig, tracing: Tracing | None = None) -> None:
+        self.config = config
+        self.tracing = tracing or Tracing(f"tandem-{config.worker_id}", config.trace_exporter)
+        self.metrics = WorkerMetrics(config.worker_id, config.role.value)
+        self.endpoint = ""
+        self.loop: EngineLoop | None = None
+        self.server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+
+    async def open(self) -> EngineLoop:
+        """Load the model, start the engine thread, bind the gRPC server (not serving yet)."""
+        config = self.config
+        engine = await asyncio.to_thread(Engine, config.engine)
+        self.loop = EngineLoop(engine, name=f"engine-{config.worker_id}")
+        self.loop.start()
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        self.endpoint = f"{config.host}:{port}"
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)
+        return self.loop
+
+    async def serve(self) -> str:
+        """Start serving (services registered by then); returns the gRPC endpoint."""
+        config = self.config
+        await self.server.start()
+        await self.metrics.start(self.loop, config.host, config.metrics_port)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        logger.info("%s worker %s serving on %s", config.role.value, config.worker_id,
+                    self.endpoint)  # fmt: skip
+        return self.endpoint
+
+    async def close_server(self) -> None:
+        """Finish in-flight calls (up to the drain timeout); stop /metrics."""
+        if self.server is not None:
+            await self.server.stop(self.config.drain_timeout_s)
+        await self.metrics.stop()
+
+    def close(self) -> None:
+        """Stop the engine thread and flush the tracer (after the role's own cleanup)."""
+        if self.loop is not None:
+            self.loop.stop()
+        self.tracing.shutdown()
