@@ -17,21 +17,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.loadgen.metrics import percentile as loadgen_percentile
+
 DOC_TITLE = "# Benchmarks"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The `q`-th percentile (0-100) with linear interpolation between ranks (numpy's
-    default), so p50 of an even count is the mean of the middle two."""
+    """`bench.loadgen.metrics.percentile` (numpy-style linear interpolation), but an
+    empty sample is an error here: these reports never summarise nothing."""
     if not values:
         raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    return loadgen_percentile(values, q)
 
 
 @dataclass(frozen=True)
