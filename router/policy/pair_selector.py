@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from router.errors import WorkerUnavailable
 from router.policy.prefix_tree import block_hashes
 from router.policy.slo import RequestSlo
 from router.policy.worker_state import WorkerState
@@ -129,7 +130,8 @@ class PairSelector:
         self.block_size = sizes.pop()
 
     def select(self, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo) -> Placement:
-        """The best pair for this request now; raises RuntimeError if no decode worker is up."""
+        """The best pair for this request now; raises `WorkerUnavailable` (503 /
+        UNAVAILABLE to the client) when no decode worker is up."""
         cfg = self.config
         n = len(prompt_ids)
         hashes = block_hashes(prompt_ids, self.block_size)
@@ -180,7 +182,9 @@ class PairSelector:
     def _pick_decode(self, n: int, need: int, slo: RequestSlo) -> WorkerState:
         workers = [w for w in self.decode if w.available]
         if not workers:
-            raise RuntimeError("no decode worker is available")
+            raise WorkerUnavailable(
+                "no decode worker is available (all are down or unreachable); retry later"
+            )
         fitting = [w for w in workers if w.num_free_blocks >= need]
         if not fitting:
             return max(workers, key=lambda w: w.num_free_blocks)

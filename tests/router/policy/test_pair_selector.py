@@ -4,6 +4,7 @@ import random
 
 import pytest
 
+from router.errors import WorkerUnavailable
 from router.policy import (
     DISAGGREGATED,
     LOCAL_PREFILL,
@@ -218,5 +219,5 @@ def test_decode_choice_by_free_blocks_and_step_time():
     full = PairSelector(prefill, [small]).select(unique(0, 5000), 10, INTERACTIVE)
     assert not full.fits and full.decode_worker_id == "d0"
     small.available = False
-    with pytest.raises(RuntimeError, match="no decode worker"):
+    with pytest.raises(WorkerUnavailable, match="no decode worker"):
         PairSelector(prefill, [small]).select(unique(0, 10), 10, INTERACTIVE)

@@ -1,0 +1,168 @@
+"""`tandem bench experiment NAME`: run an experiment end to end and publish it.
+
+    tandem bench experiment all            # the four experiments, one run, ~40 min
+    tandem bench experiment head-of-line   # or frontier, goodput; --quick for a smoke run
+
+Starts the servers it needs (real processes: `tandem serve`, `transformers serve`), runs
+the load, stops them, writes results JSON (bench/results/experiments/), plots
+(docs/img/) and its section of docs/benchmarks.md. Experiment 4 (peer) is not separate:
+`transformers serve` is one of the systems of the frontier and goodput runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bench.experiments.setup import ExperimentSetup
+
+EXPERIMENTS = ("head-of-line", "frontier", "goodput")
+HEADINGS = {
+    "head-of-line": "## Experiment: head-of-line blocking",
+    "frontier": "## Experiment: throughput/latency frontier (Tandem and transformers serve)",
+    "goodput": "## Experiment: goodput on a mixed workload (Tandem and transformers serve)",
+}
+
+logger = logging.getLogger(__name__)
+
+
+def add_experiment_command(actions: argparse._SubParsersAction) -> None:
+    parser = actions.add_parser(
+        "experiment", help="run a published experiment: servers, load, plots, docs section"
+    )
+    parser.add_argument("name", choices=(*EXPERIMENTS, "all"), help="which experiment")
+    parser.add_argument("--model", default="models/tandem-small", help="HF model directory")
+    parser.add_argument("--quick", action="store_true", help="few short levels (smoke run)")
+    parser.add_argument("--doc", default="docs/benchmarks.md", help="report to update; '' = none")
+    parser.add_argument("--img-dir", default="docs/img", help="where the plots go")
+    parser.add_argument(
+        "--results-dir", default="bench/results/experiments", help="results JSON and logs"
+    )
+    parser.set_defaults(handler=experiment_command)
+
+
+def experiment_command(args: argparse.Namespace) -> int:
+    from bench.experiments.setup import ExperimentSetup
+
+    setup = ExperimentSetup(
+        model_dir=args.model,
+        results_dir=Path(args.results_dir),
+        img_dir=Path(args.img_dir),
+        doc_path=Path(args.doc) if args.doc else None,
+        quick=args.quick,
+    )
+    if not Path(args.model, "config.json").is_file():
+        print(f"tandem bench experiment: no model at {args.model} (tandem model make)")
+        return 2
+    names = EXPERIMENTS if args.name == "all" else (args.name,)
+    asyncio.run(run_experiments(setup, names))
+    return 0
+
+
+async def run_experiments(setup: ExperimentSetup, names: Sequence[str]) -> None:
+    from bench.experiments.setup import machine_facts
+
+    facts = {**machine_facts(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if "head-of-line" in names:
+        await _head_of_line(setup, facts)
+    shared = [name for name in ("frontier", "goodput") if name in names]
+    if shared:
+        await _frontier_and_goodput(setup, shared, facts)
+
+
+async def _head_of_line(setup: ExperimentSetup, facts: dict[str, Any]) -> None:
+    from bench.experiments import head_of_line
+    from bench.experiments.servers import running
+    from bench.experiments.setup import grpc_client
+
+    results = {}
+    for system in head_of_line.SYSTEMS:
+        spec = setup.server(system)
+        with running([spec], setup.results_dir / "logs"):
+            results[spec.label] = await head_of_line.run_one(setup, grpc_client(spec))
+    stats = {
+        label: head_of_line.head_of_line_stats(r.load.traces).to_json()
+        for label, r in results.items()
+    }
+    _save(
+        setup,
+        "head-of-line",
+        facts,
+        {
+            "stats": stats,
+            "runs": {label: r.to_json() for label, r in results.items()},
+        },
+    )
+    image = _image(setup, "head-of-line")
+    head_of_line.plot(results, str(image))
+    _publish(setup, "head-of-line", facts, head_of_line.render(results, setup, _link(setup, image)))
+
+
+async def _frontier_and_goodput(
+    setup: ExperimentSetup, names: Sequence[str], facts: dict[str, Any]
+) -> None:
+    """Both use the same servers: started once, every level interleaved across them."""
+    from bench.experiments import frontier, goodput
+    from bench.experiments.servers import running
+    from bench.experiments.setup import http_client
+    from bench.loadgen.runner import sweep_to_json
+
+    specs = [setup.server(system) for system in frontier.SYSTEMS]
+    with running(specs, setup.results_dir / "logs"):
+        clients = {spec.label: http_client(spec) for spec in specs}
+        for name in names:
+            module = frontier if name == "frontier" else goodput
+            run = frontier.run_frontier if name == "frontier" else goodput.run_goodput
+            results = await run(setup, clients)
+            _save(setup, name, facts, {label: sweep_to_json(r) for label, r in results.items()})
+            image = _image(setup, name)
+            if name == "goodput":
+                goodput.plot(results, str(image), goodput.plan_for(setup).slo)
+            else:
+                frontier.plot(results, str(image))
+            _publish(setup, name, facts, module.render(results, setup, _link(setup, image)))
+
+
+def _image(setup: ExperimentSetup, name: str) -> Path:
+    setup.img_dir.mkdir(parents=True, exist_ok=True)
+    return setup.img_dir / f"experiment-{name}{'-quick' if setup.quick else ''}.png"
+
+
+def _link(setup: ExperimentSetup, image: Path) -> str:
+    """The image's path relative to the doc (docs/img/x.png → img/x.png)."""
+    if setup.doc_path is None:
+        return str(image)
+    try:
+        return str(image.resolve().relative_to(setup.doc_path.resolve().parent))
+    except ValueError:
+        return str(image.resolve())
+
+
+def _save(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], data: Any) -> None:
+    setup.results_dir.mkdir(parents=True, exist_ok=True)
+    path = setup.results_dir / f"{name}{'-quick' if setup.quick else ''}.json"
+    path.write_text(json.dumps({"machine": facts, "results": data}, indent=1) + "\n")
+    logger.info("results: %s", path)
+
+
+def _publish(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], body: str) -> None:
+    from bench.engine_report import replace_section
+
+    command = f"tandem bench experiment {name}{' --quick' if setup.quick else ''}"
+    head = (
+        f"Command: `{command}` (or `all`). Machine: {facts['cores']} cores, {facts['cpu']}; "
+        f"1-minute load {facts['load_avg_1m_at_start']:.2f} at the start; run started "
+        f"{facts['started']}. Model: `{setup.model_dir}` (fp32)."
+    )
+    print(f"\n{HEADINGS[name]}\n\n{head}\n\n{body}")
+    if setup.doc_path is None or setup.quick:
+        return
+    doc = setup.doc_path.read_text() if setup.doc_path.is_file() else ""
+    setup.doc_path.write_text(replace_section(doc, HEADINGS[name], f"{head}\n\n{body}"))

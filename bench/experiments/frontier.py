@@ -1,0 +1,123 @@
+"""Experiment 1 (and the frontier half of 4): the throughput/latency frontier.
+
+Closed loop at concurrency 1, 2, 4, …; fixed prompt and output lengths; every server
+gets the same OpenAI request bodies (text prompts, no extra fields) and each level is
+run against every server before the next (`interleaved_sweep`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from bench.experiments.setup import ExperimentSetup, bench_config, workload
+from bench.experiments.sweep import interleaved_sweep, series
+from bench.loadgen.clients import ClientConfig
+from bench.loadgen.load import LoadConfig
+from bench.loadgen.plots import plot_frontier
+from bench.loadgen.report import SweepPoint, format_sweep, render_table
+from bench.loadgen.runner import BenchResult, WorkloadConfig
+
+SYSTEMS = ("disaggregated", "colocated-2", "colocated-1", "transformers")
+PEER = "transformers"
+
+
+@dataclass(frozen=True)
+class FrontierPlan:
+    input_len: int = 128
+    output_len: int = 64
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16)
+    # Requests per level: enough that most of the run is at full concurrency.
+    min_requests: int = 8
+    requests_per_slot: int = 3
+
+    def num_requests(self, concurrency: int) -> int:
+        return max(self.min_requests, self.requests_per_slot * concurrency)
+
+    def workload(self, seed: int) -> WorkloadConfig:
+        return workload("fixed", self.input_len, self.output_len, seed)
+
+    def loads(self, seed: int) -> list[LoadConfig]:
+        return [
+            LoadConfig(concurrency=c, num_requests=self.num_requests(c), seed=seed, timeout_s=900)
+            for c in self.concurrencies
+        ]
+
+
+def plan_for(setup: ExperimentSetup) -> FrontierPlan:
+    return FrontierPlan(concurrencies=(1, 4)) if setup.quick else FrontierPlan()
+
+
+async def run_frontier(
+    setup: ExperimentSetup, clients: Mapping[str, ClientConfig]
+) -> dict[str, list[BenchResult]]:
+    """`clients`: system label → how to reach it (servers already running)."""
+    plan = plan_for(setup)
+    configs = {
+        label: bench_config(client, plan.workload(setup.seed), plan.loads(setup.seed)[0])
+        for label, client in clients.items()
+    }
+    return await interleaved_sweep(configs, plan.loads(setup.seed))
+
+
+def plot(results: Mapping[str, Sequence[BenchResult]], path: str) -> None:
+    plot_frontier(series(results), path, title="throughput vs latency, concurrency sweep")
+
+
+def _ratio(numerator: float, denominator: float) -> str:
+    if math.isnan(numerator) or math.isnan(denominator) or denominator == 0:
+        return "-"
+    return f"{numerator / denominator:.2f}×"
+
+
+def peer_rows(points: Mapping[str, Sequence[SweepPoint]], peer_label: str) -> list[list[str]]:
+    """Per concurrency: each Tandem layout's output tokens/s and p50 ITL ÷ the peer's."""
+    peer = {p.concurrency: p.summary for p in points[peer_label]}
+    rows = []
+    for label, runs in points.items():
+        if label == peer_label:
+            continue
+        for point in runs:
+            other = peer.get(point.concurrency)
+            if other is None:
+                continue
+            mine = point.summary
+            rows.append(
+                [
+                    f"{label} · c={point.concurrency}",
+                    _ratio(mine.output_throughput_tps, other.output_throughput_tps),
+                    _ratio(mine.ttft_s.p50, other.ttft_s.p50),
+                    _ratio(mine.itl_s.p50, other.itl_s.p50),
+                    _ratio(mine.tpot_s.p50, other.tpot_s.p50),
+                ]
+            )
+    return rows
+
+
+def render(results: Mapping[str, Sequence[BenchResult]], setup: ExperimentSetup, image: str) -> str:
+    plan = plan_for(setup)
+    points = series(results)
+    lines = [
+        f"Closed loop, concurrency {', '.join(map(str, plan.concurrencies))}; every request "
+        f"{plan.input_len} prompt words (≈ tokens) → {plan.output_len} output tokens, greedy; "
+        f"max(8, 3·c) requests per level. Same OpenAI `/v1/completions` bodies for every "
+        "server (text prompts, no `ignore_eos`: `transformers serve` refuses both token-id "
+        "prompts and unknown fields), levels interleaved across servers, fresh prompts at "
+        "each level (no prefix-cache hits from an earlier level).",
+        "",
+        f"![frontier]({image})",
+        "",
+    ]
+    for label, runs in points.items():
+        lines += [f"**{label}**", "", format_sweep(runs, markdown=True), ""]
+    peer_label = next((label for label in points if label.startswith("transformers")), None)
+    if peer_label:
+        header = ["Tandem ÷ transformers serve", "out tok/s", "TTFT p50", "ITL p50", "TPOT p50"]
+        lines += [
+            "Ratios at equal concurrency (throughput: higher is better; latencies: lower):",
+            "",
+            render_table(header, peer_rows(points, peer_label), markdown=True),
+            "",
+        ]
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""Experiment 3 (and the goodput half of 4): goodput on a mixed workload.
+
+Open-loop Poisson arrivals of a mixed workload — mostly short chats, some long
+documents — at increasing rates, against every system (levels interleaved). A request
+meets the SLO when its TTFT and its TPOT are within target (documents have a TTFT target
+of their own: no one expects a 1.5k-token prompt answered as fast as a question). A
+system's goodput is the highest rate it sustains with ≥ 90% of requests meeting the SLO.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from bench.experiments.setup import ExperimentSetup, bench_config, workload
+from bench.experiments.sweep import interleaved_sweep, series
+from bench.loadgen.clients import ClientConfig
+from bench.loadgen.load import LoadConfig
+from bench.loadgen.metrics import SloTargets
+from bench.loadgen.plots import plot_goodput
+from bench.loadgen.report import SweepPoint, format_sweep, render_table
+from bench.loadgen.runner import BenchResult, WorkloadConfig
+
+SYSTEMS = ("disaggregated", "colocated-2", "colocated-1", "transformers")
+# The SLO attainment a rate must reach to count as sustained (DistServe's 90%).
+ATTAINMENT_TARGET = 0.9
+
+
+@dataclass(frozen=True)
+class GoodputPlan:
+    # Chat part: log-normal lengths with these means.
+    chat_input_len: int = 192
+    chat_output_len: int = 64
+    # Long documents: this share of requests, prompt ≈ long_input_len ± 25%.
+    long_fraction: float = 0.1
+    long_input_len: int = 1536
+    long_output_len: int = 16
+    rates: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 2.5)
+    num_requests: int = 40
+    slo: SloTargets = field(default_factory=lambda: SloTargets(2.0, 0.25, long_ttft_s=12.0))
+
+    def workload(self, seed: int) -> WorkloadConfig:
+        return workload(
+            "mixed",
+            self.chat_input_len,
+            self.chat_output_len,
+            seed,
+            long_fraction=self.long_fraction,
+            long_input_len=self.long_input_len,
+            long_output_len=self.long_output_len,
+        )
+
+    def loads(self, seed: int) -> list[LoadConfig]:
+        return [
+            LoadConfig(rate_rps=r, num_requests=self.num_requests, seed=seed, timeout_s=900)
+            for r in self.rates
+        ]
+
+
+def plan_for(setup: ExperimentSetup) -> GoodputPlan:
+    return GoodputPlan(rates=(0.5, 1.0), num_requests=12) if setup.quick else GoodputPlan()
+
+
+async def run_goodput(
+    setup: ExperimentSetup, clients: Mapping[str, ClientConfig]
+) -> dict[str, list[BenchResult]]:
+    plan = plan_for(setup)
+    loads = plan.loads(setup.seed)
+    configs = {
+        label: bench_config(client, plan.workload(setup.seed), loads[0], slo=plan.slo)
+        for label, client in clients.items()
+    }
+    return await interleaved_sweep(configs, loads)
+
+
+def highest_rate_meeting(points: Sequence[SweepPoint], target: float = ATTAINMENT_TARGET) -> float:
+    """The highest swept rate whose attainment is ≥ `target` (0 when none is)."""
+    rates = [p.rate_rps or 0.0 for p in points if p.summary.slo_attainment >= target]
+    return max(rates, default=0.0)
+
+
+def sustained_rate(points: Sequence[SweepPoint], target: float = ATTAINMENT_TARGET) -> float:
+    """Where attainment first falls below `target`, interpolated linearly between the
+    last rate that met it and the first that did not (the highest swept rate when all
+    meet it; 0 when the lowest rate already misses)."""
+    ordered = sorted(points, key=lambda p: p.rate_rps or 0.0)
+    last_rate, last_attainment = 0.0, math.nan
+    for point in ordered:
+        rate, attainment = point.rate_rps or 0.0, point.summary.slo_attainment
+        if not attainment >= target:  # NaN (no requests) counts as a miss
+            if math.isnan(last_attainment):
+                return 0.0
+            fraction = (last_attainment - target) / (last_attainment - attainment)
+            return last_rate + fraction * (rate - last_rate)
+        last_rate, last_attainment = rate, attainment
+    return last_rate
+
+
+def plot(results: Mapping[str, Sequence[BenchResult]], path: str, slo: SloTargets) -> None:
+    title = (
+        f"goodput, mixed workload (TTFT ≤ {slo.ttft_s:g} s, documents ≤ {slo.long_ttft_s:g} s, "
+        f"TPOT ≤ {slo.itl_s * 1000:g} ms)"
+    )
+    plot_goodput(series(results), path, title=title)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b > 0 else "∞" if a > 0 else "-"
+
+
+def summary_rows(points: Mapping[str, Sequence[SweepPoint]]) -> list[list[str]]:
+    return [
+        [label, f"{highest_rate_meeting(runs):g}", f"{sustained_rate(runs):.2f}"]
+        for label, runs in points.items()
+    ]
+
+
+def ratio_rows(points: Mapping[str, Sequence[SweepPoint]]) -> list[list[str]]:
+    """Every pair (a ÷ b) of systems' sustained rates, Tandem layouts first."""
+    labels = list(points)
+    rates = {label: sustained_rate(points[label]) for label in labels}
+    return [
+        [f"{a} ÷ {b}", _ratio(rates[a], rates[b])]
+        for i, a in enumerate(labels)
+        for b in labels[i + 1 :]
+    ]
+
+
+def render(results: Mapping[str, Sequence[BenchResult]], setup: ExperimentSetup, image: str) -> str:
+    plan = plan_for(setup)
+    slo = plan.slo
+    points = series(results)
+    lines = [
+        f"Open loop (Poisson), {plan.num_requests} requests per rate, rates "
+        f"{', '.join(f'{r:g}' for r in plan.rates)} req/s. Mixed workload: "
+        f"{100 - plan.long_fraction * 100:g}% chats (log-normal lengths, means "
+        f"{plan.chat_input_len} prompt / {plan.chat_output_len} output tokens), "
+        f"{plan.long_fraction * 100:g}% documents ({plan.long_input_len} ± 25% prompt tokens, "
+        f"{plan.long_output_len} output). SLO per request: TTFT ≤ {slo.ttft_s:g} s "
+        f"(documents ≤ {slo.long_ttft_s:g} s) and TPOT ≤ {slo.itl_s * 1000:g} ms. Same "
+        "OpenAI request bodies for every server; rates interleaved across servers, fresh "
+        "prompts at each rate.",
+        "",
+        f"![goodput]({image})",
+        "",
+        "Sustained rate (≥ 90% of requests within SLO):",
+        "",
+        render_table(
+            ["system", "highest swept rate ≥ 90%", "90% crossing (interpolated)"],
+            summary_rows(points),
+            markdown=True,
+        ),
+        "",
+        render_table(["ratio", "sustained rate"], ratio_rows(points), markdown=True),
+        "",
+    ]
+    for label, runs in points.items():
+        lines += [f"**{label}**", "", format_sweep(runs, markdown=True), ""]
+    return "\n".join(lines)

@@ -1,0 +1,144 @@
+"""What every experiment shares: where things go, which systems exist, how to reach them.
+
+Systems (all on the same model directory and the same cores):
+- `disaggregated`: `tandem serve --prefill 1 --decode 1` (router defaults: prompts up to
+  512 tokens are prefilled by the decode worker itself, longer ones by the prefill pool);
+- `colocated-2`: `tandem serve --colocated 2`, two workers each doing both phases;
+- `colocated-1` / `colocated-1-no-chunking`: one colocated worker (all cores), chunked
+  prefill on/off;
+- `transformers`: `transformers serve --continuous-batching` (the peer).
+Tandem workers get cores ÷ workers torch threads each (`tandem serve`'s default), so
+every layout uses the whole machine; `transformers serve` uses torch's default (all cores).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.experiments.servers import ServerSpec, tandem_spec, transformers_spec
+from bench.loadgen.clients import ClientConfig
+from bench.loadgen.load import LoadConfig
+from bench.loadgen.metrics import SloTargets
+from bench.loadgen.runner import BenchConfig, LongPromptConfig, WorkloadConfig
+
+# One limit for every Tandem layout: room for the longest prompt any experiment sends.
+MAX_MODEL_LEN = 2560
+# The small preset's vocabulary; prompts are drawn from it whatever a server reports.
+VOCAB_SIZE = 32000
+
+SYSTEMS = ("disaggregated", "colocated-2", "colocated-1", "colocated-1-no-chunking", "transformers")
+_LABELS = {
+    "disaggregated": "tandem 1P+1D",
+    "colocated-2": "tandem 2 colocated",
+    "colocated-1": "tandem 1 colocated, chunked",
+    "colocated-1-no-chunking": "tandem 1 colocated, no chunking",
+    "transformers": "transformers serve",
+}
+_LAYOUTS = {
+    "disaggregated": ("--prefill", "1", "--decode", "1"),
+    "colocated-2": ("--colocated", "2"),
+    "colocated-1": ("--colocated", "1"),
+    "colocated-1-no-chunking": ("--colocated", "1", "--no-chunked-prefill"),
+}
+
+
+@dataclass(frozen=True)
+class ExperimentSetup:
+    model_dir: str = "models/tandem-small"
+    # Results JSON and server logs.
+    results_dir: Path = Path("bench/results/experiments")
+    # Plots (linked from the doc).
+    img_dir: Path = Path("docs/img")
+    # The benchmark report whose sections the experiments write; None = do not write.
+    doc_path: Path | None = Path("docs/benchmarks.md")
+    # Fewer, shorter load levels: checks the pipeline end to end in a few minutes.
+    quick: bool = False
+    # Ports: system i gets grpc base+i and http base+100+i.
+    base_port: int = 52100
+    seed: int = 0
+
+    def label(self, system: str) -> str:
+        return _LABELS[system]
+
+    def server(self, system: str) -> ServerSpec:
+        if system not in SYSTEMS:
+            raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
+        index = SYSTEMS.index(system)
+        grpc_port, http_port = self.base_port + index, self.base_port + 100 + index
+        if system == "transformers":
+            return transformers_spec(self.model_dir, http_port)
+        return tandem_spec(
+            _LABELS[system],
+            self.model_dir,
+            grpc_port,
+            http_port,
+            _LAYOUTS[system],
+            MAX_MODEL_LEN,
+        )
+
+
+def workload(kind: str, input_len: int, output_len: int, seed: int, **extra) -> WorkloadConfig:
+    """A workload over the small preset's vocabulary, clipped to `MAX_MODEL_LEN`."""
+    return WorkloadConfig(
+        kind=kind,
+        input_len=input_len,
+        output_len=output_len,
+        vocab_size=VOCAB_SIZE,
+        max_model_len=MAX_MODEL_LEN,
+        seed=seed,
+        **extra,
+    )
+
+
+def http_client(server: ServerSpec) -> ClientConfig:
+    """The same OpenAI request body for every server: text prompts (`transformers serve`
+    takes no token ids) and only OpenAI's fields (it refuses `ignore_eos`)."""
+    return ClientConfig(
+        target=server.http_url, prompt_format="text", strict_openai=True, request_timeout_s=600
+    )
+
+
+def grpc_client(server: ServerSpec) -> ClientConfig:
+    """Tandem's gRPC API: token-id prompts, one message per token (exact arrival times)."""
+    if server.grpc_target is None:
+        raise ValueError(f"{server.label} has no gRPC API")
+    return ClientConfig(target=server.grpc_target, prompt_format="ids", request_timeout_s=600)
+
+
+def bench_config(
+    client: ClientConfig,
+    workload: WorkloadConfig,
+    load: LoadConfig,
+    slo: SloTargets | None = None,
+    long_prompt: LongPromptConfig | None = None,
+) -> BenchConfig:
+    return BenchConfig(
+        client=client,
+        workload=workload,
+        load=load,
+        slo=slo or SloTargets(),
+        long_prompt=long_prompt,
+        warmup_requests=2,
+    )
+
+
+def machine_facts() -> dict[str, object]:
+    """What the results were measured on (recorded with every result file)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as info:
+            cpu = next(
+                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
+                cpu,
+            )
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "load_avg_1m_at_start": os.getloadavg()[0],
+        "python": platform.python_version(),
+    }
