@@ -11,7 +11,7 @@ MODEL_PRESET ?= small
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
 
-.PHONY: install serve demo test lint proto bench-engine clean
+.PHONY: install serve demo test lint proto bench-engine bench-experiments clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,13 @@ lint: $(VENV)/.installed
 
 bench-engine: $(VENV)/.installed
 	$(PY) -m bench.engine_bench --out docs/benchmarks.md
+
+# The published experiments (head-of-line, frontier, goodput; peer: transformers serve,
+# which needs the [bench] extra). About 40 minutes on 2 cores; run on a quiet machine.
+EXPERIMENT ?= all
+bench-experiments: $(VENV)/.installed $(MODEL_DIR)/config.json
+	$(PY) -m pip install --quiet -e ".[dev,bench]"
+	$(VENV)/bin/tandem bench experiment $(EXPERIMENT) --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -17,6 +17,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+# Engine token budget per step when chunked prefill is on (`--max-num-batched-tokens`).
+DEFAULT_TOKEN_BUDGET = 512
+
 DEMO_PROMPTS = (
     "The quick brown fox",
     "Hello, my name is",
@@ -96,7 +99,15 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--threads", type=int, default=None, help="torch threads per worker")
     serve.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output")
     serve.add_argument(
-        "--max-num-batched-tokens", type=int, default=512, help="engine token budget per step"
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="engine token budget per step [512; without chunked prefill: max model length]",
+    )
+    serve.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="prefill each prompt in one step (the head-of-line blocking baseline)",
     )
     serve.add_argument("--api-key", default=None, help="require this key (or TANDEM_API_KEY)")
     serve.add_argument(
@@ -133,10 +144,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from cluster.launcher import ClusterConfig
     from cluster.serve import serve
 
-    overrides: dict[str, object] = {"max_num_batched_tokens": args.max_num_batched_tokens}
-    if args.max_model_len is not None:
-        overrides["max_model_len"] = args.max_model_len
     try:
+        overrides = _engine_overrides(args)
         config = ClusterConfig(
             model_dir=args.model,
             num_prefill=0 if args.colocated else args.prefill,
@@ -164,6 +173,23 @@ def _run_serve(args: argparse.Namespace) -> int:
         return 2
     asyncio.run(serve(config))
     return 0
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict[str, object]:
+    """EngineConfig fields `tandem serve` sets. Without chunked prefill the budget must
+    hold a whole prompt, so it defaults to the longest one (as in vLLM)."""
+    from engine.config import ModelConfig
+
+    overrides: dict[str, object] = {"enable_chunked_prefill": not args.no_chunked_prefill}
+    if args.max_model_len is not None:
+        overrides["max_model_len"] = args.max_model_len
+    budget = args.max_num_batched_tokens
+    if budget is None and args.no_chunked_prefill:
+        budget = (
+            args.max_model_len or ModelConfig.from_model_dir(args.model).max_position_embeddings
+        )
+    overrides["max_num_batched_tokens"] = budget or DEFAULT_TOKEN_BUDGET
+    return overrides
 
 
 def _run_model_make(args: argparse.Namespace) -> int:

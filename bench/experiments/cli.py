@@ -131,8 +131,10 @@ async def _frontier_and_goodput(
 
 
 def _image(setup: ExperimentSetup, name: str) -> Path:
-    setup.img_dir.mkdir(parents=True, exist_ok=True)
-    return setup.img_dir / f"experiment-{name}{'-quick' if setup.quick else ''}.png"
+    """Published plots go to `img_dir`; a quick (smoke) run's stay with its results."""
+    folder = setup.results_dir if setup.quick else setup.img_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / f"experiment-{name}{'-quick' if setup.quick else ''}.png"
 
 
 def _link(setup: ExperimentSetup, image: Path) -> str:

@@ -81,13 +81,21 @@ def tandem_spec(
     )
 
 
-def transformers_spec(model_dir: str, http_port: int) -> ServerSpec:
-    """`transformers serve --continuous-batching` on the CPU, pinned to `model_dir`."""
+def transformers_spec(
+    model_dir: str, http_port: int, kv_blocks: int, kv_block_size: int = 16
+) -> ServerSpec:
+    """`transformers serve --continuous-batching` on the CPU, pinned to `model_dir`, with
+    a KV cache of `kv_blocks` blocks (left to itself it sizes the cache from free memory,
+    which on a CPU is most of the machine's RAM)."""
     executable = Path(sys.executable).with_name("transformers")
     argv = (
         str(executable),
         "serve",
         "--continuous-batching",
+        "--cb-block-size",
+        str(kv_block_size),
+        "--cb-num-blocks",
+        str(kv_blocks),
         "--device",
         "cpu",
         "--host",

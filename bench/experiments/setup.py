@@ -23,6 +23,7 @@ from bench.loadgen.clients import ClientConfig
 from bench.loadgen.load import LoadConfig
 from bench.loadgen.metrics import SloTargets
 from bench.loadgen.runner import BenchConfig, LongPromptConfig, WorkloadConfig
+from engine.config import EngineConfig
 
 # One limit for every Tandem layout: room for the longest prompt any experiment sends.
 MAX_MODEL_LEN = 2560
@@ -63,13 +64,17 @@ class ExperimentSetup:
     def label(self, system: str) -> str:
         return _LABELS[system]
 
+    def worker_kv_blocks(self) -> int:
+        """KV blocks (16 tokens) of one Tandem worker's default pool: the peer gets as many."""
+        return EngineConfig(model=self.model_dir).num_blocks
+
     def server(self, system: str) -> ServerSpec:
         if system not in SYSTEMS:
             raise ValueError(f"unknown system {system!r}; one of {SYSTEMS}")
         index = SYSTEMS.index(system)
         grpc_port, http_port = self.base_port + index, self.base_port + 100 + index
         if system == "transformers":
-            return transformers_spec(self.model_dir, http_port)
+            return transformers_spec(self.model_dir, http_port, self.worker_kv_blocks())
         return tandem_spec(
             _LABELS[system],
             self.model_dir,

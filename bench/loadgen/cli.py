@@ -45,6 +45,10 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     sweep.add_argument("--label", default=None, help="series name in the plot (default target)")
     sweep.set_defaults(handler=sweep_command)
 
+    from bench.experiments.cli import add_experiment_command
+
+    add_experiment_command(actions)
+
 
 def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
@@ -62,12 +66,20 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument(
         "--http-logprobs", action="store_true", help="HTTP: ask logprobs for exact token counts"
     )
+    target.add_argument(
+        "--strict-openai",
+        action="store_true",
+        help="HTTP: send only OpenAI's own fields (no ignore_eos) for servers that refuse others",
+    )
     target.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     target.add_argument("--request-timeout", type=float, default=600.0, help="per request, s")
 
     workload = parser.add_argument_group("workload")
     workload.add_argument(
-        "--workload", default="fixed", choices=("fixed", "random", "shared-prefix", "chat")
+        "--workload",
+        default="fixed",
+        choices=("fixed", "random", "shared-prefix", "chat", "mixed"),
+        help="mixed: chat plus --long-fraction long documents",
     )
     workload.add_argument(
         "--input-len",
@@ -97,8 +109,15 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="send a long prompt S seconds after the start (repeatable)",
     )
-    workload.add_argument("--long-input-len", type=int, default=2048, help="long prompt tokens")
-    workload.add_argument("--long-output-len", type=int, default=16, help="long prompt output")
+    workload.add_argument(
+        "--long-input-len", type=int, default=2048, help="long prompt (mixed: document) tokens"
+    )
+    workload.add_argument(
+        "--long-output-len", type=int, default=16, help="long prompt (mixed: document) output"
+    )
+    workload.add_argument(
+        "--long-fraction", type=float, default=0.1, help="mixed: share of long documents"
+    )
 
     load = parser.add_argument_group("load and results")
     load.add_argument("--num-requests", type=int, default=None, help="requests per run")
@@ -107,6 +126,9 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--warmup", type=int, default=1, help="unrecorded requests first")
     load.add_argument("--ttft-slo", type=float, default=None, help="TTFT target, s")
     load.add_argument("--itl-slo", type=float, default=None, help="ITL (TPOT) target, s")
+    load.add_argument(
+        "--long-ttft-slo", type=float, default=None, help="TTFT target of long documents, s"
+    )
     load.add_argument("--out", default=None, help="write the results JSON here")
     load.add_argument("--markdown", action="store_true", help="tables as markdown")
     load.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -135,6 +157,7 @@ def _bench_config(args: argparse.Namespace, concurrency: int | None, rate: float
             temperature=args.temperature,
             request_timeout_s=args.request_timeout,
             http_logprobs=args.http_logprobs,
+            strict_openai=args.strict_openai,
             api_key=args.api_key,
         ),
         workload=WorkloadConfig(
@@ -148,6 +171,9 @@ def _bench_config(args: argparse.Namespace, concurrency: int | None, rate: float
             vocab_size=args.vocab_size,
             max_model_len=args.max_model_len,
             seed=args.seed,
+            long_fraction=args.long_fraction,
+            long_input_len=args.long_input_len,
+            long_output_len=args.long_output_len,
         ),
         load=LoadConfig(
             concurrency=concurrency,
@@ -158,7 +184,7 @@ def _bench_config(args: argparse.Namespace, concurrency: int | None, rate: float
             seed=args.seed,
             progress=not args.no_progress,
         ),
-        slo=SloTargets(args.ttft_slo, args.itl_slo),
+        slo=SloTargets(args.ttft_slo, args.itl_slo, args.long_ttft_slo),
         long_prompt=long_prompt,
         warmup_requests=args.warmup,
     )

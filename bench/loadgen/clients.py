@@ -51,6 +51,9 @@ class ClientConfig:
     # HTTP only: ask for logprobs so each chunk says how many tokens it carries (exact
     # arrivals even when a server merges tokens into one chunk; costs the server a little).
     http_logprobs: bool = False
+    # HTTP only: send only OpenAI's own request fields (no `ignore_eos`), for servers that
+    # refuse unknown ones (`transformers serve`); outputs may then end early at EOS.
+    strict_openai: bool = False
     # HTTP only: sent as `Authorization: Bearer ...`.
     api_key: str | None = None
 

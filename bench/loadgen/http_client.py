@@ -2,7 +2,8 @@
 
 Body: `stream: true`, `stream_options.include_usage` (the final usage chunk gives the
 server's own output-token count), `ignore_eos` as an extra field (vLLM, SGLang and
-Tandem honour it; a server that does not may stop early, which the trace shows), and
+Tandem honour it; a server that does not may stop early, which the trace shows; with
+`strict_openai` it is left out for servers that refuse unknown fields), and
 the prompt as a list of token ids (OpenAI's `prompt: [int, ...]` form) or as text.
 
 Tokens per chunk: the chunk's `logprobs.tokens` when present (`http_logprobs`), else its
@@ -82,8 +83,9 @@ class HttpClient:
             "temperature": self.config.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "ignore_eos": spec.ignore_eos,
         }
+        if not self.config.strict_openai:
+            body["ignore_eos"] = spec.ignore_eos
         if self.config.http_logprobs:
             body["logprobs"] = 1
         return body

@@ -5,7 +5,8 @@ Definitions (per request, from its token arrival times t₁ ≤ … ≤ tₙ and
 - TPOT = (tₙ − t₁) / (n − 1) with n the server's output-token count (undefined for n < 2);
 - e2e = end − s.
 Throughput counts successful requests and their output tokens over the run's duration.
-A request meets the SLO when it succeeded, TTFT ≤ the TTFT target and TPOT ≤ the ITL
+A request meets the SLO when it succeeded, TTFT ≤ its TTFT target (requests tagged
+"long" — documents of a mixed workload — may have a target of their own) and TPOT ≤ the ITL
 target (its mean inter-token latency, as DistServe and Tandem's router define it; a
 request with one output token has no TPOT and is judged on TTFT alone). Failed requests
 are misses. Goodput = requests meeting the SLO per second of the run.
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.loadgen.traces import RequestTrace
+from bench.loadgen.workloads import LONG_TAG
 
 PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -65,11 +67,19 @@ class SloTargets:
     ttft_s: float | None = None
     # Checked against each request's TPOT (its mean inter-token latency).
     itl_s: float | None = None
+    # TTFT target of requests tagged "long" (long documents); None = `ttft_s`.
+    long_ttft_s: float | None = None
 
     def __post_init__(self) -> None:
-        for name, value in (("ttft_s", self.ttft_s), ("itl_s", self.itl_s)):
+        for name in ("ttft_s", "itl_s", "long_ttft_s"):
+            value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+
+    def ttft_target(self, tag: str) -> float | None:
+        if tag == LONG_TAG and self.long_ttft_s is not None:
+            return self.long_ttft_s
+        return self.ttft_s
 
 
 def meets_slo(trace: RequestTrace, slo: SloTargets) -> bool:
@@ -78,7 +88,8 @@ def meets_slo(trace: RequestTrace, slo: SloTargets) -> bool:
     ttft = ttft_s(trace)
     if ttft is None:  # succeeded without a token: nothing was served in time
         return False
-    if slo.ttft_s is not None and ttft > slo.ttft_s:
+    ttft_target = slo.ttft_target(trace.tag)
+    if ttft_target is not None and ttft > ttft_target:
         return False
     tpot = tpot_s(trace)
     return slo.itl_s is None or tpot is None or tpot <= slo.itl_s

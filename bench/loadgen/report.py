@@ -61,7 +61,11 @@ def format_summary(summary: RunSummary, title: str = "", markdown: bool = False)
     slo = summary.slo
     targets = ", ".join(
         f"{name} ≤ {_ms(value)} ms"
-        for name, value in (("TTFT", slo.ttft_s), ("TPOT", slo.itl_s))
+        for name, value in (
+            ("TTFT", slo.ttft_s),
+            ("long-document TTFT", slo.long_ttft_s),
+            ("TPOT", slo.itl_s),
+        )
         if value is not None
     )
     facts = [

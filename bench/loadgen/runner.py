@@ -22,9 +22,11 @@ from bench.loadgen.load import Injection, LoadConfig, LoadResult, run_load
 from bench.loadgen.metrics import RunSummary, SloTargets, summarize
 from bench.loadgen.report import SweepPoint
 from bench.loadgen.workloads import (
+    LONG_TAG,
     ChatMix,
     ChatWorkload,
     FixedWorkload,
+    MixedWorkload,
     RandomWorkload,
     SharedPrefixWorkload,
     Vocab,
@@ -33,7 +35,7 @@ from bench.loadgen.workloads import (
 
 logger = logging.getLogger(__name__)
 
-WORKLOAD_KINDS = ("fixed", "random", "shared-prefix", "chat")
+WORKLOAD_KINDS = ("fixed", "random", "shared-prefix", "chat", "mixed")
 # Bumped when the results JSON changes shape.
 RESULTS_VERSION = 1
 # Used to clip the chat mix when the server does not say its limit.
@@ -55,9 +57,13 @@ class WorkloadConfig:
     prefix_len: int = 256
     # Token ids are drawn below this; None = the server's vocabulary (gRPC reports it).
     vocab_size: int | None = None
-    # chat: clip prompt + output to this; None = the server's limit.
+    # chat/mixed: clip prompt + output to this; None = the server's limit.
     max_model_len: int | None = None
     seed: int = 0
+    # mixed: chat plus this fraction of long documents (prompt ≈ long_input_len ± 25%).
+    long_fraction: float = 0.1
+    long_input_len: int = 2048
+    long_output_len: int = 16
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOAD_KINDS:
@@ -120,7 +126,10 @@ def build_workload(config: WorkloadConfig, server: ServerInfo) -> Workload:
         mean_output_len=config.output_len or defaults.mean_output_len,
     )
     max_model_len = config.max_model_len or server.max_model_len or DEFAULT_MAX_MODEL_LEN
-    return ChatWorkload(vocab, mix, max_model_len)
+    chat = ChatWorkload(vocab, mix, max_model_len)
+    if config.kind == "chat":
+        return chat
+    return MixedWorkload(chat, config.long_fraction, config.long_input_len, config.long_output_len)
 
 
 def build_injections(
@@ -128,7 +137,7 @@ def build_injections(
 ) -> list[Injection]:
     if config is None:
         return []
-    workload = FixedWorkload(Vocab(vocab_size, seed), config.input_len, config.output_len, "long")
+    workload = FixedWorkload(Vocab(vocab_size, seed), config.input_len, config.output_len, LONG_TAG)
     return [Injection(at_s, workload.request(i)) for i, at_s in enumerate(config.at_s)]
 
 

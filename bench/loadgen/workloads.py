@@ -40,8 +40,14 @@ _WORD_TEXT = """the of and to in is was for on are with as his they be at one ha
     idea fish mountain stop once base hear horse cut sure watch color face wood main"""
 WORDS = tuple(_WORD_TEXT.split())
 
+# Tags of request classes; metrics and plots single out LONG_TAG (long documents/prompts).
+SHORT_TAG = "short"
+LONG_TAG = "long"
+
 # Seed streams: requests of different workloads (and long prompts) never share a stream.
-_STREAM_FIXED, _STREAM_RANDOM, _STREAM_PREFIX, _STREAM_SUFFIX, _STREAM_CHAT = range(1, 6)
+_STREAM_FIXED, _STREAM_RANDOM, _STREAM_PREFIX, _STREAM_SUFFIX, _STREAM_CHAT, _STREAM_MIX = range(
+    1, 7
+)
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class RequestSpec:
     # Generate exactly max_tokens (the server ignores EOS), so output lengths are known.
     ignore_eos: bool = True
     # Which part of the workload it belongs to ("short", "long", ...); summaries group by it.
-    tag: str = "short"
+    tag: str = SHORT_TAG
 
     @property
     def prompt_len(self) -> int:
@@ -111,7 +117,7 @@ class FixedWorkload:
     vocab: Vocab
     input_len: int
     output_len: int
-    tag: str = "short"
+    tag: str = SHORT_TAG
     name: str = "fixed"
 
     def __post_init__(self) -> None:
@@ -241,3 +247,38 @@ class ChatWorkload:
         input_len = min(input_len, self.max_model_len - self.mix.min_len)
         output_len = min(output_len, self.max_model_len - input_len)
         return RequestSpec(f"chat-{index}", self.vocab.token_ids(rng, input_len), output_len)
+
+
+@dataclass(frozen=True)
+class MixedWorkload:
+    """Mostly chat, some long documents: request i is a document (tag "long") with
+    probability `long_fraction`, its prompt uniform in `long_input_len`·(1 ± 0.25) and its
+    output `long_output_len` tokens; otherwise it is chat request i. Both clipped to
+    `chat.max_model_len`."""
+
+    chat: ChatWorkload
+    long_fraction: float
+    long_input_len: int
+    long_output_len: int
+    name: str = "mixed"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.long_fraction <= 1:
+            raise ValueError(f"long_fraction must be in [0, 1], got {self.long_fraction}")
+        _check_positive(long_input_len=self.long_input_len, long_output_len=self.long_output_len)
+        if self.long_output_len >= self.chat.max_model_len:
+            raise ValueError("long_output_len must be < max_model_len")
+
+    @property
+    def vocab(self) -> Vocab:
+        return self.chat.vocab
+
+    def request(self, index: int) -> RequestSpec:
+        rng = self.vocab.rng(_STREAM_MIX, index)
+        if rng.random() >= self.long_fraction:
+            return self.chat.request(index)
+        low, high = int(self.long_input_len * 0.75), int(self.long_input_len * 1.25)
+        input_len = int(rng.integers(max(1, low), max(1, high) + 1))
+        input_len = min(input_len, self.chat.max_model_len - self.long_output_len)
+        ids = self.vocab.token_ids(rng, input_len)
+        return RequestSpec(f"doc-{index}", ids, self.long_output_len, tag=LONG_TAG)

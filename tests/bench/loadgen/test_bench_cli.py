@@ -125,3 +125,27 @@ def test_unreachable_target_is_a_clean_error(capsys):
     args = ["run", "--target", "grpc://127.0.0.1:1", "--concurrency", "1", "--num-requests", "1"]
     assert bench(*args) == 1
     assert "tandem bench run: grpc://127.0.0.1:1" in capsys.readouterr().err
+
+
+def test_mixed_workload_with_a_document_slo_over_strict_openai(cluster, tmp_path):
+    """Chats plus documents, the body `transformers serve` accepts (no `ignore_eos`),
+    documents judged on their own TTFT target and summarised under their tag."""
+    out = tmp_path / "mixed.json"
+    args = [
+        "run", "--target", cluster.http_endpoint, "--workload", "mixed",
+        "--input-len", "24", "--output-len", "6", "--long-fraction", "0.5",
+        "--long-input-len", "200", "--long-output-len", "3", "--strict-openai",
+        "--prompt-format", "text", "--rate", "20", "--num-requests", "10",
+        "--ttft-slo", "60", "--long-ttft-slo", "120", "--itl-slo", "60", "--out", str(out),
+    ]  # fmt: skip
+    assert bench(*args) == 0
+    cluster.assert_idle()
+    results = json.loads(out.read_text())
+    assert results["config"]["slo"]["long_ttft_s"] == 120
+    assert results["summary"]["num_succeeded"] == 10
+    assert results["summary"]["slo_attainment"] == 1.0
+    by_tag = results["by_tag"]
+    assert set(by_tag) == {"long", "short"}
+    assert by_tag["long"]["num_requests"] + by_tag["short"]["num_requests"] == 10
+    documents = [t for t in results["traces"] if t["tag"] == "long"]
+    assert documents and all(t["prompt_len"] >= 150 for t in documents)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from bench.loadgen.http_client import _StreamState
+from bench.loadgen.clients import ClientConfig
+from bench.loadgen.http_client import HttpClient, _StreamState
+from bench.loadgen.workloads import RequestSpec
 
 
 def line(payload: dict | str) -> bytes:
@@ -45,3 +47,15 @@ def test_error_event_ends_the_stream():
     assert state.feed(line({"error": {"message": "worker died", "type": "internal"}}), 1.2)
     assert state.error == "stream error: worker died"
     assert _StreamState().feed(line("{not json"), 0.0)
+
+
+def test_strict_openai_bodies_leave_out_ignore_eos():
+    spec = RequestSpec("r", (11, 12, 13), max_tokens=4)
+    loose = HttpClient(ClientConfig("http://127.0.0.1:1", prompt_format="text"))
+    strict = HttpClient(
+        ClientConfig("http://127.0.0.1:1", prompt_format="text", strict_openai=True)
+    )
+    assert loose._body(spec)["ignore_eos"] is True
+    body = strict._body(spec)
+    assert "ignore_eos" not in body
+    assert body["prompt"] == spec.prompt_text and body["max_tokens"] == 4

@@ -32,10 +32,11 @@ def trace(
     error: str = "",
     req_id: str = "r",
     prompt_len: int = 10,
+    tag: str = "short",
 ) -> RequestTrace:
     return RequestTrace(
         req_id=req_id,
-        tag="short",
+        tag=tag,
         prompt_len=prompt_len,
         max_tokens=16,
         send_s=send,
@@ -157,3 +158,16 @@ def test_distribution_of_known_values():
     assert d.mean == pytest.approx(0.25)
     assert d.p50 == pytest.approx(0.25)
     assert d.p99 == pytest.approx(0.397)
+
+
+def test_long_documents_have_a_ttft_target_of_their_own():
+    slo = SloTargets(ttft_s=1.0, itl_s=0.5, long_ttft_s=5.0)
+    short, document = trace([3.0, 3.2]), trace([3.0, 3.2], tag="long")
+    assert not meets_slo(short, slo)
+    assert meets_slo(document, slo)
+    assert not meets_slo(trace([3.0, 4.0], tag="long"), slo)  # TPOT 1.0 > 0.5
+    assert not meets_slo(trace([6.0, 6.1], tag="long"), slo)
+    # Without a document target, documents are held to the common one.
+    assert not meets_slo(document, SloTargets(ttft_s=1.0))
+    with pytest.raises(ValueError):
+        SloTargets(long_ttft_s=0)

@@ -7,9 +7,11 @@ import pytest
 
 from bench.loadgen.workloads import (
     FIRST_TOKEN_ID,
+    LONG_TAG,
     ChatMix,
     ChatWorkload,
     FixedWorkload,
+    MixedWorkload,
     RandomWorkload,
     SharedPrefixWorkload,
     Vocab,
@@ -26,6 +28,7 @@ def all_workloads(seed: int):
         RandomWorkload(vocab, 32, 8, range_ratio=0.5),
         SharedPrefixWorkload(vocab, 3, 4, prefix_len=20, suffix_len=6, output_len=8),
         ChatWorkload(vocab, ChatMix(), max_model_len=1024),
+        MixedWorkload(ChatWorkload(vocab, ChatMix(), 1024), 0.2, 600, 8),
     ]
 
 
@@ -117,3 +120,20 @@ def test_bad_parameters_raise():
         RandomWorkload(Vocab(VOCAB), 8, 8, range_ratio=1.0)
     with pytest.raises(ValueError):
         ChatMix(mean_input_len=2)
+
+
+def test_mixed_is_chat_plus_the_asked_share_of_long_documents():
+    chat = ChatWorkload(Vocab(VOCAB), ChatMix(), max_model_len=1024)
+    mixed = MixedWorkload(chat, long_fraction=0.1, long_input_len=900, long_output_len=8)
+    specs = take(mixed, 2000)
+    documents = [s for s in specs if s.tag == LONG_TAG]
+    assert 0.08 < len(documents) / len(specs) < 0.12
+    # Documents: 900 ± 25%, clipped so prompt + output fit 1024; fixed output.
+    assert all(675 <= d.prompt_len <= 1016 and d.max_tokens == 8 for d in documents)
+    assert max(d.prompt_len for d in documents) == 1016
+    # The rest are exactly the chat workload's requests at the same index.
+    chats = [(i, s) for i, s in enumerate(specs) if s.tag != LONG_TAG]
+    assert all(s == chat.request(i) for i, s in chats)
+    assert take(MixedWorkload(chat, 0.0, 800, 8), 50) == take(chat, 50)
+    with pytest.raises(ValueError):
+        MixedWorkload(chat, long_fraction=1.5, long_input_len=800, long_output_len=8)
