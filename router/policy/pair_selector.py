@@ -11,12 +11,16 @@ For a prompt of `n` tokens and `max_tokens` to generate:
   with the smaller cached set, which spreads new prefixes across workers.
 - **Decode choice**: among workers with `prompt + max_tokens` worth of free KV blocks,
   the one with the lowest predicted step time after admitting the request (the
-  request's ITL), preferring those within the request's ITL target.
+  request's ITL), preferring those within the request's ITL target; without prefill
+  workers (colocated), the shortest prefill queue first.
 - **Conditional disaggregation**: the decode worker may prefill the prompt itself
   (`prefill_worker_id=None`) when its uncached part is at most
   `max_local_prefill_tokens`, the prefill stall it adds to the running batch's steps
   keeps every running request within its ITL target, and it predicts an earlier
-  *second* token than the disaggregated pair (which pays the KV transfer). Without
+  *second* token than the disaggregated pair (which pays the KV transfer). When the
+  stall would break that guard but the disaggregated pair would miss the request's TTFT
+  target (a busy prefill pool) while a local prefill answers sooner, the request is
+  prefilled locally anyway: one slow step for the batch, instead of a missed SLO. Without
   available prefill workers, local prefill is the only option.
 
 The selector is pure: it reads `WorkerState`s and returns a `Placement`; committing
@@ -143,26 +147,30 @@ class PairSelector:
 
         local_ttft = math.inf
         local_cached = 0
-        if cfg.enable_local_prefill or remote is None:
-            local_cached = decode.prefix.match_blocks(hashes, n) * self.block_size
-            local_ttft = self._local_ttft(decode, n - local_cached, slo, forced=remote is None)
+        remote_second = math.inf
         if remote is not None:
             remote_second = remote.ttft_s + cfg.kv_transfer_s_per_token * n
-            if not local_ttft <= remote_second:
-                return Placement(
-                    prefill_worker_id=remote.worker.worker_id,
-                    decode_worker_id=decode.worker_id,
-                    decision=DISAGGREGATED,
-                    predicted_queue_s=remote.wait_s,
-                    predicted_ttft_s=remote.ttft_s,
-                    predicted_itl_s=itl,
-                    num_prompt_tokens=n,
-                    num_cached_tokens=remote.cached,
-                    num_decode_blocks=need,
-                    fits=fits,
-                    affinity_overridden=overridden,
-                    prompt_hashes=tuple(hashes),
-                )
+        if cfg.enable_local_prefill or remote is None:
+            local_cached = decode.prefix.match_blocks(hashes, n) * self.block_size
+            uncached = n - local_cached
+            local_ttft = self._local_ttft(decode, uncached, slo, forced=remote is None)
+            if math.isinf(local_ttft):
+                local_ttft = self._rescue_ttft(decode, uncached, slo, remote_second)
+        if remote is not None and not local_ttft <= remote_second:
+            return Placement(
+                prefill_worker_id=remote.worker.worker_id,
+                decode_worker_id=decode.worker_id,
+                decision=DISAGGREGATED,
+                predicted_queue_s=remote.wait_s,
+                predicted_ttft_s=remote.ttft_s,
+                predicted_itl_s=itl,
+                num_prompt_tokens=n,
+                num_cached_tokens=remote.cached,
+                num_decode_blocks=need,
+                fits=fits,
+                affinity_overridden=overridden,
+                prompt_hashes=tuple(hashes),
+            )
         return Placement(
             prefill_worker_id=None,
             decode_worker_id=decode.worker_id,
@@ -188,11 +196,15 @@ class PairSelector:
         fitting = [w for w in workers if w.num_free_blocks >= need]
         if not fitting:
             return max(workers, key=lambda w: w.num_free_blocks)
+        # Without a prefill pool the chosen worker also prefills: its prefill queue (a
+        # long document in progress) decides the TTFT, so it weighs in.
+        prefills_here = not any(w.available for w in self.prefill)
 
-        def key(w: WorkerState) -> tuple[bool, float, int]:
+        def key(w: WorkerState) -> tuple[bool, float, float, int]:
             step = w.predicted_step_s(1, n)
             misses = slo.itl_s is not None and step > slo.itl_s
-            return (misses, step, -w.num_free_blocks)
+            wait = w.predicted_queue_s() if prefills_here else 0.0
+            return (misses, wait, step, -w.num_free_blocks)
 
         return min(fitting, key=key)
 
@@ -217,6 +229,24 @@ class PairSelector:
             if stall > tightest:
                 return math.inf
         return ttft
+
+    def _rescue_ttft(
+        self, decode: WorkerState, uncached: int, slo: RequestSlo, remote_second_s: float
+    ) -> float:
+        """Local prefill in spite of the running requests' ITL guard, when disaggregating
+        would miss this request's TTFT target (the prefill pool is busy, e.g. with a long
+        document) and a local prefill answers sooner. The stall costs each running request
+        one slow step — its mean ITL, which the SLO judges, barely moves — while waiting
+        for the prefill pool would cost this request its whole SLO. As local prefills pile
+        up the decode worker's predicted queue grows, until the pool is the sooner again.
+        inf when not rescued."""
+        target = slo.ttft_s
+        if target is None or remote_second_s <= target:
+            return math.inf
+        if uncached > self.config.max_local_prefill_tokens:
+            return math.inf
+        ttft = self._local_ttft(decode, uncached, slo, forced=True)
+        return ttft if ttft < remote_second_s else math.inf
 
     # ----- prefill side --------------------------------------------------------------
 

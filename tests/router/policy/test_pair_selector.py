@@ -221,3 +221,30 @@ def test_decode_choice_by_free_blocks_and_step_time():
     small.available = False
     with pytest.raises(WorkerUnavailable, match="no decode worker"):
         PairSelector(prefill, [small]).select(unique(0, 10), 10, INTERACTIVE)
+
+
+def test_a_busy_prefill_pool_does_not_hold_short_prompts_hostage():
+    """Running requests with a tight ITL target forbid a local prefill stall — unless the
+    prefill pool is so busy (a long document) that disaggregating misses the new
+    request's TTFT target while a local prefill answers sooner."""
+    prefill, decode = cluster(num_prefill=1)
+    prefill[0].on_send("doc", num_prefill_tokens=30_000, num_blocks=1, decoding=False, now_s=0)
+    for i in range(8):
+        decode[0].on_send(
+            f"run{i}", num_prefill_tokens=0, num_blocks=64, decoding=True, now_s=0, itl_slo_s=0.001
+        )
+    assert prefill[0].predicted_queue_s() > INTERACTIVE.ttft_s
+    placement = PairSelector(prefill, decode).select(unique(0, 64), 32, INTERACTIVE)
+    assert placement.decision == LOCAL_PREFILL
+    assert placement.predicted_ttft_s <= INTERACTIVE.ttft_s
+    # Beyond the local prefill limit the guard holds.
+    long = PairSelector(prefill, decode).select(unique(0, 600), 32, INTERACTIVE)
+    assert long.decision == DISAGGREGATED
+
+
+def test_colocated_workers_are_chosen_by_their_prefill_queue():
+    _, (busy, idle) = cluster(num_prefill=0, num_decode=2)
+    busy.on_send("doc", num_prefill_tokens=8000, num_blocks=600, decoding=True, now_s=0)
+    placement = PairSelector([], [busy, idle]).select(unique(0, 64), 32, INTERACTIVE)
+    assert placement.decode_worker_id == idle.worker_id
+    assert placement.predicted_ttft_s < busy.predicted_queue_s()
