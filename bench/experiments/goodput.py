@@ -36,8 +36,8 @@ class GoodputPlan:
     long_fraction: float = 0.1
     long_input_len: int = 1536
     long_output_len: int = 16
-    rates: tuple[float, ...] = (0.5, 1.0, 1.5, 2.0, 2.5)
-    num_requests: int = 40
+    rates: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6)
+    num_requests: int = 24
     slo: SloTargets = field(default_factory=lambda: SloTargets(2.0, 0.25, long_ttft_s=12.0))
 
     def workload(self, seed: int) -> WorkloadConfig:
@@ -59,7 +59,7 @@ class GoodputPlan:
 
 
 def plan_for(setup: ExperimentSetup) -> GoodputPlan:
-    return GoodputPlan(rates=(0.5, 1.0), num_requests=12) if setup.quick else GoodputPlan()
+    return GoodputPlan(rates=(0.3, 0.6), num_requests=12) if setup.quick else GoodputPlan()
 
 
 async def run_goodput(
