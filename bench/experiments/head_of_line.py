@@ -10,7 +10,11 @@ layouts apart:
 - with chunked prefill each step carries one chunk and the decodes, so gaps grow to
   about one chunk's time, for as long as the prefill lasts;
 - disaggregated, the prompt goes to the prefill worker and the decode worker's steps do
-  not change; what it pays is importing the finished KV (after the prefill).
+  not change; what it pays is importing the finished KV (after the prefill). Short
+  requests that arrive while the prefill worker is busy either wait for it (every
+  prefill remote: their TTFT pays) or are prefilled by the decode worker (Tandem's
+  default conditional disaggregation: the running requests' gaps pay one step each);
+  the TTFT of those arrivals is measured next to the gaps.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ from bench.loadgen.runner import BenchConfig, BenchResult, LongPromptConfig, run
 from bench.loadgen.traces import RequestTrace
 from bench.loadgen.workloads import LONG_TAG
 
-SYSTEMS = ("colocated-1-no-chunking", "colocated-1", "disaggregated")
+SYSTEMS = (
+    "colocated-1-no-chunking",
+    "colocated-1",
+    "disaggregated",
+    "disaggregated-remote-prefill",
+)
 # Gaps in the first seconds (requests still ramping up) are not part of the baseline.
 RAMP_S = 2.0
 # After the long prompt's first token: the window in which its KV is imported and it
@@ -82,6 +91,9 @@ class HeadOfLineStats:
     # Gaps overlapping [long first token, + JOIN_WINDOW_S]: KV import, joining the batch.
     join_p99_s: float
     join_max_s: float
+    # TTFT of the short requests sent while the long prompt was being prefilled.
+    arrivals_during: int = 0
+    arrivals_ttft_max_s: float = math.nan
 
     @property
     def during_over_baseline(self) -> float:
@@ -116,6 +128,8 @@ def head_of_line_stats(traces: Sequence[RequestTrace], ramp_s: float = RAMP_S) -
     baseline = [b - a for a, b in gaps if a >= ramp_s and b <= sent]
     during = lengths(sent, first)
     join = lengths(first, first + JOIN_WINDOW_S)
+    arrivals = [t for t in traces if t.tag != LONG_TAG and t.ok and sent <= t.send_s < first]
+    arrival_ttfts = [v for t in arrivals if (v := ttft_s(t)) is not None]
     return HeadOfLineStats(
         long_prefill_s=first - sent,
         baseline_p99_s=percentile(baseline, 99),
@@ -125,6 +139,8 @@ def head_of_line_stats(traces: Sequence[RequestTrace], ramp_s: float = RAMP_S) -
         during_count=len(during),
         join_p99_s=percentile(join, 99),
         join_max_s=max(join, default=math.nan),
+        arrivals_during=len(arrivals),
+        arrivals_ttft_max_s=max(arrival_ttfts, default=math.nan),
     )
 
 
@@ -173,6 +189,8 @@ def render(results: Mapping[str, BenchResult], setup: ExperimentSetup, image: st
             f"{s.during_over_baseline:.2f}×",
             _ms(s.join_p99_s),
             _ms(s.join_max_s),
+            f"{s.arrivals_during}",
+            "-" if math.isnan(s.arrivals_ttft_max_s) else f"{s.arrivals_ttft_max_s:.2f}",
         ]
         for label, s in stats.items()
     ]
@@ -185,6 +203,8 @@ def render(results: Mapping[str, BenchResult], setup: ExperimentSetup, image: st
         "during ÷ before",
         "p99 join (ms)",
         "max join (ms)",
+        "shorts sent during",
+        "their max TTFT (s)",
     ]
     return "\n".join(
         [
@@ -195,7 +215,9 @@ def render(results: Mapping[str, BenchResult], setup: ExperimentSetup, image: st
             'alone on the machine. "Before": short-request gaps that ended before the long '
             f'prompt was sent (after {RAMP_S:g} s of ramp-up); "during": gaps overlapping '
             'its prefill (sent → first token); "join": gaps overlapping the '
-            f"{JOIN_WINDOW_S:g} s after its first token (KV import, joining the batch).",
+            f"{JOIN_WINDOW_S:g} s after its first token (KV import, joining the batch); "
+            "last columns: short requests sent during the long prefill and their slowest "
+            "first token.",
             "",
             f"![head-of-line]({image})",
             "",

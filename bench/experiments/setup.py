@@ -2,7 +2,9 @@
 
 Systems (all on the same model directory and the same cores):
 - `disaggregated`: `tandem serve --prefill 1 --decode 1` (router defaults: prompts up to
-  512 tokens are prefilled by the decode worker itself, longer ones by the prefill pool);
+  512 tokens may be prefilled by the decode worker itself, longer ones by the prefill
+  pool); `disaggregated-remote-prefill` adds `--max-local-prefill-tokens 0` (every
+  prompt to the prefill pool, as a plain disaggregated server does);
 - `colocated-2`: `tandem serve --colocated 2`, two workers each doing both phases;
 - `colocated-1` / `colocated-1-no-chunking`: one colocated worker (all cores), chunked
   prefill on/off;
@@ -30,19 +32,35 @@ MAX_MODEL_LEN = 2560
 # The small preset's vocabulary; prompts are drawn from it whatever a server reports.
 VOCAB_SIZE = 32000
 
-SYSTEMS = ("disaggregated", "colocated-2", "colocated-1", "colocated-1-no-chunking", "transformers")
+SYSTEMS = (
+    "disaggregated",
+    "colocated-2",
+    "colocated-1",
+    "colocated-1-no-chunking",
+    "transformers",
+    "disaggregated-remote-prefill",
+)
 _LABELS = {
     "disaggregated": "tandem 1P+1D",
     "colocated-2": "tandem 2 colocated",
     "colocated-1": "tandem 1 colocated, chunked",
     "colocated-1-no-chunking": "tandem 1 colocated, no chunking",
     "transformers": "transformers serve",
+    "disaggregated-remote-prefill": "tandem 1P+1D, every prefill remote",
 }
 _LAYOUTS = {
     "disaggregated": ("--prefill", "1", "--decode", "1"),
     "colocated-2": ("--colocated", "2"),
     "colocated-1": ("--colocated", "1"),
     "colocated-1-no-chunking": ("--colocated", "1", "--no-chunked-prefill"),
+    "disaggregated-remote-prefill": (
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--max-local-prefill-tokens",
+        "0",
+    ),
 }
 
 

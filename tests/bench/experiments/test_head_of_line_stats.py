@@ -44,6 +44,17 @@ def test_a_stall_during_the_long_prefill_is_measured_against_the_steady_gaps():
     assert stats.during_over_baseline == pytest.approx(30.0)
     assert stats.join_p99_s == pytest.approx(0.1)
     assert stats.to_json()["during_over_baseline"] == pytest.approx(30.0)
+    assert stats.arrivals_during == 0
+
+
+def test_short_requests_sent_during_the_prefill_report_their_ttft():
+    long = trace([13.0, 13.1], tag="long", send=10.0, req_id="long")
+    waited = trace([17.0, 17.1], send=11.0, req_id="waited")  # TTFT 6 s
+    quick = trace([12.2, 12.3], send=12.0, req_id="quick")  # TTFT 0.2 s
+    after = trace([14.0, 14.1], send=13.5, req_id="after")  # sent after the prefill
+    stats = head_of_line_stats([trace(steady(0.0, 20.0, 0.1)), long, waited, quick, after])
+    assert stats.arrivals_during == 2
+    assert stats.arrivals_ttft_max_s == pytest.approx(6.0)
 
 
 def test_unaffected_decodes_keep_their_gaps_and_join_costs_show_separately():
