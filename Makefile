@@ -50,7 +50,7 @@ bench-engine: $(VENV)/.installed
 	$(PY) -m bench.engine_bench --out docs/benchmarks.md
 
 # The published experiments (head-of-line, frontier, goodput; peer: transformers serve,
-# which needs the [bench] extra). About 40 minutes on 2 cores; run on a quiet machine.
+# which needs the [bench] extra). About 50 minutes on 2 cores; run on a quiet machine.
 EXPERIMENT ?= all
 bench-experiments: $(VENV)/.installed $(MODEL_DIR)/config.json
 	$(PY) -m pip install --quiet -e ".[dev,bench]"

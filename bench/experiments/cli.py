@@ -1,6 +1,6 @@
 """`tandem bench experiment NAME`: run an experiment end to end and publish it.
 
-    tandem bench experiment all            # the four experiments, one run, ~40 min
+    tandem bench experiment all            # the four experiments, one run, ~50 min
     tandem bench experiment head-of-line   # or frontier, goodput; --quick for a smoke run
 
 Starts the servers it needs (real processes: `tandem serve`, `transformers serve`), runs
