@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench import engine_hf, engine_measure
+from bench.doc_sections import replace_section
 from bench.engine_doc import render_section
 from bench.engine_hardware import machine_facts, measure_bandwidth, measure_peak_flops
 from bench.engine_load import wait_until_quiet
@@ -35,7 +36,6 @@ from bench.engine_report import (
     Profile,
     Row,
     format_table,
-    replace_section,
 )
 from bench.engine_roofline import ModelShape
 from bench.engine_rows import Subjects, decode_max_tokens, decode_row, prefill_row, profile_missed

@@ -12,7 +12,6 @@ from bench.engine_hardware import MachineFacts
 from bench.engine_timing import OpTime
 
 SECTION_HEADING = "## Engine"
-DOC_TITLE = "# Benchmarks"
 # The engine may never be slower than transformers (time ratio).
 TRANSFORMERS_TARGET = 1.0
 # Rows measured while other processes used more cores than this are flagged as noisy.
@@ -196,20 +195,3 @@ def format_profile(profile: Profile) -> str:
     ]
     lines += [f"| `{op.op}` | {format_time(op.self_s)} | {op.percent:.1f}% |" for op in profile.ops]
     return "\n".join(lines)
-
-
-def replace_section(doc: str, heading: str, body: str) -> str:
-    """`doc` with the section under `heading` (up to the next `## `) set to `body`.
-
-    The section is appended when absent; a missing document gets the title first.
-    """
-    if not doc.strip():
-        doc = f"{DOC_TITLE}\n"
-    lines = doc.splitlines()
-    section = [heading, "", *body.strip("\n").splitlines(), ""]
-    try:
-        start = lines.index(heading)
-    except ValueError:
-        return "\n".join([*lines, "", *section]).rstrip("\n") + "\n"
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return "\n".join([*lines[:start], *section, *lines[end:]]).rstrip("\n") + "\n"

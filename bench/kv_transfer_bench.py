@@ -18,7 +18,6 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import re
 import socket
 import statistics
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.doc_sections import write_section
 from engine.config import EngineConfig
 from kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferClient, KvTransferService
 from kv_transfer.tcp_server import tune_socket
@@ -38,6 +38,7 @@ from proto.tandem.worker.v1 import worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+SECTION_HEADING = "## KV transfer"
 PROMPT_TOKENS = (1024, 8192, 32768)
 VARIANTS = ("pull", "fresh", "into", "export")
 
@@ -189,8 +190,6 @@ def prefill_model(measured: dict[int, float]) -> Callable[[int], float]:
 
 def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], float]) -> str:
     lines = [
-        "## KV transfer",
-        "",
         f"`{args.command}`",
         "",
         f"Layout `{args.layout.fingerprint()}`; {os.cpu_count()} CPU cores, load average "
@@ -238,18 +237,6 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace `## KV transfer` (up to the next `## `) or append it; keep the rest."""
-    text = path.read_text() if path.is_file() else "# Benchmarks\n"
-    pattern = re.compile(r"^## KV transfer\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=Path("models/tandem-small"))
@@ -281,9 +268,9 @@ def main(argv: list[str] | None = None) -> None:
             "their transfer / prefill is an upper bound."
         )
     section = render(args, rows, prefill)
-    print(section)
+    print(f"{SECTION_HEADING}\n\n{section}")
     if args.out:
-        write_section(Path(args.out), section)
+        write_section(Path(args.out), SECTION_HEADING, section)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.doc_sections import write_section
 from bench.router_cluster import ClusterInfo, ensure_model, serve_cluster
 from bench.router_fake_workers import RouterArgs, serve_fake_workers, serve_router
 from bench.router_load import ClosedLoopArgs, ClosedLoopResult, closed_loop
@@ -34,7 +35,6 @@ from bench.router_report import (
     load_average,
     machine_facts,
     write_json,
-    write_section,
 )
 from cluster.launcher import ClusterConfig
 from router.config import RouterConfig

@@ -19,8 +19,6 @@ from typing import Any
 
 from bench.loadgen.metrics import percentile as loadgen_percentile
 
-DOC_TITLE = "# Benchmarks"
-
 
 def percentile(values: Sequence[float], q: float) -> float:
     """`bench.loadgen.metrics.percentile` (numpy-style linear interpolation), but an
@@ -78,30 +76,6 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
-
-
-def replace_section(doc: str, heading: str, body: str) -> str:
-    """`doc` with the section under `heading` (up to the next `## `) set to `body`;
-    appended when absent. Other sections are kept byte for byte."""
-    if not heading.startswith("## "):
-        raise ValueError(f"heading must start with '## ', got {heading!r}")
-    if not doc.strip():
-        doc = f"{DOC_TITLE}\n"
-    lines = doc.splitlines()
-    section = [heading, "", *body.strip("\n").splitlines(), ""]
-    try:
-        start = lines.index(heading)
-    except ValueError:
-        return "\n".join([*lines, "", *section]).rstrip("\n") + "\n"
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return "\n".join([*lines[:start], *section, *lines[end:]]).rstrip("\n") + "\n"
-
-
-def write_section(path: Path, heading: str, body: str) -> None:
-    """Read-modify-write one section right away (other sessions write other sections)."""
-    doc = path.read_text() if path.is_file() else ""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(replace_section(doc, heading, body))
 
 
 def write_json(path: Path, data: Any) -> None:

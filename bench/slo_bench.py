@@ -28,6 +28,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.doc_sections import write_section
 from bench.router_cluster import ClusterInfo, ensure_model, serve_cluster
 from bench.router_load import distinct_prompts
 from bench.router_procs import ServerProcess, exit_on_sigterm
@@ -37,7 +38,6 @@ from bench.router_report import (
     load_average,
     machine_facts,
     write_json,
-    write_section,
 )
 from bench.slo_load import open_loop, scrape_counters, sequential
 from bench.slo_metrics import (

@@ -155,7 +155,7 @@ def _save(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], data: Any
 
 
 def _publish(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], body: str) -> None:
-    from bench.engine_report import replace_section
+    from bench.doc_sections import write_section
 
     command = f"tandem bench experiment {name}{' --quick' if setup.quick else ''}"
     head = (
@@ -166,5 +166,4 @@ def _publish(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], body: 
     print(f"\n{HEADINGS[name]}\n\n{head}\n\n{body}")
     if setup.doc_path is None or setup.quick:
         return
-    doc = setup.doc_path.read_text() if setup.doc_path.is_file() else ""
-    setup.doc_path.write_text(replace_section(doc, HEADINGS[name], f"{head}\n\n{body}"))
+    write_section(setup.doc_path, HEADINGS[name], f"{head}\n\n{body}")

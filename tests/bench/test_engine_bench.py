@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.doc_sections import replace_section
 from bench.engine_bench import make_plan, parse_args
 from bench.engine_doc import render_section
 from bench.engine_hardware import MachineFacts
@@ -17,7 +18,6 @@ from bench.engine_report import (
     floor_target,
     format_table,
     format_time,
-    replace_section,
 )
 from bench.engine_roofline import ModelShape, decode_roofline, prefill_roofline, roofline
 from bench.engine_timing import (

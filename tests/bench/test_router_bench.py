@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from bench.doc_sections import replace_section
 from bench.router_bench import (
     RouterBenchReport,
     ThroughputSetup,
@@ -26,7 +27,6 @@ from bench.router_report import (
     format_table,
     paired_differences,
     percentile,
-    replace_section,
     write_json,
 )
 
