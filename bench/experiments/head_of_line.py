@@ -30,6 +30,7 @@ from bench.experiments.setup import ExperimentSetup, bench_config, workload
 from bench.loadgen.clients import ClientConfig
 from bench.loadgen.load import LoadConfig
 from bench.loadgen.metrics import percentile, ttft_s
+from bench.loadgen.plots import save_png
 from bench.loadgen.report import render_table
 from bench.loadgen.runner import BenchConfig, BenchResult, LongPromptConfig, run_benchmark
 from bench.loadgen.traces import RequestTrace
@@ -168,8 +169,7 @@ def plot(results: Mapping[str, BenchResult], path: str) -> None:
     axes[0].legend(fontsize=8, loc="upper left")
     axes[-1].set_xlabel("time since start (s)")
     fig.suptitle("inter-token gaps of short requests around one long prompt")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_png(fig, path)
 
 
 def _ms(seconds: float) -> str:

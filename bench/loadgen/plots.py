@@ -22,7 +22,7 @@ from bench.loadgen.traces import RequestTrace
 Series = Mapping[str, Sequence[SweepPoint]]
 
 
-def _save(fig: Figure, path: str | Path) -> Path:
+def save_png(fig: Figure, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -51,7 +51,7 @@ def plot_frontier(series: Series, path: str | Path, title: str = "") -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title or "throughput vs latency (concurrency sweep)")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_itl_timeline(
@@ -93,7 +93,7 @@ def plot_itl_timeline(
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title or "ITL of short requests around long-prompt injections")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_goodput(series: Series, path: str | Path, title: str = "") -> Path:
@@ -117,7 +117,7 @@ def plot_goodput(series: Series, path: str | Path, title: str = "") -> Path:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title or "goodput vs request rate")
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _colors() -> list[str]:
