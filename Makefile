@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 .PHONY: install serve demo test lint proto bench-engine bench-experiments clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
@@ -37,11 +37,9 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-PROTOS := $(shell find proto -name '*.proto')
-
 # Regenerate the Python stubs (committed; tests/proto checks they are current).
 proto: $(VENV)/.installed
-	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	$(PY) -m tandem.proto.codegen
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from bench import engine_hf, engine_measure
-from bench.doc_sections import replace_section
-from bench.engine_doc import render_section
-from bench.engine_hardware import machine_facts, measure_bandwidth, measure_peak_flops
-from bench.engine_load import wait_until_quiet
-from bench.engine_report import (
+from tandem.bench import engine_hf, engine_measure
+from tandem.bench.doc_sections import replace_section
+from tandem.bench.engine_doc import render_section
+from tandem.bench.engine_hardware import machine_facts, measure_bandwidth, measure_peak_flops
+from tandem.bench.engine_load import wait_until_quiet
+from tandem.bench.engine_report import (
     QUIET_MAX_CORES,
     SECTION_HEADING,
     BenchReport,
@@ -37,10 +37,16 @@ from bench.engine_report import (
     Row,
     format_table,
 )
-from bench.engine_roofline import ModelShape
-from bench.engine_rows import Subjects, decode_max_tokens, decode_row, prefill_row, profile_missed
-from bench.engine_timing import RepeatPolicy
-from engine.config import ModelConfig
+from tandem.bench.engine_roofline import ModelShape
+from tandem.bench.engine_rows import (
+    Subjects,
+    decode_max_tokens,
+    decode_row,
+    prefill_row,
+    profile_missed,
+)
+from tandem.bench.engine_timing import RepeatPolicy
+from tandem.engine.config import ModelConfig
 
 DEFAULT_MODEL = "models/tandem-small"
 DEFAULT_OUT = "docs/benchmarks.md"
@@ -198,7 +204,7 @@ def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
 def _ensure_model(model_dir: str) -> None:
     if (Path(model_dir) / "config.json").is_file():
         return
-    from engine.model_maker import make_model
+    from tandem.engine.model_maker import make_model
 
     _say(f"making the small preset in {model_dir}")
     make_model("small", model_dir)

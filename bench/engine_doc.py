@@ -6,9 +6,9 @@ reading that `engine_reading` generates from the numbers.
 
 from __future__ import annotations
 
-from bench.engine_reading import plain_reading
-from bench.engine_report import BenchReport, format_profile, format_table
-from bench.engine_roofline import ModelShape
+from tandem.bench.engine_reading import plain_reading
+from tandem.bench.engine_report import BenchReport, format_profile, format_table
+from tandem.bench.engine_roofline import ModelShape
 
 FULL_COMMAND = "PYTHONPATH=. .venv/bin/python -m bench.engine_bench"
 

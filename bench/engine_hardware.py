@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from bench.engine_timing import time_call
+from tandem.bench.engine_timing import time_call
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def machine_facts(num_threads: int) -> MachineFacts:
         transformers_version=transformers.__version__,
         python_version=platform.python_version(),
         num_threads=num_threads,
-        date_utc=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date_utc=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         load_average=os.getloadavg()[0],
     )
 

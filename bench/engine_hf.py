@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from bench.engine_measure import random_prompt
-from bench.engine_timing import time_call
+from tandem.bench.engine_measure import random_prompt
+from tandem.bench.engine_timing import time_call
 
 # transformers' default attention; "eager" would be slower and an unfair baseline.
 ATTN_IMPLEMENTATION = "sdpa"

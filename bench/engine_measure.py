@@ -19,12 +19,12 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from bench.engine_timing import OpProfile, profile_self_times, time_call
-from engine.config import EngineConfig
-from engine.llm_engine import Engine
-from engine.model.llama import LlamaForCausalLM
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from tandem.bench.engine_timing import OpProfile, profile_self_times, time_call
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import Engine
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
 
 # Ids 0-4 are the dummy tokenizer's special tokens; prompts stay clear of them.
 _FIRST_PLAIN_TOKEN = 5

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.engine_report import (
+from tandem.bench.engine_report import (
     MATMUL_OPS,
     QUIET_MAX_CORES,
     BenchReport,
@@ -17,7 +17,7 @@ from bench.engine_report import (
     Row,
     format_time,
 )
-from bench.engine_roofline import ModelShape
+from tandem.bench.engine_roofline import ModelShape
 
 
 def _row(result: DtypeResult, name: str) -> Row | None:

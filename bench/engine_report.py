@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bench.engine_hardware import MachineFacts
-from bench.engine_timing import OpTime
+from tandem.bench.engine_hardware import MachineFacts
+from tandem.bench.engine_timing import OpTime
 
 SECTION_HEADING = "## Engine"
 # The engine may never be slower than transformers (time ratio).

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import ModelConfig
+from tandem.engine.config import ModelConfig
 
 
 @dataclass(frozen=True)

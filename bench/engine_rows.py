@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from bench import engine_hf, engine_measure
-from bench.engine_load import foreign_cores, snapshot
-from bench.engine_report import MATMUL_OPS, Profile, Row, floor_target
-from bench.engine_roofline import ModelShape, Roofline, decode_roofline, prefill_roofline
-from bench.engine_timing import OpProfile, RepeatPolicy, median, repeat_interleaved, top_ops
-from engine.llm_engine import Engine
+from tandem.bench import engine_hf, engine_measure
+from tandem.bench.engine_load import foreign_cores, snapshot
+from tandem.bench.engine_report import MATMUL_OPS, Profile, Row, floor_target
+from tandem.bench.engine_roofline import ModelShape, Roofline, decode_roofline, prefill_roofline
+from tandem.bench.engine_timing import OpProfile, RepeatPolicy, median, repeat_interleaved, top_ops
+from tandem.engine.llm_engine import Engine
 
 NUM_PROFILE_STEPS = 3
 NUM_PROFILE_OPS = 8

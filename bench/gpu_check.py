@@ -46,10 +46,10 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def check_engine(model_dir: str, prompts, expected) -> bool:
-    from engine.config import EngineConfig
-    from engine.generate import generate
-    from engine.llm_engine import Engine
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.generate import generate
+    from tandem.engine.llm_engine import Engine
+    from tandem.engine.sampling_params import SamplingParams
 
     config = EngineConfig(model=model_dir, device="cuda", dtype="float32", max_model_len=2048)
     engine = Engine(config)
@@ -60,7 +60,7 @@ def check_engine(model_dir: str, prompts, expected) -> bool:
 
 
 def check_cluster(model_dir: str, prompts, expected) -> bool:
-    from cluster.launcher import ClusterConfig, LocalCluster
+    from tandem.cluster.launcher import ClusterConfig, LocalCluster
     from tests.cluster.client import assert_workers_idle, generate_tokens
 
     two_gpus = torch.cuda.device_count() >= 2
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 2
-    from engine.config import ModelConfig
+    from tandem.engine.config import ModelConfig
 
     vocab = ModelConfig.from_model_dir(args.model).vocab_size
     prompts = _prompts(vocab, (1, 7, 33, 100, 257, 511, 800, 1500))

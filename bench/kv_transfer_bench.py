@@ -29,12 +29,12 @@ from pathlib import Path
 import grpc
 import torch
 
-from bench.doc_sections import write_section
-from engine.config import EngineConfig
-from kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferClient, KvTransferService
-from kv_transfer.tcp_server import tune_socket
-from kv_transfer.wire import byte_view, recv_exact, send_payload
-from proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.bench.doc_sections import write_section
+from tandem.engine.config import EngineConfig
+from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferClient, KvTransferService
+from tandem.kv_transfer.tcp_server import tune_socket
+from tandem.kv_transfer.wire import byte_view, recv_exact, send_payload
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -163,8 +163,8 @@ def _raw_pull(sock: socket.socket, buf: torch.Tensor, nbytes: int) -> None:
 
 def measure_prefill(model_dir: Path) -> dict[int, float]:
     """Seconds to prefill prompts of 1k tokens and of the longest length the model takes."""
-    from engine.llm_engine import Engine
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.llm_engine import Engine
+    from tandem.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32"))
     max_len, vocab = min(8192, engine.config.max_model_len - 1), engine.model_config.vocab_size

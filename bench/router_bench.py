@@ -22,13 +22,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.doc_sections import write_section
-from bench.router_cluster import ClusterInfo, ensure_model, serve_cluster
-from bench.router_fake_workers import RouterArgs, serve_fake_workers, serve_router
-from bench.router_load import ClosedLoopArgs, ClosedLoopResult, closed_loop
-from bench.router_overhead import OverheadResult, measure_overhead
-from bench.router_procs import ServerProcess, exit_on_sigterm, run_job
-from bench.router_report import (
+from tandem.bench.doc_sections import write_section
+from tandem.bench.router_cluster import ClusterInfo, ensure_model, serve_cluster
+from tandem.bench.router_fake_workers import RouterArgs, serve_fake_workers, serve_router
+from tandem.bench.router_load import ClosedLoopArgs, ClosedLoopResult, closed_loop
+from tandem.bench.router_overhead import OverheadResult, measure_overhead
+from tandem.bench.router_procs import ServerProcess, exit_on_sigterm, run_job
+from tandem.bench.router_report import (
     MachineFacts,
     format_ms,
     format_table,
@@ -36,8 +36,8 @@ from bench.router_report import (
     machine_facts,
     write_json,
 )
-from cluster.launcher import ClusterConfig
-from router.config import RouterConfig
+from tandem.cluster.launcher import ClusterConfig
+from tandem.router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.launcher import ClusterConfig, LocalCluster
-from router.worker_pool import WorkerEndpoint
+from tandem.cluster.launcher import ClusterConfig, LocalCluster
+from tandem.router.worker_pool import WorkerEndpoint
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def ensure_model(model_dir: Path, preset: str) -> Path:
     """
     if (model_dir / "config.json").is_file():
         return model_dir
-    from engine.model_maker import make_model
+    from tandem.engine.model_maker import make_model
 
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=model_dir.parent))

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from proto.server_options import GRPC_OPTIONS
-from proto.tandem.worker.v1 import worker_pb2 as pb
-from proto.tandem.worker.v1 import worker_pb2_grpc
-from router.config import RouterConfig
-from router.server import Router
-from router.worker_pool import WorkerEndpoint
+from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.router.config import RouterConfig
+from tandem.router.server import Router
+from tandem.router.worker_pool import WorkerEndpoint
 
 # Token ids the fakes answer with (any id below every preset's vocabulary works).
 FAKE_FIRST_TOKEN_ID = 42

@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bench.router_procs import process_cpu_s
-from bench.router_report import LatencySummary
-from proto.server_options import GRPC_OPTIONS
-from proto.tandem.v1 import generation_pb2 as gen_pb
-from proto.tandem.v1 import generation_pb2_grpc
+from tandem.bench.router_procs import process_cpu_s
+from tandem.bench.router_report import LatencySummary
+from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
 
 # Common words; the presets' tokenizer makes about one token of each.
 _WORD_TEXT = (

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen.metrics import percentile as loadgen_percentile
+from tandem.bench.loadgen.metrics import percentile as loadgen_percentile
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -141,6 +141,6 @@ def machine_facts() -> MachineFacts:
         python_version=platform.python_version(),
         grpc_version=grpc.__version__,
         ray_version=ray.__version__,
-        date_utc=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        date_utc=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         load_average=load_average(),
     )

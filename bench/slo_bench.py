@@ -28,19 +28,19 @@ from pathlib import Path
 
 import grpc
 
-from bench.doc_sections import write_section
-from bench.router_cluster import ClusterInfo, ensure_model, serve_cluster
-from bench.router_load import distinct_prompts
-from bench.router_procs import ServerProcess, exit_on_sigterm
-from bench.router_report import (
+from tandem.bench.doc_sections import write_section
+from tandem.bench.router_cluster import ClusterInfo, ensure_model, serve_cluster
+from tandem.bench.router_load import distinct_prompts
+from tandem.bench.router_procs import ServerProcess, exit_on_sigterm
+from tandem.bench.router_report import (
     LatencySummary,
     format_ms,
     load_average,
     machine_facts,
     write_json,
 )
-from bench.slo_load import open_loop, scrape_counters, sequential
-from bench.slo_metrics import (
+from tandem.bench.slo_load import open_loop, scrape_counters, sequential
+from tandem.bench.slo_metrics import (
     Probe,
     RunSummary,
     capacity_of,
@@ -49,7 +49,7 @@ from bench.slo_metrics import (
     poisson_arrivals,
     summarize,
 )
-from bench.slo_report import (
+from tandem.bench.slo_report import (
     ITL_OFF_S,
     MIN_ATTAINMENT,
     NUM_WARMUP,
@@ -60,10 +60,10 @@ from bench.slo_report import (
     SloBenchReport,
     render_section,
 )
-from cluster.launcher import ClusterConfig
-from proto.tandem.v1 import generation_pb2 as gen_pb
-from proto.tandem.v1 import generation_pb2_grpc
-from router.config import RouterConfig
+from tandem.cluster.launcher import ClusterConfig
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tandem.router.config import RouterConfig
 
 logger = logging.getLogger(__name__)
 

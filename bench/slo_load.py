@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import grpc
 
-from bench.router_load import StreamTiming, timed_generate
-from proto.server_options import GRPC_OPTIONS
-from proto.tandem.v1 import generation_pb2 as gen_pb
-from proto.tandem.v1 import generation_pb2_grpc
+from tandem.bench.router_load import StreamTiming, timed_generate
+from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
 
 # name{labels} value, one Prometheus sample per line
 _SAMPLE = re.compile(r"^(?P<name>[^{\s]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")

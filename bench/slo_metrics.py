@@ -14,8 +14,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.router_load import StreamTiming
-from bench.router_report import LatencySummary
+from tandem.bench.router_load import StreamTiming
+from tandem.bench.router_report import LatencySummary
 
 SHED_STATUS = "RESOURCE_EXHAUSTED"
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bench.router_report import LatencySummary, MachineFacts, format_ms, format_table
-from bench.slo_metrics import Probe, RunSummary
+from tandem.bench.router_report import LatencySummary, MachineFacts, format_ms, format_table
+from tandem.bench.slo_metrics import Probe, RunSummary
 
 SECTION_HEADING = "## SLO admission under overload"
 FULL_COMMAND = "PYTHONPATH=. .venv/bin/python -m bench.slo_bench"

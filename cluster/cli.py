@@ -129,7 +129,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
 
 def _add_bench_command(commands: argparse._SubParsersAction) -> None:
     # bench.loadgen.cli imports only argparse at module level; its handlers import the rest.
-    from bench.loadgen.cli import add_bench_commands
+    from tandem.bench.loadgen.cli import add_bench_commands
 
     bench = commands.add_parser(
         "bench", help="load generator: time every token of a Tandem or OpenAI-compatible server"
@@ -141,8 +141,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
-    from cluster.launcher import ClusterConfig
-    from cluster.serve import serve
+    from tandem.cluster.launcher import ClusterConfig
+    from tandem.cluster.serve import serve
 
     try:
         overrides = _engine_overrides(args)
@@ -178,7 +178,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 def _engine_overrides(args: argparse.Namespace) -> dict[str, object]:
     """EngineConfig fields `tandem serve` sets. Without chunked prefill the budget must
     hold a whole prompt, so it defaults to the longest one (as in vLLM)."""
-    from engine.config import ModelConfig
+    from tandem.engine.config import ModelConfig
 
     overrides: dict[str, object] = {"enable_chunked_prefill": not args.no_chunked_prefill}
     if args.max_model_len is not None:
@@ -193,7 +193,7 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _run_model_make(args: argparse.Namespace) -> int:
-    from engine.model_maker import make_model
+    from tandem.engine.model_maker import make_model
 
     started = time.perf_counter()
     try:
@@ -209,10 +209,10 @@ def _run_model_make(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from engine.config import EngineConfig
-    from engine.generate import generate
-    from engine.llm_engine import Engine
-    from engine.sampling_params import SamplingParams
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.generate import generate
+    from tandem.engine.llm_engine import Engine
+    from tandem.engine.sampling_params import SamplingParams
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompts = list(args.prompts or DEMO_PROMPTS)

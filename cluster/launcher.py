@@ -18,12 +18,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.worker_actor import WorkerActor
-from engine.config import EngineConfig
-from engine.worker_config import WorkerConfig, WorkerRole
-from router.config import RouterConfig
-from router.server import Router
-from router.worker_pool import WorkerEndpoint
+from tandem.cluster.worker_actor import WorkerActor
+from tandem.engine.config import EngineConfig
+from tandem.engine.worker_config import WorkerConfig, WorkerRole
+from tandem.router.config import RouterConfig
+from tandem.router.server import Router
+from tandem.router.worker_pool import WorkerEndpoint
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import signal
 
-from cluster.launcher import ClusterConfig, LocalCluster
+from tandem.cluster.launcher import ClusterConfig, LocalCluster
 
 logger = logging.getLogger(__name__)
 

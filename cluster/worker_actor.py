@@ -7,7 +7,7 @@ import os
 
 import ray
 
-from engine.worker_config import WorkerConfig, WorkerRole
+from tandem.engine.worker_config import WorkerConfig, WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -24,11 +24,11 @@ class WorkerActor:
     async def start(self) -> str:
         """Load the model and serve; returns the worker's gRPC endpoint."""
         if self.config.role is WorkerRole.PREFILL:
-            from prefill_worker.server import PrefillWorker
+            from tandem.prefill_worker.server import PrefillWorker
 
             self.worker = PrefillWorker(self.config)
         else:
-            from decode_worker.server import DecodeWorker
+            from tandem.decode_worker.server import DecodeWorker
 
             self.worker = DecodeWorker(self.config)
         return await self.worker.start()

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from decode_worker.service import DecodeService
-from engine.tracing import Tracing
-from engine.worker_config import WorkerConfig, WorkerRole
-from engine.worker_host import WorkerHost
-from engine.worker_metrics import WorkerMetrics
-from kv_transfer.client import KvTransferClient
-from kv_transfer.layout import KvLayout
-from proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.decode_worker.service import DecodeService
+from tandem.engine.tracing import Tracing
+from tandem.engine.worker_config import WorkerConfig, WorkerRole
+from tandem.engine.worker_host import WorkerHost
+from tandem.engine.worker_metrics import WorkerMetrics
+from tandem.kv_transfer.client import KvTransferClient
+from tandem.kv_transfer.layout import KvLayout
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 
 
 class DecodeWorker:

@@ -30,7 +30,7 @@ _DTYPES = {
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
-class EngineMode(str, enum.Enum):
+class EngineMode(enum.StrEnum):
     """What a worker's engine does with a request."""
 
     # Prefill and decode in one engine, chunked prefill mixed with decodes (the baseline).

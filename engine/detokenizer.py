@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 # Prompt tokens placed in the decode window before the first output token (as vLLM).
 NUM_PROMPT_CONTEXT_TOKENS = 5

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from engine.llm_engine import Engine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from tandem.engine.llm_engine import Engine
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

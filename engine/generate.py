@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.llm_engine import Engine
-from engine.outputs import CompletionOutput
-from engine.sampling_params import SamplingParams
+from tandem.engine.llm_engine import Engine
+from tandem.engine.outputs import CompletionOutput
+from tandem.engine.sampling_params import SamplingParams
 
 
 def generate(

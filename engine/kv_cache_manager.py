@@ -13,8 +13,8 @@ import hashlib
 
 import numpy as np
 
-from engine.block_pool import BlockPool
-from engine.request import Request
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.request import Request
 
 _ROOT_HASH = b"tandem-prefix-root"
 

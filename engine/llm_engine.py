@@ -21,17 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.block_pool import BlockPool
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_cache_manager import KVCacheManager
-from engine.model.loader import load_model
-from engine.model_runner import ModelRunner
-from engine.outputs import EngineStats, KvExport, RequestOutput
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampler import make_generator
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.config import EngineConfig
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.model.loader import load_model
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.outputs import EngineStats, KvExport, RequestOutput
+from tandem.engine.request import FinishReason, Request, RequestStatus
+from tandem.engine.sampler import make_generator
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

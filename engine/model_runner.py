@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSpan
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.model.llama import LlamaForCausalLM
-from engine.sampler import Sampler
-from engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from tandem.engine.attention import AttentionMetadata, PrefillSpan
+from tandem.engine.config import EngineConfig
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.sampler import Sampler
+from tandem.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -18,7 +18,7 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"  # done; blocks freed or handed to the KV transfer
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # cancelled by the caller

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 
 
 @dataclass

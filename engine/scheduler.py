@@ -15,9 +15,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig, EngineMode
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Request, RequestStatus
+from tandem.engine.config import EngineConfig, EngineMode
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.request import FinishReason, Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from engine.config import EngineConfig, EngineMode
+from tandem.engine.config import EngineConfig, EngineMode
 
 
-class WorkerRole(str, enum.Enum):
+class WorkerRole(enum.StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     # A decode worker that prefills everything itself (the baseline deployment).

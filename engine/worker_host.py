@@ -14,12 +14,12 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import Engine
-from engine.tracing import Tracing
-from engine.worker_config import WorkerConfig
-from engine.worker_metrics import WorkerMetrics
-from proto.server_options import GRPC_OPTIONS
+from tandem.engine.engine_loop import EngineLoop
+from tandem.engine.llm_engine import Engine
+from tandem.engine.tracing import Tracing
+from tandem.engine.worker_config import WorkerConfig
+from tandem.engine.worker_metrics import WorkerMetrics
+from tandem.proto.server_options import GRPC_OPTIONS
 
 logger = logging.getLogger(__name__)
 

@@ -5,14 +5,14 @@ Prefill side: `KvTransferService` (gRPC `KvTransfer` + data plane). Decode side:
 process), `nccl` (GPU). See docs/architecture.md ("KV transfer").
 """
 
-from kv_transfer.blocks import CacheBlocks, ReadBlocks
-from kv_transfer.client import KvTransferClient
-from kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
-from kv_transfer.handle import KvHandle
-from kv_transfer.layout import KvLayout
-from kv_transfer.local import LocalRegistry
-from kv_transfer.service import KvTransferService
-from kv_transfer.stats import TransferStats
+from tandem.kv_transfer.blocks import CacheBlocks, ReadBlocks
+from tandem.kv_transfer.client import KvTransferClient
+from tandem.kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
+from tandem.kv_transfer.handle import KvHandle
+from tandem.kv_transfer.layout import KvLayout
+from tandem.kv_transfer.local import LocalRegistry
+from tandem.kv_transfer.service import KvTransferService
+from tandem.kv_transfer.stats import TransferStats
 
 __all__ = [
     "CacheBlocks",

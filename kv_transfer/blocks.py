@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kv_transfer.layout import KvLayout, dtype_name
-from kv_transfer.wire import DataReply, byte_view, send_buffers, send_payload
+from tandem.kv_transfer.layout import KvLayout, dtype_name
+from tandem.kv_transfer.wire import DataReply, byte_view, send_buffers, send_payload
 
 
 @dataclass(frozen=True)

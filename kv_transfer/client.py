@@ -17,16 +17,16 @@ from typing import Any
 import grpc
 import torch
 
-from kv_transfer.blocks import CacheBlocks
-from kv_transfer.buffers import BufferPool
-from kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
-from kv_transfer.handle import KvHandle
-from kv_transfer.layout import KvLayout
-from kv_transfer.local import LocalChannel, LocalRegistry
-from kv_transfer.nccl_channel import NcclClientChannel
-from kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
-from kv_transfer.tcp_channel import TcpChannel
-from proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
+from tandem.kv_transfer.blocks import CacheBlocks
+from tandem.kv_transfer.buffers import BufferPool
+from tandem.kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
+from tandem.kv_transfer.handle import KvHandle
+from tandem.kv_transfer.layout import KvLayout
+from tandem.kv_transfer.local import LocalChannel, LocalRegistry
+from tandem.kv_transfer.nccl_channel import NcclClientChannel
+from tandem.kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
+from tandem.kv_transfer.tcp_channel import TcpChannel
+from tandem.proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +218,7 @@ class KvTransferClient:
             if response.num_bytes != out.nbytes:
                 raise KvPullError(f"prefill sent {response.num_bytes} bytes, expected {out.nbytes}")
             await channel.finish_recv(done)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError, TimeoutError, KvTransferError) as e:
+        except (grpc.aio.AioRpcError, TimeoutError, KvTransferError) as e:
             channel.abort()
             task = asyncio.create_task(self._close_rpc(handle.endpoint, channel.channel_id))
             self._closing.add(task)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proto.tandem.worker.v1 import worker_pb2
+from tandem.proto.tandem.worker.v1 import worker_pb2
 
 
 @dataclass

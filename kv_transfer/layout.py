@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kv_transfer.errors import LayoutMismatchError
+from tandem.kv_transfer.errors import LayoutMismatchError
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
+    from tandem.engine.config import EngineConfig
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

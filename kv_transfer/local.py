@@ -11,9 +11,9 @@ import threading
 
 import torch
 
-from kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape
-from kv_transfer.errors import KvPullError
-from kv_transfer.layout import KvLayout
+from tandem.kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape
+from tandem.kv_transfer.errors import KvPullError
+from tandem.kv_transfer.layout import KvLayout
 
 
 class LocalRegistry:

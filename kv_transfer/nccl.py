@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.errors import KvTransferError
+from tandem.kv_transfer.errors import KvTransferError
 
 logger = logging.getLogger(__name__)
 

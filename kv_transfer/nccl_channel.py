@@ -18,9 +18,9 @@ import time
 
 import torch
 
-from kv_transfer.errors import KvPullError
-from kv_transfer.layout import KvLayout
-from kv_transfer.nccl import NcclComm, NcclError, load_nccl
+from tandem.kv_transfer.errors import KvPullError
+from tandem.kv_transfer.layout import KvLayout
+from tandem.kv_transfer.nccl import NcclComm, NcclError, load_nccl
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class NcclClientChannel:
         )
         try:
             comm = await asyncio.wait_for(asyncio.shield(future), timeout_s)
-        except (asyncio.TimeoutError, TimeoutError, NcclError) as e:
+        except (TimeoutError, NcclError) as e:
             _abort_when_ready(future)
             raise KvPullError(f"NCCL channel {channel_id} init failed: {e!r}") from e
         return cls(channel_id, comm, layout, timeout_s)

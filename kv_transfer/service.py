@@ -17,14 +17,14 @@ import uuid
 import grpc
 import torch
 
-from kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape
-from kv_transfer.errors import LayoutMismatchError
-from kv_transfer.layout import KvLayout
-from kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, load_nccl
-from kv_transfer.nccl_channel import PREFILL_RANK, NcclServerChannel
-from kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
-from kv_transfer.tcp_server import TcpDataServer
-from proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
+from tandem.kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape
+from tandem.kv_transfer.errors import LayoutMismatchError
+from tandem.kv_transfer.layout import KvLayout
+from tandem.kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, load_nccl
+from tandem.kv_transfer.nccl_channel import PREFILL_RANK, NcclServerChannel
+from tandem.kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
+from tandem.kv_transfer.tcp_server import TcpDataServer
+from tandem.proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
                 await context.abort(grpc.StatusCode.INTERNAL, str(e))
             try:
                 num_bytes = await channel.send(blocks)
-            except (NcclError, asyncio.TimeoutError, TimeoutError) as e:
+            except (NcclError, TimeoutError) as e:
                 self._nccl.pop(request.channel_id, None)
                 channel.close(abort=True)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"NCCL send failed: {e!r}")

@@ -15,12 +15,12 @@ import threading
 
 import torch
 
-from kv_transfer.blocks import CacheBlocks, block_views
-from kv_transfer.buffers import BufferPool
-from kv_transfer.errors import KvPullError
-from kv_transfer.layout import KvLayout
-from kv_transfer.tcp_server import tune_socket
-from kv_transfer.wire import (
+from tandem.kv_transfer.blocks import CacheBlocks, block_views
+from tandem.kv_transfer.buffers import BufferPool
+from tandem.kv_transfer.errors import KvPullError
+from tandem.kv_transfer.layout import KvLayout
+from tandem.kv_transfer.tcp_server import tune_socket
+from tandem.kv_transfer.wire import (
     DataReply,
     DataRequest,
     Hello,

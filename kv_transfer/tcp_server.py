@@ -15,9 +15,9 @@ import socket
 import threading
 import time
 
-from kv_transfer.blocks import PayloadReader, ReadBlocks, SendPayload
-from kv_transfer.layout import KvLayout
-from kv_transfer.wire import (
+from tandem.kv_transfer.blocks import PayloadReader, ReadBlocks, SendPayload
+from tandem.kv_transfer.layout import KvLayout
+from tandem.kv_transfer.wire import (
     DataReply,
     DataRequest,
     Hello,

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from engine.tracing import Tracing
-from engine.worker_config import WorkerConfig, WorkerRole
-from engine.worker_host import WorkerHost
-from engine.worker_metrics import WorkerMetrics
-from kv_transfer.layout import KvLayout
-from kv_transfer.service import KvTransferService
-from prefill_worker.service import PrefillService
-from proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.engine.tracing import Tracing
+from tandem.engine.worker_config import WorkerConfig, WorkerRole
+from tandem.engine.worker_host import WorkerHost
+from tandem.engine.worker_metrics import WorkerMetrics
+from tandem.kv_transfer.layout import KvLayout
+from tandem.kv_transfer.service import KvTransferService
+from tandem.prefill_worker.service import PrefillService
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 
 
 class PrefillWorker:

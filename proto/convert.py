@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.outputs import EngineStats
-from engine.sampling_params import SamplingParams
-from proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.engine.outputs import EngineStats
+from tandem.engine.sampling_params import SamplingParams
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 
 FINISH_REASONS = {
     None: pb.FINISH_REASON_UNSPECIFIED,

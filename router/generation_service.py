@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from engine.sampling_params import SamplingParams
-from proto.tandem.v1 import generation_pb2 as gen_pb
-from proto.tandem.v1 import generation_pb2_grpc
-from router.errors import InvalidRequest, ModelNotFound, Overloaded, RouterError
-from router.request_flow import RequestFlow
-from router.tokenization import PromptTokenizer
+from tandem.engine.sampling_params import SamplingParams
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tandem.router.errors import InvalidRequest, ModelNotFound, Overloaded, RouterError
+from tandem.router.request_flow import RequestFlow
+from tandem.router.tokenization import PromptTokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router.config import RouterConfig
-from router.openai.auth import make_auth_middleware
-from router.openai.errors import MAX_BODY_BYTES, error_middleware
-from router.openai.handlers import OpenAIHandlers
-from router.request_flow import RequestFlow
-from router.tokenization import PromptTokenizer
-from router.worker_pool import WorkerPool
+from tandem.router.config import RouterConfig
+from tandem.router.openai.auth import make_auth_middleware
+from tandem.router.openai.errors import MAX_BODY_BYTES, error_middleware
+from tandem.router.openai.handlers import OpenAIHandlers
+from tandem.router.request_flow import RequestFlow
+from tandem.router.tokenization import PromptTokenizer
+from tandem.router.worker_pool import WorkerPool
 
 
 def make_http_app(

@@ -13,11 +13,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sampling_params import SamplingParams
-from proto.inference import grpc_service_pb2 as kserve_pb
-from router.errors import InvalidRequest
-from router.kserve_tensors import decode_input, num_elements
-from router.tokenization import PromptTokenizer
+from tandem.engine.sampling_params import SamplingParams
+from tandem.proto.inference import grpc_service_pb2 as kserve_pb
+from tandem.router.errors import InvalidRequest
+from tandem.router.kserve_tensors import decode_input, num_elements
+from tandem.router.tokenization import PromptTokenizer
 
 _INT_TYPES = ("INT32", "INT64", "INT8", "INT16", "UINT8", "UINT16", "UINT32", "UINT64")
 _FLOAT_TYPES = ("FP32", "FP64", "FP16")

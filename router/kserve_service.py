@@ -21,14 +21,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from importlib import metadata
 
-from proto.inference import grpc_service_pb2 as kserve_pb
-from proto.inference import grpc_service_pb2_grpc
-from router.errors import InvalidRequest, ModelNotFound, RouterError
-from router.kserve_request import MODEL_INPUTS, MODEL_OUTPUTS, KserveRequest, parse_request
-from router.kserve_tensors import encode_bytes
-from router.request_flow import RequestFlow, Usage
-from router.tokenization import PromptTokenizer
-from router.worker_pool import WorkerPool
+from tandem.proto.inference import grpc_service_pb2 as kserve_pb
+from tandem.proto.inference import grpc_service_pb2_grpc
+from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError
+from tandem.router.kserve_request import MODEL_INPUTS, MODEL_OUTPUTS, KserveRequest, parse_request
+from tandem.router.kserve_tensors import encode_bytes
+from tandem.router.request_flow import RequestFlow, Usage
+from tandem.router.tokenization import PromptTokenizer
+from tandem.router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import math
 import struct
 from collections.abc import Sequence
 
-from proto.inference import grpc_service_pb2 as kserve_pb
-from router.errors import InvalidRequest
+from tandem.proto.inference import grpc_service_pb2 as kserve_pb
+from tandem.router.errors import InvalidRequest
 
 # struct codes of the fixed-size datatypes (little-endian, no padding).
 _RAW_FORMATS = {

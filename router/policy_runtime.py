@@ -14,9 +14,9 @@ import time
 
 import grpc
 
-from engine.config import ModelConfig
-from router.config import RouterConfig
-from router.policy import (
+from tandem.engine.config import ModelConfig
+from tandem.router.config import RouterConfig
+from tandem.router.policy import (
     AdmissionConfig,
     AdmissionPolicy,
     GoodputPolicy,
@@ -26,9 +26,9 @@ from router.policy import (
     WorkerState,
     WorkerStats,
 )
-from router.policy.slo import Slo, default_classes
-from router.warmup_profile import profile_decode, profile_prefill
-from router.worker_pool import WorkerPool
+from tandem.router.policy.slo import Slo, default_classes
+from tandem.router.warmup_profile import profile_decode, profile_prefill
+from tandem.router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -10,20 +10,20 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from engine.tracing import Tracing
-from proto.inference.grpc_service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
-from proto.server_options import GRPC_OPTIONS
-from proto.tandem.v1 import generation_pb2, generation_pb2_grpc
-from router.config import RouterConfig
-from router.generation_service import GenerationService
-from router.http_server import make_http_app
-from router.kserve_service import SERVICE_NAME as KSERVE_SERVICE_NAME
-from router.kserve_service import KserveService
-from router.metrics import RouterMetrics
-from router.policy_runtime import PolicyRuntime
-from router.request_flow import RequestFlow
-from router.tokenization import PromptTokenizer
-from router.worker_pool import WorkerEndpoint, WorkerPool
+from tandem.engine.tracing import Tracing
+from tandem.proto.inference.grpc_service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
+from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.tandem.v1 import generation_pb2, generation_pb2_grpc
+from tandem.router.config import RouterConfig
+from tandem.router.generation_service import GenerationService
+from tandem.router.http_server import make_http_app
+from tandem.router.kserve_service import SERVICE_NAME as KSERVE_SERVICE_NAME
+from tandem.router.kserve_service import KserveService
+from tandem.router.metrics import RouterMetrics
+from tandem.router.policy_runtime import PolicyRuntime
+from tandem.router.request_flow import RequestFlow
+from tandem.router.tokenization import PromptTokenizer
+from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
-from engine.config import ModelConfig
+from tandem.engine.config import ModelConfig
 
 
 class PromptTokenizer:

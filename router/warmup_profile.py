@@ -12,10 +12,10 @@ from __future__ import annotations
 import random
 import time
 
-from proto.tandem.worker.v1 import worker_pb2 as pb
-from router.policy import DecodeLatencyModel, PrefillLatencyModel
-from router.policy.latency_model import DecodeObservation, PrefillObservation
-from router.worker_pool import WorkerEndpoint, WorkerPool
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.router.policy import DecodeLatencyModel, PrefillLatencyModel
+from tandem.router.policy.latency_model import DecodeObservation, PrefillObservation
+from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
 
 PROBE_PROMPT_LENS = (16, 128, 384)
 PROBE_DECODE_TOKENS = 6

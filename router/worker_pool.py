@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from proto.server_options import GRPC_OPTIONS
-from proto.tandem.worker.v1 import worker_pb2 as pb
-from proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 

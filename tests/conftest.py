@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model_maker import make_model
+from tandem.engine.model_maker import make_model
 
 # CI machines are small; more intra-op threads than cores only adds contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from bench.experiments.setup import ExperimentSetup
+    from tandem.bench.experiments.setup import ExperimentSetup
 
 EXPERIMENTS = ("head-of-line", "frontier", "goodput")
 HEADINGS = {
@@ -49,7 +49,7 @@ def add_experiment_command(actions: argparse._SubParsersAction) -> None:
 
 
 def experiment_command(args: argparse.Namespace) -> int:
-    from bench.experiments.setup import ExperimentSetup
+    from tandem.bench.experiments.setup import ExperimentSetup
 
     setup = ExperimentSetup(
         model_dir=args.model,
@@ -67,7 +67,7 @@ def experiment_command(args: argparse.Namespace) -> int:
 
 
 async def run_experiments(setup: ExperimentSetup, names: Sequence[str]) -> None:
-    from bench.experiments.setup import machine_facts
+    from tandem.bench.experiments.setup import machine_facts
 
     facts = {**machine_facts(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if "head-of-line" in names:
@@ -78,9 +78,9 @@ async def run_experiments(setup: ExperimentSetup, names: Sequence[str]) -> None:
 
 
 async def _head_of_line(setup: ExperimentSetup, facts: dict[str, Any]) -> None:
-    from bench.experiments import head_of_line
-    from bench.experiments.servers import running
-    from bench.experiments.setup import grpc_client
+    from tandem.bench.experiments import head_of_line
+    from tandem.bench.experiments.servers import running
+    from tandem.bench.experiments.setup import grpc_client
 
     results = {}
     for system in head_of_line.SYSTEMS:
@@ -109,10 +109,10 @@ async def _frontier_and_goodput(
     setup: ExperimentSetup, names: Sequence[str], facts: dict[str, Any]
 ) -> None:
     """Both use the same servers: started once, every level interleaved across them."""
-    from bench.experiments import frontier, goodput
-    from bench.experiments.servers import running
-    from bench.experiments.setup import http_client
-    from bench.loadgen.runner import sweep_to_json
+    from tandem.bench.experiments import frontier, goodput
+    from tandem.bench.experiments.servers import running
+    from tandem.bench.experiments.setup import http_client
+    from tandem.bench.loadgen.runner import sweep_to_json
 
     specs = [setup.server(system) for system in frontier.SYSTEMS]
     with running(specs, setup.results_dir / "logs"):
@@ -155,7 +155,7 @@ def _save(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], data: Any
 
 
 def _publish(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], body: str) -> None:
-    from bench.doc_sections import write_section
+    from tandem.bench.doc_sections import write_section
 
     command = f"tandem bench experiment {name}{' --quick' if setup.quick else ''}"
     head = (

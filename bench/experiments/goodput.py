@@ -13,14 +13,14 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from bench.experiments.setup import ExperimentSetup, bench_config, workload
-from bench.experiments.sweep import interleaved_sweep, series
-from bench.loadgen.clients import ClientConfig
-from bench.loadgen.load import LoadConfig
-from bench.loadgen.metrics import SloTargets
-from bench.loadgen.plots import plot_goodput
-from bench.loadgen.report import SweepPoint, format_sweep, render_table
-from bench.loadgen.runner import BenchResult, WorkloadConfig
+from tandem.bench.experiments.setup import ExperimentSetup, bench_config, workload
+from tandem.bench.experiments.sweep import interleaved_sweep, series
+from tandem.bench.loadgen.clients import ClientConfig
+from tandem.bench.loadgen.load import LoadConfig
+from tandem.bench.loadgen.metrics import SloTargets
+from tandem.bench.loadgen.plots import plot_goodput
+from tandem.bench.loadgen.report import SweepPoint, format_sweep, render_table
+from tandem.bench.loadgen.runner import BenchResult, WorkloadConfig
 
 SYSTEMS = ("disaggregated", "colocated-2", "colocated-1", "transformers")
 # The SLO attainment a rate must reach to count as sustained (DistServe's 90%).

@@ -26,15 +26,15 @@ from dataclasses import asdict, dataclass
 
 from matplotlib.figure import Figure
 
-from bench.experiments.setup import ExperimentSetup, bench_config, workload
-from bench.loadgen.clients import ClientConfig
-from bench.loadgen.load import LoadConfig
-from bench.loadgen.metrics import percentile, ttft_s
-from bench.loadgen.plots import save_png
-from bench.loadgen.report import render_table
-from bench.loadgen.runner import BenchConfig, BenchResult, LongPromptConfig, run_benchmark
-from bench.loadgen.traces import RequestTrace
-from bench.loadgen.workloads import LONG_TAG
+from tandem.bench.experiments.setup import ExperimentSetup, bench_config, workload
+from tandem.bench.loadgen.clients import ClientConfig
+from tandem.bench.loadgen.load import LoadConfig
+from tandem.bench.loadgen.metrics import percentile, ttft_s
+from tandem.bench.loadgen.plots import save_png
+from tandem.bench.loadgen.report import render_table
+from tandem.bench.loadgen.runner import BenchConfig, BenchResult, LongPromptConfig, run_benchmark
+from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import LONG_TAG
 
 SYSTEMS = (
     "colocated-1-no-chunking",

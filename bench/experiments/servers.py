@@ -61,7 +61,7 @@ def tandem_spec(
     argv = (
         sys.executable,
         "-m",
-        "cluster.cli",
+        "tandem.cluster.cli",
         "serve",
         "--model",
         model_dir,

@@ -20,12 +20,12 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.experiments.servers import ServerSpec, tandem_spec, transformers_spec
-from bench.loadgen.clients import ClientConfig
-from bench.loadgen.load import LoadConfig
-from bench.loadgen.metrics import SloTargets
-from bench.loadgen.runner import BenchConfig, LongPromptConfig, WorkloadConfig
-from engine.config import EngineConfig
+from tandem.bench.experiments.servers import ServerSpec, tandem_spec, transformers_spec
+from tandem.bench.loadgen.clients import ClientConfig
+from tandem.bench.loadgen.load import LoadConfig
+from tandem.bench.loadgen.metrics import SloTargets
+from tandem.bench.loadgen.runner import BenchConfig, LongPromptConfig, WorkloadConfig
+from tandem.engine.config import EngineConfig
 
 # One limit for every Tandem layout: room for the longest prompt any experiment sends.
 MAX_MODEL_LEN = 2560

@@ -13,9 +13,9 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from bench.loadgen.load import LoadConfig
-from bench.loadgen.report import SweepPoint
-from bench.loadgen.runner import BenchConfig, BenchResult, run_benchmark, sweep_points
+from tandem.bench.loadgen.load import LoadConfig
+from tandem.bench.loadgen.report import SweepPoint
+from tandem.bench.loadgen.runner import BenchConfig, BenchResult, run_benchmark, sweep_points
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     sweep.add_argument("--label", default=None, help="series name in the plot (default target)")
     sweep.set_defaults(handler=sweep_command)
 
-    from bench.experiments.cli import add_experiment_command
+    from tandem.bench.experiments.cli import add_experiment_command
 
     add_experiment_command(actions)
 
@@ -135,10 +135,10 @@ def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench_config(args: argparse.Namespace, concurrency: int | None, rate: float | None) -> Any:
-    from bench.loadgen.clients import ClientConfig
-    from bench.loadgen.load import LoadConfig
-    from bench.loadgen.metrics import SloTargets
-    from bench.loadgen.runner import BenchConfig, LongPromptConfig, WorkloadConfig
+    from tandem.bench.loadgen.clients import ClientConfig
+    from tandem.bench.loadgen.load import LoadConfig
+    from tandem.bench.loadgen.metrics import SloTargets
+    from tandem.bench.loadgen.runner import BenchConfig, LongPromptConfig, WorkloadConfig
 
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:
@@ -205,8 +205,8 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 def run_command(args: argparse.Namespace) -> int:
     import asyncio
 
-    from bench.loadgen.report import format_summary
-    from bench.loadgen.runner import run_benchmark
+    from tandem.bench.loadgen.report import format_summary
+    from tandem.bench.loadgen.runner import run_benchmark
 
     try:
         config = _bench_config(args, args.concurrency, args.rate)
@@ -224,7 +224,7 @@ def run_command(args: argparse.Namespace) -> int:
     if args.out:
         _write_json(args.out, result.to_json(include_traces=not args.no_traces))
     if args.timeline_plot:
-        from bench.loadgen.plots import plot_itl_timeline
+        from tandem.bench.loadgen.plots import plot_itl_timeline
 
         plot_itl_timeline(result.load.traces, args.timeline_plot, title=title)
     return 0 if result.summary.num_succeeded else 1
@@ -241,8 +241,8 @@ def sweep_command(args: argparse.Namespace) -> int:
     import asyncio
     from dataclasses import replace
 
-    from bench.loadgen.report import format_sweep
-    from bench.loadgen.runner import run_sweep, sweep_points, sweep_to_json
+    from tandem.bench.loadgen.report import format_sweep
+    from tandem.bench.loadgen.runner import run_sweep, sweep_points, sweep_to_json
 
     try:
         closed_loop = bool(args.concurrency)
@@ -267,7 +267,7 @@ def sweep_command(args: argparse.Namespace) -> int:
     if args.out:
         _write_json(args.out, sweep_to_json(results))
     if args.plot:
-        from bench.loadgen.plots import plot_frontier, plot_goodput
+        from tandem.bench.loadgen.plots import plot_frontier, plot_goodput
 
         plot = plot_frontier if closed_loop else plot_goodput
         plot({args.label or args.target: points}, args.plot)

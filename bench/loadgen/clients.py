@@ -19,11 +19,11 @@ from typing import Protocol
 
 import grpc
 
-from bench.loadgen.traces import RequestTrace
-from bench.loadgen.workloads import FIRST_TOKEN_ID, RequestSpec
-from proto.server_options import GRPC_OPTIONS
-from proto.tandem.v1 import generation_pb2 as gen_pb
-from proto.tandem.v1 import generation_pb2_grpc
+from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import FIRST_TOKEN_ID, RequestSpec
+from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Client(Protocol):
 def make_client(config: ClientConfig) -> Client:
     if config.kind == "grpc":
         return GrpcClient(config)
-    from bench.loadgen.http_client import HttpClient
+    from tandem.bench.loadgen.http_client import HttpClient
 
     return HttpClient(config)
 

@@ -15,7 +15,6 @@ usage count and stays exact, the ITL gaps are then gaps between chunks.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -23,9 +22,9 @@ from typing import Any
 
 import aiohttp
 
-from bench.loadgen.clients import ClientConfig, ServerInfo, probe_spec
-from bench.loadgen.traces import RequestTrace
-from bench.loadgen.workloads import RequestSpec
+from tandem.bench.loadgen.clients import ClientConfig, ServerInfo, probe_spec
+from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import RequestSpec
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +51,7 @@ class HttpClient:
             async with self._session.get(f"{self.base_url}/v1/models", timeout=timeout) as resp:
                 resp.raise_for_status()
                 cards = (await resp.json()).get("data") or []
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             raise ConnectionError(
                 f"{self.base_url}/v1/models: {type(exc).__name__}: {exc}"
             ) from exc
@@ -107,7 +106,7 @@ class HttpClient:
                     async for line in resp.content:
                         if state.feed(line, time.perf_counter()):
                             break
-        except asyncio.TimeoutError:
+        except TimeoutError:
             state.error = "timeout"
         except aiohttp.ClientError as exc:
             state.error = f"{type(exc).__name__}: {exc}"

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from bench.loadgen.clients import Client
-from bench.loadgen.traces import RequestTrace
-from bench.loadgen.workloads import RequestSpec, Workload
+from tandem.bench.loadgen.clients import Client
+from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import RequestSpec, Workload
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ async def run_load(
         driver_tasks = [asyncio.create_task(d) for d in drivers]
         try:
             await asyncio.wait_for(run.finish(driver_tasks), timeout=config.timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("run timeout (%.0fs): cancelling open requests", config.timeout_s)
             await run.cancel(driver_tasks)
     traces = [t.shifted(run.start_s) for t in run.traces]

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.loadgen.traces import RequestTrace
-from bench.loadgen.workloads import LONG_TAG
+from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import LONG_TAG
 
 PERCENTILES = (50.0, 90.0, 99.0)
 

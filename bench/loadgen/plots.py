@@ -15,9 +15,9 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from bench.loadgen.metrics import itl_gaps_s, ttft_s
-from bench.loadgen.report import SweepPoint
-from bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.metrics import itl_gaps_s, ttft_s
+from tandem.bench.loadgen.report import SweepPoint
+from tandem.bench.loadgen.traces import RequestTrace
 
 Series = Mapping[str, Sequence[SweepPoint]]
 

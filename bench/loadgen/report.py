@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.loadgen.metrics import Distribution, RunSummary
+from tandem.bench.loadgen.metrics import Distribution, RunSummary
 
 
 @dataclass(frozen=True)

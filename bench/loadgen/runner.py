@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from bench.loadgen.clients import Client, ClientConfig, ServerInfo, make_client
-from bench.loadgen.load import Injection, LoadConfig, LoadResult, run_load
-from bench.loadgen.metrics import RunSummary, SloTargets, summarize
-from bench.loadgen.report import SweepPoint
-from bench.loadgen.workloads import (
+from tandem.bench.loadgen.clients import Client, ClientConfig, ServerInfo, make_client
+from tandem.bench.loadgen.load import Injection, LoadConfig, LoadResult, run_load
+from tandem.bench.loadgen.metrics import RunSummary, SloTargets, summarize
+from tandem.bench.loadgen.report import SweepPoint
+from tandem.bench.loadgen.workloads import (
     LONG_TAG,
     ChatMix,
     ChatWorkload,

@@ -11,7 +11,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata
+from tandem.engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):

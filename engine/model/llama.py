@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelConfig
-from engine.model.rotary import RotaryEmbedding, apply_rotary
+from tandem.engine.attention import AttentionBackend, AttentionMetadata
+from tandem.engine.config import ModelConfig
+from tandem.engine.model.rotary import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):

@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.attention import get_attention_backend
-from engine.config import ModelConfig
-from engine.model.llama import LlamaForCausalLM
-from engine.model.rotary import RotaryEmbedding, inverse_frequencies
+from tandem.engine.attention import get_attention_backend
+from tandem.engine.config import ModelConfig
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.model.rotary import RotaryEmbedding, inverse_frequencies
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.inference import grpc_service_pb2 as proto_dot_inference_dot_grpc__service__pb2
+from tandem.proto.inference import grpc_service_pb2 as tandem_dot_proto_dot_inference_dot_grpc__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/inference/grpc_service_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/proto/inference/grpc_service_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class GRPCInferenceServiceStub:
         """
         self.ServerLive = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerLive',
-                request_serializer=proto_dot_inference_dot_grpc__service__pb2.ServerLiveRequest.SerializeToString,
-                response_deserializer=proto_dot_inference_dot_grpc__service__pb2.ServerLiveResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerLiveRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerLiveResponse.FromString,
                 _registered_method=True)
         self.ServerReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerReady',
-                request_serializer=proto_dot_inference_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
-                response_deserializer=proto_dot_inference_dot_grpc__service__pb2.ServerReadyResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerReadyResponse.FromString,
                 _registered_method=True)
         self.ModelReady = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelReady',
-                request_serializer=proto_dot_inference_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
-                response_deserializer=proto_dot_inference_dot_grpc__service__pb2.ModelReadyResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelReadyResponse.FromString,
                 _registered_method=True)
         self.ServerMetadata = channel.unary_unary(
                 '/inference.GRPCInferenceService/ServerMetadata',
-                request_serializer=proto_dot_inference_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
-                response_deserializer=proto_dot_inference_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
                 _registered_method=True)
         self.ModelMetadata = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelMetadata',
-                request_serializer=proto_dot_inference_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
-                response_deserializer=proto_dot_inference_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
                 _registered_method=True)
         self.ModelInfer = channel.unary_unary(
                 '/inference.GRPCInferenceService/ModelInfer',
-                request_serializer=proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
-                response_deserializer=proto_dot_inference_dot_grpc__service__pb2.ModelInferResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelInferResponse.FromString,
                 _registered_method=True)
         self.ModelStreamInfer = channel.stream_stream(
                 '/inference.GRPCInferenceService/ModelStreamInfer',
-                request_serializer=proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
-                response_deserializer=proto_dot_inference_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
                 _registered_method=True)
 
 
@@ -129,38 +129,38 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'ServerLive': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerLive,
-                    request_deserializer=proto_dot_inference_dot_grpc__service__pb2.ServerLiveRequest.FromString,
-                    response_serializer=proto_dot_inference_dot_grpc__service__pb2.ServerLiveResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerLiveRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerLiveResponse.SerializeToString,
             ),
             'ServerReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerReady,
-                    request_deserializer=proto_dot_inference_dot_grpc__service__pb2.ServerReadyRequest.FromString,
-                    response_serializer=proto_dot_inference_dot_grpc__service__pb2.ServerReadyResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerReadyRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerReadyResponse.SerializeToString,
             ),
             'ModelReady': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelReady,
-                    request_deserializer=proto_dot_inference_dot_grpc__service__pb2.ModelReadyRequest.FromString,
-                    response_serializer=proto_dot_inference_dot_grpc__service__pb2.ModelReadyResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelReadyRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelReadyResponse.SerializeToString,
             ),
             'ServerMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.ServerMetadata,
-                    request_deserializer=proto_dot_inference_dot_grpc__service__pb2.ServerMetadataRequest.FromString,
-                    response_serializer=proto_dot_inference_dot_grpc__service__pb2.ServerMetadataResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerMetadataRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerMetadataResponse.SerializeToString,
             ),
             'ModelMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelMetadata,
-                    request_deserializer=proto_dot_inference_dot_grpc__service__pb2.ModelMetadataRequest.FromString,
-                    response_serializer=proto_dot_inference_dot_grpc__service__pb2.ModelMetadataResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelMetadataRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelMetadataResponse.SerializeToString,
             ),
             'ModelInfer': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfer,
-                    request_deserializer=proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.FromString,
-                    response_serializer=proto_dot_inference_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
             ),
             'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
                     servicer.ModelStreamInfer,
-                    request_deserializer=proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.FromString,
-                    response_serializer=proto_dot_inference_dot_grpc__service__pb2.ModelStreamInferResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelStreamInferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,8 +188,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerLive',
-            proto_dot_inference_dot_grpc__service__pb2.ServerLiveRequest.SerializeToString,
-            proto_dot_inference_dot_grpc__service__pb2.ServerLiveResponse.FromString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerLiveRequest.SerializeToString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerLiveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -215,8 +215,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerReady',
-            proto_dot_inference_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
-            proto_dot_inference_dot_grpc__service__pb2.ServerReadyResponse.FromString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerReadyRequest.SerializeToString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -242,8 +242,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelReady',
-            proto_dot_inference_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
-            proto_dot_inference_dot_grpc__service__pb2.ModelReadyResponse.FromString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelReadyRequest.SerializeToString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -269,8 +269,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ServerMetadata',
-            proto_dot_inference_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
-            proto_dot_inference_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerMetadataRequest.SerializeToString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ServerMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -296,8 +296,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelMetadata',
-            proto_dot_inference_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
-            proto_dot_inference_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelMetadataRequest.SerializeToString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -323,8 +323,8 @@ class GRPCInferenceService:
             request,
             target,
             '/inference.GRPCInferenceService/ModelInfer',
-            proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
-            proto_dot_inference_dot_grpc__service__pb2.ModelInferResponse.FromString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelInferResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -350,8 +350,8 @@ class GRPCInferenceService:
             request_iterator,
             target,
             '/inference.GRPCInferenceService/ModelStreamInfer',
-            proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
-            proto_dot_inference_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+            tandem_dot_proto_dot_inference_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
             options,
             channel_credentials,
             insecure,

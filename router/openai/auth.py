@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from router.openai.errors import Handler, HttpApiError
+from tandem.router.openai.errors import Handler, HttpApiError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 

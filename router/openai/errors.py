@@ -16,7 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.errors import InvalidRequest, ModelNotFound, Overloaded, RouterError
+from tandem.router.errors import InvalidRequest, ModelNotFound, Overloaded, RouterError
 
 logger = logging.getLogger(__name__)
 

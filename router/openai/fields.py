@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from router.errors import InvalidRequest
+from tandem.router.errors import InvalidRequest
 
 # Longest rendering of a bad value inside an error message.
 _MAX_SHOWN_CHARS = 60

@@ -17,20 +17,20 @@ from typing import Any
 
 from aiohttp import web
 
-from router.errors import InvalidRequest, ModelNotFound
-from router.openai.errors import dumps
-from router.openai.fields import show
-from router.openai.protocol import GenerationRequest, RequestParser
-from router.openai.responses import (
+from tandem.router.errors import InvalidRequest, ModelNotFound
+from tandem.router.openai.errors import dumps
+from tandem.router.openai.fields import show
+from tandem.router.openai.protocol import GenerationRequest, RequestParser
+from tandem.router.openai.responses import (
     ChatResponses,
     Collected,
     CompletionResponses,
     LogprobsFormatter,
     ResponseBuilder,
 )
-from router.openai.streaming import stream_sse
-from router.request_flow import RequestFlow
-from router.tokenization import PromptTokenizer
+from tandem.router.openai.streaming import stream_sse
+from tandem.router.request_flow import RequestFlow
+from tandem.router.tokenization import PromptTokenizer
 
 _JSON_TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number"}
 

@@ -13,10 +13,10 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from engine.sampling_params import MAX_NUM_STOP_STRINGS, SamplingParams
-from router.errors import InvalidRequest, ModelNotFound
-from router.openai.errors import ContextLengthExceeded
-from router.openai.fields import (
+from tandem.engine.sampling_params import MAX_NUM_STOP_STRINGS, SamplingParams
+from tandem.router.errors import InvalidRequest, ModelNotFound
+from tandem.router.openai.errors import ContextLengthExceeded
+from tandem.router.openai.fields import (
     get_bool,
     get_float,
     get_int,
@@ -27,8 +27,8 @@ from router.openai.fields import (
     invalid,
     show,
 )
-from router.policy import RequestSlo, SloConfig
-from router.tokenization import PromptTokenizer
+from tandem.router.policy import RequestSlo, SloConfig
+from tandem.router.tokenization import PromptTokenizer
 
 # Most alternatives a client may ask for per position (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = 20

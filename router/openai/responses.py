@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.request_flow import GenerationChunk, Usage
-from router.tokenization import PromptTokenizer
+from tandem.router.request_flow import GenerationChunk, Usage
+from tandem.router.tokenization import PromptTokenizer
 
 # What OpenAI reports for a token whose logprob is -inf (JSON has no infinities).
 _MIN_LOGPROB = -9999.0

@@ -17,10 +17,10 @@ from typing import Any
 
 from aiohttp import web
 
-from router.errors import RouterError
-from router.openai.errors import HttpApiError, dumps, error_body
-from router.openai.responses import ResponseBuilder
-from router.request_flow import GenerationChunk, Usage
+from tandem.router.errors import RouterError
+from tandem.router.openai.errors import HttpApiError, dumps, error_body
+from tandem.router.openai.responses import ResponseBuilder
+from tandem.router.request_flow import GenerationChunk, Usage
 
 logger = logging.getLogger(__name__)
 

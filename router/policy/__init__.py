@@ -20,30 +20,30 @@ Small pure objects, no I/O, unit-testable on CPU:
   `on_finish` as the request progresses.
 """
 
-from router.policy.admission import (
+from tandem.router.policy.admission import (
     AdmissionConfig,
     AdmissionController,
     AdmissionDecision,
     AdmissionPolicy,
     AdmissionQueue,
 )
-from router.policy.goodput_policy import GoodputPolicy
-from router.policy.latency_model import (
+from tandem.router.policy.goodput_policy import GoodputPolicy
+from tandem.router.policy.latency_model import (
     DecodeLatencyModel,
     DecodeObservation,
     PrefillLatencyModel,
     PrefillObservation,
 )
-from router.policy.pair_selector import (
+from tandem.router.policy.pair_selector import (
     DISAGGREGATED,
     LOCAL_PREFILL,
     PairSelector,
     Placement,
     SelectorConfig,
 )
-from router.policy.prefix_tree import PrefixIndex, block_hashes
-from router.policy.slo import BATCH, INTERACTIVE, RequestSlo, Slo, SloClass, SloConfig
-from router.policy.worker_state import WorkerState, WorkerStats
+from tandem.router.policy.prefix_tree import PrefixIndex, block_hashes
+from tandem.router.policy.slo import BATCH, INTERACTIVE, RequestSlo, Slo, SloClass, SloConfig
+from tandem.router.policy.worker_state import WorkerState, WorkerStats
 
 __all__ = [
     "BATCH",

@@ -35,14 +35,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from router.errors import Overloaded
-from router.policy.pair_selector import Placement
-from router.policy.slo import RequestSlo
+from tandem.router.errors import Overloaded
+from tandem.router.policy.pair_selector import Placement
+from tandem.router.policy.slo import RequestSlo
 
 T = TypeVar("T")
 
 
-class AdmissionPolicy(str, enum.Enum):
+class AdmissionPolicy(enum.StrEnum):
     SHED = "shed"
     QUEUE = "queue"
     NONE = "none"

@@ -28,17 +28,17 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from router.errors import Overloaded
-from router.policy.admission import (
+from tandem.router.errors import Overloaded
+from tandem.router.policy.admission import (
     AdmissionConfig,
     AdmissionController,
     AdmissionDecision,
     AdmissionPolicy,
     AdmissionQueue,
 )
-from router.policy.pair_selector import PairSelector, Placement, SelectorConfig
-from router.policy.slo import RequestSlo
-from router.policy.worker_state import WorkerState, WorkerStats
+from tandem.router.policy.pair_selector import PairSelector, Placement, SelectorConfig
+from tandem.router.policy.slo import RequestSlo
+from tandem.router.policy.worker_state import WorkerState, WorkerStats
 
 logger = logging.getLogger(__name__)
 

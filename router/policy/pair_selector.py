@@ -34,10 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from router.errors import WorkerUnavailable
-from router.policy.prefix_tree import block_hashes
-from router.policy.slo import RequestSlo
-from router.policy.worker_state import WorkerState
+from tandem.router.errors import WorkerUnavailable
+from tandem.router.policy.prefix_tree import block_hashes
+from tandem.router.policy.slo import RequestSlo
+from tandem.router.policy.worker_state import WorkerState
 
 Decision = Literal["disaggregated", "local_prefill"]
 DISAGGREGATED: Decision = "disaggregated"

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 # The engine's root is private; sharing it keeps the router's hashes equal to the
 # workers' (so a future KV-event feed from workers can be merged into this index).
-from engine.kv_cache_manager import _ROOT_HASH, chain_hash
+from tandem.engine.kv_cache_manager import _ROOT_HASH, chain_hash
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:

@@ -16,7 +16,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from router.errors import InvalidRequest
+from tandem.router.errors import InvalidRequest
 
 # Priorities: larger is more important. `batch` is the floor: it only fills idle capacity.
 BATCH_PRIORITY = 0

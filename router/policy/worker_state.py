@@ -26,8 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from router.policy.latency_model import DecodeLatencyModel, PrefillLatencyModel
-from router.policy.prefix_tree import PrefixIndex
+from tandem.router.policy.latency_model import DecodeLatencyModel, PrefillLatencyModel
+from tandem.router.policy.prefix_tree import PrefixIndex
 
 logger = logging.getLogger(__name__)
 

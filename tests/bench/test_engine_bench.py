@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from bench.doc_sections import replace_section
-from bench.engine_bench import make_plan, parse_args
-from bench.engine_doc import render_section
-from bench.engine_hardware import MachineFacts
-from bench.engine_load import CpuSnapshot, busy_seconds, foreign_cores
-from bench.engine_report import (
+from tandem.bench.doc_sections import replace_section
+from tandem.bench.engine_bench import make_plan, parse_args
+from tandem.bench.engine_doc import render_section
+from tandem.bench.engine_hardware import MachineFacts
+from tandem.bench.engine_load import CpuSnapshot, busy_seconds, foreign_cores
+from tandem.bench.engine_report import (
     SECTION_HEADING,
     BenchReport,
     DtypeResult,
@@ -19,15 +19,15 @@ from bench.engine_report import (
     format_table,
     format_time,
 )
-from bench.engine_roofline import ModelShape, decode_roofline, prefill_roofline, roofline
-from bench.engine_timing import (
+from tandem.bench.engine_roofline import ModelShape, decode_roofline, prefill_roofline, roofline
+from tandem.bench.engine_timing import (
     OpTime,
     RepeatPolicy,
     median,
     repeat_interleaved,
     top_ops,
 )
-from engine.config import ModelConfig
+from tandem.engine.config import ModelConfig
 
 SMALL_CONFIG = {
     "architectures": ["LlamaForCausalLM"],

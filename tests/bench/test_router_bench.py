@@ -9,18 +9,18 @@ from dataclasses import dataclass
 
 import pytest
 
-from bench.doc_sections import replace_section
-from bench.router_bench import (
+from tandem.bench.doc_sections import replace_section
+from tandem.bench.router_bench import (
     RouterBenchReport,
     ThroughputSetup,
     parse_args,
     render_section,
     throughput_reading,
 )
-from bench.router_load import ClosedLoopResult, StreamTiming, distinct_prompts
-from bench.router_overhead import OverheadResult
-from bench.router_procs import process_cpu_s
-from bench.router_report import (
+from tandem.bench.router_load import ClosedLoopResult, StreamTiming, distinct_prompts
+from tandem.bench.router_overhead import OverheadResult
+from tandem.bench.router_procs import process_cpu_s
+from tandem.bench.router_report import (
     LatencySummary,
     MachineFacts,
     format_ms,

@@ -6,11 +6,11 @@ import math
 
 import pytest
 
-from bench.router_load import StreamTiming
-from bench.router_report import LatencySummary, MachineFacts
-from bench.slo_bench import parse_args
-from bench.slo_load import parse_samples
-from bench.slo_metrics import (
+from tandem.bench.router_load import StreamTiming
+from tandem.bench.router_report import LatencySummary, MachineFacts
+from tandem.bench.slo_bench import parse_args
+from tandem.bench.slo_load import parse_samples
+from tandem.bench.slo_metrics import (
     Outcome,
     Probe,
     capacity_of,
@@ -19,7 +19,7 @@ from bench.slo_metrics import (
     poisson_arrivals,
     summarize,
 )
-from bench.slo_report import (
+from tandem.bench.slo_report import (
     Calibration,
     PolicyRun,
     RunSetup,

@@ -6,10 +6,10 @@ import asyncio
 
 import grpc
 
-from proto.tandem.v1 import generation_pb2 as gen_pb
-from proto.tandem.v1 import generation_pb2_grpc
-from proto.tandem.worker.v1 import worker_pb2 as pb
-from proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 
 
 async def generate_tokens(

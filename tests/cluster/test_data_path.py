@@ -12,12 +12,12 @@ import asyncio
 import grpc
 import pytest
 
-from decode_worker.server import DecodeWorker
-from engine.config import EngineConfig
-from engine.worker_config import WorkerConfig, WorkerRole
-from prefill_worker.server import PrefillWorker
-from proto.tandem.worker.v1 import worker_pb2 as pb
-from proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.decode_worker.server import DecodeWorker
+from tandem.engine.config import EngineConfig
+from tandem.engine.worker_config import WorkerConfig, WorkerRole
+from tandem.prefill_worker.server import PrefillWorker
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tests.cluster.client import assert_workers_idle, worker_stats
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import make_prompts

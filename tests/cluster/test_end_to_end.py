@@ -13,7 +13,7 @@ import urllib.request
 import pytest
 import ray
 
-from cluster.launcher import ClusterConfig, LocalCluster
+from tandem.cluster.launcher import ClusterConfig, LocalCluster
 from tests.cluster.client import assert_workers_idle, generate_tokens
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import make_prompts

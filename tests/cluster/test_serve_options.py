@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.cli import DEFAULT_TOKEN_BUDGET, _engine_overrides, build_parser
-from engine.config import EngineConfig
+from tandem.cluster.cli import DEFAULT_TOKEN_BUDGET, _engine_overrides, build_parser
+from tandem.engine.config import EngineConfig
 
 
 def overrides(tiny_model_dir, *flags: str) -> dict:

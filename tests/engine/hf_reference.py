@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from engine.model_maker import separate_logits
+from tandem.engine.model_maker import separate_logits
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 

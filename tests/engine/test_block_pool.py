@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.block_pool import BlockPool
+from tandem.engine.block_pool import BlockPool
 
 
 def test_allocate_and_free_return_to_idle():

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.sampling_params import SamplingParams
 
 CORPUS = [
     "Hello world, the quick brown fox 🦊 jumps over the lazy dog.",

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from engine.config import EngineConfig, EngineMode
-from engine.generate import generate
-from engine.llm_engine import Engine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig, EngineMode
+from tandem.engine.generate import generate
+from tandem.engine.llm_engine import Engine
+from tandem.engine.sampling_params import SamplingParams
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import make_prompts
 

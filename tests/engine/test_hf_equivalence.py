@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine.config import EngineConfig
-from engine.generate import generate
-from engine.llm_engine import Engine
-from engine.sampling_params import SamplingParams
+from tandem.engine.config import EngineConfig
+from tandem.engine.generate import generate
+from tandem.engine.llm_engine import Engine
+from tandem.engine.sampling_params import SamplingParams
 from tests.engine.hf_reference import hf_greedy, save_random_model
 
 PROMPT_LENS = (1, 3, 17, 64, 150, 333, 512, 700)

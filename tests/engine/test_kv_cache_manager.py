@@ -1,9 +1,9 @@
 """Per-request block tables and the prefix cache over the pool."""
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager, chain_hash
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.kv_cache_manager import KVCacheManager, chain_hash
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
 
 BLOCK = 4
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from cluster import cli
-from engine.model_maker import PRESETS, make_model
+from tandem.cluster import cli
+from tandem.engine.model_maker import PRESETS, make_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [
@@ -26,7 +26,7 @@ TEXTS = [
 def tandem_command() -> list[str]:
     """The installed `tandem` console script, else the same entry point via `-m`."""
     script = Path(sys.executable).with_name("tandem")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "cluster.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "tandem.cluster.cli"]
 
 
 @pytest.fixture(scope="module")

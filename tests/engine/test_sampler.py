@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, make_generator
-from engine.sampling_params import SamplingParams
+from tandem.engine.sampler import Sampler, make_generator
+from tandem.engine.sampling_params import SamplingParams
 
 VOCAB_SIZE = 64
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.sampling_params import MAX_NUM_STOP_STRINGS, SamplingParams
+from tandem.engine.sampling_params import MAX_NUM_STOP_STRINGS, SamplingParams
 
 
 def test_defaults_are_valid_and_sampling() -> None:

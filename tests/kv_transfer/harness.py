@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferService, ReadBlocks
-from proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferService, ReadBlocks
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 
 TINY = KvLayout("tiny-0123abcd", "float32", 4, 2, 2, 8)
 # The small preset's layout: 393,216 bytes per fp32 block.

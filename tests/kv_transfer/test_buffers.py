@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 
-from kv_transfer.buffers import BufferPool
+from tandem.kv_transfer.buffers import BufferPool
 
 pytestmark = pytest.mark.timeout(30)
 

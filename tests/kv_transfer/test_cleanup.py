@@ -8,7 +8,13 @@ import warnings
 
 import pytest
 
-from kv_transfer import KvHandle, KvPullError, KvTransferClient, KvTransferError, LocalRegistry
+from tandem.kv_transfer import (
+    KvHandle,
+    KvPullError,
+    KvTransferClient,
+    KvTransferError,
+    LocalRegistry,
+)
 from tests.kv_transfer.harness import (
     TINY,
     FakeEngine,

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from kv_transfer import (
+from tandem.kv_transfer import (
     CacheBlocks,
     KvHandle,
     KvLayout,
@@ -19,8 +19,8 @@ from kv_transfer import (
     LayoutMismatchError,
     LocalRegistry,
 )
-from kv_transfer.tcp_channel import TcpChannel
-from kv_transfer.wire import DataReply, DataRequest, recv_message, send_message
+from tandem.kv_transfer.tcp_channel import TcpChannel
+from tandem.kv_transfer.wire import DataReply, DataRequest, recv_message, send_message
 from tests.kv_transfer.harness import TINY, FakeEngine, prefill_server, random_cache
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from kv_transfer import KvHandle, KvLayout, KvTransferError, LayoutMismatchError
-from proto.tandem.worker.v1 import worker_pb2
+from tandem.engine.config import EngineConfig
+from tandem.kv_transfer import KvHandle, KvLayout, KvTransferError, LayoutMismatchError
+from tandem.proto.tandem.worker.v1 import worker_pb2
 
 pytestmark = pytest.mark.timeout(30)
 

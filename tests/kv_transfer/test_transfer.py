@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from kv_transfer import (
+from tandem.kv_transfer import (
     CacheBlocks,
     KvHandle,
     KvLayout,

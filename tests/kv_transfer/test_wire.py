@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kv_transfer.wire import (
+from tandem.kv_transfer.wire import (
     DataReply,
     DataRequest,
     Hello,

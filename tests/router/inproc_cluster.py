@@ -10,14 +10,14 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from decode_worker.server import DecodeWorker
-from engine.config import EngineConfig
-from engine.tracing import Tracing
-from engine.worker_config import WorkerConfig, WorkerRole
-from prefill_worker.server import PrefillWorker
-from router.config import RouterConfig
-from router.server import Router
-from router.worker_pool import WorkerEndpoint
+from tandem.decode_worker.server import DecodeWorker
+from tandem.engine.config import EngineConfig
+from tandem.engine.tracing import Tracing
+from tandem.engine.worker_config import WorkerConfig, WorkerRole
+from tandem.prefill_worker.server import PrefillWorker
+from tandem.router.config import RouterConfig
+from tandem.router.server import Router
+from tandem.router.worker_pool import WorkerEndpoint
 from tests.cluster.client import assert_workers_idle
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from proto.tandem.v1 import generation_pb2 as gen_pb
-from proto.tandem.v1 import generation_pb2_grpc
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tests.engine.test_hf_equivalence import make_prompts
 from tests.router.inproc_cluster import InprocCluster
 

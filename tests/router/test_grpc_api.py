@@ -12,8 +12,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from proto.tandem.v1 import generation_pb2 as gen_pb
-from proto.tandem.v1 import generation_pb2_grpc
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import make_prompts
 from tests.router.inproc_cluster import InprocCluster

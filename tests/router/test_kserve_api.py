@@ -12,12 +12,12 @@ import pytest
 from google.protobuf import descriptor_pool
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from proto.inference import grpc_service_pb2 as kserve_pb
-from proto.tandem.v1 import generation_pb2 as gen_pb
-from proto.tandem.v1 import generation_pb2_grpc
-from router.errors import InvalidRequest
-from router.kserve_request import parse_request
-from router.tokenization import PromptTokenizer
+from tandem.proto.inference import grpc_service_pb2 as kserve_pb
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tandem.router.errors import InvalidRequest
+from tandem.router.kserve_request import parse_request
+from tandem.router.tokenization import PromptTokenizer
 from tests.engine.hf_reference import hf_greedy
 from tests.router.inproc_cluster import InprocCluster
 

@@ -18,8 +18,8 @@ MAX_TOKENS = 7
 async def run_fixed_length(endpoint: str, prompts: list[list[int]]) -> None:
     import grpc
 
-    from proto.tandem.v1 import generation_pb2 as gen_pb
-    from proto.tandem.v1 import generation_pb2_grpc
+    from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+    from tandem.proto.tandem.v1 import generation_pb2_grpc
 
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from engine.model_maker import make_model
-from router.tokenization import PromptTokenizer
+from tandem.engine.model_maker import make_model
+from tandem.router.tokenization import PromptTokenizer
 from tests.cluster.client import worker_stats
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import make_prompts

@@ -20,13 +20,13 @@ import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from engine.model_maker import make_model
-from router.config import RouterConfig
-from router.errors import Overloaded, RouterError, WorkerUnavailable, from_worker_error
-from router.http_server import make_http_app
-from router.policy import SloConfig
-from router.request_flow import GenerationChunk, Usage
-from router.tokenization import PromptTokenizer
+from tandem.engine.model_maker import make_model
+from tandem.router.config import RouterConfig
+from tandem.router.errors import Overloaded, RouterError, WorkerUnavailable, from_worker_error
+from tandem.router.http_server import make_http_app
+from tandem.router.policy import SloConfig
+from tandem.router.request_flow import GenerationChunk, Usage
+from tandem.router.tokenization import PromptTokenizer
 from tests.router.inproc_cluster import InprocCluster
 
 API_KEY = "sk-tandem-bad-input"

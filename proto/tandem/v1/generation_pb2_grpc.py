@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.tandem.v1 import generation_pb2 as proto_dot_tandem_dot_v1_dot_generation__pb2
+from tandem.proto.tandem.v1 import generation_pb2 as tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/tandem/v1/generation_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/proto/tandem/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class GenerationStub:
         """
         self.Generate = channel.unary_stream(
                 '/tandem.v1.Generation/Generate',
-                request_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
                 '/tandem.v1.Generation/Tokenize',
-                request_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tandem.v1.Generation/ListModels',
-                request_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
 
 
@@ -80,18 +80,18 @@ def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
             'Tokenize': grpc.unary_unary_rpc_method_handler(
                     servicer.Tokenize,
-                    request_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
-                    request_deserializer=proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -119,8 +119,8 @@ class Generation:
             request,
             target,
             '/tandem.v1.Generation/Generate',
-            proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
-            proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -146,8 +146,8 @@ class Generation:
             request,
             target,
             '/tandem.v1.Generation/Tokenize',
-            proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
-            proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,8 +173,8 @@ class Generation:
             request,
             target,
             '/tandem.v1.Generation/ListModels',
-            proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
-            proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

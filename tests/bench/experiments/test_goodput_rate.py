@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from bench.experiments.goodput import highest_rate_meeting, ratio_rows, sustained_rate
-from bench.loadgen.metrics import summarize
-from bench.loadgen.report import SweepPoint
-from bench.loadgen.traces import RequestTrace
+from tandem.bench.experiments.goodput import highest_rate_meeting, ratio_rows, sustained_rate
+from tandem.bench.loadgen.metrics import summarize
+from tandem.bench.loadgen.report import SweepPoint
+from tandem.bench.loadgen.traces import RequestTrace
 
 
 def point(rate: float, attainment: float) -> SweepPoint:

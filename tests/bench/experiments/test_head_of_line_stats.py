@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from bench.experiments.head_of_line import JOIN_WINDOW_S, head_of_line_stats
-from bench.loadgen.traces import RequestTrace
+from tandem.bench.experiments.head_of_line import JOIN_WINDOW_S, head_of_line_stats
+from tandem.bench.loadgen.traces import RequestTrace
 
 
 def trace(times: list[float], tag: str = "short", send: float = 0.0, req_id: str = "s"):

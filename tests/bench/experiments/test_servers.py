@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from bench.experiments.servers import ServerSpec, running
+from tandem.bench.experiments.servers import ServerSpec, running
 
 pytestmark = pytest.mark.timeout(60)
 

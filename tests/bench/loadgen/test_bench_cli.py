@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cluster.cli import main
+from tandem.cluster.cli import main
 from tests.router.inproc_cluster import InprocCluster
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from bench.loadgen.clients import ClientConfig
-from bench.loadgen.http_client import HttpClient, _StreamState
-from bench.loadgen.workloads import RequestSpec
+from tandem.bench.loadgen.clients import ClientConfig
+from tandem.bench.loadgen.http_client import HttpClient, _StreamState
+from tandem.bench.loadgen.workloads import RequestSpec
 
 
 def line(payload: dict | str) -> bytes:

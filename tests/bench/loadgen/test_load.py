@@ -9,15 +9,15 @@ import time
 import numpy as np
 import pytest
 
-from bench.loadgen.load import (
+from tandem.bench.loadgen.load import (
     RUN_TIMEOUT_ERROR,
     Injection,
     LoadConfig,
     poisson_schedule,
     run_load,
 )
-from bench.loadgen.traces import RequestTrace
-from bench.loadgen.workloads import FixedWorkload, RequestSpec, Vocab
+from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import FixedWorkload, RequestSpec, Vocab
 
 
 def test_poisson_schedule_has_exponential_gaps_at_the_rate():

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from bench.loadgen.metrics import (
+from tandem.bench.loadgen.metrics import (
     Distribution,
     RunSummary,
     SloTargets,
@@ -21,7 +21,7 @@ from bench.loadgen.metrics import (
     tpot_s,
     ttft_s,
 )
-from bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.traces import RequestTrace
 
 
 def trace(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.loadgen.workloads import (
+from tandem.bench.loadgen.workloads import (
     FIRST_TOKEN_ID,
     LONG_TAG,
     ChatMix,

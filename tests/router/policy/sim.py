@@ -14,8 +14,8 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from router.errors import Overloaded
-from router.policy import GoodputPolicy, Placement, PrefixIndex, RequestSlo
+from tandem.router.errors import Overloaded
+from tandem.router.policy import GoodputPolicy, Placement, PrefixIndex, RequestSlo
 
 
 @dataclass

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from router.errors import Overloaded
-from router.policy import (
+from tandem.router.errors import Overloaded
+from tandem.router.policy import (
     AdmissionConfig,
     AdmissionController,
     GoodputPolicy,
@@ -218,7 +218,7 @@ def test_cancelled_waiter_leaves_nothing_behind():
 
 
 def test_ttft_padding_learns_the_prediction_error():
-    from router.policy.admission import AdmissionConfig, AdmissionController
+    from tandem.router.policy.admission import AdmissionConfig, AdmissionController
 
     now = [0.0]
     controller = AdmissionController(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from router.policy import (
+from tandem.router.policy import (
     DISAGGREGATED,
     LOCAL_PREFILL,
     GoodputPolicy,

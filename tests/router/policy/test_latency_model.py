@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from router.policy import (
+from tandem.router.policy import (
     DecodeLatencyModel,
     DecodeObservation,
     PrefillLatencyModel,

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from router.errors import WorkerUnavailable
-from router.policy import (
+from tandem.router.errors import WorkerUnavailable
+from tandem.router.policy import (
     DISAGGREGATED,
     LOCAL_PREFILL,
     AdmissionConfig,

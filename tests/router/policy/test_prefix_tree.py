@@ -2,11 +2,11 @@
 
 import pytest
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
-from engine.sampling_params import SamplingParams
-from router.policy import PrefixIndex, block_hashes
+from tandem.engine.block_pool import BlockPool
+from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.request import Request
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router.policy import PrefixIndex, block_hashes
 
 BS = 4
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from router.errors import InvalidRequest
-from router.policy import BATCH, INTERACTIVE, Slo, SloClass, SloConfig
+from tandem.router.errors import InvalidRequest
+from tandem.router.policy import BATCH, INTERACTIVE, Slo, SloClass, SloConfig
 
 
 def test_presets():

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from router.policy import WorkerState, WorkerStats
+from tandem.router.policy import WorkerState, WorkerStats
 
 
 def prefill_worker() -> WorkerState:

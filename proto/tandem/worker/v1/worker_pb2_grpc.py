@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.tandem.worker.v1 import worker_pb2 as proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2
+from tandem.proto.tandem.worker.v1 import worker_pb2 as tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/tandem/worker/v1/worker_pb2_grpc.py depends on'
+        + ' but the generated code in tandem/proto/tandem/worker/v1/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class PrefillWorkerStub:
         """
         self.Prefill = channel.unary_unary(
                 '/tandem.worker.v1.PrefillWorker/Prefill',
-                request_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.worker.v1.PrefillWorker/Release',
-                request_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/tandem.worker.v1.PrefillWorker/Stats',
-                request_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -79,18 +79,18 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
-                    request_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -118,8 +118,8 @@ class PrefillWorker:
             request,
             target,
             '/tandem.worker.v1.PrefillWorker/Prefill',
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -145,8 +145,8 @@ class PrefillWorker:
             request,
             target,
             '/tandem.worker.v1.PrefillWorker/Release',
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -172,8 +172,8 @@ class PrefillWorker:
             request,
             target,
             '/tandem.worker.v1.PrefillWorker/Stats',
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -196,18 +196,18 @@ class DecodeWorkerStub:
         """
         self.Decode = channel.unary_stream(
                 '/tandem.worker.v1.DecodeWorker/Decode',
-                request_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.worker.v1.DecodeWorker/Abort',
-                request_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/tandem.worker.v1.DecodeWorker/Stats',
-                request_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.FromString,
                 _registered_method=True)
 
 
@@ -238,18 +238,18 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -277,8 +277,8 @@ class DecodeWorker:
             request,
             target,
             '/tandem.worker.v1.DecodeWorker/Decode',
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -304,8 +304,8 @@ class DecodeWorker:
             request,
             target,
             '/tandem.worker.v1.DecodeWorker/Abort',
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -331,8 +331,8 @@ class DecodeWorker:
             request,
             target,
             '/tandem.worker.v1.DecodeWorker/Stats',
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -356,18 +356,18 @@ class KvTransferStub:
         """
         self.OpenChannel = channel.unary_unary(
                 '/tandem.worker.v1.KvTransfer/OpenChannel',
-                request_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelResponse.FromString,
                 _registered_method=True)
         self.Pull = channel.unary_unary(
                 '/tandem.worker.v1.KvTransfer/Pull',
-                request_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullResponse.FromString,
                 _registered_method=True)
         self.CloseChannel = channel.unary_unary(
                 '/tandem.worker.v1.KvTransfer/CloseChannel',
-                request_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelRequest.SerializeToString,
-                response_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelResponse.FromString,
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelResponse.FromString,
                 _registered_method=True)
 
 
@@ -400,18 +400,18 @@ def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'OpenChannel': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenChannel,
-                    request_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelResponse.SerializeToString,
             ),
             'Pull': grpc.unary_unary_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullResponse.SerializeToString,
             ),
             'CloseChannel': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseChannel,
-                    request_deserializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelRequest.FromString,
-                    response_serializer=proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelResponse.SerializeToString,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,8 +440,8 @@ class KvTransfer:
             request,
             target,
             '/tandem.worker.v1.KvTransfer/OpenChannel',
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelRequest.SerializeToString,
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.OpenChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -467,8 +467,8 @@ class KvTransfer:
             request,
             target,
             '/tandem.worker.v1.KvTransfer/Pull',
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullRequest.SerializeToString,
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -494,8 +494,8 @@ class KvTransfer:
             request,
             target,
             '/tandem.worker.v1.KvTransfer/CloseChannel',
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelRequest.SerializeToString,
-            proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelResponse.FromString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelResponse.FromString,
             options,
             channel_credentials,
             insecure,
