@@ -20,12 +20,12 @@ from tandem.bench.router_cluster import ClusterInfo
 from tandem.bench.router_load import StreamTiming, timed_generate
 from tandem.bench.router_report import LatencySummary, paired_differences
 from tandem.engine.sampling_params import SamplingParams
-from tandem.proto.convert import sampling_params_to_proto
 from tandem.proto.server_options import GRPC_OPTIONS
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.worker.convert import sampling_params_to_proto
 
 _TIMEOUT_S = 60.0
 

@@ -20,10 +20,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.cluster.worker_actor import WorkerActor
 from tandem.engine.config import EngineConfig
-from tandem.engine.worker_config import WorkerConfig, WorkerRole
 from tandem.router.config import RouterConfig
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
+from tandem.worker.config import WorkerConfig, WorkerRole
 
 logger = logging.getLogger(__name__)
 

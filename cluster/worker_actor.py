@@ -7,7 +7,7 @@ import os
 
 import ray
 
-from tandem.engine.worker_config import WorkerConfig, WorkerRole
+from tandem.worker.config import WorkerConfig, WorkerRole
 
 logger = logging.getLogger(__name__)
 

@@ -17,18 +17,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from tandem.engine.engine_loop import EngineLoop, RequestStream
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.tracing import Tracing
-from tandem.engine.worker_config import WorkerConfig
-from tandem.engine.worker_metrics import WorkerMetrics
 from tandem.kv_transfer.client import KvTransferClient
 from tandem.kv_transfer.errors import KvTransferError
 from tandem.kv_transfer.handle import KvHandle
-from tandem.proto.convert import FINISH_REASONS, sampling_params_from_proto, stats_to_proto
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.telemetry.tracing import Tracing
+from tandem.worker.config import WorkerConfig
+from tandem.worker.convert import FINISH_REASONS, sampling_params_from_proto, stats_to_proto
+from tandem.worker.engine_loop import EngineLoop, RequestStream
+from tandem.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -13,16 +13,16 @@ from collections.abc import Callable
 
 import grpc
 
-from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.outputs import RequestOutput
-from tandem.engine.tracing import Tracing
-from tandem.engine.worker_config import WorkerConfig
 from tandem.kv_transfer.handle import KvHandle
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.stats import TransferStats
-from tandem.proto.convert import FINISH_REASONS, sampling_params_from_proto, stats_to_proto
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.telemetry.tracing import Tracing
+from tandem.worker.config import WorkerConfig
+from tandem.worker.convert import FINISH_REASONS, sampling_params_from_proto, stats_to_proto
+from tandem.worker.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 

@@ -17,14 +17,14 @@ import grpc
 from opentelemetry.trace import Span
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.tracing import Tracing
-from tandem.proto.convert import FINISH_REASON_NAMES, sampling_params_to_proto
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.router.chunk_stream import ChunkStream, GenerationChunk, Usage
 from tandem.router.errors import Overloaded, from_worker_error
 from tandem.router.metrics import RequestRecord, RouterMetrics
 from tandem.router.policy import GoodputPolicy, Placement, RequestSlo, SloConfig
 from tandem.router.worker_pool import WorkerPair, WorkerPool
+from tandem.telemetry.tracing import Tracing
+from tandem.worker.convert import FINISH_REASON_NAMES, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
 

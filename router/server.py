@@ -10,7 +10,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tandem.engine.tracing import Tracing
 from tandem.proto.inference.grpc_service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
 from tandem.proto.server_options import GRPC_OPTIONS
 from tandem.proto.tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -24,6 +23,7 @@ from tandem.router.policy_runtime import PolicyRuntime
 from tandem.router.request_flow import RequestFlow
 from tandem.router.tokenization import PromptTokenizer
 from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
+from tandem.telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 

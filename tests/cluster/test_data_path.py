@@ -14,10 +14,10 @@ import pytest
 
 from tandem.decode_worker.server import DecodeWorker
 from tandem.engine.config import EngineConfig
-from tandem.engine.worker_config import WorkerConfig, WorkerRole
 from tandem.prefill_worker.server import PrefillWorker
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.worker.config import WorkerConfig, WorkerRole
 from tests.cluster.client import assert_workers_idle, worker_stats
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.test_hf_equivalence import make_prompts

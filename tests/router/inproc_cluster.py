@@ -12,12 +12,12 @@ from typing import Any
 
 from tandem.decode_worker.server import DecodeWorker
 from tandem.engine.config import EngineConfig
-from tandem.engine.tracing import Tracing
-from tandem.engine.worker_config import WorkerConfig, WorkerRole
 from tandem.prefill_worker.server import PrefillWorker
 from tandem.router.config import RouterConfig
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
+from tandem.telemetry.tracing import Tracing
+from tandem.worker.config import WorkerConfig, WorkerRole
 from tests.cluster.client import assert_workers_idle
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from tandem.engine.tracing import Tracing
+from tandem.telemetry.tracing import Tracing
 from tests.cluster.client import generate_tokens
 from tests.engine.test_hf_equivalence import make_prompts
 from tests.router.inproc_cluster import InprocCluster

@@ -20,8 +20,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.outputs import EngineStats
+from tandem.worker.engine_loop import EngineLoop
 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0)  # fmt: skip

@@ -14,12 +14,12 @@ import logging
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tandem.engine.engine_loop import EngineLoop
 from tandem.engine.llm_engine import Engine
-from tandem.engine.tracing import Tracing
-from tandem.engine.worker_config import WorkerConfig
-from tandem.engine.worker_metrics import WorkerMetrics
 from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.telemetry.tracing import Tracing
+from tandem.worker.config import WorkerConfig
+from tandem.worker.engine_loop import EngineLoop
+from tandem.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,77 @@
+"""The package layout keeps its promises: a pure engine, one-way imports between folders."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = [
+    "engine", "worker", "telemetry", "prefill_worker", "decode_worker", "kv_transfer",
+    "router", "proto", "cluster", "bench",
+]
+# The engine is the model runtime both workers share: no servers, wire formats or metrics.
+ENGINE_FORBIDDEN = {
+    "grpc", "grpc_health", "grpc_reflection", "prometheus_client", "opentelemetry", "aiohttp",
+    "ray", *(f"tandem.{name}" for name in PACKAGES if name != "engine"),
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Absolute module names a file imports (top of file or inside functions)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def package_imports(package: str) -> set[str]:
+    """The other top-level Tandem packages that `package` imports."""
+    found: set[str] = set()
+    for path in (ROOT / package).rglob("*.py"):
+        for module in imported_modules(path):
+            parts = module.split(".")
+            if parts[0] == "tandem" and len(parts) > 1 and parts[1] != package:
+                found.add(parts[1])
+    return found
+
+
+def test_engine_imports_no_service_code():
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {module}"
+        for path in (ROOT / "engine").rglob("*.py")
+        for module in imported_modules(path)
+        if any(module == bad or module.startswith(f"{bad}.") for bad in ENGINE_FORBIDDEN)
+    ]
+    assert not offenders, offenders
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_import_cycle_between_packages(package: str):
+    graph = {name: package_imports(name) for name in PACKAGES}
+    # Depth-first walk from `package`: reaching it again is a cycle.
+    stack = [(dep, [package, dep]) for dep in graph[package]]
+    seen: set[str] = set()
+    while stack:
+        node, trail = stack.pop()
+        assert node != package, "import cycle: " + " -> ".join(trail)
+        if node in seen or node not in graph:
+            continue
+        seen.add(node)
+        stack.extend((dep, [*trail, dep]) for dep in graph[node])
+
+
+def test_no_generic_top_level_names_in_code():
+    """Code imports `tandem.engine`, never a bare `engine` (which is not installed)."""
+    offenders = []
+    for package in [*PACKAGES, "tests"]:
+        for path in (ROOT / package).rglob("*.py"):
+            for module in imported_modules(path):
+                if module.split(".")[0] in PACKAGES:
+                    offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not offenders, offenders
