@@ -1,7 +1,7 @@
 # Tandem: two commands on a fresh machine.
 #   make serve   - create .venv, install, make the default model if absent, start the
 #                  local cluster (Ray: 1 prefill + 1 decode worker, router on :50051/:8000)
-#   make test    - create .venv, install, run the whole test suite
+#   make test    - create .venv, install, lint, type-check, run the whole test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,7 +11,7 @@ MODEL_PRESET ?= small
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
 
-.PHONY: install serve demo test lint proto bench-engine bench-experiments clean
+.PHONY: install serve demo test lint typecheck proto bench-engine bench-experiments clean
 
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,7 @@ demo: $(VENV)/.installed $(MODEL_DIR)/config.json
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(MAKE) --no-print-directory typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Regenerate the Python stubs (committed; tests/proto checks they are current).
@@ -43,6 +44,19 @@ proto: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+
+# mypy cannot read setuptools' editable finder (folder `engine/` -> `tandem.engine`), so
+# each top-level folder is linked as build/typecheck/tandem/<folder>, the path that
+# [tool.mypy] in pyproject.toml names; the links are rebuilt on every run. PACKAGES is
+# setup.py's TOP_LEVEL.
+PACKAGES := engine worker telemetry prefill_worker decode_worker kv_transfer router proto \
+	cluster bench
+TYPECHECK_ROOT := build/typecheck
+typecheck: $(VENV)/.installed
+	rm -rf $(TYPECHECK_ROOT)
+	mkdir -p $(TYPECHECK_ROOT)/tandem
+	for name in $(PACKAGES); do ln -s ../../../$$name $(TYPECHECK_ROOT)/tandem/$$name; done
+	$(VENV)/bin/mypy $(addprefix -p tandem.,$(PACKAGES))
 
 bench-engine: $(VENV)/.installed
 	$(PY) -m bench.engine_bench --out docs/benchmarks.md

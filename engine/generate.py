@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tandem.engine.llm_engine import Engine
 from tandem.engine.outputs import CompletionOutput
 from tandem.engine.sampling_params import SamplingParams
@@ -9,7 +11,7 @@ from tandem.engine.sampling_params import SamplingParams
 
 def generate(
     engine: Engine,
-    prompts: list[str] | list[list[int]],
+    prompts: Sequence[str | list[int]],
     params: SamplingParams | list[SamplingParams],
     req_id_prefix: str = "gen",
 ) -> list[CompletionOutput]:

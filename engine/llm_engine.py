@@ -49,6 +49,13 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        # EngineConfig.__post_init__ resolves both (from the model and the memory budget).
+        if config.max_model_len is None or config.num_blocks is None:
+            raise ValueError(
+                f"unresolved EngineConfig: max_model_len={config.max_model_len}, "
+                f"num_blocks={config.num_blocks}"
+            )
+        self.max_model_len: int = config.max_model_len
         self.model_config = config.model_config
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -60,7 +67,7 @@ class Engine:
             config.model_config,
             config.torch_dtype,
             torch.device(config.device),
-            config.max_model_len,
+            self.max_model_len,
         )
         self.pool = BlockPool(config.num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
@@ -288,16 +295,16 @@ class Engine:
             raise ValueError(f"req_id must be a non-empty string, got {req_id!r}")
         if req_id in self._requests or req_id in self._held or req_id in self._importing:
             raise ValueError(f"request id {req_id!r} is already in use")
-        max_len = self.config.max_model_len
+        max_len = self.max_model_len
         if len(prompt_ids) >= max_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} "
                 "(prompt + at least one output token)"
             )
         needed = self.config.blocks_for(min(len(prompt_ids) + params.max_tokens, max_len))
-        if needed > self.config.num_blocks:
+        if needed > self.pool.num_blocks:
             raise ValueError(
-                f"request needs {needed} KV blocks but the pool has {self.config.num_blocks}"
+                f"request needs {needed} KV blocks but the pool has {self.pool.num_blocks}"
             )
         generator = make_generator(params.seed, self.config.device)
         return Request(req_id, prompt_ids, params, generator=generator)

@@ -140,7 +140,8 @@ def make_model(preset: str, out_dir: str | Path, seed: int = 0) -> Path:
 
 
 def _llama_config(spec: ModelPreset) -> LlamaConfig:
-    return LlamaConfig(
+    # rope_theta: transformers 5 takes this 4.x keyword through **kwargs, untyped.
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -160,7 +161,8 @@ def _llama_config(spec: ModelPreset) -> LlamaConfig:
 
 def _build_model(config: LlamaConfig, spec: ModelPreset, seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    # .float(), not .to(torch.float32): transformers types its `to` wrapper wrongly.
+    model = LlamaForCausalLM(config).float().eval()
     separate_logits(model, spec.logits_std, spec.token_scale_spread)
     return model
 

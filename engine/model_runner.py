@@ -31,7 +31,7 @@ class ModelRunner:
         self.kv_caches = torch.zeros(
             cfg.num_layers,
             2,
-            config.num_blocks,
+            kv.pool.num_blocks,  # one cache slot per pool block
             config.block_size,
             cfg.num_kv_heads,
             cfg.head_dim,
@@ -108,9 +108,11 @@ class ModelRunner:
             end = start + chunk.num_new_tokens
             blocks = self.kv.block_ids[req.req_id]
             token_ids += req.token_ids(start, end)
-            span = range(start, end)
-            positions += span
-            slots += [blocks[p // block_size] * block_size + p % block_size for p in span]
+            new_positions = range(start, end)
+            positions += new_positions
+            slots += [
+                blocks[p // block_size] * block_size + p % block_size for p in new_positions
+            ]
             starts.append(starts[-1] + chunk.num_new_tokens)
             seq_lens.append(end)
             tables.append(blocks)

@@ -66,6 +66,9 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
+        if config.max_model_len is None:  # EngineConfig.__post_init__ resolves it
+            raise ValueError("EngineConfig.max_model_len is unresolved")
+        self.max_model_len: int = config.max_model_len
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -167,7 +170,7 @@ class Scheduler:
             (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids
         ):
             return FinishReason.STOP
-        if num_output >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_output >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -30,7 +30,7 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     tensors in place (as uint8, since numpy has no bfloat16)."""
     if tensor.device.type != "cpu" or not tensor.is_contiguous():
         raise ValueError("byte_view needs a contiguous CPU tensor")
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
 class ProtocolError(ConnectionError):

@@ -44,7 +44,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         self._transfer_stats = transfer_stats
         self.tracing = tracing
 
-    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+    async def Prefill(
+        self,
+        request: pb.PrefillRequest,
+        context: grpc.aio.ServicerContext[pb.PrefillRequest, pb.PrefillResponse],
+    ) -> pb.PrefillResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
         try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 
@@ -37,7 +37,7 @@ class ChunkStream:
     API handlers must close the stream when they exit, however they exit.
     """
 
-    def __init__(self, source: AsyncIterator[GenerationChunk]) -> None:
+    def __init__(self, source: AsyncGenerator[GenerationChunk, None]) -> None:
         self._source = source
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task: asyncio.Task | None = None
@@ -69,6 +69,10 @@ class ChunkStream:
             self._queue.put_nowait(exc)
 
     def cancel(self) -> None:
+        self._cancel()
+
+    def _cancel(self) -> asyncio.Task:
+        """Cancels the request; returns the task whose end is the end of its cleanup."""
         if self._task is None:
             # Never started: nothing is held yet; close the source so it cannot start.
             self._task = asyncio.get_running_loop().create_task(self._source.aclose())
@@ -76,8 +80,8 @@ class ChunkStream:
             # Once: a second cancel would interrupt the request's own cleanup.
             self._cancel_requested = True
             self._task.cancel()
+        return self._task
 
     async def aclose(self) -> None:
         """Cancel the request (if still running) and wait for its cleanup."""
-        self.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(self._cancel(), return_exceptions=True)

@@ -7,6 +7,7 @@ API key check. The body size limit is aiohttp's `client_max_size`.
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from tandem.router.config import RouterConfig
 from tandem.router.openai.auth import make_auth_middleware
@@ -25,7 +26,7 @@ def make_http_app(
             return web.json_response({"status": "ok", "workers": len(pool.workers)})
         return web.json_response({"status": "starting"}, status=503)
 
-    middlewares = [error_middleware]
+    middlewares: list[Middleware] = [error_middleware]
     if config.api_key is not None:
         middlewares.append(make_auth_middleware(config.api_key))
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)

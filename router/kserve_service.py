@@ -213,10 +213,11 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         )
         values = {"text_output": output.text, "finish_reason": output.finish_reason}
         for name in parsed.output_names:
-            if values[name] is None:  # finish_reason before the last response
+            value = values[name]
+            if value is None:  # finish_reason before the last response
                 continue
             response.outputs.add(name=name, datatype="BYTES", shape=parsed.output_shape)
-            response.raw_output_contents.append(encode_bytes([values[name].encode()]))
+            response.raw_output_contents.append(encode_bytes([value.encode()]))
         if final is not None:
             response.parameters["triton_final_response"].bool_param = final
         if output.usage is not None:

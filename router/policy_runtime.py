@@ -28,7 +28,7 @@ from tandem.router.policy import (
 )
 from tandem.router.policy.slo import Slo, default_classes
 from tandem.router.warmup_profile import profile_decode, profile_prefill
-from tandem.router.worker_pool import WorkerPool
+from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class PolicyRuntime:
             ),
             admission_config=AdmissionConfig(policy=AdmissionPolicy(self.config.admission_policy)),
         )
-        self._poller = asyncio.get_running_loop().create_task(self._poll())
+        self._poller = asyncio.get_running_loop().create_task(self._poll(self.policy))
         return self.policy
 
     async def _profile(
@@ -108,23 +108,23 @@ class PolicyRuntime:
         logger.info("seeded latency models of %d workers from a start-up profile",
                     len(prefill_states) + len(decode_states))  # fmt: skip
 
-    async def _poll(self) -> None:
+    async def _poll(self, policy: GoodputPolicy) -> None:
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
             for worker in self.pool.workers:
-                await self._poll_one(worker)
+                await self._poll_one(policy, worker)
 
-    async def _poll_one(self, worker) -> None:
+    async def _poll_one(self, policy: GoodputPolicy, worker: WorkerEndpoint) -> None:
         taken_at = time.monotonic()
         try:
             reply = await self.pool.worker_stats(worker, self.config.probe_timeout_s)
         except grpc.aio.AioRpcError as exc:
             logger.warning("worker %s unreachable (%s); not placing on it", worker.worker_id,
                            exc.code().name)  # fmt: skip
-            self.policy.set_available(worker.worker_id, False)
+            policy.set_available(worker.worker_id, False)
             return
-        self.policy.set_available(worker.worker_id, True)
-        self.policy.update_stats(worker.worker_id, WorkerStats.from_proto(reply), taken_at)
+        policy.set_available(worker.worker_id, True)
+        policy.update_stats(worker.worker_id, WorkerStats.from_proto(reply), taken_at)
 
     async def stop(self) -> None:
         if self._poller is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import grpc
 from opentelemetry.trace import Span
@@ -72,9 +72,10 @@ class RequestFlow:
 
     async def _traced(
         self, req_id: str, prompt_ids: list[int], params: SamplingParams, slo: RequestSlo
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         span = self.tracing.start_span(
             "tandem.request",
+            None,  # a root span
             **{
                 "tandem.request_id": req_id,
                 "gen_ai.request.max_tokens": params.max_tokens,
@@ -192,11 +193,10 @@ class RequestFlow:
         parent: Span,
     ) -> pb.PrefillResponse:
         request = pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt_ids, params=params)
-        span = self.tracing.start_span(
-            "prefill", parent, **{"tandem.worker": pair.prefill.worker_id}
-        )
+        worker, stub = pair.prefill_target()
+        span = self.tracing.start_span("prefill", parent, **{"tandem.worker": worker.worker_id})
         try:
-            return await pair.prefill_stub.Prefill(
+            return await stub.Prefill(
                 request, timeout=self.prefill_timeout_s, metadata=self.tracing.metadata(span)
             )
         finally:
@@ -255,9 +255,10 @@ class RequestFlow:
 
     async def _release(self, pair: WorkerPair, req_id: str) -> None:
         """Unpin a prefill nobody will pull (cancelled between prefill and decode)."""
+        _, stub = pair.prefill_target()
         try:
             await asyncio.shield(
-                pair.prefill_stub.Release(
+                stub.Release(
                     pb.ReleaseRequest(request_id=req_id), timeout=_RELEASE_TIMEOUT_S
                 )
             )

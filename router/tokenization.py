@@ -33,8 +33,12 @@ class PromptTokenizer:
         )
         return list(ids)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        # transformers types decode() for batches too; a flat id list is one string.
+        if not isinstance(text, str):
+            raise TypeError(f"tokenizer.decode returned {type(text).__name__}, not str")
+        return text
 
     def check_ids(self, ids: list[int]) -> list[int]:
         if not ids:

@@ -37,6 +37,12 @@ class WorkerPair:
     decode: WorkerEndpoint
     decode_stub: worker_pb2_grpc.DecodeWorkerStub
 
+    def prefill_target(self) -> tuple[WorkerEndpoint, worker_pb2_grpc.PrefillWorkerStub]:
+        """The prefill worker and its stub; ValueError for a local-prefill pair."""
+        if self.prefill is None or self.prefill_stub is None:
+            raise ValueError(f"{self.decode.worker_id} prefills locally: no prefill worker")
+        return self.prefill, self.prefill_stub
+
 
 class WorkerPool:
     """Owns one gRPC channel per worker; closed by `close()`."""
@@ -83,7 +89,10 @@ class WorkerPool:
     async def _serving(self, worker: WorkerEndpoint, timeout_s: float) -> bool:
         stub = health_pb2_grpc.HealthStub(self._channels[worker.worker_id])
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            # types-grpcio-health-checking declares no methods on HealthStub.
+            reply = await stub.Check(  # type: ignore[attr-defined]
+                health_pb2.HealthCheckRequest(), timeout=timeout_s
+            )
         except grpc.aio.AioRpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING

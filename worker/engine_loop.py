@@ -46,7 +46,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, name: str = "engine") -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()

@@ -50,6 +50,8 @@ class WorkerHost:
     async def serve(self) -> str:
         """Start serving (services registered by then); returns the gRPC endpoint."""
         config = self.config
+        if self.server is None or self.loop is None or self._health is None:
+            raise RuntimeError("WorkerHost.serve() called before open()")
         await self.server.start()
         await self.metrics.start(self.loop, config.host, config.metrics_port)
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -130,7 +130,7 @@ def _copy_into(
 
 
 def _expected_keys(model: LlamaForCausalLM, cfg: ModelConfig) -> set[str]:
-    keys = set()
+    keys: set[str] = set()
     for name, _ in model.named_parameters(remove_duplicate=True):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue

@@ -37,6 +37,10 @@ def inverse_frequencies(
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position."""
 
+    # Registered buffers [max_len, D] (they follow the module's `.to(device)`).
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, inv_freq: torch.Tensor, scaling: float, max_len: int) -> None:
         super().__init__()
         positions = torch.arange(max_len, dtype=torch.float32)

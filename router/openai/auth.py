@@ -6,15 +6,13 @@ Probes (`/health`, `/metrics`) stay open so load balancers and Prometheus need n
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from tandem.router.openai.errors import Handler, HttpApiError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 
 def make_auth_middleware(api_key: str) -> Middleware:

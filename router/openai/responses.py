@@ -56,7 +56,7 @@ class LogprobsFormatter:
         self._text_offset = 0
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
         tokens = [self._token_text(t) for t in token_ids]
@@ -140,7 +140,9 @@ class ResponseBuilder:
             body["usage"] = usage_json(collected.usage)
         return body
 
-    def _logprobs_json(self, token_ids: list[int], logprobs: list[float]) -> Any:
+    def _logprobs_json(
+        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: list[float]
+    ) -> Any:
         raise NotImplementedError
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
@@ -152,15 +154,17 @@ class ResponseBuilder:
     def _logprobs_of(self, token_ids: list[int], logprobs: list[float]) -> Any:
         if self.logprobs is None:
             return None
-        return self._logprobs_json(token_ids, logprobs)
+        return self._logprobs_json(self.logprobs, token_ids, logprobs)
 
 
 class CompletionResponses(ResponseBuilder):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def _logprobs_json(self, token_ids: list[int], logprobs: list[float]) -> Any:
-        return self.logprobs.completion(token_ids, logprobs)
+    def _logprobs_json(
+        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: list[float]
+    ) -> Any:
+        return formatter.completion(token_ids, logprobs)
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
         return {
@@ -181,8 +185,10 @@ class ChatResponses(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def _logprobs_json(self, token_ids: list[int], logprobs: list[float]) -> Any:
-        return self.logprobs.chat(token_ids, logprobs)
+    def _logprobs_json(
+        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: list[float]
+    ) -> Any:
+        return formatter.chat(token_ids, logprobs)
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}

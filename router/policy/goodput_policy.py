@@ -144,7 +144,7 @@ class GoodputPolicy:
         hashes = placement.prompt_hashes
         decode = self.workers[placement.decode_worker_id]
         local = placement.prefill_worker_id is None
-        if not local:
+        if placement.prefill_worker_id is not None:
             prefill = self.workers[placement.prefill_worker_id]
             prefill.on_send(
                 req_id,
