@@ -1,4 +1,4 @@
-"""`tandem bench`: a load generator that times every token itself.
+"""`tandem-bench`: a load generator that times every token itself.
 
 The pieces, in the order a run uses them (each experiment is a short script over them):
 
@@ -11,7 +11,7 @@ The pieces, in the order a run uses them (each experiment is a short script over
 - `metrics`: pure functions over traces (TTFT, ITL, TPOT, e2e, percentiles, throughput,
   SLO attainment, goodput) → a `RunSummary`;
 - `report`: tables and matplotlib plots; `runner`: one run or a sweep from a
-  `BenchConfig`; `cli`: `tandem bench run|sweep`.
+  `BenchConfig`; `cli`: `tandem-bench run|sweep`.
 
 Nothing heavy is imported here, so `tandem --help` stays fast.
 """

@@ -1,4 +1,4 @@
-"""`python -m bench.engine_bench`: the engine against its matmul floor, the roofline and HF.
+"""`tandem-bench engine`: the engine against its matmul floor, the roofline and HF.
 
 One process, the `small` preset, float32 and bfloat16 side by side: prefill of a
 512-token prompt and decode steps at batch 1, 8 and 32, each timed on the engine, on
@@ -23,29 +23,33 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench import engine_hf, engine_measure
-from tandem.bench.doc_sections import replace_section
-from tandem.bench.engine_doc import render_section
-from tandem.bench.engine_hardware import machine_facts, measure_bandwidth, measure_peak_flops
-from tandem.bench.engine_load import wait_until_quiet
-from tandem.bench.engine_report import (
-    QUIET_MAX_CORES,
-    SECTION_HEADING,
-    BenchReport,
-    DtypeResult,
-    Profile,
-    Row,
-    format_table,
-)
-from tandem.bench.engine_roofline import ModelShape
-from tandem.bench.engine_rows import (
+from tandem.bench.engine import measure
+from tandem.bench.engine.measure import (
     Subjects,
     decode_max_tokens,
     decode_row,
     prefill_row,
     profile_missed,
 )
-from tandem.bench.engine_timing import RepeatPolicy
+from tandem.bench.engine.report import (
+    QUIET_MAX_CORES,
+    SECTION_HEADING,
+    BenchReport,
+    DtypeResult,
+    ModelShape,
+    Profile,
+    Row,
+    format_table,
+    render_section,
+)
+from tandem.bench.engine.timing import (
+    RepeatPolicy,
+    machine_facts,
+    measure_bandwidth,
+    measure_peak_flops,
+    wait_until_quiet,
+)
+from tandem.bench.report import write_section
 from tandem.engine.config import ModelConfig
 
 DEFAULT_MODEL = "models/tandem-small"
@@ -157,7 +161,7 @@ def _run_dtype(
     peak = measure_peak_flops(torch_dtype, num_runs=plan.num_hardware_runs)
     _say(f"{dtype}: peak GEMM {peak / 1e9:.1f} GFLOP/s")
     subjects = Subjects(
-        engine=engine_measure.build_engine(
+        engine=measure.build_engine(
             plan.model_dir,
             dtype,
             plan.num_threads,
@@ -165,13 +169,13 @@ def _run_dtype(
             max(plan.batch_sizes),
             plan.decode_seq_len,
         ),
-        hf_model=engine_hf.load_hf_model(plan.model_dir, torch_dtype),
+        hf_model=measure.load_hf_model(plan.model_dir, torch_dtype),
         shape=shape,
         elem_size=torch.empty((), dtype=torch_dtype).element_size(),
         bandwidth=bandwidth,
         peak_flops=peak,
     )
-    prompt = engine_measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
+    prompt = measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
     rows = _measure_rows(plan, subjects, prompt)
     engine = subjects.engine
     del subjects
@@ -191,7 +195,7 @@ def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
     bandwidth = measure_bandwidth(num_runs=plan.num_hardware_runs)
     _say(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (load avg {machine.load_average:.2f})")
     shape = ModelShape.from_model_config(ModelConfig.from_model_dir(plan.model_dir))
-    report = BenchReport(command, plan.quick, machine, bandwidth, engine_hf.ATTN_IMPLEMENTATION)
+    report = BenchReport(command, plan.quick, machine, bandwidth, measure.ATTN_IMPLEMENTATION)
     for dtype in plan.dtypes:
         result, profiles = _run_dtype(plan, dtype, shape, bandwidth)
         report.results.append(result)
@@ -217,15 +221,12 @@ def _write_outputs(report: BenchReport, shape: ModelShape, out: str | None, quic
     _say(f"raw results: {json_path}")
     if out is None:
         return
-    doc_path = Path(out)
-    doc = doc_path.read_text() if doc_path.is_file() else ""
-    doc_path.parent.mkdir(parents=True, exist_ok=True)
-    doc_path.write_text(replace_section(doc, SECTION_HEADING, render_section(report, shape)))
-    _say(f"wrote {SECTION_HEADING!r} of {doc_path}")
+    write_section(Path(out), SECTION_HEADING, render_section(report, shape))
+    _say(f"wrote {SECTION_HEADING!r} of {out}")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine_bench", description=__doc__)
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog or "tandem-bench engine", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model dir (made if absent)")
     parser.add_argument(
         "--out", default=None, help=f"markdown file to update (full run default: {DEFAULT_OUT})"
@@ -243,17 +244,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
     _ensure_model(args.model)
-    command = " ".join(["python -m bench.engine_bench", *sys.argv[1:]]).strip()
+    shown = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["tandem-bench engine", *shown]).strip()
     report, shape = run(make_plan(args), command)
     for result in report.results:
         _say(f"\n{result.dtype}\n{format_table(result.rows)}")
     _write_outputs(report, shape, out, args.quick)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
