@@ -79,7 +79,7 @@ def make_report(rows: list[Row], quick: bool = False) -> BenchReport:
         date_utc="2025-01-01 00:00 UTC",
         load_average=3.0,
     )
-    report = BenchReport("python -m bench.engine_bench", quick, machine, 15e9, "sdpa")
+    report = BenchReport("tandem-bench engine", quick, machine, 15e9, "sdpa")
     report.results = [DtypeResult("float32", 80e9, rows), DtypeResult("bfloat16", 10e9, rows)]
     report.profiles = [
         Profile(
