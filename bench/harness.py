@@ -65,7 +65,14 @@ def tandem_spec(
     label: str, model_dir: str, grpc_port: int, http_port: int, flags: Sequence[str] = ()
 ) -> ServerSpec:
     """`tandem serve` on these ports with more `flags` (e.g. `--prefill 1 --decode 1`)."""
-    argv = (sys.executable, "-m", "tandem.cluster.cli", "serve", "--model", model_dir)
+    argv: tuple[str, ...] = (
+        sys.executable,
+        "-m",
+        "tandem.cluster.cli",
+        "serve",
+        "--model",
+        model_dir,
+    )
     argv += ("--grpc-port", str(grpc_port), "--http-port", str(http_port), *flags)
     http_url = f"http://127.0.0.1:{http_port}"
     # Unbuffered: the worker endpoints it prints must reach the log at once.
@@ -82,7 +89,8 @@ def transformers_spec(
     a KV cache of `kv_blocks` blocks (left to itself it sizes the cache from free memory,
     which on a CPU is most of the machine's RAM)."""
     executable = str(Path(sys.executable).with_name("transformers"))
-    argv = (executable, "serve", "--continuous-batching", "--cb-block-size", str(kv_block_size))
+    argv: tuple[str, ...] = (executable, "serve", "--continuous-batching")
+    argv += ("--cb-block-size", str(kv_block_size))
     argv += ("--cb-num-blocks", str(kv_blocks), "--device", "cpu", "--host", "127.0.0.1")
     argv += ("--port", str(http_port), model_dir)
     http_url = f"http://127.0.0.1:{http_port}"

@@ -145,11 +145,11 @@ def _measure_row(plan: BenchPlan, measure: Callable[[], Row]) -> Row:
 def _measure_rows(plan: BenchPlan, subjects: Subjects, prompt: list[int]) -> list[Row]:
     rows = [_measure_row(plan, lambda: prefill_row(subjects, prompt, plan.prefill))]
     for batch_size in plan.batch_sizes:
-        rows.append(
-            _measure_row(
-                plan, lambda b=batch_size: decode_row(subjects, b, plan.prompt_len, plan.decode)
-            )
-        )
+
+        def measure(b: int = batch_size) -> Row:
+            return decode_row(subjects, b, plan.prompt_len, plan.decode)
+
+        rows.append(_measure_row(plan, measure))
     return rows
 
 

@@ -244,8 +244,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--prefill-tokens-per-s", type=float, help="else measured")
     args = parser.parse_args(argv)
-    shown = argv if argv is not None else sys.argv[1:]
-    args.command = " ".join(["tandem-bench kv-transfer", *shown])
+    given = argv if argv is not None else sys.argv[1:]
+    args.command = " ".join(["tandem-bench kv-transfer", *given])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.layout = KvLayout("tandem-small", "float32", 16, 12, 4, 64)
     if (args.model / "config.json").is_file():

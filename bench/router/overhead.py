@@ -283,7 +283,8 @@ def cores_split() -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def measure_added_latency(args: argparse.Namespace) -> OverheadResult:
-    flags = ("--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-backend", "tcp")
+    flags: tuple[str, ...] = ("--prefill", "1", "--decode", "1", "--device", "cpu")
+    flags += ("--kv-backend", "tcp")
     # Always disaggregate: the direct path is Prefill then Decode, so must the router be.
     flags += ("--max-model-len", "1024", "--max-local-prefill-tokens", "0")
     spec = tandem_spec("router-bench-cluster", str(args.model), free_port(), free_port(), flags)
@@ -304,7 +305,7 @@ def measure_throughput(args: argparse.Namespace) -> tuple[ThroughputResult, ...]
         "fake-workers", (*module, "workers", *ports), f"tcp://127.0.0.1:{decode_port}",
         cores=other_cores,
     )  # fmt: skip
-    router_argv = (*module, "router", *ports, "--model", str(args.model))
+    router_argv: tuple[str, ...] = (*module, "router", *ports, "--model", str(args.model))
     router_argv += ("--grpc-port", str(grpc_port), "--http-port", str(http_port))
     router = ServerSpec(
         "fake-router", router_argv, f"http://127.0.0.1:{http_port}/v1/models", cores=router_cores

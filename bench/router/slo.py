@@ -230,7 +230,8 @@ class Cluster:
     """A `tandem serve` process for one run, and the load generator's client of it."""
 
     def __init__(self, args: argparse.Namespace, setup: RunSetup, target_s: float) -> None:
-        flags = ("--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-backend", "tcp")
+        flags: tuple[str, ...] = ("--prefill", "1", "--decode", "1", "--device", "cpu")
+        flags += ("--kv-backend", "tcp")
         flags += ("--max-model-len", "1024", "--admission", setup.policy)
         flags += ("--ttft-slo", f"{target_s:g}", "--itl-slo", f"{ITL_OFF_S:g}")
         flags += ("--max-local-prefill-tokens", str(setup.local_prefill_tokens))
