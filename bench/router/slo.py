@@ -37,7 +37,8 @@ from typing import Any
 from tandem.bench.harness import ensure_model, exit_on_sigterm, free_port, running, tandem_spec
 from tandem.bench.loadgen.clients import ClientConfig, GrpcClient
 from tandem.bench.loadgen.load import LoadConfig, run_load
-from tandem.bench.loadgen.metrics import Distribution, e2e_s, tpot_s, ttft_s
+from tandem.bench.loadgen.metrics import Distribution, RunSummary, SloTargets, e2e_s, tpot_s, ttft_s
+from tandem.bench.loadgen.metrics import summarize as loadgen_summarize
 from tandem.bench.loadgen.traces import RequestTrace
 from tandem.bench.loadgen.workloads import WORDS, RequestSpec
 from tandem.bench.report import (
@@ -91,62 +92,36 @@ def is_shed(trace: RequestTrace) -> bool:
     return trace.error.startswith(SHED_STATUS) and not trace.token_times_s
 
 
-def attained(trace: RequestTrace, ttft_target_s: float) -> bool:
-    ttft = ttft_s(trace)
-    return trace.ok and ttft is not None and ttft <= ttft_target_s
-
-
 @dataclass(frozen=True)
 class AdmissionSummary:
-    duration_s: float
-    ttft_target_s: float
+    """One trace under admission control: what was shed, and the load generator's
+    summary of the admitted requests over the arrival window (its SLO attainment is
+    then attainment *of admitted*; failed requests count as misses)."""
+
     num_offered: int
     num_shed: int
-    # Admitted requests that failed with an error other than shedding.
-    num_failed: int
-    num_attained: int
-    offered_rate: float
-    admitted_fraction: float
-    # Attaining / admitted (NaN when nothing was admitted).
-    attainment: float
-    # Attaining requests per second of the arrival window.
-    goodput: float
-    ttft: Distribution
-    mean_itl: Distribution
     # How long a shed request waited for its rejection.
     shed_latency: Distribution
-    errors: dict[str, int]
+    admitted: RunSummary
+
+    @property
+    def offered_rate(self) -> float:
+        return self.num_offered / self.admitted.duration_s
+
+    @property
+    def admitted_fraction(self) -> float:
+        return self.admitted.num_requests / self.num_offered if self.num_offered else math.nan
 
 
 def summarize(
     traces: Sequence[RequestTrace], duration_s: float, ttft_target_s: float
 ) -> AdmissionSummary:
-    if duration_s <= 0:
-        raise ValueError(f"duration_s must be > 0, got {duration_s}")
     admitted = [t for t in traces if not is_shed(t)]
-    finished = [t for t in admitted if t.ok]
-    num_attained = sum(attained(t, ttft_target_s) for t in admitted)
-    errors: dict[str, int] = {}
-    for t in admitted:
-        if t.error:
-            code = t.error.split(":")[0]
-            errors[code] = errors.get(code, 0) + 1
-    n = len(traces)
     return AdmissionSummary(
-        duration_s=duration_s,
-        ttft_target_s=ttft_target_s,
-        num_offered=n,
-        num_shed=n - len(admitted),
-        num_failed=len(admitted) - len(finished),
-        num_attained=num_attained,
-        offered_rate=n / duration_s,
-        admitted_fraction=len(admitted) / n if n else math.nan,
-        attainment=num_attained / len(admitted) if admitted else math.nan,
-        goodput=num_attained / duration_s,
-        ttft=Distribution.of([x for x in map(ttft_s, finished) if x is not None]),
-        mean_itl=Distribution.of([x for x in map(tpot_s, finished) if x is not None]),
+        num_offered=len(traces),
+        num_shed=len(traces) - len(admitted),
         shed_latency=Distribution.of([e2e_s(t) for t in traces if is_shed(t)]),
-        errors=errors,
+        admitted=loadgen_summarize(admitted, duration_s, SloTargets(ttft_s=ttft_target_s)),
     )
 
 
@@ -158,8 +133,8 @@ class Probe:
     summary: AdmissionSummary
 
     def passed(self, min_attainment: float) -> bool:
-        s = self.summary
-        return s.num_failed == 0 and s.attainment >= min_attainment
+        s = self.summary.admitted
+        return s.num_failed == 0 and s.slo_attainment >= min_attainment
 
 
 def capacity_of(probes: Sequence[Probe], min_attainment: float) -> float | None:
@@ -296,8 +271,8 @@ def calibrate(args: argparse.Namespace) -> Calibration:
             duration = max(args.probe_duration, args.probe_requests / rate)
             traces = cluster.trace(rate, duration, _PROBE_SEED + i, _PROBE_SEED + i)
             probes.append(Probe(rate, summarize(traces, duration, target)))
-            s = probes[-1].summary
-            logger.info("probe %.2f req/s: attainment %.0f%%", rate, s.attainment * 100)
+            attainment = probes[-1].summary.admitted.slo_attainment
+            logger.info("probe %.2f req/s: attainment %.0f%%", rate, attainment * 100)
             if not probes[-1].passed(MIN_ATTAINMENT):
                 break
             rate *= args.probe_step
@@ -326,9 +301,10 @@ def run_policy(
             ("tandem:requests_rejected_total", "tandem:disagg_decisions_total"),
         )
     summary = summarize(traces, args.duration, target_s)
+    a = summary.admitted
     logger.info(
         "%s: admitted %.0f%%, attainment %.0f%%, goodput %.2f req/s", setup.label,
-        summary.admitted_fraction * 100, summary.attainment * 100, summary.goodput,
+        summary.admitted_fraction * 100, a.slo_attainment * 100, a.goodput_rps,
     )  # fmt: skip
     return PolicyRun(setup, summary, counters, load_start, load_end)
 
@@ -338,12 +314,14 @@ def _pct(value: float) -> str:
 
 
 def render_probes(calibration: Calibration) -> str:
-    rows = [
-        [f"{p.rate_per_s:.2f}", f"{p.summary.duration_s:.0f}", str(p.summary.num_offered),
-         _pct(p.summary.attainment), format_ms(p.summary.ttft.p50),
-         format_ms(p.summary.ttft.p99), "yes" if p.passed(MIN_ATTAINMENT) else "no"]
-        for p in calibration.probes
-    ]  # fmt: skip
+    rows = []
+    for p in calibration.probes:
+        a = p.summary.admitted
+        rows.append(
+            [f"{p.rate_per_s:.2f}", f"{a.duration_s:.0f}", str(p.summary.num_offered),
+             _pct(a.slo_attainment), format_ms(a.ttft_s.p50), format_ms(a.ttft_s.p99),
+             "yes" if p.passed(MIN_ATTAINMENT) else "no"]
+        )  # fmt: skip
     header = "rate (req/s)|seconds|requests|TTFT ≤ target|p50 TTFT|p99 TTFT|passed"
     return render_table(header.split("|"), rows)
 
@@ -351,13 +329,13 @@ def render_probes(calibration: Calibration) -> str:
 def render_runs(runs: Sequence[PolicyRun]) -> str:
     rows = []
     for run in runs:
-        s = run.summary
+        s, a = run.summary, run.summary.admitted
         rows.append(
             [run.setup.label, f"`{run.setup.policy}`", str(run.setup.local_prefill_tokens),
              f"{s.offered_rate:.2f} ({s.num_offered})", _pct(s.admitted_fraction),
-             str(s.num_shed), str(s.num_failed), f"**{_pct(s.attainment)}**",
-             f"{s.goodput:.2f}", format_ms(s.ttft.p50), format_ms(s.ttft.p99),
-             format_ms(s.mean_itl.p50)]
+             str(s.num_shed), str(a.num_failed), f"**{_pct(a.slo_attainment)}**",
+             f"{a.goodput_rps:.2f}", format_ms(a.ttft_s.p50), format_ms(a.ttft_s.p99),
+             format_ms(a.tpot_s.p50)]
         )  # fmt: skip
     header = (
         "run|admission|local prefill ≤|offered req/s (requests)|admitted|shed (429)|failed|"
@@ -378,23 +356,24 @@ def reading(runs: Sequence[PolicyRun]) -> str:
     shed, none = by_label.get("shed"), by_label.get("none")
     if shed is None or none is None:
         return "The `shed` and `none` runs did not both run; nothing to compare."
-    met = shed.attainment >= MIN_ATTAINMENT and not none.attainment >= MIN_ATTAINMENT
+    kept, fell = shed.admitted.slo_attainment, none.admitted.slo_attainment
+    met = kept >= MIN_ATTAINMENT and not fell >= MIN_ATTAINMENT
     verdict = (
-        f"**Target met**: shedding kept {_pct(shed.attainment)} of admitted requests within "
-        f"the TTFT target where admitting everything fell to {_pct(none.attainment)}."
+        f"**Target met**: shedding kept {_pct(kept)} of admitted requests within "
+        f"the TTFT target where admitting everything fell to {_pct(fell)}."
         if met
-        else f"**Target missed**: `shed` {_pct(shed.attainment)}, `none` "
-        f"{_pct(none.attainment)} (the aim: `shed` ≥ {MIN_ATTAINMENT:.0%}, `none` below it)."
+        else f"**Target missed**: `shed` {_pct(kept)}, `none` {_pct(fell)} "
+        f"(the aim: `shed` ≥ {MIN_ATTAINMENT:.0%}, `none` below it)."
     )
     return (
         f"{verdict} Shedding turned away {shed.num_shed} of {shed.num_offered} requests "
         f"(admitted {_pct(shed.admitted_fraction)}), each rejection answered in "
         f"{format_ms(shed.shed_latency.p50)} (p50), so a client can retry elsewhere at "
-        f"once. Goodput: {shed.goodput:.2f} req/s with shedding vs {none.goodput:.2f} "
-        f"without; p99 TTFT of admitted requests {format_ms(shed.ttft.p99)} vs "
-        f"{format_ms(none.ttft.p99)}. Without admission control every request joins the "
-        "prefill worker's queue, which grows for as long as arrivals outpace it, so TTFT "
-        "climbs with the backlog."
+        f"once. Goodput: {shed.admitted.goodput_rps:.2f} req/s with shedding vs "
+        f"{none.admitted.goodput_rps:.2f} without; p99 TTFT of admitted requests "
+        f"{format_ms(shed.admitted.ttft_s.p99)} vs {format_ms(none.admitted.ttft_s.p99)}. "
+        "Without admission control every request joins the prefill worker's queue, which "
+        "grows for as long as arrivals outpace it, so TTFT climbs with the backlog."
     )
 
 

@@ -14,7 +14,6 @@ from tandem.bench.router.slo import (
     Probe,
     RunSetup,
     TextPrompts,
-    attained,
     capacity_of,
     is_shed,
     parse_args,
@@ -50,12 +49,16 @@ LATE_EXHAUSTED = _failed("RESOURCE_EXHAUSTED: no blocks", 30.0, (0.1,))
 TIMED_OUT = _failed("DEADLINE_EXCEEDED: late", 120.0)
 
 
-def test_outcome_classes():
-    assert is_shed(SHED) and not attained(SHED, 1.0)
-    assert not is_shed(LATE_EXHAUSTED) and not attained(LATE_EXHAUSTED, 1.0)
-    assert not is_shed(TIMED_OUT) and not attained(TIMED_OUT, 1.0)
-    ok = _finished(0.2)
-    assert attained(ok, 0.2) and not attained(ok, 0.19)
+def test_only_a_rejection_before_any_token_is_shed():
+    assert is_shed(SHED)
+    assert not is_shed(LATE_EXHAUSTED) and not is_shed(TIMED_OUT)
+    assert not is_shed(_finished(0.2))
+
+
+def test_attainment_is_ttft_within_the_target():
+    ok = [_finished(0.2)]
+    assert summarize(ok, 1.0, ttft_target_s=0.2).admitted.slo_attainment == 1.0
+    assert summarize(ok, 1.0, ttft_target_s=0.19).admitted.slo_attainment == 0.0
 
 
 def test_summarize_counts_attainment_of_admitted_and_goodput():
@@ -70,22 +73,23 @@ def test_summarize_counts_attainment_of_admitted_and_goodput():
         TIMED_OUT,  # admitted, failed
     ]
     s = summarize(traces, duration_s=2.0, ttft_target_s=0.5)
-    assert (s.num_offered, s.num_shed, s.num_failed, s.num_attained) == (8, 2, 2, 3)
+    a = s.admitted
+    assert (s.num_offered, s.num_shed, a.num_requests, a.num_failed) == (8, 2, 6, 2)
     assert s.offered_rate == 4.0
     assert s.admitted_fraction == pytest.approx(6 / 8)
-    assert s.attainment == pytest.approx(3 / 6)
-    assert s.goodput == pytest.approx(1.5)
-    assert s.errors == {"RESOURCE_EXHAUSTED": 1, "DEADLINE_EXCEEDED": 1}
-    assert s.ttft.count == 4 and s.ttft.max == pytest.approx(0.9)
-    assert s.mean_itl.p50 == pytest.approx(0.05)
+    assert a.slo_attainment == pytest.approx(3 / 6)
+    assert a.goodput_rps == pytest.approx(1.5)
+    assert a.errors == {"RESOURCE_EXHAUSTED": 1, "DEADLINE_EXCEEDED": 1}
+    assert a.ttft_s.count == 4 and a.ttft_s.max == pytest.approx(0.9)
+    assert a.tpot_s.p50 == pytest.approx(0.05)
     assert s.shed_latency.count == 2
 
 
 def test_summarize_with_everything_shed():
     s = summarize([SHED, SHED], duration_s=1.0, ttft_target_s=0.5)
     assert s.admitted_fraction == 0.0
-    assert math.isnan(s.attainment)
-    assert s.goodput == 0.0
+    assert math.isnan(s.admitted.slo_attainment)
+    assert s.admitted.goodput_rps == 0.0
     with pytest.raises(ValueError):
         summarize([], duration_s=0.0, ttft_target_s=0.5)
 
