@@ -49,6 +49,7 @@ from tandem.bench.engine.timing import (
     measure_peak_flops,
     wait_until_quiet,
 )
+from tandem.bench.harness import ensure_model
 from tandem.bench.report import write_section
 from tandem.engine.config import ModelConfig
 
@@ -205,15 +206,6 @@ def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
     return report, shape
 
 
-def _ensure_model(model_dir: str) -> None:
-    if (Path(model_dir) / "config.json").is_file():
-        return
-    from tandem.engine.model_maker import make_model
-
-    _say(f"making the small preset in {model_dir}")
-    make_model("small", model_dir)
-
-
 def _write_outputs(report: BenchReport, shape: ModelShape, out: str | None, quick: bool) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS_DIR / ("engine-quick.json" if quick else "engine.json")
@@ -247,7 +239,7 @@ def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argpar
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     args = parse_args(argv, prog)
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
-    _ensure_model(args.model)
+    ensure_model(Path(args.model), "small")
     shown = argv if argv is not None else sys.argv[1:]
     command = " ".join(["tandem-bench engine", *shown]).strip()
     report, shape = run(make_plan(args), command)
