@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.bench.engine.timing import MachineFacts, OpTime
+from tandem.bench.report import render_table
 from tandem.engine.config import ModelConfig
 
 SECTION_HEADING = "## Engine"
@@ -160,27 +161,24 @@ def _target_cell(row: Row) -> str:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = (
-        "| step | engine | transformers | matmul floor | roofline | engine/floor "
-        "| engine/roofline | engine/transformers | target met? | other load |"
-    )
-    lines = [header, "|" + "---|" * 10]
+    header = "step|engine|transformers|matmul floor|roofline|engine/floor|engine/roofline"
+    cells = []
     for row in rows:
         num_runs = len(row.samples.get("engine", []))
         name = f"{row.name} (ctx {row.context})" if row.context else row.name
         name += f", {num_runs} runs" if num_runs else ""
-        lines.append(
-            f"| {name} "
-            f"| {format_time(row.engine_s)} ({format_rate(row.num_tokens, row.engine_s)}) "
-            f"| {format_time(row.transformers_s)} "
-            f"({format_rate(row.num_tokens, row.transformers_s)}) "
-            f"| {format_time(row.floor_s)} "
-            f"| {format_time(row.roofline_s)} ({row.roofline_bound}) "
-            f"| {row.engine_over_floor:.2f}× | {row.engine_over_roofline:.2f}× "
-            f"| {row.engine_over_transformers:.2f}× | {_target_cell(row)} "
-            f"| {row.foreign_cores:.2f} cores |"
-        )
-    return "\n".join(lines)
+        cells.append(
+            [name, f"{format_time(row.engine_s)} ({format_rate(row.num_tokens, row.engine_s)})",
+             f"{format_time(row.transformers_s)} "
+             f"({format_rate(row.num_tokens, row.transformers_s)})",
+             format_time(row.floor_s), f"{format_time(row.roofline_s)} ({row.roofline_bound})",
+             f"{row.engine_over_floor:.2f}×", f"{row.engine_over_roofline:.2f}×",
+             f"{row.engine_over_transformers:.2f}×", _target_cell(row),
+             f"{row.foreign_cores:.2f} cores"]
+        )  # fmt: skip
+    return render_table(
+        [*header.split("|"), "engine/transformers", "target met?", "other load"], cells
+    )
 
 
 def format_profile(profile: Profile) -> str:
@@ -193,11 +191,9 @@ def format_profile(profile: Profile) -> str:
         "(Python: scheduling, input preparation, module calls, detokenizing, plus the "
         "profiler's own per-op cost). Top ops by self CPU time:",
         "",
-        "| op | self time | % |",
-        "|---|---|---|",
     ]
-    lines += [f"| `{op.op}` | {format_time(op.self_s)} | {op.percent:.1f}% |" for op in profile.ops]
-    return "\n".join(lines)
+    rows = [[f"`{op.op}`", format_time(op.self_s), f"{op.percent:.1f}%"] for op in profile.ops]
+    return "\n".join([*lines, render_table(["op", "self time", "%"], rows)])
 
 
 @dataclass(frozen=True)

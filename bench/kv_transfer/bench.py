@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from tandem.bench.report import write_section
+from tandem.bench.report import render_table, write_section
 from tandem.engine.config import EngineConfig
 from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferClient, KvTransferService
 from tandem.kv_transfer.tcp_server import tune_socket
@@ -202,18 +202,20 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
         "warm-up, all variants back to back per round; GB/s from median times; (vs raw) = "
         'median over rounds of raw time / variant time. Transfer / prefill uses "pull".',
         "",
-        "| prompt tokens | KV MiB | raw GB/s | pull GB/s (vs raw) | fresh memory "
-        "| into cache blocks | export copy | prefill s | transfer / prefill |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    cells = []
     for r in rows:
         pull_s, prefill_s = statistics.median(r.times_s["pull"]), prefill(r.num_tokens)
-        cells = " | ".join(f"{r.gbps(n):.2f} ({r.vs_raw(n):.0%})" for n in VARIANTS)
-        lines.append(
-            f"| {r.num_tokens:,} | {r.nbytes / 2**20:.0f} | {r.gbps('raw'):.2f} | {cells} "
-            f"| {prefill_s:.1f}{'' if r.num_tokens in args.measured else '*'} "
-            f"| {pull_s / prefill_s:.2%} |"
-        )
+        cells.append(
+            [f"{r.num_tokens:,}", f"{r.nbytes / 2**20:.0f}", f"{r.gbps('raw'):.2f}",
+             *(f"{r.gbps(n):.2f} ({r.vs_raw(n):.0%})" for n in VARIANTS),
+             f"{prefill_s:.1f}{'' if r.num_tokens in args.measured else '*'}",
+             f"{pull_s / prefill_s:.2%}"]
+        )  # fmt: skip
+    header = "prompt tokens|KV MiB|raw GB/s|pull GB/s (vs raw)|fresh memory|into cache blocks"
+    lines.append(
+        render_table([*header.split("|"), "export copy", "prefill s", "transfer / prefill"], cells)
+    )
     pulls, freshs, intos = ([r.vs_raw(n) for r in rows] for n in ("pull", "fresh", "into"))
     lines += [
         "",
