@@ -184,8 +184,12 @@ class ServerProcess:
         # The leader may be gone while Ray's children linger: end the group either way.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self._proc.pid, signal.SIGKILL)
-        self._proc.wait(10.0)
-        self._log.close()
+        try:
+            self._proc.wait(10.0)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s (pid %d) outlived SIGKILL by 10 s", self.spec.label, self.pid)
+        finally:
+            self._log.close()
 
 
 @contextlib.contextmanager
