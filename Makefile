@@ -59,14 +59,14 @@ typecheck: $(VENV)/.installed
 	$(VENV)/bin/mypy $(addprefix -p tandem.,$(PACKAGES))
 
 bench-engine: $(VENV)/.installed
-	$(PY) -m bench.engine_bench --out docs/benchmarks.md
+	$(VENV)/bin/tandem-bench engine --out docs/benchmarks.md
 
 # The published experiments (head-of-line, frontier, goodput; peer: transformers serve,
 # which needs the [bench] extra). About 50 minutes on 2 cores; run on a quiet machine.
 EXPERIMENT ?= all
 bench-experiments: $(VENV)/.installed $(MODEL_DIR)/config.json
 	$(PY) -m pip install --quiet -e ".[dev,bench]"
-	$(VENV)/bin/tandem bench experiment $(EXPERIMENT) --model $(MODEL_DIR)
+	$(VENV)/bin/tandem-bench experiment $(EXPERIMENT) --model $(MODEL_DIR)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

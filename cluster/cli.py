@@ -3,7 +3,6 @@
     tandem model make --preset tiny|small --out DIR [--seed N]
     tandem demo --model DIR [--max-tokens N] [--prompt TEXT ...]
     tandem serve [--model DIR] [--prefill N --decode M | --colocated K] [...]
-    tandem bench run|sweep --target grpc://HOST:PORT|http://HOST:PORT [...]
 
 Each subcommand imports what it needs inside its handler, so `tandem model make`
 works before (or without) the engine and cluster code it does not use.
@@ -49,7 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_commands(commands)
     _add_demo_command(commands)
     _add_serve_command(commands)
-    _add_bench_command(commands)
     return parser
 
 
@@ -125,16 +123,6 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="longest prompt a decode worker may prefill itself (0: always disaggregate)",
     )
     serve.set_defaults(handler=_run_serve)
-
-
-def _add_bench_command(commands: argparse._SubParsersAction) -> None:
-    # bench.loadgen.cli imports only argparse at module level; its handlers import the rest.
-    from tandem.bench.loadgen.cli import add_bench_commands
-
-    bench = commands.add_parser(
-        "bench", help="load generator: time every token of a Tandem or OpenAI-compatible server"
-    )
-    add_bench_commands(bench)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
-"""`tandem bench experiment NAME`: run an experiment end to end and publish it.
+"""`tandem-bench experiment NAME`: run an experiment end to end and publish it.
 
-    tandem bench experiment all            # the four experiments, one run, ~50 min
-    tandem bench experiment head-of-line   # or frontier, goodput; --quick for a smoke run
+    tandem-bench experiment all            # the four experiments, one run, ~50 min
+    tandem-bench experiment head-of-line   # or frontier, goodput; --quick for a smoke run
 
 Starts the servers it needs (real processes: `tandem serve`, `transformers serve`), runs
 the load, stops them, writes results JSON (bench/results/experiments/), plots
@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,9 +32,9 @@ HEADINGS = {
 logger = logging.getLogger(__name__)
 
 
-def add_experiment_command(actions: argparse._SubParsersAction) -> None:
-    parser = actions.add_parser(
-        "experiment", help="run a published experiment: servers, load, plots, docs section"
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="run a published experiment: servers, load, plots, docs section"
     )
     parser.add_argument("name", choices=(*EXPERIMENTS, "all"), help="which experiment")
     parser.add_argument("--model", default="models/tandem-small", help="HF model directory")
@@ -45,10 +44,8 @@ def add_experiment_command(actions: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--results-dir", default="bench/results/experiments", help="results JSON and logs"
     )
-    parser.set_defaults(handler=experiment_command)
-
-
-def experiment_command(args: argparse.Namespace) -> int:
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from tandem.bench.experiments.setup import ExperimentSetup
 
     setup = ExperimentSetup(
@@ -59,7 +56,7 @@ def experiment_command(args: argparse.Namespace) -> int:
         quick=args.quick,
     )
     if not Path(args.model, "config.json").is_file():
-        print(f"tandem bench experiment: no model at {args.model} (tandem model make)")
+        print(f"tandem-bench experiment: no model at {args.model} (tandem model make)")
         return 2
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     asyncio.run(run_experiments(setup, names))
@@ -67,9 +64,9 @@ def experiment_command(args: argparse.Namespace) -> int:
 
 
 async def run_experiments(setup: ExperimentSetup, names: Sequence[str]) -> None:
-    from tandem.bench.experiments.setup import machine_facts
+    from tandem.bench.report import machine_facts
 
-    facts = {**machine_facts(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    facts = machine_facts()
     if "head-of-line" in names:
         await _head_of_line(setup, facts)
     shared = [name for name in ("frontier", "goodput") if name in names]
@@ -79,8 +76,8 @@ async def run_experiments(setup: ExperimentSetup, names: Sequence[str]) -> None:
 
 async def _head_of_line(setup: ExperimentSetup, facts: dict[str, Any]) -> None:
     from tandem.bench.experiments import head_of_line
-    from tandem.bench.experiments.servers import running
     from tandem.bench.experiments.setup import grpc_client
+    from tandem.bench.harness import running
 
     results = {}
     for system in head_of_line.SYSTEMS:
@@ -110,8 +107,8 @@ async def _frontier_and_goodput(
 ) -> None:
     """Both use the same servers: started once, every level interleaved across them."""
     from tandem.bench.experiments import frontier, goodput
-    from tandem.bench.experiments.servers import running
     from tandem.bench.experiments.setup import http_client
+    from tandem.bench.harness import running
     from tandem.bench.loadgen.runner import sweep_to_json
 
     specs = [setup.server(system) for system in frontier.SYSTEMS]
@@ -155,9 +152,9 @@ def _save(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], data: Any
 
 
 def _publish(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], body: str) -> None:
-    from tandem.bench.doc_sections import write_section
+    from tandem.bench.report import write_section
 
-    command = f"tandem bench experiment {name}{' --quick' if setup.quick else ''}"
+    command = f"tandem-bench experiment {name}{' --quick' if setup.quick else ''}"
     head = (
         f"Command: `{command}` (or `all`). Machine: {facts['cores']} cores, {facts['cpu']}; "
         f"1-minute load {facts['load_avg_1m_at_start']:.2f} at the start; run started "

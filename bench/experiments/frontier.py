@@ -16,8 +16,9 @@ from tandem.bench.experiments.sweep import interleaved_sweep, series
 from tandem.bench.loadgen.clients import ClientConfig
 from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.plots import plot_frontier
-from tandem.bench.loadgen.report import SweepPoint, format_sweep, render_table
 from tandem.bench.loadgen.runner import BenchResult, WorkloadConfig
+from tandem.bench.loadgen.tables import SweepPoint, format_sweep
+from tandem.bench.report import render_table
 
 SYSTEMS = ("disaggregated", "colocated-2", "colocated-1", "transformers")
 PEER = "transformers"

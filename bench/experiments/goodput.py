@@ -19,8 +19,9 @@ from tandem.bench.loadgen.clients import ClientConfig
 from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.metrics import SloTargets
 from tandem.bench.loadgen.plots import plot_goodput
-from tandem.bench.loadgen.report import SweepPoint, format_sweep, render_table
 from tandem.bench.loadgen.runner import BenchResult, WorkloadConfig
+from tandem.bench.loadgen.tables import SweepPoint, format_sweep
+from tandem.bench.report import render_table
 
 SYSTEMS = ("disaggregated", "colocated-2", "colocated-1", "transformers")
 # The SLO attainment a rate must reach to count as sustained (DistServe's 90%).

@@ -31,10 +31,10 @@ from tandem.bench.loadgen.clients import ClientConfig
 from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.metrics import percentile, ttft_s
 from tandem.bench.loadgen.plots import save_png
-from tandem.bench.loadgen.report import render_table
 from tandem.bench.loadgen.runner import BenchConfig, BenchResult, LongPromptConfig, run_benchmark
 from tandem.bench.loadgen.traces import RequestTrace
 from tandem.bench.loadgen.workloads import LONG_TAG
+from tandem.bench.report import render_table
 
 SYSTEMS = (
     "colocated-1-no-chunking",

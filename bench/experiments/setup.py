@@ -15,12 +15,10 @@ every layout uses the whole machine; `transformers serve` uses torch's default (
 
 from __future__ import annotations
 
-import os
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.bench.experiments.servers import ServerSpec, tandem_spec, transformers_spec
+from tandem.bench.harness import ServerSpec, tandem_spec, transformers_spec
 from tandem.bench.loadgen.clients import ClientConfig
 from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.metrics import SloTargets
@@ -54,12 +52,7 @@ _LAYOUTS = {
     "colocated-1": ("--colocated", "1"),
     "colocated-1-no-chunking": ("--colocated", "1", "--no-chunked-prefill"),
     "disaggregated-remote-prefill": (
-        "--prefill",
-        "1",
-        "--decode",
-        "1",
-        "--max-local-prefill-tokens",
-        "0",
+        *("--prefill", "1", "--decode", "1", "--max-local-prefill-tokens", "0"),
     ),
 }
 
@@ -93,14 +86,8 @@ class ExperimentSetup:
         grpc_port, http_port = self.base_port + index, self.base_port + 100 + index
         if system == "transformers":
             return transformers_spec(self.model_dir, http_port, self.worker_kv_blocks())
-        return tandem_spec(
-            _LABELS[system],
-            self.model_dir,
-            grpc_port,
-            http_port,
-            _LAYOUTS[system],
-            MAX_MODEL_LEN,
-        )
+        flags = (*_LAYOUTS[system], "--max-model-len", str(MAX_MODEL_LEN))
+        return tandem_spec(_LABELS[system], self.model_dir, grpc_port, http_port, flags)
 
 
 def workload(kind: str, input_len: int, output_len: int, seed: int, **extra) -> WorkloadConfig:
@@ -146,22 +133,3 @@ def bench_config(
         long_prompt=long_prompt,
         warmup_requests=2,
     )
-
-
-def machine_facts() -> dict[str, object]:
-    """What the results were measured on (recorded with every result file)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as info:
-            cpu = next(
-                (line.split(":", 1)[1].strip() for line in info if line.startswith("model name")),
-                cpu,
-            )
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "load_avg_1m_at_start": os.getloadavg()[0],
-        "python": platform.python_version(),
-    }

@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from tandem.bench.loadgen.load import LoadConfig
-from tandem.bench.loadgen.report import SweepPoint
 from tandem.bench.loadgen.runner import BenchConfig, BenchResult, run_benchmark, sweep_points
+from tandem.bench.loadgen.tables import SweepPoint
 
 logger = logging.getLogger(__name__)
 

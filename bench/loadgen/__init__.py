@@ -1,4 +1,5 @@
-"""`tandem bench`: a load generator that times every token itself.
+"""The one load generator: it times every token itself (`tandem-bench run|sweep`; the
+router and experiment suites drive it from Python).
 
 The pieces, in the order a run uses them (each experiment is a short script over them):
 
@@ -10,8 +11,8 @@ The pieces, in the order a run uses them (each experiment is a short script over
   injection, a global timeout, a progress bar;
 - `metrics`: pure functions over traces (TTFT, ITL, TPOT, e2e, percentiles, throughput,
   SLO attainment, goodput) → a `RunSummary`;
-- `report`: tables and matplotlib plots; `runner`: one run or a sweep from a
-  `BenchConfig`; `cli`: `tandem bench run|sweep`.
+- `tables` (over `bench.report.render_table`) and `plots` (matplotlib); `runner`: one
+  run or a sweep from a `BenchConfig`; `cli`: `tandem-bench run|sweep`.
 
-Nothing heavy is imported here, so `tandem --help` stays fast.
+Nothing heavy is imported here, so `tandem-bench --help` stays fast.
 """

@@ -1,11 +1,11 @@
-"""`tandem bench run|sweep`: the load generator's command line.
+"""`tandem-bench run|sweep`: the load generator's command line.
 
-    tandem bench run --target grpc://127.0.0.1:50051 --workload chat --rate 4 \\
+    tandem-bench run --target grpc://127.0.0.1:50051 --workload chat --rate 4 \\
         --num-requests 200 --ttft-slo 1 --itl-slo 0.1 --out results.json
-    tandem bench sweep --target http://127.0.0.1:8000 --concurrency 1,2,4,8 \\
+    tandem-bench sweep --target http://127.0.0.1:8000 --concurrency 1,2,4,8 \\
         --num-requests 64 --out sweep.json --plot frontier.png
 
-Only argparse is imported at module level (`tandem --help` must stay fast); each
+Only argparse is imported at module level (`tandem-bench --help` must stay fast); each
 handler imports the runner, clients and plotting it needs.
 """
 
@@ -24,9 +24,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_NUM_REQUESTS = 100
 
 
-def add_bench_commands(bench: argparse.ArgumentParser) -> None:
-    """Add `run` and `sweep` under the `tandem bench` parser."""
-    actions = bench.add_subparsers(dest="bench_command", required=True, metavar="ACTION")
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """`run ...` or `sweep ...` (the first argument picks the action)."""
+    parser = argparse.ArgumentParser(prog=prog, description="load generator")
+    actions = parser.add_subparsers(dest="bench_command", required=True, metavar="ACTION")
     run = actions.add_parser("run", help="one load level; results JSON and a table")
     _add_common_arguments(run)
     load = run.add_mutually_exclusive_group(required=True)
@@ -44,10 +45,9 @@ def add_bench_commands(bench: argparse.ArgumentParser) -> None:
     sweep.add_argument("--plot", default=None, help="PNG: frontier (concurrency) or goodput (rate)")
     sweep.add_argument("--label", default=None, help="series name in the plot (default target)")
     sweep.set_defaults(handler=sweep_command)
-
-    from tandem.bench.experiments.cli import add_experiment_command
-
-    add_experiment_command(actions)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    return int(args.handler(args))
 
 
 def _add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -191,7 +191,7 @@ def _bench_config(args: argparse.Namespace, concurrency: int | None, rate: float
 
 
 def _fail(command: str, exc: Exception, code: int) -> int:
-    print(f"tandem bench {command}: {exc}", file=sys.stderr)
+    print(f"tandem-bench {command}: {exc}", file=sys.stderr)
     return code
 
 
@@ -205,8 +205,8 @@ def _write_json(path: str, data: dict[str, Any]) -> None:
 def run_command(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tandem.bench.loadgen.report import format_summary
     from tandem.bench.loadgen.runner import run_benchmark
+    from tandem.bench.loadgen.tables import format_summary
 
     try:
         config = _bench_config(args, args.concurrency, args.rate)
@@ -241,8 +241,8 @@ def sweep_command(args: argparse.Namespace) -> int:
     import asyncio
     from dataclasses import replace
 
-    from tandem.bench.loadgen.report import format_sweep
     from tandem.bench.loadgen.runner import run_sweep, sweep_points, sweep_to_json
+    from tandem.bench.loadgen.tables import format_sweep
 
     try:
         closed_loop = bool(args.concurrency)

@@ -157,6 +157,7 @@ class GrpcClient:
         if self._stub is None:
             raise RuntimeError("start() the client first")
         times: list[float] = []
+        token_ids: list[int] = []
         num_output_tokens: int | None = None
         num_prompt_tokens = spec.prompt_len
         finish_reason = error = ""
@@ -166,6 +167,7 @@ class GrpcClient:
             async for message in call:
                 now = time.perf_counter()
                 times += [now] * len(message.token_ids)
+                token_ids += message.token_ids
                 if message.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
                     finish_reason = _GRPC_FINISH.get(message.finish_reason, "")
                 if message.HasField("usage"):
@@ -186,6 +188,7 @@ class GrpcClient:
             num_output_tokens=len(times) if num_output_tokens is None else num_output_tokens,
             finish_reason=finish_reason,
             error=error,
+            token_ids=token_ids,
         )
 
     async def close(self) -> None:

@@ -120,6 +120,7 @@ async def run_load(
         drivers += [run.closed_worker(workload, indices) for _ in range(config.concurrency)]
         total = None if config.num_requests is None else config.num_requests + len(injections)
     else:
+        assert config.rate_rps is not None  # LoadConfig holds exactly one of the two
         schedule = poisson_schedule(
             config.rate_rps, config.seed, config.num_requests, config.duration_s
         )

@@ -156,11 +156,12 @@ class RunSummary:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSummary:
         """Inverse of `to_json` (null back to NaN), to replot a saved results file."""
-        values = {k: math.nan if v is None else v for k, v in data.items()}
+        values: dict[str, Any] = {k: math.nan if v is None else v for k, v in data.items()}
         for name in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
-            values[name] = Distribution(
-                **{k: math.nan if v is None else v for k, v in data[name].items()}
-            )
+            fields: dict[str, Any] = {
+                k: math.nan if v is None else v for k, v in data[name].items()
+            }
+            values[name] = Distribution(**fields)
         values["slo"] = SloTargets(**data["slo"])
         return cls(**values)
 

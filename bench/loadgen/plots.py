@@ -16,7 +16,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from tandem.bench.loadgen.metrics import itl_gaps_s, ttft_s
-from tandem.bench.loadgen.report import SweepPoint
+from tandem.bench.loadgen.tables import SweepPoint
 from tandem.bench.loadgen.traces import RequestTrace
 
 Series = Mapping[str, Sequence[SweepPoint]]

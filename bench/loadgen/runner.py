@@ -20,7 +20,7 @@ from typing import Any
 from tandem.bench.loadgen.clients import Client, ClientConfig, ServerInfo, make_client
 from tandem.bench.loadgen.load import Injection, LoadConfig, LoadResult, run_load
 from tandem.bench.loadgen.metrics import RunSummary, SloTargets, summarize
-from tandem.bench.loadgen.report import SweepPoint
+from tandem.bench.loadgen.tables import SweepPoint
 from tandem.bench.loadgen.workloads import (
     LONG_TAG,
     ChatMix,

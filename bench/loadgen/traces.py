@@ -35,6 +35,8 @@ class RequestTrace:
     finish_reason: str = ""
     # "" on success; else what failed: a gRPC status name, "HTTP 429: ...", "timeout", ...
     error: str = ""
+    # Output token ids, where the client sees them (gRPC); empty otherwise.
+    token_ids: list[int] = field(default_factory=list)
     # Open loop: when the schedule wanted it sent (send_s − scheduled_s is client lag).
     scheduled_s: float | None = None
 

@@ -61,6 +61,8 @@ class RequestSpec:
     ignore_eos: bool = True
     # Which part of the workload it belongs to ("short", "long", ...); summaries group by it.
     tag: str = SHORT_TAG
+    # A text prompt of its own (sent when prompts travel as text); "" = the ids as words.
+    text: str = ""
 
     @property
     def prompt_len(self) -> int:
@@ -69,7 +71,7 @@ class RequestSpec:
     @property
     def prompt_text(self) -> str:
         """The prompt as words, one per token id (for servers that refuse token ids)."""
-        return " ".join(WORDS[i % len(WORDS)] for i in self.prompt_ids)
+        return self.text or " ".join(WORDS[i % len(WORDS)] for i in self.prompt_ids)
 
 
 class Workload(Protocol):

@@ -8,7 +8,7 @@ import pytest
 
 from tandem.bench.experiments.goodput import highest_rate_meeting, ratio_rows, sustained_rate
 from tandem.bench.loadgen.metrics import summarize
-from tandem.bench.loadgen.report import SweepPoint
+from tandem.bench.loadgen.tables import SweepPoint
 from tandem.bench.loadgen.traces import RequestTrace
 
 

@@ -1,4 +1,4 @@
-"""`tandem bench run|sweep` against a real in-process cluster, over both targets."""
+"""`tandem-bench run|sweep` against a real in-process cluster, over both targets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tandem.cluster.cli import main
+from tandem.bench.cli import main
 from tests.router.inproc_cluster import InprocCluster
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -22,7 +22,7 @@ def cluster(tiny_model_dir):
 
 
 def bench(*args: str) -> int:
-    return main(["bench", *args, "--no-progress"])
+    return main([*args, "--no-progress"])
 
 
 def load_fixed(cluster, target: str, load: list[str], out, *extra: str) -> dict:
@@ -124,7 +124,7 @@ def test_sweep_writes_points_and_a_plot(cluster, tmp_path):
 def test_unreachable_target_is_a_clean_error(capsys):
     args = ["run", "--target", "grpc://127.0.0.1:1", "--concurrency", "1", "--num-requests", "1"]
     assert bench(*args) == 1
-    assert "tandem bench run: grpc://127.0.0.1:1" in capsys.readouterr().err
+    assert "tandem-bench run: grpc://127.0.0.1:1" in capsys.readouterr().err
 
 
 def test_mixed_workload_with_a_document_slo_over_strict_openai(cluster, tmp_path):

@@ -4,29 +4,34 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.bench.doc_sections import replace_section
-from tandem.bench.engine_bench import make_plan, parse_args
-from tandem.bench.engine_doc import render_section
-from tandem.bench.engine_hardware import MachineFacts
-from tandem.bench.engine_load import CpuSnapshot, busy_seconds, foreign_cores
-from tandem.bench.engine_report import (
+from tandem.bench.engine.bench import make_plan, parse_args
+from tandem.bench.engine.report import (
     SECTION_HEADING,
     BenchReport,
     DtypeResult,
+    ModelShape,
     Profile,
     Row,
+    decode_roofline,
     floor_target,
     format_table,
     format_time,
+    prefill_roofline,
+    render_section,
+    roofline,
 )
-from tandem.bench.engine_roofline import ModelShape, decode_roofline, prefill_roofline, roofline
-from tandem.bench.engine_timing import (
+from tandem.bench.engine.timing import (
+    CpuSnapshot,
+    MachineFacts,
     OpTime,
     RepeatPolicy,
+    busy_seconds,
+    foreign_cores,
     median,
     repeat_interleaved,
     top_ops,
 )
+from tandem.bench.report import replace_section
 from tandem.engine.config import ModelConfig
 
 SMALL_CONFIG = {
@@ -74,7 +79,7 @@ def make_report(rows: list[Row], quick: bool = False) -> BenchReport:
         date_utc="2025-01-01 00:00 UTC",
         load_average=3.0,
     )
-    report = BenchReport("python -m bench.engine_bench", quick, machine, 15e9, "sdpa")
+    report = BenchReport("tandem-bench engine", quick, machine, 15e9, "sdpa")
     report.results = [DtypeResult("float32", 80e9, rows), DtypeResult("bfloat16", 10e9, rows)]
     report.profiles = [
         Profile(

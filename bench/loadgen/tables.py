@@ -1,4 +1,4 @@
-"""Readable tables of run summaries: plain text for a terminal, markdown for docs.
+"""Readable tables of load generator run summaries: plain text for a terminal, markdown for docs.
 
 Latencies are shown in milliseconds; NaN (no samples) as "-".
 """
@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tandem.bench.loadgen.metrics import Distribution, RunSummary
+from tandem.bench.report import render_table
 
 
 @dataclass(frozen=True)
@@ -38,22 +39,6 @@ def _num(value: float, fmt: str = ".2f") -> str:
 
 def _pct(fraction: float) -> str:
     return "-" if math.isnan(fraction) else f"{fraction * 100:.1f}%"
-
-
-def render_table(header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> str:
-    """Columns aligned (text) or a GitHub markdown table; first column left-aligned."""
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |"]
-        lines.append("|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|")
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines)
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        first = cells[0].ljust(widths[0])
-        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
-
-    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def format_summary(summary: RunSummary, title: str = "", markdown: bool = False) -> str:

@@ -1,6 +1,6 @@
 """KV transfer benchmark: tcp pulls on loopback against raw socket throughput.
 
-    python -m bench.kv_transfer_bench [--model models/tandem-small] [--out docs/benchmarks.md]
+    tandem-bench kv-transfer [--model models/tandem-small] [--out docs/benchmarks.md]
 
 Prefill side (`KvTransferService` + a raw socket server) in a child process, decode side
 here, so the GIL does not serialise both ends; KV layout from the model dir (fp32, block
@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from tandem.bench.doc_sections import write_section
+from tandem.bench.report import render_table, write_section
 from tandem.engine.config import EngineConfig
 from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferClient, KvTransferService
 from tandem.kv_transfer.tcp_server import tune_socket
@@ -202,18 +202,20 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
         "warm-up, all variants back to back per round; GB/s from median times; (vs raw) = "
         'median over rounds of raw time / variant time. Transfer / prefill uses "pull".',
         "",
-        "| prompt tokens | KV MiB | raw GB/s | pull GB/s (vs raw) | fresh memory "
-        "| into cache blocks | export copy | prefill s | transfer / prefill |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    cells = []
     for r in rows:
         pull_s, prefill_s = statistics.median(r.times_s["pull"]), prefill(r.num_tokens)
-        cells = " | ".join(f"{r.gbps(n):.2f} ({r.vs_raw(n):.0%})" for n in VARIANTS)
-        lines.append(
-            f"| {r.num_tokens:,} | {r.nbytes / 2**20:.0f} | {r.gbps('raw'):.2f} | {cells} "
-            f"| {prefill_s:.1f}{'' if r.num_tokens in args.measured else '*'} "
-            f"| {pull_s / prefill_s:.2%} |"
-        )
+        cells.append(
+            [f"{r.num_tokens:,}", f"{r.nbytes / 2**20:.0f}", f"{r.gbps('raw'):.2f}",
+             *(f"{r.gbps(n):.2f} ({r.vs_raw(n):.0%})" for n in VARIANTS),
+             f"{prefill_s:.1f}{'' if r.num_tokens in args.measured else '*'}",
+             f"{pull_s / prefill_s:.2%}"]
+        )  # fmt: skip
+    header = "prompt tokens|KV MiB|raw GB/s|pull GB/s (vs raw)|fresh memory|into cache blocks"
+    lines.append(
+        render_table([*header.split("|"), "export copy", "prefill s", "transfer / prefill"], cells)
+    )
     pulls, freshs, intos = ([r.vs_raw(n) for r in rows] for n in ("pull", "fresh", "into"))
     lines += [
         "",
@@ -237,14 +239,15 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, default=Path("models/tandem-small"))
     parser.add_argument("--out", default="docs/benchmarks.md", help="'' = print only")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--prefill-tokens-per-s", type=float, help="else measured")
     args = parser.parse_args(argv)
-    args.command = " ".join(["python -m bench.kv_transfer_bench", *(argv or sys.argv[1:])])
+    given = argv if argv is not None else sys.argv[1:]
+    args.command = " ".join(["tandem-bench kv-transfer", *given])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args.layout = KvLayout("tandem-small", "float32", 16, 12, 4, 64)
     if (args.model / "config.json").is_file():
@@ -271,7 +274,4 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{SECTION_HEADING}\n\n{section}")
     if args.out:
         write_section(Path(args.out), SECTION_HEADING, section)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

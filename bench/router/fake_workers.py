@@ -1,19 +1,26 @@
 """Instant fake workers and a router over them, for measuring the router's own cost.
 
-`serve_fake_workers` starts a `PrefillWorker` and a `DecodeWorker` gRPC server (plus
+`... workers` serves a `PrefillWorker` and a `DecodeWorker` gRPC server (plus
 gRPC health) that answer at once: `Prefill` returns a first token and a dummy
 `KvHandle`, `Decode` streams the remaining `max_tokens - 1` tokens in one message and
 finishes; nothing is computed and no KV is pulled (there is none). `Stats` reports an
 idle worker with a large, free block pool, so the policy never runs out of room.
-`serve_router` runs a real `Router` over them. Both are `router_procs.ServeFn`s: each
-runs in its own process, so the router's core is not shared with its workers.
+`... router` runs a real `Router` over them. Each runs as its own process started by the
+harness, so the router's core is not shared with its workers:
+
+    python -m tandem.bench.router.fake_workers workers --prefill-port A --decode-port B
+    python -m tandem.bench.router.fake_workers router --prefill-port A --decode-port B \\
+        --model models/tandem-tiny --grpc-port G --http-port H
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import logging
+import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -94,61 +101,74 @@ class FakeDecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 
 
 async def _start_server(
-    add_service: Callable[[grpc.aio.Server], None],
+    add_service: Callable[[grpc.aio.Server], None], port: int
 ) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add_service(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, f"127.0.0.1:{port}"
 
 
-async def serve_fake_workers(
-    _: None = None,
-) -> tuple[tuple[WorkerEndpoint, ...], Callable[[], Awaitable[None]]]:
-    """One fake prefill and one fake decode worker, each its own gRPC server."""
-    prefill = FakePrefillService("prefill-0")
-    decode = FakeDecodeService("decode-0")
+async def serve(args: argparse.Namespace) -> None:
+    """Serve the fake workers (`workers`) or a router over them (`router`) until SIGTERM
+    or SIGINT (the harness stops its processes with these)."""
     servers: list[grpc.aio.Server] = []
-
-    async def stop() -> None:
+    router: Router | None = None
+    if args.role == "workers":
+        prefill = FakePrefillService("prefill-0")
+        decode = FakeDecodeService("decode-0")
+        server, prefill.endpoint = await _start_server(
+            lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, s),
+            args.prefill_port,
+        )
+        servers.append(server)
+        server, _ = await _start_server(
+            lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, s),
+            args.decode_port,
+        )
+        servers.append(server)
+    else:
+        config = RouterConfig(
+            model_dir=args.model,
+            grpc_port=args.grpc_port,
+            http_port=args.http_port,
+            max_local_prefill_tokens=0,
+        )
+        workers = [
+            WorkerEndpoint("prefill-0", "prefill", f"127.0.0.1:{args.prefill_port}"),
+            WorkerEndpoint("decode-0", "decode", f"127.0.0.1:{args.decode_port}"),
+        ]
+        router = Router(config, workers)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if router is not None:
+            await router.start()
+        await stop.wait()
+    finally:
+        if router is not None:
+            await router.stop()
         for server in servers:
             await server.stop(1.0)
 
-    try:
-        server, prefill.endpoint = await _start_server(
-            lambda s: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(prefill, s)
-        )
-        servers.append(server)
-        server, decode_endpoint = await _start_server(
-            lambda s: worker_pb2_grpc.add_DecodeWorkerServicer_to_server(decode, s)
-        )
-        servers.append(server)
-    except BaseException:
-        await stop()
-        raise
-    workers = (
-        WorkerEndpoint(prefill.worker_id, "prefill", prefill.endpoint),
-        WorkerEndpoint(decode.worker_id, "decode", decode_endpoint),
-    )
-    return workers, stop
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("role", choices=("workers", "router"))
+    parser.add_argument("--prefill-port", type=int, required=True)
+    parser.add_argument("--decode-port", type=int, required=True)
+    parser.add_argument("--model", default="models/tandem-tiny", help="router: tokenizer")
+    parser.add_argument("--grpc-port", type=int, default=0, help="router: public gRPC port")
+    parser.add_argument("--http-port", type=int, default=0, help="router: HTTP port")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    asyncio.run(serve(parser.parse_args(argv)))
 
 
-@dataclass(frozen=True)
-class RouterArgs:
-    config: RouterConfig
-    workers: tuple[WorkerEndpoint, ...]
-
-
-async def serve_router(args: RouterArgs) -> tuple[str, Callable[[], Awaitable[None]]]:
-    """A real router over `args.workers`; hands back its public gRPC endpoint."""
-    router = Router(args.config, list(args.workers))
-    try:
-        await router.start()
-    except BaseException:
-        await router.stop()
-        raise
-    return router.grpc_endpoint, router.stop
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""GPU check: run on a CUDA machine (`python -m bench.gpu_check --model DIR`).
+"""GPU check: run on a CUDA machine (`python -m tandem.bench.gpu.check --model DIR`).
 
 1. The engine on CUDA (fp32) equals `transformers` greedy on CUDA, token for token.
 2. NCCL KV transfer between two worker processes: needs two GPUs, because NCCL

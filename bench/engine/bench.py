@@ -1,4 +1,4 @@
-"""`python -m bench.engine_bench`: the engine against its matmul floor, the roofline and HF.
+"""`tandem-bench engine`: the engine against its matmul floor, the roofline and HF.
 
 One process, the `small` preset, float32 and bfloat16 side by side: prefill of a
 512-token prompt and decode steps at batch 1, 8 and 32, each timed on the engine, on
@@ -23,29 +23,34 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench import engine_hf, engine_measure
-from tandem.bench.doc_sections import replace_section
-from tandem.bench.engine_doc import render_section
-from tandem.bench.engine_hardware import machine_facts, measure_bandwidth, measure_peak_flops
-from tandem.bench.engine_load import wait_until_quiet
-from tandem.bench.engine_report import (
-    QUIET_MAX_CORES,
-    SECTION_HEADING,
-    BenchReport,
-    DtypeResult,
-    Profile,
-    Row,
-    format_table,
-)
-from tandem.bench.engine_roofline import ModelShape
-from tandem.bench.engine_rows import (
+from tandem.bench.engine import measure
+from tandem.bench.engine.measure import (
     Subjects,
     decode_max_tokens,
     decode_row,
     prefill_row,
     profile_missed,
 )
-from tandem.bench.engine_timing import RepeatPolicy
+from tandem.bench.engine.report import (
+    QUIET_MAX_CORES,
+    SECTION_HEADING,
+    BenchReport,
+    DtypeResult,
+    ModelShape,
+    Profile,
+    Row,
+    format_table,
+    render_section,
+)
+from tandem.bench.engine.timing import (
+    RepeatPolicy,
+    machine_facts,
+    measure_bandwidth,
+    measure_peak_flops,
+    wait_until_quiet,
+)
+from tandem.bench.harness import ensure_model
+from tandem.bench.report import write_section
 from tandem.engine.config import ModelConfig
 
 DEFAULT_MODEL = "models/tandem-small"
@@ -141,11 +146,11 @@ def _measure_row(plan: BenchPlan, measure: Callable[[], Row]) -> Row:
 def _measure_rows(plan: BenchPlan, subjects: Subjects, prompt: list[int]) -> list[Row]:
     rows = [_measure_row(plan, lambda: prefill_row(subjects, prompt, plan.prefill))]
     for batch_size in plan.batch_sizes:
-        rows.append(
-            _measure_row(
-                plan, lambda b=batch_size: decode_row(subjects, b, plan.prompt_len, plan.decode)
-            )
-        )
+
+        def measure(b: int = batch_size) -> Row:
+            return decode_row(subjects, b, plan.prompt_len, plan.decode)
+
+        rows.append(_measure_row(plan, measure))
     return rows
 
 
@@ -157,7 +162,7 @@ def _run_dtype(
     peak = measure_peak_flops(torch_dtype, num_runs=plan.num_hardware_runs)
     _say(f"{dtype}: peak GEMM {peak / 1e9:.1f} GFLOP/s")
     subjects = Subjects(
-        engine=engine_measure.build_engine(
+        engine=measure.build_engine(
             plan.model_dir,
             dtype,
             plan.num_threads,
@@ -165,13 +170,13 @@ def _run_dtype(
             max(plan.batch_sizes),
             plan.decode_seq_len,
         ),
-        hf_model=engine_hf.load_hf_model(plan.model_dir, torch_dtype),
+        hf_model=measure.load_hf_model(plan.model_dir, torch_dtype),
         shape=shape,
         elem_size=torch.empty((), dtype=torch_dtype).element_size(),
         bandwidth=bandwidth,
         peak_flops=peak,
     )
-    prompt = engine_measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
+    prompt = measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
     rows = _measure_rows(plan, subjects, prompt)
     engine = subjects.engine
     del subjects
@@ -191,7 +196,7 @@ def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
     bandwidth = measure_bandwidth(num_runs=plan.num_hardware_runs)
     _say(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (load avg {machine.load_average:.2f})")
     shape = ModelShape.from_model_config(ModelConfig.from_model_dir(plan.model_dir))
-    report = BenchReport(command, plan.quick, machine, bandwidth, engine_hf.ATTN_IMPLEMENTATION)
+    report = BenchReport(command, plan.quick, machine, bandwidth, measure.ATTN_IMPLEMENTATION)
     for dtype in plan.dtypes:
         result, profiles = _run_dtype(plan, dtype, shape, bandwidth)
         report.results.append(result)
@@ -201,15 +206,6 @@ def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
     return report, shape
 
 
-def _ensure_model(model_dir: str) -> None:
-    if (Path(model_dir) / "config.json").is_file():
-        return
-    from tandem.engine.model_maker import make_model
-
-    _say(f"making the small preset in {model_dir}")
-    make_model("small", model_dir)
-
-
 def _write_outputs(report: BenchReport, shape: ModelShape, out: str | None, quick: bool) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS_DIR / ("engine-quick.json" if quick else "engine.json")
@@ -217,15 +213,12 @@ def _write_outputs(report: BenchReport, shape: ModelShape, out: str | None, quic
     _say(f"raw results: {json_path}")
     if out is None:
         return
-    doc_path = Path(out)
-    doc = doc_path.read_text() if doc_path.is_file() else ""
-    doc_path.parent.mkdir(parents=True, exist_ok=True)
-    doc_path.write_text(replace_section(doc, SECTION_HEADING, render_section(report, shape)))
-    _say(f"wrote {SECTION_HEADING!r} of {doc_path}")
+    write_section(Path(out), SECTION_HEADING, render_section(report, shape))
+    _say(f"wrote {SECTION_HEADING!r} of {out}")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine_bench", description=__doc__)
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog or "tandem-bench engine", description=__doc__)
     parser.add_argument("--model", default=DEFAULT_MODEL, help="model dir (made if absent)")
     parser.add_argument(
         "--out", default=None, help=f"markdown file to update (full run default: {DEFAULT_OUT})"
@@ -243,17 +236,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
-    _ensure_model(args.model)
-    command = " ".join(["python -m bench.engine_bench", *sys.argv[1:]]).strip()
+    ensure_model(Path(args.model), "small")
+    shown = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["tandem-bench engine", *shown]).strip()
     report, shape = run(make_plan(args), command)
     for result in report.results:
         _say(f"\n{result.dtype}\n{format_table(result.rows)}")
     _write_outputs(report, shape, out, args.quick)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

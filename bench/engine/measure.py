@@ -1,0 +1,406 @@
+"""What the engine benchmark times: the engine, `transformers` and the bare matmuls.
+
+- engine subjects: `build_engine`, `prefill_timer`, `DecodeBatch` (steps of a batch of
+  running requests), op profiles of both phases, `matmul_floor_timer` (the model's
+  weight matmuls alone: the floor no engine can beat);
+- `transformers` subjects: `load_hf_model`, `hf_prefill_timer`, `HfDecodeBatch`;
+- rows: `prefill_row` / `decode_row` time every subject of one phase interleaved and
+  hold the result against the roofline.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from tandem.bench.engine.report import (
+    MATMUL_OPS,
+    ModelShape,
+    Profile,
+    Roofline,
+    Row,
+    decode_roofline,
+    floor_target,
+    prefill_roofline,
+)
+from tandem.bench.engine.timing import (
+    OpProfile,
+    RepeatPolicy,
+    foreign_cores,
+    median,
+    profile_self_times,
+    repeat_interleaved,
+    snapshot,
+    time_call,
+    top_ops,
+)
+from tandem.engine.config import EngineConfig
+from tandem.engine.llm_engine import Engine
+from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.outputs import RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+
+# Ids 0-4 are the dummy tokenizer's special tokens; prompts stay clear of them.
+_FIRST_PLAIN_TOKEN = 5
+_BLOCK_SIZE = 16
+
+
+def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(_FIRST_PLAIN_TOKEN, vocab_size) for _ in range(num_tokens)]
+
+
+def build_engine(
+    model_dir: str,
+    dtype: str,
+    num_threads: int,
+    prefill_len: int,
+    max_batch_size: int,
+    decode_seq_len: int,
+) -> Engine:
+    """An engine sized for the benchmark: prefix caching off, one-step prefill of `prefill_len`."""
+    blocks_per_seq = -(-decode_seq_len // _BLOCK_SIZE)
+    num_blocks = max(max_batch_size * blocks_per_seq, -(-(prefill_len + 1) // _BLOCK_SIZE))
+    config = EngineConfig(
+        model=model_dir,
+        dtype=dtype,
+        num_threads=num_threads,
+        block_size=_BLOCK_SIZE,
+        num_blocks=num_blocks,
+        max_num_seqs=max_batch_size,
+        max_num_batched_tokens=max(prefill_len, max_batch_size),
+        max_model_len=max(prefill_len, decode_seq_len) + 1,
+        enable_prefix_caching=False,
+    )
+    return Engine(config)
+
+
+def _expect_tokens(outputs: list[RequestOutput], num_expected: int, what: str) -> None:
+    if len(outputs) != num_expected:
+        raise RuntimeError(f"{what} step produced {len(outputs)} tokens, expected {num_expected}")
+
+
+def expect_idle(engine: Engine) -> None:
+    if not engine.is_idle():
+        raise RuntimeError("engine still holds requests or blocks after a measurement")
+
+
+def prefill_timer(engine: Engine, prompt: list[int]) -> Callable[[], float]:
+    """Times the one step that prefills `prompt` and samples its first token.
+
+    Every call adds a fresh request (max_tokens=1, so it finishes in that step).
+    """
+    counter = itertools.count()
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def run_once() -> float:
+        req_id = f"prefill-{next(counter)}"
+        engine.add_request(req_id, prompt, params)
+        elapsed = time_call(lambda: _expect_tokens(engine.step(), 1, "prefill"))
+        if engine.has_unfinished_requests():
+            engine.abort(req_id)
+        return elapsed
+
+    return run_once
+
+
+class DecodeBatch:
+    """A running batch of imported requests; `step()` times one engine step of it."""
+
+    def __init__(self, engine: Engine, batch_size: int) -> None:
+        self.engine = engine
+        self.batch_size = batch_size
+
+    def step(self) -> float:
+        return time_call(lambda: _expect_tokens(self.engine.step(), self.batch_size, "decode"))
+
+    def next_context_len(self) -> int:
+        """Keys the next step attends to per sequence (its tokens so far)."""
+        return max(req.num_tokens for req in self.engine.scheduler.running)
+
+
+@contextmanager
+def decode_batch(
+    engine: Engine, batch_size: int, prompt_len: int, max_tokens: int
+) -> Iterator[DecodeBatch]:
+    """`batch_size` requests decoding from their first token; aborted on exit."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    req_ids: list[str] = []
+    try:
+        for i in range(batch_size):
+            req_id = f"decode-b{batch_size}-{i}"
+            prompt = random_prompt(prompt_len, vocab, seed=i)
+            if engine.reserve_import(req_id, prompt, prompt[0], params) is None:
+                raise RuntimeError(f"KV pool too small for a decode batch of {batch_size}")
+            req_ids.append(req_id)
+            engine.commit_import(req_id)
+        yield DecodeBatch(engine, batch_size)
+    finally:
+        for req_id in req_ids:
+            engine.abort(req_id)
+    expect_idle(engine)
+
+
+def profile_prefill(engine: Engine, prompt: list[int]) -> OpProfile:
+    """One prefill step under the profiler (after one unprofiled warm-up)."""
+    run_once = prefill_timer(engine, prompt)
+    run_once()
+    result = profile_self_times(run_once)
+    expect_idle(engine)
+    return result
+
+
+def profile_decode(engine: Engine, batch_size: int, prompt_len: int, num_steps: int) -> OpProfile:
+    """`num_steps` decode steps under the profiler (after one unprofiled warm-up step)."""
+    with decode_batch(engine, batch_size, prompt_len, num_steps + 2) as batch:
+        batch.step()
+        return profile_self_times(lambda: [batch.step() for _ in range(num_steps)])
+
+
+def model_weights(model: LlamaForCausalLM) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(every layer's qkv, o, gate_up, down weight in model order, lm_head weight)."""
+    layer_weights = [
+        weight
+        for layer in model.layers
+        for weight in (
+            layer.self_attn.qkv_proj.weight,
+            layer.self_attn.o_proj.weight,
+            layer.mlp.gate_up_proj.weight,
+            layer.mlp.down_proj.weight,
+        )
+    ]
+    return layer_weights, model.lm_head.weight
+
+
+def matmul_floor_timer(
+    model: LlamaForCausalLM, num_rows: int, num_logit_rows: int
+) -> Callable[[], float]:
+    """Times one pass of the model's weight matmuls alone, in model order."""
+    layer_weights, lm_head = model_weights(model)
+    dtype = lm_head.dtype
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        w.shape[1]: torch.randn(num_rows, w.shape[1], generator=gen).to(dtype)
+        for w in layer_weights
+    }
+    head_input = torch.randn(num_logit_rows, lm_head.shape[1], generator=gen).to(dtype)
+
+    def one_pass() -> None:
+        for weight in layer_weights:
+            F.linear(inputs[weight.shape[1]], weight)
+        F.linear(head_input, lm_head)
+
+    def run_once() -> float:
+        with torch.inference_mode():
+            return time_call(one_pass)
+
+    return run_once
+
+
+# transformers' default attention; "eager" would be slower and an unfair baseline.
+ATTN_IMPLEMENTATION = "sdpa"
+
+
+def load_hf_model(model_dir: str, dtype: torch.dtype) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+    )
+    return model.eval()
+
+
+def hf_prefill_timer(model: PreTrainedModel, prompt: list[int]) -> Callable[[], float]:
+    """Times one forward of the whole prompt (a fresh KV cache each run)."""
+    input_ids = torch.tensor([prompt])
+
+    def run_once() -> float:
+        with torch.inference_mode():
+            return time_call(lambda: model(input_ids=input_ids, logits_to_keep=1))
+
+    return run_once
+
+
+class HfDecodeBatch:
+    """B sequences whose cache holds `prompt_len` tokens; `step()` times one [B, 1] forward."""
+
+    def __init__(self, model: PreTrainedModel, batch_size: int, prompt_len: int) -> None:
+        self.model = model
+        self.cache = _filled_cache(model, batch_size, prompt_len)
+        token_ids = random_prompt(batch_size, model.config.vocab_size, seed=1)
+        self.input_ids = torch.tensor(token_ids)[:, None]
+        # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
+        params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def step(self) -> float:
+        kwargs = {"input_ids": self.input_ids, self.cache_kwarg: self.cache, "use_cache": True}
+        with torch.inference_mode():
+            return time_call(lambda: self.model(**kwargs))
+
+    def next_context_len(self) -> int:
+        """Keys the next step attends to per sequence (cached tokens plus the new one)."""
+        return self.cache.get_seq_length() + 1
+
+
+def _filled_cache(model: PreTrainedModel, batch_size: int, prompt_len: int) -> DynamicCache:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = (batch_size, cfg.num_key_value_heads, prompt_len, head_dim)
+    gen = torch.Generator().manual_seed(0)
+    cache = DynamicCache(config=cfg)
+    with torch.inference_mode():
+        for layer_idx in range(cfg.num_hidden_layers):
+            keys = torch.randn(shape, generator=gen).to(model.dtype)
+            values = torch.randn(shape, generator=gen).to(model.dtype)
+            cache.update(keys, values, layer_idx)
+    return cache
+
+
+NUM_PROFILE_STEPS = 3
+NUM_PROFILE_OPS = 8
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """What one dtype's rows are measured on, and the ceilings they are held to."""
+
+    engine: Engine
+    hf_model: PreTrainedModel
+    shape: ModelShape
+    elem_size: int
+    bandwidth: float  # bytes/s
+    peak_flops: float  # FLOP/s in this dtype
+
+
+def decode_max_tokens(policy: RepeatPolicy) -> int:
+    """Output tokens a decode row's requests need: every warm-up and timed step, plus slack."""
+    return policy.num_warmup + policy.max_runs + 2
+
+
+@dataclass(frozen=True)
+class _Samples:
+    """Seconds per run of each timer, and how busy other processes kept the machine."""
+
+    times: dict[str, list[float]]
+    foreign_cores: float
+
+
+def _timed(timers: dict[str, Callable[[], float]], policy: RepeatPolicy) -> _Samples:
+    start = snapshot()
+    times = repeat_interleaved(timers, policy)
+    return _Samples(times, foreign_cores(start, snapshot()))
+
+
+def _peak_flops(subjects: Subjects, samples: _Samples, floor_flops: float) -> float:
+    """The measured GEMM peak, or the rate the model's own matmuls reached if higher.
+
+    A square GEMM is not always the fastest shape (bf16 on AVX2 especially); a roofline
+    must never ask for more than the hardware was seen to do.
+    """
+    return max(subjects.peak_flops, floor_flops / min(samples.times["floor"]))
+
+
+def _row(
+    name: str,
+    kind: str,
+    num_tokens: int,
+    samples: _Samples,
+    bound: Roofline,
+    context: str = "",
+) -> Row:
+    times = samples.times
+    return Row(
+        name=name,
+        kind=kind,
+        num_tokens=num_tokens,
+        engine_s=median(times["engine"]),
+        transformers_s=median(times["transformers"]),
+        floor_s=median(times["floor"]),
+        roofline_s=bound.time_s,
+        roofline_bound=bound.bound,
+        floor_target=floor_target(kind, num_tokens),
+        context=context,
+        foreign_cores=samples.foreign_cores,
+        samples=times,
+    )
+
+
+def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> Row:
+    engine = subjects.engine
+    num_tokens = len(prompt)
+    timers = {
+        "engine": prefill_timer(engine, prompt),
+        "transformers": hf_prefill_timer(subjects.hf_model, prompt),
+        "floor": matmul_floor_timer(engine.runner.model, num_tokens, 1),
+    }
+    samples = _timed(timers, policy)
+    expect_idle(engine)
+    peak = _peak_flops(subjects, samples, subjects.shape.matmul_flops(num_tokens, 1))
+    bound = prefill_roofline(
+        subjects.shape, num_tokens, subjects.elem_size, subjects.bandwidth, peak
+    )
+    return _row(f"prefill {num_tokens}", "prefill", num_tokens, samples, bound)
+
+
+def decode_row(subjects: Subjects, batch_size: int, prompt_len: int, policy: RepeatPolicy) -> Row:
+    engine = subjects.engine
+    max_tokens = decode_max_tokens(policy)
+    with decode_batch(engine, batch_size, prompt_len, max_tokens) as batch:
+        hf_batch = HfDecodeBatch(subjects.hf_model, batch_size, prompt_len)
+        timers = {
+            "engine": batch.step,
+            "transformers": hf_batch.step,
+            "floor": matmul_floor_timer(engine.runner.model, batch_size, batch_size),
+        }
+        samples = _timed(timers, policy)
+        last = batch.next_context_len() - 1
+    first = last - len(samples.times["engine"]) + 1
+    peak = _peak_flops(subjects, samples, subjects.shape.matmul_flops(batch_size, batch_size))
+    bound = decode_roofline(
+        subjects.shape,
+        batch_size,
+        (first + last) // 2,
+        subjects.elem_size,
+        subjects.bandwidth,
+        peak,
+    )
+    return _row(f"decode b{batch_size}", "decode", batch_size, samples, bound, f"{first}–{last}")
+
+
+def _to_profile(dtype: str, row: Row, measured: OpProfile, num_steps: int) -> Profile:
+    per_step_us = {op: us / num_steps for op, us in measured.self_times_us.items()}
+    matmul_us = sum(us for op, us in per_step_us.items() if op in MATMUL_OPS)
+    return Profile(
+        dtype=dtype,
+        row=row.name,
+        num_steps=num_steps,
+        wall_s=measured.wall_s / num_steps,
+        op_s=sum(per_step_us.values()) / 1e6,
+        matmul_s=matmul_us / 1e6,
+        ops=top_ops(per_step_us, NUM_PROFILE_OPS),
+    )
+
+
+def profile_missed(
+    engine: Engine, dtype: str, rows: list[Row], prompt: list[int], prompt_len: int
+) -> list[Profile]:
+    """Engine profiles of every row that misses a target (`prompt` is the prefill's)."""
+    profiles = []
+    for row in rows:
+        if row.floor_met and row.transformers_met:
+            continue
+        if row.kind == "prefill":
+            measured = profile_prefill(engine, prompt)
+            profiles.append(_to_profile(dtype, row, measured, 1))
+        else:
+            measured = profile_decode(engine, row.num_tokens, prompt_len, NUM_PROFILE_STEPS)
+            profiles.append(_to_profile(dtype, row, measured, NUM_PROFILE_STEPS))
+    return profiles

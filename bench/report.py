@@ -1,0 +1,127 @@
+"""The one report writer: tables, numbers, machine facts, results JSON, doc sections.
+
+Every suite renders its tables with `render_table` and writes its own `## ` section of
+docs/benchmarks.md with `write_section`, keeping the other sections byte for byte
+(several benchmarks, run at different times, share the document). Nothing here times
+anything, so the tests check every function on synthetic numbers.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+DOC_TITLE = "# Benchmarks"
+
+
+def render_table(
+    header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = True
+) -> str:
+    """A GitHub markdown table (first column left-aligned, the others right) or, with
+    `markdown=False`, aligned plain-text columns; every row has one cell per header."""
+    for row in rows:
+        if len(row) != len(header):
+            raise ValueError(f"row {list(row)} has {len(row)} cells, header {len(header)}")
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |"]
+        lines.append("|" + "|".join([":---"] + ["---:"] * (len(header) - 1)) + "|")
+        lines += ["| " + " | ".join(row) + " |" for row in rows]
+        return "\n".join(lines)
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(c.rjust(w) for c, w in zip(cells[1:], widths[1:], strict=True))])
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def format_ms(seconds: float, digits: int = 2) -> str:
+    """Seconds as milliseconds with the unit ("—" when unknown)."""
+    return "—" if math.isnan(seconds) else f"{seconds * 1e3:.{digits}f} ms"
+
+
+def replace_section(doc: str, heading: str, body: str) -> str:
+    """`doc` with the section under `heading` (up to the next `## `) set to `body`;
+    appended when absent; a missing document gets the title first."""
+    if not heading.startswith("## "):
+        raise ValueError(f"heading must start with '## ', got {heading!r}")
+    if not doc.strip():
+        doc = f"{DOC_TITLE}\n"
+    lines = doc.splitlines()
+    section = [heading, "", *body.strip("\n").splitlines(), ""]
+    try:
+        start = lines.index(heading)
+    except ValueError:
+        return "\n".join([*lines, "", *section]).rstrip("\n") + "\n"
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join([*lines[:start], *section, *lines[end:]]).rstrip("\n") + "\n"
+
+
+def write_section(path: Path, heading: str, body: str) -> None:
+    """Read-modify-write one section right away (other runs write other sections)."""
+    doc = path.read_text() if path.is_file() else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(replace_section(doc, heading, body))
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Raw results (dataclasses become dicts; NaN and infinities are written as null)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_plain(data), indent=1, sort_keys=True) + "\n")
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "__dataclass_fields__"):
+        return _plain(asdict(value))
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_facts() -> dict[str, Any]:
+    """What the results were measured on (recorded with every result file)."""
+    import grpc
+
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "load_avg_1m_at_start": os.getloadavg()[0],
+        "load_avg_at_start": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "grpc": grpc.__version__,
+        "started": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def machine_sentence(facts: dict[str, Any], load_end: Sequence[float]) -> str:
+    """The **Machine.** line of a docs section, load averages at the start and the end."""
+    start = facts["load_avg_at_start"]
+    return (
+        f"**Machine.** {facts['cpu']}, {facts['cores']} cores; Python {facts['python']}, "
+        f"grpcio {facts['grpc']}; {facts['started']}. Load average (1/5/15 min, `uptime`) "
+        f"at start {start[0]:.2f} / {start[1]:.2f} / {start[2]:.2f}, at end "
+        f"{load_end[0]:.2f} / {load_end[1]:.2f} / {load_end[2]:.2f}."
+    )

@@ -1,0 +1,520 @@
+"""Router overhead: added latency per request, and requests/s one router core sustains.
+
+    tandem-bench router [--model models/tandem-tiny] [--out docs/benchmarks.md] [--quick]
+
+Part 1, *added latency*: `tandem serve --prefill 1 --decode 1` (tiny model, always
+disaggregating) as a process and, from this process, N sequential requests alternately
+via the router's `Generate` (the load generator's gRPC client) and straight to the
+workers: `Prefill`, then `Decode` with the returned `KvHandle`, as `RequestFlow` does.
+Part 2, *throughput*: instant fake workers and a real router over them, each a process
+of its own (`bench.router.fake_workers`; the router pinned to one core), and the load
+generator's closed loop from this process on the other cores. Writes
+`## Router overhead` of docs/benchmarks.md and raw numbers to bench/results/router.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tandem.bench.harness import (
+    ServerSpec,
+    ensure_model,
+    exit_on_sigterm,
+    free_port,
+    process_cpu_s,
+    running,
+    tandem_spec,
+)
+from tandem.bench.loadgen.clients import ClientConfig, GrpcClient
+from tandem.bench.loadgen.load import LoadConfig, run_load
+from tandem.bench.loadgen.metrics import Distribution, e2e_s, ttft_s
+from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import RequestSpec
+from tandem.bench.report import (
+    format_ms,
+    machine_facts,
+    machine_sentence,
+    render_table,
+    write_json,
+    write_section,
+)
+from tandem.engine.sampling_params import SamplingParams
+from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.worker.convert import sampling_params_to_proto
+
+logger = logging.getLogger(__name__)
+
+SECTION_HEADING = "## Router overhead"
+FULL_COMMAND = ".venv/bin/tandem-bench router"
+PROMPT = "The router picks a prefill worker and a decode worker for every request."
+# Below this share of its core the router was not what limited throughput.
+SATURATED_CPU = 0.9
+WARMUP_S = 2.0
+_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class TextWorkload:
+    """The same text prompt every time (both paths then hit the prefix cache alike)."""
+
+    prompt: str
+    max_tokens: int
+    name: str = "router-overhead"
+
+    def request(self, index: int) -> RequestSpec:
+        return RequestSpec(
+            f"r{index}-{uuid.uuid4().hex[:8]}", (), self.max_tokens, text=self.prompt
+        )
+
+
+@dataclass(frozen=True)
+class OverheadResult:
+    num_requests: int
+    num_prompt_tokens: int
+    max_tokens: int
+    router_e2e: Distribution
+    direct_e2e: Distribution
+    router_ttft: Distribution
+    direct_ttft: Distribution
+    # Per pair: router minus direct.
+    added_e2e: Distribution
+    added_ttft: Distribution
+    # Both paths produced the same greedy tokens for every request.
+    outputs_match: bool
+
+
+@dataclass(frozen=True)
+class ThroughputResult:
+    concurrency: int
+    duration_s: float
+    # Requests that finished inside the measured window.
+    num_completed: int
+    # Failed requests inside the window, by status.
+    errors: dict[str, int]
+    requests_per_s: float
+    latency: Distribution
+    ttft: Distribution
+    # name -> CPU seconds used per second of the window (1.0 = one core fully busy).
+    cpu_utilization: dict[str, float]
+
+
+def paired_differences(slow: list[float], fast: list[float]) -> list[float]:
+    """`slow[i] - fast[i]` for requests measured in pairs (interleaved runs)."""
+    if len(slow) != len(fast):
+        raise ValueError(f"unpaired samples: {len(slow)} vs {len(fast)}")
+    return [a - b for a, b in zip(slow, fast, strict=True)]
+
+
+async def direct_generate(
+    prefill: worker_pb2_grpc.PrefillWorkerStub,
+    decode: worker_pb2_grpc.DecodeWorkerStub,
+    prompt_ids: list[int],
+    params: pb.SamplingParams,
+) -> RequestTrace:
+    """Prefill then Decode with the handle, as `RequestFlow` does for a disaggregated pair."""
+    req_id = uuid.uuid4().hex
+    start = time.perf_counter()
+    reply = await prefill.Prefill(
+        pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt_ids, params=params),
+        timeout=_TIMEOUT_S,
+    )
+    times, ids = [time.perf_counter()], [reply.first_token_id]
+    finished = reply.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    if not finished:
+        request = pb.DecodeRequest(
+            request_id=req_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            kv_handle=reply.kv_handle,
+            first_token_id=reply.first_token_id,
+        )
+        async for msg in decode.Decode(request, timeout=_TIMEOUT_S):
+            times += [time.perf_counter()] * len(msg.token_ids)
+            ids += msg.token_ids
+            finished = finished or msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    return RequestTrace(
+        req_id, "direct", len(prompt_ids), params.max_tokens, start, time.perf_counter(),
+        times, len(ids), error="" if finished else "stream ended without a finish reason",
+        token_ids=ids,
+    )  # fmt: skip
+
+
+async def measure_overhead(
+    target: str, workers: dict[str, str], num_requests: int, max_tokens: int, num_warmup: int
+) -> OverheadResult:
+    router = GrpcClient(ClientConfig(target, prompt_format="text", request_timeout_s=_TIMEOUT_S))
+    await router.start()
+    async with (
+        grpc.aio.insecure_channel(target.removeprefix("grpc://"), options=GRPC_OPTIONS) as r_ch,
+        grpc.aio.insecure_channel(workers["prefill"], options=GRPC_OPTIONS) as p_channel,
+        grpc.aio.insecure_channel(workers["decode"], options=GRPC_OPTIONS) as d_channel,
+    ):
+        # The ids the router's tokenizer makes of the prompt: both paths prefill the same.
+        tokenize = generation_pb2_grpc.GenerationStub(r_ch).Tokenize
+        reply = await tokenize(gen_pb.TokenizeRequest(prompt=PROMPT), timeout=10)
+        prompt_ids = list(reply.token_ids)
+        prefill = worker_pb2_grpc.PrefillWorkerStub(p_channel)
+        decode = worker_pb2_grpc.DecodeWorkerStub(d_channel)
+        params = sampling_params_to_proto(
+            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        )
+        workload = TextWorkload(PROMPT, max_tokens)
+        routed: list[RequestTrace] = []
+        straight: list[RequestTrace] = []
+        try:
+            for i in range(num_warmup + num_requests):
+                via_router = router.stream(workload.request(i))
+                direct = direct_generate(prefill, decode, prompt_ids, params)
+                if i % 2 == 0:  # alternate which path goes first
+                    r, d = await via_router, await direct
+                else:
+                    d, r = await direct, await via_router
+                for t in (r, d):
+                    if t.error:
+                        raise RuntimeError(f"request failed: {t.error}")
+                if i >= num_warmup:
+                    routed.append(r)
+                    straight.append(d)
+        finally:
+            await router.close()
+    r_e2e, d_e2e = [e2e_s(t) for t in routed], [e2e_s(t) for t in straight]
+    r_ttft = [x for x in map(ttft_s, routed) if x is not None]
+    d_ttft = [x for x in map(ttft_s, straight) if x is not None]
+    return OverheadResult(
+        num_requests=num_requests,
+        num_prompt_tokens=len(prompt_ids),
+        max_tokens=max_tokens,
+        router_e2e=Distribution.of(r_e2e),
+        direct_e2e=Distribution.of(d_e2e),
+        router_ttft=Distribution.of(r_ttft),
+        direct_ttft=Distribution.of(d_ttft),
+        added_e2e=Distribution.of(paired_differences(r_e2e, d_e2e)),
+        added_ttft=Distribution.of(paired_differences(r_ttft, d_ttft)),
+        outputs_match=all(
+            r.token_ids == d.token_ids for r, d in zip(routed, straight, strict=True)
+        ),
+    )
+
+
+def throughput_of(
+    traces: list[RequestTrace],
+    concurrency: int,
+    window: tuple[float, float],
+    cpu: tuple[dict[str, float | None], dict[str, float | None]],
+) -> ThroughputResult:
+    """What finished inside `window` (s from the run's start), and each process's CPU
+    use over it from /proc samples at its start and end."""
+    start, end = window
+    duration = end - start
+    inside = [t for t in traces if start <= t.end_s <= end]
+    done = [t for t in inside if t.ok]
+    errors: dict[str, int] = {}
+    for t in inside:
+        if not t.ok:
+            code = t.error.split(":")[0]
+            errors[code] = errors.get(code, 0) + 1
+    before, after = cpu
+    used = {
+        name: (a - b) / duration
+        for name in before
+        if (b := before[name]) is not None and (a := after.get(name)) is not None
+    }
+    return ThroughputResult(
+        concurrency=concurrency,
+        duration_s=duration,
+        num_completed=len(done),
+        errors=errors,
+        requests_per_s=len(done) / duration,
+        latency=Distribution.of([e2e_s(t) for t in done]),
+        ttft=Distribution.of([x for x in map(ttft_s, done) if x is not None]),
+        cpu_utilization=used,
+    )
+
+
+async def closed_loop(
+    target: str, concurrency: int, duration_s: float, max_tokens: int, pids: dict[str, int]
+) -> ThroughputResult:
+    """`concurrency` streams kept in flight over one channel for `WARMUP_S` + `duration_s`."""
+    pids = {**pids, "load generator": os.getpid()}
+    client = GrpcClient(ClientConfig(target, prompt_format="text", request_timeout_s=30.0))
+    await client.start()
+    loop = asyncio.get_running_loop()
+
+    async def sample_cpu(at_s: float) -> dict[str, float | None]:
+        await asyncio.sleep(max(0.0, at_s - loop.time()))
+        return {name: process_cpu_s(pid) for name, pid in pids.items()}
+
+    try:
+        now = loop.time()
+        cpu_start = asyncio.ensure_future(sample_cpu(now + WARMUP_S))
+        cpu_end = asyncio.ensure_future(sample_cpu(now + WARMUP_S + duration_s))
+        config = LoadConfig(
+            concurrency=concurrency,
+            duration_s=WARMUP_S + duration_s,
+            timeout_s=WARMUP_S + duration_s + 60,
+            progress=False,
+        )
+        result = await run_load(client, TextWorkload(PROMPT, max_tokens), config)
+        cpu = (await cpu_start, await cpu_end)
+    finally:
+        await client.close()
+    return throughput_of(result.traces, concurrency, (WARMUP_S, WARMUP_S + duration_s), cpu)
+
+
+def cores_split() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(router's core, everyone else's); both empty when there are fewer than 2 cores."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return ((cores[0],), tuple(cores[1:])) if len(cores) >= 2 else ((), ())
+
+
+def measure_added_latency(args: argparse.Namespace) -> OverheadResult:
+    flags: tuple[str, ...] = ("--prefill", "1", "--decode", "1", "--device", "cpu")
+    flags += ("--kv-backend", "tcp")
+    # Always disaggregate: the direct path is Prefill then Decode, so must the router be.
+    flags += ("--max-model-len", "1024", "--max-local-prefill-tokens", "0")
+    spec = tandem_spec("router-bench-cluster", str(args.model), free_port(), free_port(), flags)
+    with running([spec], args.json.parent / "logs") as (cluster,):
+        workers = cluster.worker_endpoints()
+        target = spec.grpc_target or ""
+        measure = measure_overhead(target, workers, args.requests, args.max_tokens, args.warmup)
+        return asyncio.run(asyncio.wait_for(measure, timeout=600))
+
+
+def measure_throughput(args: argparse.Namespace) -> tuple[ThroughputResult, ...]:
+    router_cores, other_cores = cores_split()
+    prefill_port, decode_port, grpc_port = free_port(), free_port(), free_port()
+    http_port = free_port()
+    module = (sys.executable, "-m", "tandem.bench.router.fake_workers")
+    ports = ("--prefill-port", str(prefill_port), "--decode-port", str(decode_port))
+    fakes = ServerSpec(
+        "fake-workers", (*module, "workers", *ports), f"tcp://127.0.0.1:{decode_port}",
+        cores=other_cores,
+    )  # fmt: skip
+    router_argv: tuple[str, ...] = (*module, "router", *ports, "--model", str(args.model))
+    router_argv += ("--grpc-port", str(grpc_port), "--http-port", str(http_port))
+    router = ServerSpec(
+        "fake-router", router_argv, f"http://127.0.0.1:{http_port}/v1/models", cores=router_cores
+    )
+    results = []
+    affinity = os.sched_getaffinity(0) if other_cores else set()
+    with running([fakes, router], args.json.parent / "logs") as (fake_proc, router_proc):
+        pids = {"router": router_proc.pid, "fake workers": fake_proc.pid}
+        try:
+            if other_cores:
+                os.sched_setaffinity(0, set(other_cores))
+            for concurrency in args.concurrency:
+                load = closed_loop(
+                    f"grpc://127.0.0.1:{grpc_port}",
+                    concurrency,
+                    args.duration,
+                    args.max_tokens,
+                    pids,
+                )
+                result = asyncio.run(asyncio.wait_for(load, timeout=args.duration + 120))
+                logger.info("concurrency %d: %.0f req/s", concurrency, result.requests_per_s)
+                results.append(result)
+        finally:
+            if affinity:
+                os.sched_setaffinity(0, affinity)
+    return tuple(results)
+
+
+def _percent(value: float | None) -> str:
+    return "—" if value is None else f"{value:.0%}"
+
+
+def render_overhead(result: OverheadResult) -> str:
+    rows = [
+        [name, *(format_ms(x) for d in dists for x in (d.p50, d.p99))]
+        for name, dists in (
+            ("TTFT", (result.router_ttft, result.direct_ttft, result.added_ttft)),
+            ("end-to-end", (result.router_e2e, result.direct_e2e, result.added_e2e)),
+        )
+    ]
+    header = ["latency", "via router p50", "p99", "direct p50", "p99", "added p50", "added p99"]
+    return render_table(header, rows)
+
+
+def render_throughput(results: tuple[ThroughputResult, ...]) -> str:
+    rows = []
+    for r in results:
+        cpu = r.cpu_utilization
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) or "0"
+        rows.append(
+            [str(r.concurrency), f"{r.requests_per_s:,.0f}", format_ms(r.latency.p50),
+             format_ms(r.latency.p99), format_ms(r.ttft.p50), _percent(cpu.get("router")),
+             _percent(cpu.get("fake workers")), _percent(cpu.get("load generator")), errors]
+        )  # fmt: skip
+    header = "concurrency|requests/s|p50 latency|p99 latency|p50 TTFT|router CPU|fake workers CPU"
+    return render_table([*header.split("|"), "load generator CPU", "errors"], rows)
+
+
+def overhead_reading(result: OverheadResult) -> str:
+    share = result.added_e2e.p50 / result.direct_e2e.p50
+    match = (
+        "Both paths produced the same greedy tokens for every request."
+        if result.outputs_match
+        else "**The two paths produced different tokens for some requests.**"
+    )
+    return (
+        f"Going through the router adds {format_ms(result.added_e2e.p50)} to the median "
+        f"request ({share:.0%} of the direct path's {format_ms(result.direct_e2e.p50)}) and "
+        f"{format_ms(result.added_ttft.p50)} to the median TTFT; the p99 of the paired "
+        f"differences is {format_ms(result.added_e2e.p99)} end to end. That is one more "
+        "gRPC hop each way (client → router → worker) plus the router's own work: "
+        "validation and tokenization, the policy's placement, and re-streaming every "
+        f"message. {match}"
+    )
+
+
+def throughput_reading(results: tuple[ThroughputResult, ...], router_cores: tuple[int, ...]) -> str:
+    best = max(results, key=lambda r: r.requests_per_s)
+    router_cpu = best.cpu_utilization.get("router")
+    where = (
+        f"pinned to core {router_cores[0]}"
+        if router_cores
+        else "unpinned (sched_setaffinity unavailable or one core)"
+    )
+    text = (
+        f"One router process ({where}) served up to {best.requests_per_s:,.0f} requests/s "
+        f"(concurrency {best.concurrency}, p50 {format_ms(best.latency.p50)}, p99 "
+        f"{format_ms(best.latency.p99)}); each request is a `Generate` stream in, a "
+        "`Prefill` call and a `Decode` stream out."
+    )
+    if router_cpu is None:
+        return text + " The router's CPU use could not be read."
+    cost = f"{router_cpu / best.requests_per_s * 1e3:.1f} ms"
+    if router_cpu >= SATURATED_CPU:
+        return (
+            text + f" The router used {router_cpu:.0%} of its core ({cost} of CPU per "
+            "request), so this is the router's own limit on this machine."
+        )
+    return (
+        text + f" The router used only {router_cpu:.0%} of its core: the fake workers and "
+        "the load generator, which share the other core(s), limited the rate, so the "
+        f"router's own ceiling is higher; about {best.requests_per_s / router_cpu:,.0f} "
+        f"requests/s per fully busy core at its measured {cost} of CPU per request."
+    )
+
+
+# From one cProfile run of the router process (concurrency 64, fake workers, 2026-11-29).
+PROFILE_NOTE = (
+    "**Where the router's CPU goes** (one `cProfile` run of the router process at "
+    "concurrency 64, not regenerated by the command above): placement "
+    "(`GoodputPolicy.place`) ≈ 10% of the router's time, half of it the prefill latency "
+    "model's refit (`LinearLatencyModel._fit_window`, small numpy solves, redone after "
+    "every observation, i.e. once per request); tokenization ≈ 4%; Prometheus label "
+    "lookups ≈ 2%; the rest is grpc.aio and asyncio machinery for the three RPCs of each "
+    "request (`Generate` in, `Prefill` and `Decode` out). Cheaper per-request Python in "
+    "the policy would buy little; fewer RPC messages (or more router processes) would."
+)
+
+
+def render_section(report: dict[str, Any]) -> str:
+    o: OverheadResult = report["overhead"]
+    throughput: tuple[ThroughputResult, ...] = report["throughput"]
+    router_cores, other_cores = report["cores"]
+    pin = (
+        f"router pinned to core {', '.join(map(str, router_cores))}; fake workers and "
+        f"load generator on core(s) {', '.join(map(str, other_cores))}"
+        if router_cores
+        else "no pinning (fewer than 2 cores or no sched_setaffinity)"
+    )
+    concurrency = ", ".join(str(r.concurrency) for r in throughput)
+    duration = throughput[0].duration_s if throughput else 0.0
+    return "\n".join([
+        "Command (full run, from the repository root):", "", "```", FULL_COMMAND, "```", "",
+        f"This run: `{report['command']}` ({report['wall_s'] / 60:.1f} min).", "",
+        machine_sentence(report["machine"], report["load_average_end"]), "",
+        "### Added latency per request", "",
+        "**Method.** `tiny` preset, `tandem serve --prefill 1 --decode 1` as its own process "
+        "(a Ray `LocalCluster`: the prefill and the decode worker are Ray actors, each its "
+        "own process with 1 torch thread, KV over TCP; the router runs in the serve "
+        "process), the client in the benchmark process. "
+        f"{o.num_requests} sequential requests per path (after a "
+        f"warm-up), one prompt of {o.num_prompt_tokens} tokens (the same each time, so "
+        "both paths hit the workers' prefix cache alike), "
+        f"`max_tokens={o.max_tokens}`, greedy, `ignore_eos`. *Via router*: `Generate` "
+        "with the text prompt (so the router tokenizes it). *Direct*: the same token ids, "
+        "`PrefillWorker.Prefill` then `DecodeWorker.Decode` with the returned `KvHandle`, "
+        "issued by the client exactly as `RequestFlow` issues them. The router runs with "
+        "`--max-local-prefill-tokens 0`, so it always disaggregates onto the same worker "
+        "pair. The paths alternate (and swap which goes first) so load drift hits both; "
+        "*added* = per-pair difference router − direct. TTFT = until the first token; "
+        "end-to-end = until the last message.", "",
+        render_overhead(o), "", overhead_reading(o), "",
+        "### Router throughput with instant fake workers", "",
+        "**Method.** Fake `PrefillWorker` / `DecodeWorker` gRPC servers "
+        "(`bench/router/fake_workers.py`, one process) answer at once: `Prefill` returns "
+        "a first token and a dummy `KvHandle`, `Decode` streams the other "
+        f"{o.max_tokens - 1} tokens in one message (no KV is pulled), `Stats`/health "
+        "report an idle worker. A real router (default settings but "
+        "`max_local_prefill_tokens=0`, admission `none`, Stats polled every 0.25 s) runs "
+        f"in its own process; {pin}. A closed-loop load generator (the benchmark process, "
+        "one gRPC channel) keeps *concurrency* `Generate` streams in flight (text prompt, "
+        f"`max_tokens={o.max_tokens}`) for {WARMUP_S:g} s of warm-up and {duration:g} s "
+        "measured; requests/s and latencies count the requests that finished in the "
+        "measured window. CPU = CPU seconds each process used per second of that window "
+        f"(100% = one core). Levels: {concurrency}.", "",
+        render_throughput(throughput), "", throughput_reading(throughput, router_cores), "",
+        PROFILE_NOTE,
+    ])  # fmt: skip
+
+
+def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, default=Path("models/tandem-tiny"))
+    parser.add_argument("--out", default="docs/benchmarks.md", help="'' = print only")
+    parser.add_argument("--json", type=Path, default=Path("bench/results/router.json"))
+    parser.add_argument("--requests", type=int, default=200, help="sequential requests per path")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
+    parser.add_argument("--quick", action="store_true", help="tiny run to check the plumbing")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.warmup, args.duration = 20, 2, 3.0
+    return args
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    args = parse_args(argv, prog)
+    shown = argv if argv is not None else sys.argv[1:]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    exit_on_sigterm()
+    started = time.monotonic()
+    facts = machine_facts()
+    ensure_model(args.model, "tiny")
+    overhead = measure_added_latency(args)
+    logger.info("added latency p50 %s", format_ms(overhead.added_e2e.p50))
+    report = {
+        "command": " ".join(["tandem-bench router", *shown]),
+        "machine": facts,
+        "overhead": overhead,
+        "cores": cores_split(),
+        "throughput": measure_throughput(args),
+    }
+    report["wall_s"] = time.monotonic() - started
+    report["load_average_end"] = os.getloadavg()
+    write_json(args.json, report)
+    section = render_section(report)
+    print(f"{SECTION_HEADING}\n\n{section}")
+    if args.out and not args.quick:
+        write_section(Path(args.out), SECTION_HEADING, section)
+    return 0
