@@ -18,9 +18,9 @@ from tandem.prefill_worker.server import PrefillWorker
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.worker.config import WorkerConfig, WorkerRole
-from tests.cluster.client import assert_workers_idle, worker_stats
-from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_hf_equivalence import make_prompts
+from tests.helpers.grpc_calls import assert_workers_idle, worker_stats
+from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 10

@@ -13,8 +13,8 @@ from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
-from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_hf_equivalence import make_prompts
+from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -21,7 +21,7 @@ from tandem.kv_transfer import (
 )
 from tandem.kv_transfer.tcp_channel import TcpChannel
 from tandem.kv_transfer.wire import DataReply, DataRequest, recv_message, send_message
-from tests.kv_transfer.harness import TINY, FakeEngine, prefill_server, random_cache
+from tests.helpers.kv_transfer_harness import TINY, FakeEngine, prefill_server, random_cache
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,14 @@ import torch
 
 from tandem.kv_transfer import KvPullError, KvTransferClient, KvTransferError
 from tandem.kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, NcclUniqueId, load_nccl
-from tests.kv_transfer.harness import SMALL, TINY, FakeEngine, bits, prefill_server, random_cache
+from tests.helpers.kv_transfer_harness import (
+    SMALL,
+    TINY,
+    FakeEngine,
+    bits,
+    prefill_server,
+    random_cache,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
