@@ -5,14 +5,13 @@ Every test ends with the pools back to idle.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
+from tests.helpers.clock import FakeClock
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.prompts import make_prompts
 
@@ -76,12 +75,18 @@ def test_released_prefill_blocks_stay_in_prefix_cache(tiny_model_dir):
 
 
 def test_unpulled_lease_expires_and_frees_blocks(tiny_model_dir):
-    prefill = make_engine(tiny_model_dir, mode=EngineMode.PREFILL_ONLY, kv_lease_s=0.05)
+    clock = FakeClock()
+    config = EngineConfig(
+        model=str(tiny_model_dir), max_model_len=1024, mode=EngineMode.PREFILL_ONLY, kv_lease_s=5.0
+    )
+    prefill = Engine(config, clock=clock)
     prefill.add_request("a", make_prompts(2048, (70,))[0], SamplingParams(max_tokens=4))
     drain(prefill)
     assert prefill.stats().num_free_blocks < prefill.stats().num_blocks
-    time.sleep(0.1)
-    assert prefill.expire_leases(time.monotonic()) == ["a"]
+    clock.advance(4.9)
+    assert prefill.expire_leases(clock()) == [] and prefill.stats().num_held == 1
+    clock.advance(0.2)
+    assert prefill.expire_leases(clock()) == ["a"]
     with pytest.raises(KeyError):
         prefill.export_kv("a")
     assert prefill.is_idle()
