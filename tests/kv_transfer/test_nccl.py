@@ -17,6 +17,7 @@ from tests.helpers.kv_transfer_harness import (
     prefill_server,
     random_cache,
 )
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -75,10 +76,11 @@ def test_nccl_pulls_between_two_gpus_are_bit_exact() -> None:
                 assert client.stats().num_open_channels == 1
             finally:
                 await client.close()
-            for _ in range(100):  # CloseChannel RPCs of the aborted and the last channel
-                if prefill.service.stats().num_open_channels == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert prefill.service.stats().num_open_channels == 0
+            # CloseChannel RPCs of the aborted and the last channel.
+            await wait_until(
+                lambda: prefill.service.stats().num_open_channels == 0,
+                timeout_s=1.0,
+                what="the prefill side to close both channels",
+            )
 
     asyncio.run(run())
