@@ -5,6 +5,8 @@ Every test ends with the pools back to idle.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tandem.engine.config import EngineConfig, EngineMode
@@ -18,8 +20,8 @@ from tests.helpers.prompts import make_prompts
 pytestmark = pytest.mark.timeout(300)
 
 
-def make_engine(model_dir, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), max_model_len=1024, **overrides))
+def make_engine(model_dir, clock=time.monotonic, **overrides) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), max_model_len=1024, **overrides), clock=clock)
 
 
 def drain(engine: Engine, limit: int = 10_000) -> list:
@@ -76,10 +78,7 @@ def test_released_prefill_blocks_stay_in_prefix_cache(tiny_model_dir):
 
 def test_unpulled_lease_expires_and_frees_blocks(tiny_model_dir):
     clock = FakeClock()
-    config = EngineConfig(
-        model=str(tiny_model_dir), max_model_len=1024, mode=EngineMode.PREFILL_ONLY, kv_lease_s=5.0
-    )
-    prefill = Engine(config, clock=clock)
+    prefill = make_engine(tiny_model_dir, clock, mode=EngineMode.PREFILL_ONLY, kv_lease_s=5.0)
     prefill.add_request("a", make_prompts(2048, (70,))[0], SamplingParams(max_tokens=4))
     drain(prefill)
     assert prefill.stats().num_free_blocks < prefill.stats().num_blocks
