@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,9 @@ class _HeldKv:
 class Engine:
     """One model replica with its paged KV cache."""
 
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+    def __init__(
+        self, config: EngineConfig, tokenizer=None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -57,6 +60,8 @@ class Engine:
             )
         self.max_model_len: int = config.max_model_len
         self.model_config = config.model_config
+        # Times KV leases (injectable, so a test can expire one without waiting).
+        self.clock = clock
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -109,7 +114,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the requests that produced a token."""
-        self.expire_leases(time.monotonic())
+        self.expire_leases(self.clock())
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -133,7 +138,7 @@ class Engine:
             del self._requests[req_id]
             del self._detokenizers[req_id]
             if reason is FinishReason.PREFILLED:
-                self._held[req_id] = _HeldKv(request, time.monotonic() + self.config.kv_lease_s)
+                self._held[req_id] = _HeldKv(request, self.clock() + self.config.kv_lease_s)
         queue_s = prefill_s = None
         if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
             queue_s = request.first_scheduled_time - request.arrival_time
@@ -182,7 +187,8 @@ class Engine:
         return True
 
     def expire_leases(self, now: float) -> list[str]:
-        """Release every held KV whose lease ran out; returns their request ids."""
+        """Release every held KV whose lease ran out by `now` (on `self.clock`); returns
+        their request ids."""
         expired = [r for r, h in self._held.items() if h.expires_at <= now]
         for req_id in expired:
             logger.warning("KV lease of %s expired unpulled; freeing its blocks", req_id)

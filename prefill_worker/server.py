@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.service import KvTransferService
 from tandem.prefill_worker.service import PrefillService
@@ -15,11 +18,17 @@ from tandem.worker.metrics import WorkerMetrics
 class PrefillWorker:
     """Owns the worker host (engine, gRPC server, metrics) and the KV transfer service."""
 
-    def __init__(self, config: WorkerConfig, tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        tracing: Tracing | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """`clock` times the KV leases of prefilled requests (see `Engine`)."""
         if config.role is not WorkerRole.PREFILL:
             raise ValueError(f"PrefillWorker needs role prefill, got {config.role.value}")
         self.config = config
-        self.host = WorkerHost(config, tracing)
+        self.host = WorkerHost(config, tracing, clock)
         self._transfer: KvTransferService | None = None
 
     @property

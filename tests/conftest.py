@@ -1,13 +1,16 @@
-"""Shared fixtures: one tiny model per test session; CUDA-only tests skipped without CUDA."""
+"""Shared fixtures: one tiny model and one in-process cluster per test session, the
+per-test idle check of any cluster a test used; CUDA-only tests skipped without CUDA."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from tandem.engine.model_maker import make_model
+from tests.helpers.inproc_cluster import SHARED_ROUTER_SETTINGS, InprocCluster
 
 # CI machines are small; more intra-op threads than cores only adds contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -17,6 +20,32 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The `tiny` preset (seed 0), made once per session. Treat it as read-only."""
     return make_model("tiny", tmp_path_factory.mktemp("models") / "tandem-tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def cluster(tiny_model_dir: Path) -> Iterator[InprocCluster]:
+    """One in-process cluster (1 prefill + 1 decode worker, router; `tiny` model) that
+    every API test without special settings shares, started on first use.
+
+    Its HTTP API wants `SHARED_API_KEY`. Each test leaves it idle (checked after every
+    test), so tests stay independent; a module that needs other router or engine
+    settings defines its own `cluster` fixture (which overrides this one) or starts one.
+    """
+    cluster = InprocCluster(str(tiny_model_dir), router_overrides=SHARED_ROUTER_SETTINGS)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def _cluster_idle_after_each_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test that used a `cluster` fixture: every block free, nothing waiting,
+    running, held, importing or streaming on any worker, and no request charged by the
+    router's policy (what a leaked request would leave behind)."""
+    cluster = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    yield
+    if cluster is not None:
+        cluster.assert_idle()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -75,3 +75,37 @@ def test_no_generic_top_level_names_in_code():
                 if module.split(".")[0] in PACKAGES:
                     offenders.append(f"{path.relative_to(ROOT)} imports {module}")
     assert not offenders, offenders
+
+
+def _absolute_module(path: Path, node: ast.ImportFrom) -> str:
+    """The absolute name of a `from ... import` (relative ones resolved against `path`)."""
+    if node.level == 0:
+        return node.module or ""
+    package = path.relative_to(ROOT).with_suffix("").parts[: -node.level]
+    return ".".join([*package, *([node.module] if node.module else [])])
+
+
+def test_tests_share_code_only_through_helpers():
+    """Test modules import shared code from `tests.helpers` (and get fixtures from
+    conftest), never from one another: moving or deleting one test cannot break another.
+    tests/bench is another branch's until it follows the same rule."""
+    offenders = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        relative = path.relative_to(ROOT)
+        if relative.parts[1] == "bench":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                module = _absolute_module(path, node)
+                # `from tests import x` imports the module tests.x.
+                names = [f"{module}.{alias.name}" for alias in node.names]
+                modules = names if module == "tests" else [module]
+            else:
+                continue
+            for module in modules:
+                parts = module.split(".")
+                if parts[0] == "tests" and parts[1:2] != ["helpers"]:
+                    offenders.append(f"{relative} imports {module}")
+    assert not offenders, offenders

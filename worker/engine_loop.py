@@ -14,7 +14,6 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -154,7 +153,7 @@ class EngineLoop:
             if self._stopping.is_set():
                 break
             if not engine.has_unfinished_requests():
-                engine.expire_leases(time.monotonic())
+                engine.expire_leases(engine.clock())
                 continue
             try:
                 outputs = engine.step()

@@ -9,7 +9,10 @@ they `close_server()` (drain), free their own resources, then `close()`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import time
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,8 +28,15 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerHost:
-    def __init__(self, config: WorkerConfig, tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        tracing: Tracing | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        # The engine's clock (KV leases); tests pass a fake one to expire leases at once.
+        self.clock = clock
         self.tracing = tracing or Tracing(f"tandem-{config.worker_id}", config.trace_exporter)
         self.metrics = WorkerMetrics(config.worker_id, config.role.value)
         self.endpoint = ""
@@ -37,7 +47,7 @@ class WorkerHost:
     async def open(self) -> EngineLoop:
         """Load the model, start the engine thread, bind the gRPC server (not serving yet)."""
         config = self.config
-        engine = await asyncio.to_thread(Engine, config.engine)
+        engine = await asyncio.to_thread(functools.partial(Engine, config.engine, clock=self.clock))
         self.loop = EngineLoop(engine, name=f"engine-{config.worker_id}")
         self.loop.start()
         self.server = grpc.aio.server(options=GRPC_OPTIONS)

@@ -18,9 +18,10 @@ from tandem.prefill_worker.server import PrefillWorker
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.worker.config import WorkerConfig, WorkerRole
-from tests.cluster.client import assert_workers_idle, worker_stats
-from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_hf_equivalence import make_prompts
+from tests.helpers.clock import FakeClock
+from tests.helpers.grpc_calls import assert_workers_idle, worker_stats
+from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 10
@@ -89,9 +90,12 @@ def test_pulled_kv_matches_and_unpulled_lease_expires(tiny_model_dir):
     prompts = make_prompts(2048, (40, 200), seed=22)
     expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
 
+    # The prefill engine's leases run on this clock: the test moves it past the lease.
+    clock = FakeClock()
+
     async def scenario() -> None:
         prefill = PrefillWorker(
-            worker_config(tiny_model_dir, "p0", WorkerRole.PREFILL, kv_lease_s=1.0)
+            worker_config(tiny_model_dir, "p0", WorkerRole.PREFILL, kv_lease_s=60.0), clock=clock
         )
         decode = DecodeWorker(worker_config(tiny_model_dir, "d0", WorkerRole.DECODE))
         p_endpoint = await prefill.start()
@@ -125,7 +129,12 @@ def test_pulled_kv_matches_and_unpulled_lease_expires(tiny_model_dir):
                 )
                 held = await worker_stats(p_endpoint, "prefill")
                 assert held.num_held == 1 and held.num_free_blocks < held.num_blocks
-                await asyncio.sleep(1.5)
+                # Just before the lease ends, nothing expires ...
+                clock.advance(59.0)
+                expire = prefill.host.loop.call(lambda engine: engine.expire_leases(clock()))
+                assert await expire == []
+                # ... past it, the engine loop's next idle wake-up frees the blocks.
+                clock.advance(2.0)
             await assert_workers_idle([(p_endpoint, "prefill"), (d_endpoint, "decode")], 1)
         finally:
             await decode.stop()

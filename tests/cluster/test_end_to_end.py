@@ -14,9 +14,9 @@ import pytest
 import ray
 
 from tandem.cluster.launcher import ClusterConfig, LocalCluster
-from tests.cluster.client import assert_workers_idle, generate_tokens
-from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_hf_equivalence import make_prompts
+from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
+from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.prompts import make_prompts
 
 MAX_TOKENS = 12
 PROMPT_LENS = (1, 4, 9, 16, 17, 31, 48, 64, 100, 129, 150, 200, 257, 300, 400, 511)

@@ -13,14 +13,15 @@ from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
-from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_hf_equivalence import make_prompts
+from tests.helpers.clock import FakeClock
+from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def make_engine(model_dir, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), max_model_len=1024, **overrides))
+def make_engine(model_dir, clock=time.monotonic, **overrides) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), max_model_len=1024, **overrides), clock=clock)
 
 
 def drain(engine: Engine, limit: int = 10_000) -> list:
@@ -76,12 +77,15 @@ def test_released_prefill_blocks_stay_in_prefix_cache(tiny_model_dir):
 
 
 def test_unpulled_lease_expires_and_frees_blocks(tiny_model_dir):
-    prefill = make_engine(tiny_model_dir, mode=EngineMode.PREFILL_ONLY, kv_lease_s=0.05)
+    clock = FakeClock()
+    prefill = make_engine(tiny_model_dir, clock, mode=EngineMode.PREFILL_ONLY, kv_lease_s=5.0)
     prefill.add_request("a", make_prompts(2048, (70,))[0], SamplingParams(max_tokens=4))
     drain(prefill)
     assert prefill.stats().num_free_blocks < prefill.stats().num_blocks
-    time.sleep(0.1)
-    assert prefill.expire_leases(time.monotonic()) == ["a"]
+    clock.advance(4.9)
+    assert prefill.expire_leases(clock()) == [] and prefill.stats().num_held == 1
+    clock.advance(0.2)
+    assert prefill.expire_leases(clock()) == ["a"]
     with pytest.raises(KeyError):
         prefill.export_kv("a")
     assert prefill.is_idle()

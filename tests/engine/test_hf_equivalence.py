@@ -7,7 +7,6 @@ model variants (tied embeddings, QKV bias, llama3 RoPE scaling).
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -17,19 +16,13 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
-from tests.engine.hf_reference import hf_greedy, save_random_model
+from tests.helpers.hf_reference import hf_greedy, save_random_model
+from tests.helpers.prompts import PROMPT_LENS, make_prompts
 
-PROMPT_LENS = (1, 3, 17, 64, 150, 333, 512, 700)
 MAX_NEW_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0)
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def make_prompts(vocab_size: int, lens=PROMPT_LENS, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    # Ids 0-2 are <unk>, <s>, </s>: prompts start with BOS and avoid the others.
-    return [[1] + [rng.randrange(3, vocab_size) for _ in range(n - 1)] for n in lens]
 
 
 def run_engine(model_dir: Path, prompts: list[list[int]], **overrides) -> tuple[Engine, list]:

@@ -15,7 +15,7 @@ from tandem.kv_transfer import (
     KvTransferError,
     LocalRegistry,
 )
-from tests.kv_transfer.harness import (
+from tests.helpers.kv_transfer_harness import (
     TINY,
     FakeEngine,
     prefill_server,

@@ -21,7 +21,8 @@ from tandem.kv_transfer import (
 )
 from tandem.kv_transfer.tcp_channel import TcpChannel
 from tandem.kv_transfer.wire import DataReply, DataRequest, recv_message, send_message
-from tests.kv_transfer.harness import TINY, FakeEngine, prefill_server, random_cache
+from tests.helpers.kv_transfer_harness import TINY, FakeEngine, prefill_server, random_cache
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -165,11 +166,11 @@ def test_stalled_peer_times_out_and_the_channel_reconnects() -> None:
                 assert torch.equal(got, engine.expected("r2"))
                 assert client.stats().num_open_channels == 1
                 # The prefill side dropped the dead channel once its send failed.
-                for _ in range(200):
-                    if prefill.service.stats().num_open_channels == 1:
-                        break
-                    await asyncio.sleep(0.01)
-                assert prefill.service.stats().num_open_channels == 1
+                await wait_until(
+                    lambda: prefill.service.stats().num_open_channels == 1,
+                    timeout_s=2.0,
+                    what="the prefill side to drop the dead channel",
+                )
             finally:
                 stall.set()
                 await client.close()

@@ -9,7 +9,15 @@ import torch
 
 from tandem.kv_transfer import KvPullError, KvTransferClient, KvTransferError
 from tandem.kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, NcclUniqueId, load_nccl
-from tests.kv_transfer.harness import SMALL, TINY, FakeEngine, bits, prefill_server, random_cache
+from tests.helpers.kv_transfer_harness import (
+    SMALL,
+    TINY,
+    FakeEngine,
+    bits,
+    prefill_server,
+    random_cache,
+)
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,10 +76,11 @@ def test_nccl_pulls_between_two_gpus_are_bit_exact() -> None:
                 assert client.stats().num_open_channels == 1
             finally:
                 await client.close()
-            for _ in range(100):  # CloseChannel RPCs of the aborted and the last channel
-                if prefill.service.stats().num_open_channels == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert prefill.service.stats().num_open_channels == 0
+            # CloseChannel RPCs of the aborted and the last channel.
+            await wait_until(
+                lambda: prefill.service.stats().num_open_channels == 0,
+                timeout_s=1.0,
+                what="the prefill side to close both channels",
+            )
 
     asyncio.run(run())

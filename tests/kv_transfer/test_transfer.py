@@ -15,7 +15,14 @@ from tandem.kv_transfer import (
     KvTransferClient,
     LocalRegistry,
 )
-from tests.kv_transfer.harness import SMALL, TINY, FakeEngine, bits, prefill_server, random_cache
+from tests.helpers.kv_transfer_harness import (
+    SMALL,
+    TINY,
+    FakeEngine,
+    bits,
+    prefill_server,
+    random_cache,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

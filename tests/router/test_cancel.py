@@ -7,17 +7,9 @@ import pytest
 
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
-from tests.engine.test_hf_equivalence import make_prompts
-from tests.router.inproc_cluster import InprocCluster
+from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    cluster = InprocCluster(str(tiny_model_dir)).start()
-    yield cluster
-    cluster.stop()
 
 
 async def cancel_after(endpoint: str, prompt: list[int], num_messages: int) -> int:

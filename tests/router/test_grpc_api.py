@@ -14,25 +14,16 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
-from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_hf_equivalence import make_prompts
-from tests.router.inproc_cluster import InprocCluster
+from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    cluster = InprocCluster(str(tiny_model_dir)).start()
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture
 def channel(cluster):
     with grpc.insecure_channel(cluster.grpc_endpoint) as channel:
         yield channel
-    cluster.assert_idle()
 
 
 def test_health_check_is_serving(channel):

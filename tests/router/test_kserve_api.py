@@ -18,8 +18,7 @@ from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.errors import InvalidRequest
 from tandem.router.kserve_request import parse_request
 from tandem.router.tokenization import PromptTokenizer
-from tests.engine.hf_reference import hf_greedy
-from tests.router.inproc_cluster import InprocCluster
+from tests.helpers.hf_reference import hf_greedy
 
 
 def _import_tritonclient():
@@ -52,13 +51,6 @@ LONG = {"temperature": 0, "max_tokens": 500, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir):
-    cluster = InprocCluster(str(tiny_model_dir)).start()
-    yield cluster
-    cluster.stop()
-
-
-@pytest.fixture(scope="module")
 def model_name(cluster) -> str:
     return cluster.router.config.model_name
 
@@ -74,7 +66,6 @@ def client(cluster):
     client = grpcclient.InferenceServerClient(cluster.grpc_endpoint)
     yield client
     client.close()
-    cluster.assert_idle()
 
 
 async def _generate_text(endpoint: str, prompt: str) -> tuple[str, list[int]]:

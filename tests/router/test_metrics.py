@@ -7,8 +7,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine.test_hf_equivalence import make_prompts
-from tests.router.inproc_cluster import InprocCluster
+from tests.helpers.inproc_cluster import InprocCluster
+from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API, driven by the official `openai` client.
 
-One real in-process cluster (1 prefill + 1 decode worker, router with an API key) for
-the module; every test ends with the workers back to idle.
+On the session's shared in-process cluster (1 prefill + 1 decode worker, router with an
+API key); every test ends with the workers back to idle (checked by conftest).
 """
 
 from __future__ import annotations
@@ -16,32 +16,21 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
-from tandem.engine.model_maker import make_model
 from tandem.router.tokenization import PromptTokenizer
-from tests.cluster.client import worker_stats
-from tests.engine.hf_reference import hf_greedy
-from tests.engine.test_hf_equivalence import make_prompts
-from tests.router.inproc_cluster import InprocCluster
+from tests.helpers.grpc_calls import worker_stats
+from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster
+from tests.helpers.prompts import make_prompts
 
-API_KEY = "sk-tandem-test"
+API_KEY = SHARED_API_KEY
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared tiny model where a conftest provides one, else a module-local one."""
-    try:
-        return Path(request.getfixturevalue("tiny_model_dir"))
-    except pytest.FixtureLookupError:
-        return make_model("tiny", tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path):
-    cluster = InprocCluster(str(model_dir), router_overrides={"api_key": API_KEY}).start()
-    yield cluster
-    cluster.stop()
+def model_dir(tiny_model_dir: Path) -> Path:
+    """The model the shared `cluster` serves."""
+    return tiny_model_dir
 
 
 @pytest.fixture
@@ -51,7 +40,6 @@ def client(cluster: InprocCluster):
     )
     yield client
     client.close()
-    cluster.assert_idle()
 
 
 @pytest.fixture(scope="module")

@@ -20,36 +20,24 @@ import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from tandem.engine.model_maker import make_model
 from tandem.router.config import RouterConfig
 from tandem.router.errors import Overloaded, RouterError, WorkerUnavailable, from_worker_error
 from tandem.router.http_server import make_http_app
 from tandem.router.policy import SloConfig
 from tandem.router.request_flow import GenerationChunk, Usage
 from tandem.router.tokenization import PromptTokenizer
-from tests.router.inproc_cluster import InprocCluster
+from tests.helpers.inproc_cluster import SHARED_API_KEY, SHARED_MAX_BODY_BYTES, InprocCluster
 
-API_KEY = "sk-tandem-bad-input"
-MAX_BODY_BYTES = 256 * 1024
+API_KEY = SHARED_API_KEY
+MAX_BODY_BYTES = SHARED_MAX_BODY_BYTES
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The shared tiny model where a conftest provides one, else a module-local one."""
-    try:
-        return Path(request.getfixturevalue("tiny_model_dir"))
-    except pytest.FixtureLookupError:
-        return make_model("tiny", tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path):
-    overrides = {"api_key": API_KEY, "max_body_bytes": MAX_BODY_BYTES}
-    cluster = InprocCluster(str(model_dir), router_overrides=overrides).start()
-    yield cluster
-    cluster.stop()
+def model_dir(tiny_model_dir: Path) -> Path:
+    """The model the shared `cluster` serves."""
+    return tiny_model_dir
 
 
 def http(

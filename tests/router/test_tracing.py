@@ -6,9 +6,9 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tandem.telemetry.tracing import Tracing
-from tests.cluster.client import generate_tokens
-from tests.engine.test_hf_equivalence import make_prompts
-from tests.router.inproc_cluster import InprocCluster
+from tests.helpers.grpc_calls import generate_tokens
+from tests.helpers.inproc_cluster import InprocCluster
+from tests.helpers.prompts import make_prompts
 
 
 @pytest.mark.timeout(300)

@@ -16,7 +16,9 @@ from tandem.router.policy import (
     SloConfig,
     WorkerState,
 )
-from tests.router.policy.sim import Clock, SimRequest, poisson_arrivals, simulate
+from tests.helpers.clock import FakeClock
+from tests.helpers.policy_sim import SimRequest, poisson_arrivals, simulate
+from tests.helpers.waiting import wait_until
 
 BS = 16
 SLOS = SloConfig()
@@ -53,7 +55,7 @@ def overload_run(policy_name: str) -> tuple[float, float]:
         SimRequest(f"r{i}", list(range(10_000 * i, 10_000 * i + rng.randint(128, 1024))), t, slo)
         for i, t in enumerate(times)
     ]
-    clock = Clock()
+    clock = FakeClock()
     policy = make_policy(policy_name, clock=clock)
     results, _ = simulate(policy, clock, requests, {"p0": law}, block_size=BS, noise=0.1, seed=7)
     admitted = [r for r in results if r.placement is not None]
@@ -137,8 +139,8 @@ def test_queue_admits_when_capacity_frees():
         first = await policy.place("a", list(range(600)), 40, INTERACTIVE)
         assert first.fits
         waiting = asyncio.ensure_future(policy.place("b", list(range(1000, 1600)), 40, INTERACTIVE))
-        await asyncio.sleep(0.01)
-        assert not waiting.done() and len(policy.queue) == 1
+        await wait_until(lambda: len(policy.queue) == 1, what="b queued")
+        assert not waiting.done()
         policy.on_finish("a")
         second = await asyncio.wait_for(waiting, 1.0)
         assert second.fits and policy.placement_of("b") == second
@@ -150,12 +152,21 @@ def test_queue_admits_when_capacity_frees():
 
 def test_queue_times_out_with_retry_after():
     async def main():
+        clock = FakeClock()
         policy = make_policy(
-            "queue", decode_blocks=64, queue_timeout_s=0.05, recheck_interval_s=0.01
+            "queue", decode_blocks=64, clock=clock, queue_timeout_s=30.0, recheck_interval_s=0.01
         )
         await policy.place("a", list(range(600)), 40, INTERACTIVE)
+        waiting = asyncio.ensure_future(policy.place("b", list(range(1000, 1600)), 40, INTERACTIVE))
+        await wait_until(lambda: len(policy.queue) == 1, what="b queued")
+        # Just before the deadline (by the policy's clock) it still waits, rechecking ...
+        clock.advance(29.9)
+        await asyncio.wait({waiting}, timeout=0.05)
+        assert not waiting.done()
+        # ... and once the clock passes it, the next recheck gives up.
+        clock.advance(0.2)
         with pytest.raises(Overloaded) as info:
-            await policy.place("b", list(range(1000, 1600)), 40, INTERACTIVE)
+            await asyncio.wait_for(waiting, 5.0)
         assert info.value.retry_after_s > 0
         assert policy.queue.num_timeouts == 1 and len(policy.queue) == 0
         policy.on_finish("a")
@@ -177,14 +188,13 @@ def test_queue_priority_order_and_displacement():
             return p
 
         batch1 = asyncio.ensure_future(place("batch1", BATCH))
-        await asyncio.sleep(0.005)
+        await wait_until(lambda: len(policy.queue) == 1, what="batch1 queued")
         inter1 = asyncio.ensure_future(place("inter1", INTERACTIVE))
-        await asyncio.sleep(0.005)
+        await wait_until(lambda: len(policy.queue) == 2, what="inter1 queued")
         # Full (2): a newcomer interactive request displaces the batch one ...
         inter2 = asyncio.ensure_future(place("inter2", INTERACTIVE))
-        await asyncio.sleep(0.005)
         with pytest.raises(Overloaded, match="displaced"):
-            await batch1
+            await asyncio.wait_for(batch1, 5.0)
         # ... but a batch request cannot displace interactive ones.
         with pytest.raises(Overloaded, match="full"):
             await policy.place("batch2", list(range(700_000, 700_600)), 40, BATCH)
@@ -206,7 +216,7 @@ def test_cancelled_waiter_leaves_nothing_behind():
         policy = make_policy("queue", decode_blocks=64, queue_timeout_s=2.0)
         await policy.place("a", list(range(600)), 40, INTERACTIVE)
         waiting = asyncio.ensure_future(policy.place("b", list(range(1000, 1600)), 40, INTERACTIVE))
-        await asyncio.sleep(0.01)
+        await wait_until(lambda: len(policy.queue) == 1, what="b queued")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
@@ -220,17 +230,17 @@ def test_cancelled_waiter_leaves_nothing_behind():
 def test_ttft_padding_learns_the_prediction_error():
     from tandem.router.policy.admission import AdmissionConfig, AdmissionController
 
-    now = [0.0]
+    clock = FakeClock()
     controller = AdmissionController(
         AdmissionConfig(policy="shed", ttft_error_window=10, ttft_error_horizon_s=5.0),
-        clock=lambda: now[0],
+        clock=clock,
     )
     assert controller.ttft_padding_s == 0.0
     for error in (0.05, 0.1, -0.2, 0.3, 0.0, 0.2, 0.1, 0.05, 0.4, 0.1):
         controller.observe_ttft_error(error)
     # 90th percentile of the ten errors above (nearest rank from below).
     assert controller.ttft_padding_s == 0.4
-    now[0] = 6.0  # nothing admitted (so observed) for longer than the horizon
+    clock.advance(6.0)  # nothing admitted (so observed) for longer than the horizon
     assert controller.ttft_padding_s == 0.0
     for _ in range(10):
         controller.observe_ttft_error(0.3)

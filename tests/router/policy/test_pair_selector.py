@@ -16,7 +16,8 @@ from tandem.router.policy import (
     SloConfig,
     WorkerState,
 )
-from tests.router.policy.sim import Clock, SimRequest, poisson_arrivals, simulate
+from tests.helpers.clock import FakeClock
+from tests.helpers.policy_sim import SimRequest, poisson_arrivals, simulate
 
 BS = 16
 INTERACTIVE = SloConfig().resolve("interactive")
@@ -35,8 +36,8 @@ def cluster(num_prefill: int = 2, num_decode: int = 1, decode_blocks: int = 1 <<
     return prefill, decode
 
 
-def sim_policy(**selector) -> tuple[GoodputPolicy, Clock]:
-    clock = Clock()
+def sim_policy(**selector) -> tuple[GoodputPolicy, FakeClock]:
+    clock = FakeClock()
     prefill, decode = cluster()
     policy = GoodputPolicy(
         prefill,

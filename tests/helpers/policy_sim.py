@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from tandem.router.errors import Overloaded
 from tandem.router.policy import GoodputPolicy, Placement, PrefixIndex, RequestSlo
+from tests.helpers.clock import FakeClock
 
 
 @dataclass
@@ -53,17 +54,9 @@ class SimWorker:
         self.cache = PrefixIndex(self.block_size, capacity_blocks=1 << 20)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def simulate(
     policy: GoodputPolicy,
-    clock: Clock,
+    clock: FakeClock,
     requests: Sequence[SimRequest],
     laws: dict[str, Callable[[int], float]],
     *,

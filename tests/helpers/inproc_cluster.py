@@ -1,0 +1,114 @@
+"""A real cluster inside the test process: 1 prefill + 1 decode worker and a router,
+over real gRPC, TCP KV transfer and HTTP, on an asyncio loop in a background thread
+(so synchronous clients such as `openai` or `tritonclient` can call it).
+
+`tests/conftest.py` starts one with `SHARED_ROUTER_SETTINGS` for the whole session (the
+`cluster` fixture); tests that need other settings start their own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.decode_worker.server import DecodeWorker
+from tandem.engine.config import EngineConfig
+from tandem.prefill_worker.server import PrefillWorker
+from tandem.router.config import RouterConfig
+from tandem.router.server import Router
+from tandem.router.worker_pool import WorkerEndpoint
+from tandem.telemetry.tracing import Tracing
+from tandem.worker.config import WorkerConfig, WorkerRole
+from tests.helpers.grpc_calls import assert_workers_idle
+
+# The session cluster's router: its OpenAI HTTP API needs this key and refuses bodies
+# over MAX_BODY_BYTES (gRPC and KServe calls are unaffected).
+SHARED_API_KEY = "sk-tandem-test"
+SHARED_MAX_BODY_BYTES = 256 * 1024
+SHARED_ROUTER_SETTINGS = {"api_key": SHARED_API_KEY, "max_body_bytes": SHARED_MAX_BODY_BYTES}
+
+
+@dataclass
+class InprocCluster:
+    model_dir: str
+    router_overrides: dict[str, Any] = field(default_factory=dict)
+    engine_overrides: dict[str, Any] = field(default_factory=dict)
+    # Shared by the router and both workers (e.g. to collect every span in memory).
+    tracing: Tracing | None = None
+    router: Router | None = None
+    workers: list[WorkerEndpoint] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._servers: list = []
+
+    def run(self, coro: Coroutine, timeout_s: float = 120.0) -> Any:
+        """Run a coroutine on the cluster's loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def start(self) -> InprocCluster:
+        self._thread.start()
+        self.run(self._start(), timeout_s=300)
+        return self
+
+    async def _start(self) -> None:
+        for worker_id, role, cls in (
+            ("prefill-0", WorkerRole.PREFILL, PrefillWorker),
+            ("decode-0", WorkerRole.DECODE, DecodeWorker),
+        ):
+            engine = EngineConfig(
+                model=self.model_dir,
+                mode=role.engine_mode,
+                num_threads=1,
+                max_model_len=1024,
+                **self.engine_overrides,
+            )
+            config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
+            server = cls(config, tracing=self.tracing)
+            self._servers.append(server)
+            endpoint = await server.start()
+            self.workers.append(WorkerEndpoint(worker_id, role.value, endpoint))
+        # No start-up profile by default: its probes would show in exact worker counts.
+        settings = {"max_model_len": 1024, "warmup_profile": False, **self.router_overrides}
+        config = RouterConfig(model_dir=self.model_dir, grpc_port=0, http_port=0, **settings)
+        self.router = Router(config, self.workers, tracing=self.tracing)
+        await self.router.start()
+
+    @property
+    def worker_metrics_endpoints(self) -> dict[str, str]:
+        """worker id -> its Prometheus endpoint (http://host:port)."""
+        return {s.config.worker_id: s.metrics.endpoint for s in self._servers}
+
+    @property
+    def grpc_endpoint(self) -> str:
+        return self.router.grpc_endpoint
+
+    @property
+    def http_endpoint(self) -> str:
+        return self.router.http_endpoint
+
+    def assert_idle(self, timeout_s: float = 5.0) -> None:
+        """Every worker back to idle (blocks free, nothing held, no stream open), and the
+        router's policy charges no request."""
+        workers = [(w.endpoint, w.role) for w in self.workers]
+        self.run(assert_workers_idle(workers, max_channels=1, timeout_s=timeout_s))
+        policy = self.router.policy_runtime.policy
+        assert policy.is_idle(), f"router policy still charges {policy.num_in_flight} requests"
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            if self.router is not None:
+                await self.router.stop()
+            for server in reversed(self._servers):
+                await server.stop()
+
+        try:
+            self.run(_stop(), timeout_s=60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+            self._loop.close()

@@ -1,0 +1,225 @@
+"""The engine thread behind asyncio: streams, aborts, errors, shutdown, no leaked thread.
+
+A real `Engine` on the tiny model runs on the `EngineLoop` thread; the tests are the
+asyncio side (every wait bounded by a timeout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import Any
+
+import pytest
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.generate import generate
+from tandem.engine.llm_engine import Engine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed
+from tests.helpers.prompts import make_prompts
+
+pytestmark = pytest.mark.timeout(120)
+
+THREAD = "engine-loop-under-test"
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# Far longer than any test waits for: only an abort or a shutdown ends it early.
+LONG = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+PROMPTS = make_prompts(2048, (40, 7), seed=81)
+
+
+def run(coro: Coroutine, timeout_s: float = 60.0) -> Any:
+    async def bounded():
+        async with asyncio.timeout(timeout_s):
+            return await coro
+
+    return asyncio.run(bounded())
+
+
+def engine_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == THREAD]
+
+
+@pytest.fixture
+def engine(tiny_model_dir) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_threads=1))
+
+
+@pytest.fixture
+def engine_loop(engine: Engine) -> Iterator[EngineLoop]:
+    assert not engine_threads()
+    loop = EngineLoop(engine, name=THREAD)
+    loop.start()
+    yield loop
+    loop.stop()
+    assert not engine_threads(), "the engine thread outlived stop()"
+
+
+async def collect(stream) -> list:
+    async with stream:
+        return [out async for out in stream]
+
+
+def test_streams_deliver_each_requests_tokens_in_order(engine):
+    # The reference, on the same engine before its thread exists.
+    expected = [out.token_ids for out in generate(engine, PROMPTS, GREEDY, "ref")]
+    assert engine.is_idle()
+    loop = EngineLoop(engine, name=THREAD)
+    loop.start()
+    try:
+
+        async def main():
+            streams = [await loop.generate(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+            assert loop.num_open_streams == 2
+            outputs = await asyncio.gather(*(collect(s) for s in streams))
+            assert loop.num_open_streams == 0
+            return outputs
+
+        outputs = run(main())
+    finally:
+        loop.stop()
+    for i, outs in enumerate(outputs):
+        assert {o.req_id for o in outs} == {f"r{i}"}
+        assert [t for o in outs for t in o.new_token_ids] == expected[i]
+        assert [o.finished for o in outs] == [False] * 11 + [True]
+        assert outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 12
+    assert engine.is_idle()
+
+
+def test_closing_an_unfinished_stream_aborts_the_request(engine_loop):
+    async def main():
+        stream = await engine_loop.generate("long", PROMPTS[0], LONG)
+        received = []
+        async for out in stream:
+            received.append(out)
+            if len(received) == 3:
+                break
+        assert not any(out.finished for out in received)
+        await stream.aclose()
+        assert engine_loop.num_open_streams == 0
+        # Commands run in order, so the abort that aclose() queued has run by now.
+        return await engine_loop.call(lambda e: (e.is_idle(), e.stats().num_running))
+
+    assert run(main()) == (True, 0)
+
+
+def test_a_cancelled_consumer_aborts_its_request(engine_loop):
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async with await engine_loop.generate("long", PROMPTS[0], LONG) as stream:
+                async for _ in stream:
+                    started.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(started.wait(), 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine_loop.num_open_streams == 0
+        return await engine_loop.call(lambda e: e.is_idle())
+
+    assert run(main()) is True
+
+
+def test_errors_reach_the_waiting_caller_and_the_loop_goes_on(engine_loop):
+    async def main():
+        with pytest.raises(ZeroDivisionError):
+            await engine_loop.call(lambda e: 1 / 0)
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine_loop.generate("bad", [1, 99_999], GREEDY)
+        assert engine_loop.num_open_streams == 0  # the failed start left no stream
+        # The id is free again, and the loop still serves.
+        outs = await collect(await engine_loop.generate("bad", PROMPTS[1], GREEDY))
+        assert len(outs) == 12 and outs[-1].finished
+        stream = await engine_loop.generate("dup", PROMPTS[1], LONG)
+        with pytest.raises(ValueError, match="already streaming"):
+            await engine_loop.generate("dup", PROMPTS[1], LONG)
+        await stream.aclose()
+        return await engine_loop.call(lambda e: e.is_idle())
+
+    assert run(main()) is True
+    # A plain thread's call gets the engine's exception too.
+    with pytest.raises(KeyError, match="no prefilled KV"):
+        engine_loop.call_threadsafe(lambda e: e.export_kv("nobody"), timeout_s=10)
+
+
+def test_an_engine_failure_fails_open_streams_and_closes_the_loop(engine):
+    # Fault injection: the real step, made to fail on its third call.
+    real_step, num_steps = engine.step, 0
+
+    def failing_step():
+        nonlocal num_steps
+        num_steps += 1
+        if num_steps == 3:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = failing_step
+    loop = EngineLoop(engine, name=THREAD)
+    loop.start()
+    try:
+
+        async def main():
+            stream = await loop.generate("r", PROMPTS[0], LONG)
+            received = []
+            with pytest.raises(RuntimeError, match="injected step failure"):
+                async for out in stream:
+                    received.append(out)
+            await stream.aclose()
+            assert len(received) == 2
+            with pytest.raises(EngineLoopClosed, match="engine failed"):
+                await loop.call(lambda e: None)
+            with pytest.raises(EngineLoopClosed, match="engine failed"):
+                await loop.generate("r2", PROMPTS[1], GREEDY)
+
+        run(main())
+    finally:
+        loop.stop()
+    assert not engine_threads()
+    assert engine.is_idle()  # the failed request was aborted, its blocks freed
+
+
+def test_stop_fails_pending_waits_joins_the_thread_and_refuses_new_work(engine_loop, engine):
+    async def main():
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in await engine_loop.generate("long", PROMPTS[0], LONG):
+                first.set()
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.wait_for(first.wait(), 30)
+        # Stopped from another thread while the consumer waits for its next output.
+        await asyncio.to_thread(engine_loop.stop, 10.0)
+        assert not engine_threads()
+        with pytest.raises(EngineLoopClosed, match="stopped"):
+            await asyncio.wait_for(consumer, 10)
+        with pytest.raises(EngineLoopClosed, match="not running"):
+            await engine_loop.call(lambda e: None)
+        with pytest.raises(EngineLoopClosed, match="not running"):
+            await engine_loop.generate("late", PROMPTS[1], GREEDY)
+
+    run(main())
+    with pytest.raises(EngineLoopClosed):
+        engine_loop.call_threadsafe(lambda e: None)
+    engine_loop.stop()  # a second stop is a no-op
+    assert engine.is_idle()  # the request in flight was aborted
+
+
+def test_start_and_stop_leave_no_thread_behind(engine):
+    before = {t.ident for t in threading.enumerate()}
+    for i in range(3):
+        loop = EngineLoop(engine, name=THREAD)
+        loop.start()
+        outs = run(collect_one(loop, f"r{i}"))
+        assert outs[-1].finished
+        loop.stop()
+        assert not engine_threads()
+    assert {t.ident for t in threading.enumerate()} == before
+
+
+async def collect_one(loop: EngineLoop, req_id: str) -> list:
+    return await collect(await loop.generate(req_id, PROMPTS[1], GREEDY))
