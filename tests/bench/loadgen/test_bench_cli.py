@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tandem.bench.cli import main
-from tests.router.inproc_cluster import InprocCluster
+from tests.helpers.inproc_cluster import InprocCluster
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
