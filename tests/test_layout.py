@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = [
-    "engine", "worker", "telemetry", "prefill_worker", "decode_worker", "kv_transfer",
-    "router", "proto", "cluster", "bench",
-]
+
+
+def setup_top_level() -> list[str]:
+    """setup.py's TOP_LEVEL: the folders installed under `tandem` (the one list of them)."""
+    for node in ast.parse((ROOT / "setup.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "TOP_LEVEL":
+            return list(ast.literal_eval(node.value))
+    raise AssertionError("setup.py defines no TOP_LEVEL")
+
+
+PACKAGES = setup_top_level()
 # The engine is the model runtime both workers share: no servers, wire formats or metrics.
 ENGINE_FORBIDDEN = {
     "grpc", "grpc_health", "grpc_reflection", "prometheus_client", "opentelemetry", "aiohttp",
@@ -87,13 +95,10 @@ def _absolute_module(path: Path, node: ast.ImportFrom) -> str:
 
 def test_tests_share_code_only_through_helpers():
     """Test modules import shared code from `tests.helpers` (and get fixtures from
-    conftest), never from one another: moving or deleting one test cannot break another.
-    tests/bench is another branch's until it follows the same rule."""
+    conftest), never from one another: moving or deleting one test cannot break another."""
     offenders = []
     for path in (ROOT / "tests").rglob("*.py"):
         relative = path.relative_to(ROOT)
-        if relative.parts[1] == "bench":
-            continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.Import):
                 modules = [alias.name for alias in node.names]
@@ -109,3 +114,16 @@ def test_tests_share_code_only_through_helpers():
                 if parts[0] == "tests" and parts[1:2] != ["helpers"]:
                     offenders.append(f"{relative} imports {module}")
     assert not offenders, offenders
+
+
+def test_every_code_folder_is_installed_and_type_checked():
+    folders = sorted(
+        path.parent.name for path in ROOT.glob("*/__init__.py") if path.parent.name != "tests"
+    )
+    assert sorted(PACKAGES) == folders
+    makefile = (ROOT / "Makefile").read_text()
+    # The variable's value, over any backslash-continued lines.
+    match = re.search(r"^PACKAGES :=((?:.*\\\n)*.*)$", makefile, re.MULTILINE)
+    assert match, "Makefile defines no PACKAGES"
+    listed = match.group(1).replace("\\", " ").split()
+    assert sorted(listed) == folders, "Makefile PACKAGES (mypy) must list setup.py's TOP_LEVEL"
