@@ -52,6 +52,11 @@ class DeviceKind(enum.StrEnum):
     CUDA = "cuda"
 
 
+def default_device() -> DeviceKind:
+    """CUDA when this machine has it, else CPU."""
+    return DeviceKind.CUDA if torch.cuda.is_available() else DeviceKind.CPU
+
+
 class EngineMode(enum.StrEnum):
     """What a worker's engine does with a request."""
 
@@ -181,7 +186,8 @@ class EngineConfig:
     mode: EngineMode = EngineMode.COLOCATED
     # "auto" = the checkpoint's dtype on CUDA, float32 on CPU.
     dtype: str = "auto"
-    device: str = "cpu"
+    # "cpu", "cuda" or "cuda:N" (a `DeviceKind`, optionally with a GPU index).
+    device: str = DeviceKind.CPU
     # torch intra-op threads; None leaves torch's default.
     num_threads: int | None = None
     # How long a prefill-only engine keeps unpulled KV before freeing it.

@@ -39,8 +39,18 @@ class KvBackend(enum.StrEnum):
     LOCAL = "local"
 
 
-DEFAULT_KV_BACKEND = KvBackend.TCP
 DEFAULT_HOST = "127.0.0.1"
+
+
+def default_kv_backend(device: str) -> KvBackend:
+    """NCCL between GPUs, TCP otherwise."""
+    return KvBackend.NCCL if device.startswith("cuda") else KvBackend.TCP
+
+
+def check_kv_backend(backend: KvBackend | None, device: str) -> None:
+    """ValueError when `backend` cannot move KV between engines on `device`."""
+    if backend is KvBackend.NCCL and not device.startswith("cuda"):
+        raise ValueError(f"kv_backend nccl needs GPU engines; the engines run on {device}")
 
 
 @dataclass
@@ -49,7 +59,8 @@ class WorkerSettings:
 
     # Address the worker's gRPC and metrics servers bind.
     host: str = DEFAULT_HOST
-    kv_backend: KvBackend = DEFAULT_KV_BACKEND
+    # None = by the engines' device (see `default_kv_backend`).
+    kv_backend: KvBackend | None = None
     # Longest a decode worker waits for free blocks before refusing a request.
     admission_timeout_s: float = 30.0
     # Longest one KV pull may take before the decode worker recomputes locally.
@@ -59,7 +70,8 @@ class WorkerSettings:
     trace_exporter: TraceExporter = TraceExporter.NONE
 
     def __post_init__(self) -> None:
-        self.kv_backend = parse_enum(KvBackend, self.kv_backend, "kv_backend")
+        if self.kv_backend is not None:
+            self.kv_backend = parse_enum(KvBackend, self.kv_backend, "kv_backend")
         self.trace_exporter = parse_enum(TraceExporter, self.trace_exporter, "trace_exporter")
         if not self.host:
             raise ValueError("host must not be empty")
@@ -88,6 +100,7 @@ class WorkerConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        check_kv_backend(self.settings.kv_backend, self.engine.device)
         if self.engine.mode is not self.role.engine_mode:
             raise ValueError(
                 f"engine.mode: a {self.role.value} worker needs engine mode "
@@ -101,7 +114,7 @@ class WorkerConfig:
 
     @property
     def kv_backend(self) -> KvBackend:
-        return self.settings.kv_backend
+        return self.settings.kv_backend or default_kv_backend(self.engine.device)
 
     @property
     def admission_timeout_s(self) -> float:
