@@ -68,7 +68,7 @@ def test_decode_only_engine_prefills_only_when_told(tiny_model_dir):
     decode = make_engine(tiny_model_dir, mode=EngineMode.DECODE_ONLY)
     prompt = make_prompts(2048, (40,), seed=5)[0]
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    with pytest.raises(ValueError, match="decode-only engine .* only when asked to"):
+    with pytest.raises(ValueError, match=r"decode-only engine .* only when asked to"):
         decode.add_request("stray", prompt, params)
     assert decode.is_idle()
     decode.add_request("asked", prompt, params, local_prefill=True)

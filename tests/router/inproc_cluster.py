@@ -50,13 +50,8 @@ class InprocCluster:
             ("prefill-0", WorkerRole.PREFILL, PrefillWorker),
             ("decode-0", WorkerRole.DECODE, DecodeWorker),
         ):
-            engine = EngineConfig(
-                model=self.model_dir,
-                mode=role.engine_mode,
-                num_threads=1,
-                max_model_len=1024,
-                **self.engine_overrides,
-            )
+            settings = {"num_threads": 1, "max_model_len": 1024, **self.engine_overrides}
+            engine = EngineConfig(model=self.model_dir, mode=role.engine_mode, **settings)
             config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
             server = cls(config, tracing=self.tracing)
             self._servers.append(server)
