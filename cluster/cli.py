@@ -68,6 +68,8 @@ def _add_model_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    from tandem.engine.config import DeviceKind
+
     demo = commands.add_parser("demo", help="generate offline with one in-process engine")
     demo.add_argument("--model", required=True, help="Hugging Face model directory")
     demo.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
@@ -77,8 +79,11 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         dest="prompts",
         help="a prompt (repeat for several); default: a few built-in prompts",
     )
-    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    demo.set_defaults(handler=_run_demo)
+    demo.add_argument(
+        "--device", choices=[d.value for d in DeviceKind], default=None,
+        help="[cuda if present, else cpu]",
+    )  # fmt: skip
+    demo.set_defaults(handler=_run_demo, demo_parser=demo)
 
 
 def positive_int(text: str) -> int:
@@ -331,6 +336,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     from tandem.engine.llm_engine import Engine
     from tandem.engine.sampling_params import SamplingParams
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        args.demo_parser.error("--device cuda: this machine has no CUDA device (use --device cpu)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompts = list(args.prompts or DEMO_PROMPTS)
     started = time.perf_counter()

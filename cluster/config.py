@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tandem.engine.config import EngineConfig, default_device
 from tandem.router.config import RouterConfig
-from tandem.worker.config import KvBackend, WorkerRole, WorkerSettings, check_kv_backend
+from tandem.worker.config import WorkerRole, WorkerSettings, check_kv_backend
 
 
 @dataclass
@@ -109,11 +109,6 @@ class ClusterConfig:
         if Path(self.router.model_dir).resolve() != model:
             raise ValueError(
                 f"router.model_dir ({self.router.model_dir}) must be model_dir ({self.model_dir})"
-            )
-        if self.worker.kv_backend is KvBackend.LOCAL:
-            raise ValueError(
-                "worker.kv_backend local works only inside one process; "
-                "a cluster's workers are separate processes (use tcp or nccl)"
             )
         check_kv_backend(self.worker.kv_backend, self.engine.device)
 

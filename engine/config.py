@@ -231,6 +231,8 @@ class EngineConfig:
             )
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device != DeviceKind.CPU and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: this machine has no CUDA device")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.kv_lease_s <= 0:

@@ -35,7 +35,8 @@ class KvBackend(enum.StrEnum):
     TCP = "tcp"
     # ncclSend/ncclRecv between GPUs.
     NCCL = "nccl"
-    # Same process (tests and benchmarks that host both workers in one process).
+    # Engines in one process (`kv_transfer.local`, tests and benchmarks); no worker
+    # server can use it (WorkerSettings refuses it).
     LOCAL = "local"
 
 
@@ -72,6 +73,11 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         if self.kv_backend is not None:
             self.kv_backend = parse_enum(KvBackend, self.kv_backend, "kv_backend")
+        if self.kv_backend is KvBackend.LOCAL:
+            raise ValueError(
+                "kv_backend local moves KV between engines inside one process; worker "
+                "servers pull from each other over tcp or nccl"
+            )
         self.trace_exporter = parse_enum(TraceExporter, self.trace_exporter, "trace_exporter")
         if not self.host:
             raise ValueError("host must not be empty")
