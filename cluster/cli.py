@@ -262,13 +262,13 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     device = DeviceKind(args.device) if args.device else default_device()
     if args.kv_backend == "nccl" and device is not DeviceKind.CUDA:
         raise CliError("--kv-backend nccl moves KV between GPUs; with --device cpu use tcp")
-    pools = (
-        PoolsConfig.colocated(args.colocated)
-        if args.colocated is not None
-        else PoolsConfig(**_given(args, num_prefill="prefill", num_decode="decode"))
-    )
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     try:
+        pools = (
+            PoolsConfig.colocated(args.colocated)
+            if args.colocated is not None
+            else PoolsConfig(**_given(args, num_prefill="prefill", num_decode="decode"))
+        )
         engine = EngineConfig(
             model=args.model,
             device=device,
@@ -302,7 +302,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             engine=engine,
             worker=worker,
             router=router,
-            **({"ray": RayConfig(address=args.ray_address)} if args.ray_address else {}),
+            ray=RayConfig(**_given(args, address="ray_address")),
         )
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from exc
