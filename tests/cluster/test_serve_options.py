@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tandem.cluster.cli import build_parser, cluster_config_from_args, main
-from tandem.cluster.config import ClusterConfig, PoolsConfig
+from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig
 from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from tandem.router.config import RouterConfig
 from tandem.router.policy import AdmissionPolicy
@@ -43,6 +43,7 @@ def test_defaults_come_from_the_config_classes(tiny_model_dir):
         defaults.http_port,
     )
     assert config.worker == WorkerSettings()
+    assert config.ray == RayConfig()
     # No backend named: TCP on CPU engines.
     assert config.worker.kv_backend is None
 
@@ -56,7 +57,9 @@ def test_flags_land_in_the_tree(tiny_model_dir, monkeypatch):
         "--max-model-len", "300", "--max-num-batched-tokens", "128",
         "--trace-exporter", "console", "--admission", "queue", "--ttft-slo", "0.5",
         "--itl-slo", "0.05", "--max-local-prefill-tokens", "0", "--api-key", "k",
+        "--ray-address", "auto",
     )  # fmt: skip
+    assert config.ray.address == "auto"
     assert config.pools == PoolsConfig(num_prefill=2, num_decode=3)
     assert (config.engine.max_model_len, config.engine.max_num_batched_tokens) == (300, 128)
     assert config.engine.num_threads == 2
