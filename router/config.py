@@ -15,7 +15,7 @@ from tandem.router.policy import (
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     AdmissionPolicy,
 )
-from tandem.telemetry.tracing import TraceExporter
+from tandem.telemetry.tracing import DEFAULT_TRACE_EXPORTER, TraceExporter
 from tandem.worker.config import DEFAULT_HOST
 
 DEFAULT_GRPC_PORT = 50051
@@ -38,7 +38,7 @@ class RouterConfig:
     request_timeout_s: float = 1800.0
     # Longest a worker may take to answer a health or stats probe.
     probe_timeout_s: float = 5.0
-    trace_exporter: TraceExporter = TraceExporter.NONE
+    trace_exporter: TraceExporter = DEFAULT_TRACE_EXPORTER
     # SLO admission (see `AdmissionPolicy`).
     admission_policy: AdmissionPolicy = DEFAULT_ADMISSION_POLICY
     # SLO class of requests that name none, and overrides of the interactive targets.

@@ -38,6 +38,8 @@ class TraceExporter(enum.StrEnum):
 
 
 TRACE_EXPORTERS = tuple(e.value for e in TraceExporter)
+# Tracing is off unless a process is told otherwise.
+DEFAULT_TRACE_EXPORTER = TraceExporter.NONE
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -45,7 +47,9 @@ class Tracing:
     """A tracer plus gRPC-metadata propagation; owned by one router or worker."""
 
     def __init__(
-        self, service_name: str, exporter: TraceExporter | str | SpanExporter = TraceExporter.NONE
+        self,
+        service_name: str,
+        exporter: TraceExporter | str | SpanExporter = DEFAULT_TRACE_EXPORTER,
     ) -> None:
         self.provider: TracerProvider | None = None
         if isinstance(exporter, SpanExporter):

@@ -10,7 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tandem.engine.config import EngineConfig, EngineMode, parse_enum
-from tandem.telemetry.tracing import TraceExporter
+from tandem.telemetry.tracing import DEFAULT_TRACE_EXPORTER, TraceExporter
 
 
 class WorkerRole(enum.StrEnum):
@@ -68,7 +68,7 @@ class WorkerSettings:
     pull_timeout_s: float = 30.0
     # Longest a graceful stop waits for in-flight requests.
     drain_timeout_s: float = 10.0
-    trace_exporter: TraceExporter = TraceExporter.NONE
+    trace_exporter: TraceExporter = DEFAULT_TRACE_EXPORTER
 
     def __post_init__(self) -> None:
         if self.kv_backend is not None:
