@@ -15,9 +15,10 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-# Engine token budget per step when chunked prefill is on (`--max-num-batched-tokens`).
-DEFAULT_TOKEN_BUDGET = 512
+if TYPE_CHECKING:
+    from tandem.cluster.config import ClusterConfig
 
 DEMO_PROMPTS = (
     "The quick brown fox",
@@ -65,6 +66,8 @@ def _add_model_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    from tandem.engine.config import DeviceKind
+
     demo = commands.add_parser("demo", help="generate offline with one in-process engine")
     demo.add_argument("--model", required=True, help="Hugging Face model directory")
     demo.add_argument("--max-tokens", type=int, default=32, help="tokens per completion")
@@ -74,33 +77,112 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         dest="prompts",
         help="a prompt (repeat for several); default: a few built-in prompts",
     )
-    demo.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    demo.set_defaults(handler=_run_demo)
+    demo.add_argument(
+        "--device", choices=[d.value for d in DeviceKind], default=None,
+        help="[cuda if present, else cpu]",
+    )  # fmt: skip
+    demo.set_defaults(handler=_run_demo, demo_parser=demo)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port (0 picks a free one)."""
+    value = non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (seconds)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
 
 
 def _add_serve_command(commands: argparse._SubParsersAction) -> None:
+    # Defaults shown in help come from the config classes (argparse default None means
+    # "the config's default"), so each is defined once.
+    from tandem.cluster.config import PoolsConfig
+    from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DeviceKind
+    from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
+    from tandem.router.policy import AdmissionPolicy
+    from tandem.telemetry.tracing import TraceExporter
+    from tandem.worker.config import DEFAULT_HOST, KvBackend
+
+    pools, router = PoolsConfig(), RouterConfig.__dataclass_fields__
     serve = commands.add_parser(
         "serve", help="start the cluster on Ray: prefill + decode workers and the router"
     )
     serve.add_argument("--model", default="models/tandem-small", help="HF model directory")
-    serve.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    serve.add_argument("--decode", type=int, default=1, help="decode workers")
     serve.add_argument(
-        "--colocated", type=int, default=0, help="K colocated workers instead of P/D pools"
+        "--prefill", type=positive_int, default=None,
+        help=f"prefill workers [{pools.num_prefill}]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--decode", type=positive_int, default=None, help=f"decode workers [{pools.num_decode}]"
     )
-    serve.add_argument("--host", default="127.0.0.1", help="address the servers bind")
-    serve.add_argument("--grpc-port", type=int, default=50051, help="public gRPC port")
-    serve.add_argument("--http-port", type=int, default=8000, help="HTTP port (OpenAI API)")
+    serve.add_argument(
+        "--colocated", type=positive_int, default=None,
+        help="K colocated workers instead of the prefill/decode pools",
+    )  # fmt: skip
+    serve.add_argument("--host", default=None, help=f"address the servers bind [{DEFAULT_HOST}]")
+    serve.add_argument(
+        "--grpc-port", type=port, default=None, help=f"public gRPC port [{DEFAULT_GRPC_PORT}]"
+    )
+    serve.add_argument(
+        "--http-port", type=port, default=None,
+        help=f"HTTP port (OpenAI API) [{DEFAULT_HTTP_PORT}]",
+    )  # fmt: skip
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster")
-    serve.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    serve.add_argument("--kv-backend", default=None, help="tcp, nccl or local (default: by device)")
-    serve.add_argument("--threads", type=int, default=None, help="torch threads per worker")
-    serve.add_argument("--max-model-len", type=int, default=None, help="longest prompt+output")
+    serve.add_argument(
+        "--device", choices=[d.value for d in DeviceKind], default=None,
+        help="where the engines run [cuda if present, else cpu]",
+    )  # fmt: skip
+    # `local` is in-process only (tests, benchmarks): a cluster's workers are processes.
+    serve.add_argument(
+        "--kv-backend", choices=[KvBackend.TCP.value, KvBackend.NCCL.value], default=None,
+        help="KV transfer between workers [nccl on cuda, tcp on cpu]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--threads", type=positive_int, default=None,
+        help="torch threads per worker [cores / workers]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-model-len", type=positive_int, default=None,
+        help="longest prompt+output [the model's max_position_embeddings]",
+    )  # fmt: skip
     serve.add_argument(
         "--max-num-batched-tokens",
-        type=int,
+        type=positive_int,
         default=None,
-        help="engine token budget per step [512; without chunked prefill: max model length]",
+        help=f"engine token budget per step [{DEFAULT_MAX_NUM_BATCHED_TOKENS}; "
+        "without chunked prefill: max model length]",
     )
     serve.add_argument(
         "--no-chunked-prefill",
@@ -109,75 +191,115 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--api-key", default=None, help="require this key (or TANDEM_API_KEY)")
     serve.add_argument(
-        "--trace-exporter", default="none", help="OpenTelemetry exporter: none, console, otlp"
+        "--trace-exporter", choices=[e.value for e in TraceExporter], default=None,
+        help=f"OpenTelemetry exporter [{router['trace_exporter'].default}]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--admission", choices=[p.value for p in AdmissionPolicy], default=None,
+        help=f"SLO admission: none, shed (429) or queue [{router['admission_policy'].default}]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--ttft-slo", type=positive_float, default=None, help="interactive TTFT target, s"
     )
     serve.add_argument(
-        "--admission", default="none", help="SLO admission: none, shed (429) or queue"
+        "--itl-slo", type=positive_float, default=None, help="interactive ITL target, s"
     )
-    serve.add_argument("--ttft-slo", type=float, default=None, help="interactive TTFT target, s")
-    serve.add_argument("--itl-slo", type=float, default=None, help="interactive ITL target, s")
     serve.add_argument(
         "--max-local-prefill-tokens",
-        type=int,
-        default=512,
-        help="longest prompt a decode worker may prefill itself (0: always disaggregate)",
+        type=non_negative_int,
+        default=None,
+        help="longest prompt a decode worker may prefill itself (0: always disaggregate) "
+        f"[{router['max_local_prefill_tokens'].default}]",
     )
-    serve.set_defaults(handler=_run_serve)
+    serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
-    import os
 
-    from tandem.cluster.launcher import ClusterConfig
     from tandem.cluster.serve import serve
 
     try:
-        overrides = _engine_overrides(args)
-        config = ClusterConfig(
-            model_dir=args.model,
-            num_prefill=0 if args.colocated else args.prefill,
-            num_decode=0 if args.colocated else args.decode,
-            num_colocated=args.colocated,
-            host=args.host,
-            grpc_port=args.grpc_port,
-            http_port=args.http_port,
-            ray_address=args.ray_address,
-            device=args.device,
-            kv_backend=args.kv_backend,
-            threads_per_worker=args.threads,
-            engine_overrides=overrides,
-            api_key=args.api_key or os.environ.get("TANDEM_API_KEY") or None,
-            trace_exporter=args.trace_exporter,
-            router_overrides={
-                "admission_policy": args.admission,
-                "ttft_slo_s": args.ttft_slo,
-                "itl_slo_s": args.itl_slo,
-                "max_local_prefill_tokens": args.max_local_prefill_tokens,
-            },
-        )
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"tandem serve: {exc}", file=sys.stderr)
-        return 2
+        config = cluster_config_from_args(args)
+    except CliError as exc:
+        args.serve_parser.error(str(exc))  # usage + message on stderr, exit status 2
     asyncio.run(serve(config))
     return 0
 
 
-def _engine_overrides(args: argparse.Namespace) -> dict[str, object]:
-    """EngineConfig fields `tandem serve` sets. Without chunked prefill the budget must
-    hold a whole prompt, so it defaults to the longest one (as in vLLM)."""
-    from tandem.engine.config import ModelConfig
+class CliError(ValueError):
+    """A `tandem serve` flag combination (or value) the cluster cannot run."""
 
-    overrides: dict[str, object] = {"enable_chunked_prefill": not args.no_chunked_prefill}
-    if args.max_model_len is not None:
-        overrides["max_model_len"] = args.max_model_len
-    budget = args.max_num_batched_tokens
-    if budget is None and args.no_chunked_prefill:
-        budget = (
-            args.max_model_len or ModelConfig.from_model_dir(args.model).max_position_embeddings
+
+def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    """The typed cluster tree `tandem serve` runs; CliError names what is wrong. Flags
+    left out (None) keep the config classes' defaults."""
+    import os
+
+    import torch
+
+    from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig
+    from tandem.engine.config import DeviceKind, EngineConfig, default_device
+    from tandem.router.config import RouterConfig
+    from tandem.worker.config import WorkerSettings
+
+    if args.colocated is not None and (args.prefill is not None or args.decode is not None):
+        raise CliError("--colocated replaces the --prefill/--decode pools; give one or the other")
+    if args.device == DeviceKind.CUDA and not torch.cuda.is_available():
+        raise CliError("--device cuda: this machine has no CUDA device (use --device cpu)")
+    device = DeviceKind(args.device) if args.device else default_device()
+    if args.kv_backend == "nccl" and device is not DeviceKind.CUDA:
+        raise CliError("--kv-backend nccl moves KV between GPUs; with --device cpu use tcp")
+    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    try:
+        pools = (
+            PoolsConfig.colocated(args.colocated)
+            if args.colocated is not None
+            else PoolsConfig(**_given(args, num_prefill="prefill", num_decode="decode"))
         )
-    overrides["max_num_batched_tokens"] = budget or DEFAULT_TOKEN_BUDGET
-    return overrides
+        engine = EngineConfig(
+            model=args.model,
+            device=device,
+            enable_chunked_prefill=not args.no_chunked_prefill,
+            **_given(
+                args,
+                num_threads="threads",
+                max_model_len="max_model_len",
+                max_num_batched_tokens="max_num_batched_tokens",
+            ),
+        )
+        shared = _given(args, host="host", trace_exporter="trace_exporter")
+        worker = WorkerSettings(**shared, **_given(args, kv_backend="kv_backend"))
+        router = RouterConfig(
+            model_dir=args.model,
+            api_key=api_key,
+            **shared,
+            **_given(
+                args,
+                grpc_port="grpc_port",
+                http_port="http_port",
+                admission_policy="admission",
+                ttft_slo_s="ttft_slo",
+                itl_slo_s="itl_slo",
+                max_local_prefill_tokens="max_local_prefill_tokens",
+            ),
+        )
+        return ClusterConfig(
+            model_dir=args.model,
+            pools=pools,
+            engine=engine,
+            worker=worker,
+            router=router,
+            ray=RayConfig(**_given(args, address="ray_address")),
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc)) from exc
+
+
+def _given(args: argparse.Namespace, **fields: str) -> dict[str, object]:
+    """config field -> flag value, for the flags the command line set (not None)."""
+    values = {name: getattr(args, flag) for name, flag in fields.items()}
+    return {name: value for name, value in values.items() if value is not None}
 
 
 def _run_model_make(args: argparse.Namespace) -> int:
@@ -202,6 +324,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     from tandem.engine.llm_engine import Engine
     from tandem.engine.sampling_params import SamplingParams
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        args.demo_parser.error("--device cuda: this machine has no CUDA device (use --device cpu)")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompts = list(args.prompts or DEMO_PROMPTS)
     started = time.perf_counter()

@@ -2,9 +2,10 @@
 
 With a KvHandle the worker reserves blocks (pull-based admission: it waits until the
 pool can hold the prompt), pulls the KV from the prefill worker, releases it there and
-decodes from the first token. Without one it prefills locally (colocated mode and
-conditional disaggregation). A failed or timed-out pull is recomputed locally, so the
-client only sees a slower stream.
+decodes from the first token. Without one it prefills locally: always in colocated
+mode, and in decode mode only when the request says `local_prefill` (conditional
+disaggregation; anything else is refused). A failed or timed-out pull is recomputed
+locally, so the client only sees a slower stream.
 """
 
 from __future__ import annotations
@@ -84,7 +85,11 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                     span.set_attribute("tandem.kv_recomputed", recomputed)
                     span.end()
             else:
-                stream = await self.loop.generate(request.request_id, prompt, params)
+                # A decode worker prefills only when the router asked it to (its engine
+                # refuses otherwise); a colocated worker always does.
+                stream = await self.loop.generate(
+                    request.request_id, prompt, params, local_prefill=request.local_prefill
+                )
             span = self.tracing.start_span("decode.stream", parent)
             try:
                 async with stream:
@@ -186,7 +191,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         rest = dataclasses.replace(
             params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1)
         )
-        return await self.loop.generate(req_id, [*prompt, first], rest)
+        return await self.loop.generate(req_id, [*prompt, first], rest, local_prefill=True)
 
     def _release_remote(self, handle: KvHandle) -> None:
         """Tell the prefill worker to unpin (best effort: its lease is the backstop)."""
@@ -216,7 +221,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return stats_to_proto(
             stats,
             self.config.worker_id,
-            self.config.role.value,
+            self.config.role,
+            self.config.engine,
             num_open_streams=self.loop.num_open_streams,
             num_open_channels=transfer.num_open_channels,
             num_transfer_threads=transfer.num_transfer_threads,

@@ -12,7 +12,7 @@ import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -29,6 +29,33 @@ _DTYPES = {
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
+# Defaults referenced by the CLI and the cluster config (defined here only).
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+def parse_enum(kind: type[_E], value: object, name: str) -> _E:
+    """`kind(value)` for a config field, or a ValueError naming the field and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(member.value for member in kind)
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
+
+
+class DeviceKind(enum.StrEnum):
+    """Where a cluster's engines run (an engine may also name one GPU, `cuda:N`)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+def default_device() -> DeviceKind:
+    """CUDA when this machine has it, else CPU."""
+    return DeviceKind.CUDA if torch.cuda.is_available() else DeviceKind.CPU
+
 
 class EngineMode(enum.StrEnum):
     """What a worker's engine does with a request."""
@@ -37,7 +64,9 @@ class EngineMode(enum.StrEnum):
     COLOCATED = "colocated"
     # Stop after sampling the first token and keep the prompt's KV for a transfer.
     PREFILL_ONLY = "prefill_only"
-    # Admit sequences whose KV was imported into the pool; local prefill only for recovery.
+    # Admit sequences whose KV was imported into the pool; a prompt is prefilled locally
+    # only when the caller says so (`add_request(..., local_prefill=True)`: conditional
+    # disaggregation, or recovery from a failed pull), so a stray prompt is refused.
     DECODE_ONLY = "decode_only"
 
 
@@ -139,14 +168,16 @@ class EngineConfig:
 
     model: str
     # Tokens per KV block.
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     # KV blocks in the pool; when None, derived from `kv_cache_memory_bytes`.
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     # Most sequences in one batch.
     max_num_seqs: int = 64
-    # Token budget of one engine step (decode tokens + prefill chunk tokens).
-    max_num_batched_tokens: int = 512
+    # Token budget of one engine step (decode tokens + prefill chunk tokens); None =
+    # DEFAULT_MAX_NUM_BATCHED_TOKENS, or max_model_len with chunked prefill off (a whole
+    # prompt must fit one step, as in vLLM).
+    max_num_batched_tokens: int | None = None
     # Longest prompt + output; None = the model's `max_position_embeddings`.
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -155,7 +186,8 @@ class EngineConfig:
     mode: EngineMode = EngineMode.COLOCATED
     # "auto" = the checkpoint's dtype on CUDA, float32 on CPU.
     dtype: str = "auto"
-    device: str = "cpu"
+    # "cpu", "cuda" or "cuda:N" (a `DeviceKind`, optionally with a GPU index).
+    device: str = DeviceKind.CPU
     # torch intra-op threads; None leaves torch's default.
     num_threads: int | None = None
     # How long a prefill-only engine keeps unpulled KV before freeing it.
@@ -163,16 +195,12 @@ class EngineConfig:
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.mode = EngineMode(self.mode)
+        self.mode = parse_enum(EngineMode, self.mode, "mode")
         self.model_config = ModelConfig.from_model_dir(self.model)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = limit
@@ -183,6 +211,15 @@ class EngineConfig:
             # Attention is global inside the window, so capping the length keeps it exact.
             logger.warning("sliding window %d < max_model_len; capping max_model_len", window)
             self.max_model_len = window
+        if self.max_num_batched_tokens is None:
+            chunked = self.enable_chunked_prefill
+            self.max_num_batched_tokens = (
+                DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else self.max_model_len
+            )
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "with chunked prefill off, max_num_batched_tokens "
@@ -194,6 +231,8 @@ class EngineConfig:
             )
         if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device != DeviceKind.CPU and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device}: this machine has no CUDA device")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.kv_lease_s <= 0:

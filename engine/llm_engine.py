@@ -5,12 +5,13 @@ synchronous and single-threaded; workers drive it from one thread and feed it
 through a queue. KV hand-off (the narrow interface `kv_transfer` builds on):
 
 * prefill side (`EngineMode.PREFILL_ONLY`): a request finishes with reason
-  "prefilled" after its first token; its blocks stay pinned under a lease until
+  `FinishReason.PREFILLED` after its first token; its blocks stay pinned under a lease until
   `export_kv` + `release` (or expiry, checked every step). Released blocks remain in
   the prefix cache.
-* decode side: `reserve_import` allocates blocks for a prompt (None = not now),
-  `write_kv` fills them, `commit_import` joins the running batch with the first token
-  already sampled; `cancel_import` frees them on failure.
+* decode side (`EngineMode.DECODE_ONLY`): `reserve_import` allocates blocks for a
+  prompt (None = not now), `write_kv` fills them, `commit_import` joins the running
+  batch with the first token already sampled; `cancel_import` frees them on failure.
+  `add_request` works only with `local_prefill=True`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.block_pool import BlockPool
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model.loader import load_model
@@ -85,8 +86,24 @@ class Engine:
 
     # ----- requests -------------------------------------------------------------
 
-    def add_request(self, req_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        """Queue a request; raises ValueError on bad input (nothing is kept then)."""
+    def add_request(
+        self,
+        req_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        local_prefill: bool = False,
+    ) -> Request:
+        """Queue a request; raises ValueError on bad input (nothing is kept then).
+
+        A decode-only engine prefills a prompt only with `local_prefill=True` (the caller
+        chose conditional disaggregation or recovers a failed pull); its normal entry is
+        `reserve_import` + `commit_import`."""
+        if self.config.mode is EngineMode.DECODE_ONLY and not local_prefill:
+            raise ValueError(
+                "a decode-only engine admits imported KV; it prefills a prompt only when "
+                "asked to (local_prefill)"
+            )
         prompt_ids = self._prompt_ids(prompt)
         request = self._new_request(req_id, prompt_ids, params)
         self._requests[req_id] = request
@@ -149,7 +166,7 @@ class Engine:
             new_logprobs=request.output_logprobs[-1:],
             delta_text=delta,
             finished=request.is_finished,
-            finish_reason=reason.value if reason else None,
+            finish_reason=reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tandem.engine.request import FinishReason
+
 
 @dataclass
 class RequestOutput:
@@ -19,8 +21,8 @@ class RequestOutput:
     # Text released this step (never ends inside a UTF-8 character or a stop string).
     delta_text: str
     finished: bool
-    # "stop", "length", "abort" or "prefilled" (KV held for a transfer); None if running.
-    finish_reason: str | None
+    # PREFILLED = KV held for a transfer (prefill-only engines); None while running.
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int
@@ -41,7 +43,7 @@ class CompletionOutput:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import grpc
 
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.request import FinishReason
 from tandem.kv_transfer.handle import KvHandle
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.stats import TransferStats
@@ -82,7 +83,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 compute_s=last.prefill_s if last.prefill_s is not None else 0.0,
             ),
         )
-        if last.finish_reason != "prefilled":
+        if last.finish_reason is not FinishReason.PREFILLED:
             response.finish_reason = FINISH_REASONS[last.finish_reason]
             return response
         try:
@@ -115,7 +116,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         return stats_to_proto(
             stats,
             self.config.worker_id,
-            self.config.role.value,
+            self.config.role,
+            self.config.engine,
             num_open_streams=self.loop.num_open_streams,
             num_open_channels=transfer.num_open_channels,
             num_transfer_threads=transfer.num_transfer_threads,

@@ -6,6 +6,8 @@ import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+from tandem.engine.request import FinishReason
+
 
 @dataclass
 class Usage:
@@ -21,12 +23,17 @@ class GenerationChunk:
     token_ids: list[int]
     text: str
     logprobs: list[float] = field(default_factory=list)
-    # "stop", "length" or "abort" on the last chunk; None before.
-    finish_reason: str | None = None
+    # STOP, LENGTH or ABORT on the last chunk; None before.
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
 
 _END = object()
+
+
+def public_finish_reason(reason: FinishReason | None) -> str | None:
+    """The string the public APIs (OpenAI, KServe) put in `finish_reason`."""
+    return None if reason is None else reason.value
 
 
 class ChunkStream:

@@ -1,9 +1,25 @@
-"""Router settings, built once by `tandem serve` (or a test) and passed down."""
+"""Router settings, built once by `tandem serve` (or a test) and passed down.
+
+The router configures nothing the workers already know: KV block size and the longest
+prompt + output come from their `Stats` answers at start (see `PolicyRuntime`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from tandem.engine.config import parse_enum
+from tandem.router.policy import (
+    DEFAULT_ADMISSION_POLICY,
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
+    AdmissionPolicy,
+)
+from tandem.telemetry.tracing import DEFAULT_TRACE_EXPORTER, TraceExporter
+from tandem.worker.config import DEFAULT_HOST
+
+DEFAULT_GRPC_PORT = 50051
+DEFAULT_HTTP_PORT = 8000
 
 
 @dataclass
@@ -12,25 +28,19 @@ class RouterConfig:
     model_dir: str
     # Name clients use in `model`; default: the directory's name.
     model_name: str = ""
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     # Public gRPC (tandem.v1.Generation) and HTTP ports; 0 picks a free port.
-    grpc_port: int = 50051
-    http_port: int = 8000
+    grpc_port: int = DEFAULT_GRPC_PORT
+    http_port: int = DEFAULT_HTTP_PORT
     # Longest a prefill call may take (queueing included).
     prefill_timeout_s: float = 300.0
     # Longest a whole request may stream.
     request_timeout_s: float = 1800.0
     # Longest a worker may take to answer a health or stats probe.
     probe_timeout_s: float = 5.0
-    # OpenTelemetry trace exporter: "none", "console" or "otlp".
-    trace_exporter: str = "none"
-    # Longest prompt + output; must equal the workers' (None = the model's limit).
-    max_model_len: int | None = None
-    # KV block size of the workers (the router mirrors their prefix caches with it).
-    block_size: int = 16
-    # SLO admission: "none" (admit all, route by prediction), "shed" (429 when no pair
-    # can meet the SLO) or "queue" (wait, bounded, then shed).
-    admission_policy: str = "none"
+    trace_exporter: TraceExporter = DEFAULT_TRACE_EXPORTER
+    # SLO admission (see `AdmissionPolicy`).
+    admission_policy: AdmissionPolicy = DEFAULT_ADMISSION_POLICY
     # SLO class of requests that name none, and overrides of the interactive targets.
     slo_class: str = "interactive"
     ttft_slo_s: float | None = None
@@ -41,7 +51,7 @@ class RouterConfig:
     stats_interval_s: float = 0.25
     # Conditional disaggregation: the longest uncached prompt a decode worker may
     # prefill itself when that predicts better goodput; 0 = always use prefill workers.
-    max_local_prefill_tokens: int = 512
+    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
     # OpenAI HTTP API: clients must send `Authorization: Bearer <api_key>`; None: open.
     # (`/health` and `/metrics` stay open either way.)
     api_key: str | None = None
@@ -49,10 +59,14 @@ class RouterConfig:
     max_body_bytes: int = 8 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        if self.admission_policy not in ("none", "shed", "queue"):
-            raise ValueError(
-                f"admission_policy must be none, shed or queue, got {self.admission_policy!r}"
-            )
+        self.admission_policy = parse_enum(
+            AdmissionPolicy, self.admission_policy, "admission_policy"
+        )
+        self.trace_exporter = parse_enum(TraceExporter, self.trace_exporter, "trace_exporter")
+        for name in ("ttft_slo_s", "itl_slo_s"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0 or None, got {value}")
         if self.max_local_prefill_tokens < 0:
             raise ValueError(
                 f"max_local_prefill_tokens must be >= 0, got {self.max_local_prefill_tokens}"

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
@@ -19,9 +20,9 @@ logger = logging.getLogger(__name__)
 
 _FINISH = {
     None: gen_pb.FINISH_REASON_UNSPECIFIED,
-    "stop": gen_pb.FINISH_REASON_STOP,
-    "length": gen_pb.FINISH_REASON_LENGTH,
-    "abort": gen_pb.FINISH_REASON_ABORT,
+    FinishReason.STOP: gen_pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: gen_pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: gen_pb.FINISH_REASON_ABORT,
 }
 
 

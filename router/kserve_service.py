@@ -23,6 +23,7 @@ from importlib import metadata
 
 from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.proto.inference import grpc_service_pb2_grpc
+from tandem.router.chunk_stream import public_finish_reason
 from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError
 from tandem.router.kserve_request import MODEL_INPUTS, MODEL_OUTPUTS, KserveRequest, parse_request
 from tandem.router.kserve_tensors import encode_bytes
@@ -161,7 +162,8 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             generation = self.flow.generate(req_id, parsed.prompt_ids, parsed.params)
             async with aclosing(generation) as chunks:
                 async for chunk in chunks:
-                    output = _Output(chunk.text, chunk.finish_reason, chunk.usage)
+                    reason = public_finish_reason(chunk.finish_reason)
+                    output = _Output(chunk.text, reason, chunk.usage)
                     # Empty deltas (text held back until it is complete) are not sent.
                     if chunk.text or chunk.finish_reason is not None:
                         await responses.put(self._stream_response(request, parsed, output))
@@ -197,7 +199,8 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         async with aclosing(generation) as chunks:
             async for chunk in chunks:
                 parts.append(chunk.text)
-                finish_reason, usage = chunk.finish_reason, chunk.usage or usage
+                finish_reason = public_finish_reason(chunk.finish_reason)
+                usage = chunk.usage or usage
         return _Output("".join(parts), finish_reason, usage)
 
     def _response(

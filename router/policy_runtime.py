@@ -2,7 +2,8 @@
 
 `PolicyRuntime` owns a background task that polls every worker's `Stats` (and
 health) every `stats_interval_s`, feeding snapshots to the policy and marking
-unreachable workers unavailable so no new request is placed on them.
+unreachable workers unavailable so no new request is placed on them. The first poll
+also tells the router the workers' KV block size and max model length.
 """
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import dataclass
 
 import grpc
 
 from tandem.engine.config import ModelConfig
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.router.config import RouterConfig
 from tandem.router.policy import (
     AdmissionConfig,
-    AdmissionPolicy,
     GoodputPolicy,
     SelectorConfig,
     SloClass,
@@ -29,6 +31,8 @@ from tandem.router.policy import (
 from tandem.router.policy.slo import Slo, default_classes
 from tandem.router.warmup_profile import profile_decode, profile_prefill
 from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
+from tandem.worker.config import WorkerRole
+from tandem.worker.convert import WORKER_ROLE_FROM_PROTO
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +52,41 @@ def slo_config(config: RouterConfig) -> SloConfig:
     return SloConfig(default_class=config.slo_class, classes=classes)
 
 
+@dataclass(frozen=True)
+class WorkerLimits:
+    """Engine facts every worker reports in `Stats` and all must agree on."""
+
+    # Tokens per KV block (the router's prefix index hashes blocks of this size).
+    block_size: int
+    # Longest prompt + output a request may ask for.
+    max_model_len: int
+
+
+def worker_limits(
+    stats: dict[str, pb.StatsResponse], roles: dict[str, WorkerRole]
+) -> WorkerLimits:
+    """The limits the workers report; ValueError naming the workers when they disagree
+    (or one reports none, or the wrong role), since the router cannot serve such a mix."""
+    for worker_id, reply in stats.items():
+        reported = WORKER_ROLE_FROM_PROTO.get(reply.role)
+        if reported is not roles[worker_id]:
+            raise ValueError(
+                f"worker {worker_id} reports role {reported}, the router expects "
+                f"{roles[worker_id].value}"
+            )
+    values = {}
+    for name in ("block_size", "max_model_len"):
+        seen = {worker_id: getattr(reply, name) for worker_id, reply in stats.items()}
+        missing = sorted(w for w, v in seen.items() if v == 0)
+        if missing:
+            raise ValueError(f"workers {', '.join(missing)} report no {name} (too old?)")
+        if len(set(seen.values())) != 1:
+            listed = ", ".join(f"{w}={v}" for w, v in sorted(seen.items()))
+            raise ValueError(f"workers disagree on {name} ({listed}); serve one value")
+        values[name] = next(iter(seen.values()))
+    return WorkerLimits(**values)
+
+
 class PolicyRuntime:
     """The policy plus the Stats poller that feeds it."""
 
@@ -56,18 +95,24 @@ class PolicyRuntime:
         self.pool = pool
         self.slo = slo_config(config)
         self.policy: GoodputPolicy | None = None
+        # Learned from the workers in `start`.
+        self.limits: WorkerLimits | None = None
         self._poller: asyncio.Task | None = None
 
     async def start(self) -> GoodputPolicy:
-        """Read every worker's pool size, build the policy, start polling."""
+        """Read every worker's pool size and limits, build the policy, start polling.
+        Raises ValueError when the workers disagree on block size or model length."""
         stats = await self.pool.stats(self.config.probe_timeout_s)
         now = time.monotonic()
+        self.limits = limits = worker_limits(
+            stats, {w.worker_id: w.role for w in self.pool.workers}
+        )
 
         def state(worker) -> WorkerState:
             s = WorkerState(
                 worker.worker_id,
                 worker.role,
-                block_size=self.config.block_size,
+                block_size=limits.block_size,
                 num_blocks=max(1, stats[worker.worker_id].num_blocks),
             )
             s.update_stats(WorkerStats.from_proto(stats[worker.worker_id]), now)
@@ -84,7 +129,7 @@ class PolicyRuntime:
                 enable_local_prefill=self.config.max_local_prefill_tokens > 0,
                 max_local_prefill_tokens=self.config.max_local_prefill_tokens,
             ),
-            admission_config=AdmissionConfig(policy=AdmissionPolicy(self.config.admission_policy)),
+            admission_config=AdmissionConfig(policy=self.config.admission_policy),
         )
         self._poller = asyncio.get_running_loop().create_task(self._poll(self.policy))
         return self.policy
@@ -94,7 +139,7 @@ class PolicyRuntime:
     ) -> None:
         """Seed every worker's latency models from a few timed probe requests."""
         model = ModelConfig.from_model_dir(self.config.model_dir)
-        max_len = self.config.max_model_len or model.max_position_embeddings
+        max_len = self.limits.max_model_len
         timeout = self.config.prefill_timeout_s
         by_id = {w.worker_id: w for w in self.pool.workers}
         for state in prefill_states:

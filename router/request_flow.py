@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 import grpc
 from opentelemetry.trace import Span
 
+from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.router.chunk_stream import ChunkStream, GenerationChunk, Usage
@@ -24,7 +25,7 @@ from tandem.router.metrics import RequestRecord, RouterMetrics
 from tandem.router.policy import GoodputPolicy, Placement, RequestSlo, SloConfig
 from tandem.router.worker_pool import WorkerPair, WorkerPool
 from tandem.telemetry.tracing import Tracing
-from tandem.worker.convert import FINISH_REASON_NAMES, sampling_params_to_proto
+from tandem.worker.convert import finish_reason_from_proto, sampling_params_to_proto
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ class RequestFlow:
         placement = await self._place(req_id, prompt_ids, params, slo, span)
         record = self.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s)
         self.metrics.disagg_decisions.labels(self.metrics.model_name, placement.decision).inc()
-        reason = "abort"
+        reason = FinishReason.ABORT.value
         output_ids: list[int] = []
         placed_at = time.monotonic()
         try:
@@ -96,7 +97,7 @@ class RequestFlow:
                 record.on_tokens(len(chunk.token_ids))
                 output_ids += chunk.token_ids
                 if chunk.finish_reason is not None:
-                    reason = chunk.finish_reason
+                    reason = chunk.finish_reason.value  # a metrics / span label
                 yield chunk
         except grpc.aio.AioRpcError as exc:
             reason = "error"
@@ -142,8 +143,12 @@ class RequestFlow:
         pair = self.pool.pair(placement.prefill_worker_id, placement.decode_worker_id)
         usage = Usage(prompt_tokens=len(prompt_ids))
         wire_params = sampling_params_to_proto(params)
+        # Without a prefill worker the decode worker must be told it may prefill itself.
         decode_request = pb.DecodeRequest(
-            request_id=req_id, prompt_token_ids=prompt_ids, params=wire_params
+            request_id=req_id,
+            prompt_token_ids=prompt_ids,
+            params=wire_params,
+            local_prefill=pair.prefill_stub is None,
         )
         if pair.prefill_stub is not None:
             prefill = await self._prefill(pair, req_id, prompt_ids, wire_params, span)
@@ -154,7 +159,7 @@ class RequestFlow:
             )
             usage.completion_tokens = 1
             usage.cached_prompt_tokens = prefill.num_cached_tokens
-            finish = FINISH_REASON_NAMES[prefill.finish_reason]
+            finish = finish_reason_from_proto(prefill.finish_reason)
             first = GenerationChunk(
                 [prefill.first_token_id],
                 prefill.first_token_text,
@@ -237,7 +242,7 @@ class RequestFlow:
                 usage.completion_tokens += len(msg.token_ids)
                 if local:
                     usage.cached_prompt_tokens = msg.num_cached_tokens
-                finish = FINISH_REASON_NAMES[msg.finish_reason]
+                finish = finish_reason_from_proto(msg.finish_reason)
                 if msg.timings.transfer_s > 0:
                     record.on_kv_transfer(msg.timings.transfer_s)
                 yield GenerationChunk(

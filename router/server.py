@@ -45,10 +45,11 @@ class Router:
 
     async def start(self) -> None:
         config = self.config
-        tokenizer = PromptTokenizer(config.model_dir, config.max_model_len)
         self.metrics = RouterMetrics(config.model_name)
         self.policy_runtime = PolicyRuntime(config, self.pool)
         policy = await self.policy_runtime.start()
+        # Prompts are checked against the length the workers report, not a setting.
+        tokenizer = PromptTokenizer(config.model_dir, self.policy_runtime.limits.max_model_len)
         flow = RequestFlow(
             self.pool,
             policy,

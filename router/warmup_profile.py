@@ -57,6 +57,7 @@ async def profile_decode(
             params=pb.SamplingParams(
                 max_tokens=PROBE_DECODE_TOKENS, temperature=0.0, ignore_eos=True
             ),
+            local_prefill=True,  # the probe times the worker's own prefill
         )
         last_at = None
         async for msg in stub.Decode(request, timeout=timeout_s):

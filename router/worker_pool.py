@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.engine.config import parse_enum
 from tandem.proto.server_options import GRPC_OPTIONS
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
+from tandem.worker.config import WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +24,12 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerEndpoint:
     worker_id: str
-    # "prefill", "decode" or "colocated"
-    role: str
+    role: WorkerRole
     # host:port of the worker's gRPC server
     endpoint: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "role", parse_enum(WorkerRole, self.role, "role"))
 
 
 @dataclass
@@ -48,11 +52,11 @@ class WorkerPool:
     """Owns one gRPC channel per worker; closed by `close()`."""
 
     def __init__(self, workers: list[WorkerEndpoint]) -> None:
-        self.prefill = [w for w in workers if w.role == "prefill"]
-        self.decode = [w for w in workers if w.role in ("decode", "colocated")]
+        self.prefill = [w for w in workers if w.role is WorkerRole.PREFILL]
+        self.decode = [w for w in workers if w.role is not WorkerRole.PREFILL]
         if not self.decode:
             raise ValueError("the cluster needs at least one decode or colocated worker")
-        if self.prefill and any(w.role == "colocated" for w in self.decode):
+        if self.prefill and any(w.role is WorkerRole.COLOCATED for w in self.decode):
             raise ValueError("prefill workers pair with decode workers, not colocated ones")
         self._channels = {
             w.worker_id: grpc.aio.insecure_channel(w.endpoint, options=GRPC_OPTIONS)
@@ -98,7 +102,7 @@ class WorkerPool:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def worker_stats(self, worker: WorkerEndpoint, timeout_s: float) -> pb.StatsResponse:
-        if worker.role == "prefill":
+        if worker.role is WorkerRole.PREFILL:
             return await self.prefill_stub(worker).Stats(pb.StatsRequest(), timeout=timeout_s)
         return await self.decode_stub(worker).Stats(pb.StatsRequest(), timeout=timeout_s)
 

@@ -10,6 +10,7 @@ OTEL_EXPORTER_OTLP_* environment variables).
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -28,27 +29,41 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 logger = logging.getLogger(__name__)
 
-TRACE_EXPORTERS = ("none", "console", "otlp")
+
+
+class TraceExporter(enum.StrEnum):
+    NONE = "none"  # a no-op tracer (the default)
+    CONSOLE = "console"  # spans printed to stdout in batches
+    OTLP = "otlp"  # OTLP over gRPC, configured by the OTEL_EXPORTER_OTLP_* variables
+
+
+TRACE_EXPORTERS = tuple(e.value for e in TraceExporter)
+# Tracing is off unless a process is told otherwise.
+DEFAULT_TRACE_EXPORTER = TraceExporter.NONE
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
 class Tracing:
     """A tracer plus gRPC-metadata propagation; owned by one router or worker."""
 
-    def __init__(self, service_name: str, exporter: str | SpanExporter = "none") -> None:
+    def __init__(
+        self,
+        service_name: str,
+        exporter: TraceExporter | str | SpanExporter = DEFAULT_TRACE_EXPORTER,
+    ) -> None:
         self.provider: TracerProvider | None = None
         if isinstance(exporter, SpanExporter):
             self.provider = TracerProvider(resource=_resource(service_name))
             self.provider.add_span_processor(SimpleSpanProcessor(exporter))
-        elif exporter == "console":
+        elif exporter == TraceExporter.CONSOLE:
             self.provider = TracerProvider(resource=_resource(service_name))
             self.provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-        elif exporter == "otlp":
+        elif exporter == TraceExporter.OTLP:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             self.provider = TracerProvider(resource=_resource(service_name))
             self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-        elif exporter != "none":
+        elif exporter != TraceExporter.NONE:
             raise ValueError(f"trace exporter must be one of {TRACE_EXPORTERS}, got {exporter!r}")
         if self.provider is None:
             self.tracer: trace.Tracer = trace.NoOpTracer()

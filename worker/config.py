@@ -1,11 +1,16 @@
-"""Settings of one worker process (prefill, decode or colocated) around its engine."""
+"""Settings of one worker process (prefill, decode or colocated) around its engine.
+
+`WorkerSettings` are what every worker of a cluster shares (built once from the CLI);
+`WorkerConfig` adds one process's identity (id, role, ports) and its `EngineConfig`.
+"""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tandem.engine.config import EngineConfig, EngineMode
+from tandem.engine.config import EngineConfig, EngineMode, parse_enum
+from tandem.telemetry.tracing import DEFAULT_TRACE_EXPORTER, TraceExporter
 
 
 class WorkerRole(enum.StrEnum):
@@ -23,6 +28,64 @@ class WorkerRole(enum.StrEnum):
         }[self]
 
 
+class KvBackend(enum.StrEnum):
+    """How a decode worker pulls KV from a prefill worker."""
+
+    # Raw bytes over a socket (CPU, or GPU through host memory).
+    TCP = "tcp"
+    # ncclSend/ncclRecv between GPUs.
+    NCCL = "nccl"
+    # Engines in one process (`kv_transfer.local`, tests and benchmarks); no worker
+    # server can use it (WorkerSettings refuses it).
+    LOCAL = "local"
+
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def default_kv_backend(device: str) -> KvBackend:
+    """NCCL between GPUs, TCP otherwise."""
+    return KvBackend.NCCL if device.startswith("cuda") else KvBackend.TCP
+
+
+def check_kv_backend(backend: KvBackend | None, device: str) -> None:
+    """ValueError when `backend` cannot move KV between engines on `device`."""
+    if backend is KvBackend.NCCL and not device.startswith("cuda"):
+        raise ValueError(f"kv_backend nccl needs GPU engines; the engines run on {device}")
+
+
+@dataclass
+class WorkerSettings:
+    """What every worker of a cluster shares; validated on construction."""
+
+    # Address the worker's gRPC and metrics servers bind.
+    host: str = DEFAULT_HOST
+    # None = by the engines' device (see `default_kv_backend`).
+    kv_backend: KvBackend | None = None
+    # Longest a decode worker waits for free blocks before refusing a request.
+    admission_timeout_s: float = 30.0
+    # Longest one KV pull may take before the decode worker recomputes locally.
+    pull_timeout_s: float = 30.0
+    # Longest a graceful stop waits for in-flight requests.
+    drain_timeout_s: float = 10.0
+    trace_exporter: TraceExporter = DEFAULT_TRACE_EXPORTER
+
+    def __post_init__(self) -> None:
+        if self.kv_backend is not None:
+            self.kv_backend = parse_enum(KvBackend, self.kv_backend, "kv_backend")
+        if self.kv_backend is KvBackend.LOCAL:
+            raise ValueError(
+                "kv_backend local moves KV between engines inside one process; worker "
+                "servers pull from each other over tcp or nccl"
+            )
+        self.trace_exporter = parse_enum(TraceExporter, self.trace_exporter, "trace_exporter")
+        if not self.host:
+            raise ValueError("host must not be empty")
+        for name in ("admission_timeout_s", "pull_timeout_s", "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
 @dataclass
 class WorkerConfig:
     """Built once by the cluster launcher (or a test) and passed to the worker."""
@@ -30,35 +93,47 @@ class WorkerConfig:
     worker_id: str
     role: WorkerRole
     engine: EngineConfig
-    # Address the worker's gRPC server binds; port 0 picks a free port.
-    host: str = "127.0.0.1"
+    settings: WorkerSettings = field(default_factory=WorkerSettings)
+    # Port of the worker's gRPC server; 0 picks a free port.
     port: int = 0
     # Port of the worker's Prometheus /metrics HTTP endpoint; 0 picks a free port.
     metrics_port: int = 0
-    # KV transfer backend: "tcp" (CPU), "nccl" (GPU) or "local" (same process).
-    kv_backend: str = "tcp"
-    # Longest a decode worker waits for free blocks before refusing a request.
-    admission_timeout_s: float = 30.0
-    # Longest one KV pull may take before the decode worker recomputes locally.
-    pull_timeout_s: float = 30.0
-    # Longest a graceful stop waits for in-flight requests.
-    drain_timeout_s: float = 10.0
-    # OpenTelemetry trace exporter: "none", "console" or "otlp".
-    trace_exporter: str = "none"
 
     def __post_init__(self) -> None:
-        self.role = WorkerRole(self.role)
+        self.role = parse_enum(WorkerRole, self.role, "role")
         if not self.worker_id:
             raise ValueError("worker_id must not be empty")
-        if self.kv_backend not in ("tcp", "nccl", "local"):
-            raise ValueError(f"kv_backend must be tcp, nccl or local, got {self.kv_backend!r}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("admission_timeout_s", "pull_timeout_s", "drain_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        check_kv_backend(self.settings.kv_backend, self.engine.device)
         if self.engine.mode is not self.role.engine_mode:
             raise ValueError(
-                f"a {self.role.value} worker needs engine mode {self.role.engine_mode.value}, "
-                f"got {self.engine.mode.value}"
+                f"engine.mode: a {self.role.value} worker needs engine mode "
+                f"{self.role.engine_mode.value}, got {self.engine.mode.value}"
             )
+
+    # The shared settings, read where the worker used to hold them itself.
+    @property
+    def host(self) -> str:
+        return self.settings.host
+
+    @property
+    def kv_backend(self) -> KvBackend:
+        return self.settings.kv_backend or default_kv_backend(self.engine.device)
+
+    @property
+    def admission_timeout_s(self) -> float:
+        return self.settings.admission_timeout_s
+
+    @property
+    def pull_timeout_s(self) -> float:
+        return self.settings.pull_timeout_s
+
+    @property
+    def drain_timeout_s(self) -> float:
+        return self.settings.drain_timeout_s
+
+    @property
+    def trace_exporter(self) -> TraceExporter:
+        return self.settings.trace_exporter

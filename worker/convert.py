@@ -2,17 +2,47 @@
 
 from __future__ import annotations
 
+from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import EngineStats
+from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.worker.config import WorkerRole
 
-FINISH_REASONS = {
+# Engine finish reason <-> wire (PREFILLED never crosses it: the prefill worker answers a
+# KvHandle instead). None = still running.
+FINISH_REASONS: dict[FinishReason | None, int] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
-FINISH_REASON_NAMES = {v: k for k, v in FINISH_REASONS.items()}
+FINISH_REASON_FROM_PROTO: dict[int, FinishReason | None] = {
+    v: k for k, v in FINISH_REASONS.items()
+}
+
+WORKER_ROLES: dict[WorkerRole, int] = {
+    WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL,
+    WorkerRole.DECODE: pb.WORKER_ROLE_DECODE,
+    WorkerRole.COLOCATED: pb.WORKER_ROLE_COLOCATED,
+}
+WORKER_ROLE_FROM_PROTO: dict[int, WorkerRole] = {v: k for k, v in WORKER_ROLES.items()}
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """The engine's reason for a wire value; ValueError for one this build does not know."""
+    try:
+        return FINISH_REASON_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"unknown finish reason {value} on the wire") from None
+
+
+def worker_role_from_proto(value: int) -> WorkerRole:
+    """The role a worker reports; ValueError for UNSPECIFIED or an unknown value."""
+    try:
+        return WORKER_ROLE_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"worker role {value} on the wire is not a known role") from None
 
 
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -48,11 +78,15 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     return msg
 
 
-def stats_to_proto(stats: EngineStats, worker_id: str, role: str, **extra: int) -> pb.StatsResponse:
+def stats_to_proto(
+    stats: EngineStats, worker_id: str, role: WorkerRole, engine: EngineConfig, **extra: int
+) -> pb.StatsResponse:
     """A worker's `Stats` answer; `extra` fills the server-level counters."""
     return pb.StatsResponse(
         worker_id=worker_id,
-        role=role,
+        role=WORKER_ROLES[role],
+        block_size=engine.block_size,
+        max_model_len=engine.max_model_len,
         num_waiting=stats.num_waiting,
         num_running=stats.num_running,
         num_held=stats.num_held,

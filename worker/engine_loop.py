@@ -102,10 +102,19 @@ class EngineLoop:
         return future.result(timeout_s)
 
     async def generate(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        local_prefill: bool = False,
     ) -> RequestStream:
-        """Add a request; the returned stream owns it (raises ValueError on bad input)."""
-        return await self.submit(req_id, lambda e: e.add_request(req_id, prompt_token_ids, params))
+        """Add a request; the returned stream owns it (raises ValueError on bad input).
+        `local_prefill` lets a decode-only engine prefill it (see `Engine.add_request`)."""
+        return await self.submit(
+            req_id,
+            lambda e: e.add_request(req_id, prompt_token_ids, params, local_prefill=local_prefill),
+        )
 
     async def submit(self, req_id: str, start: Callable[[Engine], object]) -> RequestStream:
         """Run `start(engine)` (which puts `req_id` into the engine, e.g. `add_request` or

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.request import FinishReason
+from tandem.router.chunk_stream import public_finish_reason
 from tandem.router.request_flow import GenerationChunk, Usage
 from tandem.router.tokenization import PromptTokenizer
 
@@ -36,7 +38,7 @@ class Collected:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
@@ -170,14 +172,14 @@ class CompletionResponses(ResponseBuilder):
         return {
             "text": chunk.text,
             "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs),
-            "finish_reason": chunk.finish_reason,
+            "finish_reason": public_finish_reason(chunk.finish_reason),
         }
 
     def _choice_whole(self, collected: Collected) -> dict[str, Any]:
         return {
             "text": collected.text,
             "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
-            "finish_reason": collected.finish_reason,
+            "finish_reason": public_finish_reason(collected.finish_reason),
         }
 
 
@@ -198,14 +200,14 @@ class ChatResponses(ResponseBuilder):
         return {
             "delta": {"content": chunk.text} if chunk.text else {},
             "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs),
-            "finish_reason": chunk.finish_reason,
+            "finish_reason": public_finish_reason(chunk.finish_reason),
         }
 
     def _choice_whole(self, collected: Collected) -> dict[str, Any]:
         return {
             "message": {"role": "assistant", "content": collected.text},
             "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
-            "finish_reason": collected.finish_reason,
+            "finish_reason": public_finish_reason(collected.finish_reason),
         }
 
 

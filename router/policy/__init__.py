@@ -21,6 +21,7 @@ Small pure objects, no I/O, unit-testable on CPU:
 """
 
 from tandem.router.policy.admission import (
+    DEFAULT_ADMISSION_POLICY,
     AdmissionConfig,
     AdmissionController,
     AdmissionDecision,
@@ -35,6 +36,7 @@ from tandem.router.policy.latency_model import (
     PrefillObservation,
 )
 from tandem.router.policy.pair_selector import (
+    DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     DISAGGREGATED,
     LOCAL_PREFILL,
     PairSelector,
@@ -47,6 +49,8 @@ from tandem.router.policy.worker_state import WorkerState, WorkerStats
 
 __all__ = [
     "BATCH",
+    "DEFAULT_ADMISSION_POLICY",
+    "DEFAULT_MAX_LOCAL_PREFILL_TOKENS",
     "DISAGGREGATED",
     "INTERACTIVE",
     "LOCAL_PREFILL",

@@ -43,14 +43,18 @@ T = TypeVar("T")
 
 
 class AdmissionPolicy(enum.StrEnum):
-    SHED = "shed"
-    QUEUE = "queue"
-    NONE = "none"
+    SHED = "shed"  # 429 with Retry-After when no pair can meet the SLO
+    QUEUE = "queue"  # park in a bounded priority queue, shed after queue_timeout_s
+    NONE = "none"  # admit everything, route by prediction
+
+
+# What a router does without being told (admit all, route by prediction).
+DEFAULT_ADMISSION_POLICY = AdmissionPolicy.NONE
 
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    policy: AdmissionPolicy = AdmissionPolicy.SHED
+    policy: AdmissionPolicy = DEFAULT_ADMISSION_POLICY
     # Requests parked by policy `queue` (all priorities together).
     max_queue_len: int = 256
     # Longest a request waits in the router's queue before it is shed.

@@ -44,6 +44,10 @@ DISAGGREGATED: Decision = "disaggregated"
 LOCAL_PREFILL: Decision = "local_prefill"
 
 
+# Conditional disaggregation's default bound on a decode worker's own prefills.
+DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class SelectorConfig:
     # Affinity may choose a worker whose queue wait is at most this many times the
@@ -54,7 +58,7 @@ class SelectorConfig:
     score_tie_s: float = 1e-3
     enable_local_prefill: bool = True
     # Longest uncached prompt a decode worker may prefill itself (bounds the stall).
-    max_local_prefill_tokens: int = 512
+    max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
     # Prefill chunk a decode worker interleaves with its decode steps.
     local_prefill_chunk_tokens: int = 512
     # Predicted KV transfer cost per prompt token (delays the second token only).

@@ -26,12 +26,12 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine.config import parse_enum
 from tandem.router.policy.latency_model import DecodeLatencyModel, PrefillLatencyModel
 from tandem.router.policy.prefix_tree import PrefixIndex
+from tandem.worker.config import WorkerRole
 
 logger = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class WorkerState:
     def __init__(
         self,
         worker_id: str,
-        role: str,
+        role: WorkerRole,
         *,
         block_size: int,
         num_blocks: int,
@@ -114,12 +114,10 @@ class WorkerState:
         decode_model: DecodeLatencyModel | None = None,
         max_events: int = 4096,
     ) -> None:
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.worker_id = worker_id
-        self.role = role
+        self.role = parse_enum(WorkerRole, role, "role")
         self.block_size = block_size
         self.prefill_model = prefill_model or PrefillLatencyModel()
         self.decode_model = decode_model or DecodeLatencyModel()
@@ -220,14 +218,14 @@ class WorkerState:
     def num_queued_prefills(self) -> int:
         """Requests with prompt tokens still to compute here."""
         snap = self.stats.num_waiting
-        if self.role == "prefill":
+        if self.role is WorkerRole.PREFILL:
             snap += self.stats.num_running  # all of them are prefilling
         return max(0, snap + self._delta.num_prefill_requests)
 
     @property
     def num_running(self) -> int:
         """Decode batch size (0 on a prefill worker)."""
-        if self.role == "prefill":
+        if self.role is WorkerRole.PREFILL:
             return 0
         return max(0, self.stats.num_running + self._delta.num_running)
 

@@ -17,7 +17,7 @@ from tandem.engine.config import EngineConfig
 from tandem.prefill_worker.server import PrefillWorker
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
-from tandem.worker.config import WorkerConfig, WorkerRole
+from tandem.worker.config import WorkerConfig, WorkerRole, WorkerSettings
 from tests.helpers.clock import FakeClock
 from tests.helpers.grpc_calls import assert_workers_idle, worker_stats
 from tests.helpers.hf_reference import hf_greedy
@@ -31,7 +31,8 @@ def worker_config(model_dir, worker_id: str, role: WorkerRole, **engine) -> Work
     engine_config = EngineConfig(
         model=str(model_dir), mode=role.engine_mode, max_model_len=1024, num_threads=1, **engine
     )
-    return WorkerConfig(worker_id=worker_id, role=role, engine=engine_config, pull_timeout_s=5.0)
+    settings = WorkerSettings(pull_timeout_s=5.0)
+    return WorkerConfig(worker_id=worker_id, role=role, engine=engine_config, settings=settings)
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> pb.SamplingParams:
@@ -139,5 +140,38 @@ def test_pulled_kv_matches_and_unpulled_lease_expires(tiny_model_dir):
         finally:
             await decode.stop()
             await prefill.stop()
+
+    asyncio.run(scenario())
+
+
+def test_decode_worker_prefills_only_when_told_and_reports_its_limits(tiny_model_dir):
+    """DECODE_ONLY is real: a plain prompt (no KvHandle, no local_prefill) is refused;
+    with `local_prefill` (the router's conditional disaggregation) it is served. Stats
+    carry the role as an enum plus the engine's block size and max model length."""
+    prompt = make_prompts(2048, (60,), seed=23)[0]
+    [expected] = hf_greedy(tiny_model_dir, [prompt], MAX_TOKENS)
+
+    async def scenario() -> None:
+        decode = DecodeWorker(worker_config(tiny_model_dir, "d0", WorkerRole.DECODE))
+        endpoint = await decode.start()
+        try:
+            async with grpc.aio.insecure_channel(endpoint) as channel:
+                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+                plain = pb.DecodeRequest(request_id="r1", prompt_token_ids=prompt, params=greedy())
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await decode_all(stub, plain)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "decode-only engine" in refused.value.details()
+                told = pb.DecodeRequest(
+                    request_id="r2", prompt_token_ids=prompt, params=greedy(), local_prefill=True
+                )
+                tokens, recomputed = await decode_all(stub, told)
+                assert tokens == expected and not recomputed
+            stats = await worker_stats(endpoint, "decode")
+            assert stats.role == pb.WORKER_ROLE_DECODE
+            assert (stats.block_size, stats.max_model_len) == (16, 1024)
+            await assert_workers_idle([(endpoint, "decode")], max_channels=0)
+        finally:
+            await decode.stop()
 
     asyncio.run(scenario())

@@ -13,7 +13,10 @@ import urllib.request
 import pytest
 import ray
 
-from tandem.cluster.launcher import ClusterConfig, LocalCluster
+from tandem.cluster.config import ClusterConfig, PoolsConfig
+from tandem.cluster.launcher import LocalCluster
+from tandem.engine.config import EngineConfig, default_device
+from tandem.router.config import RouterConfig
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.prompts import make_prompts
@@ -42,15 +45,19 @@ def expected(tiny_model_dir, prompts) -> list[list[int]]:
     return hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
 
 
-def run_cluster_check(model_dir, prompts, expected, **counts) -> None:
+def run_cluster_check(model_dir, prompts, expected, pools: PoolsConfig) -> None:
     async def scenario() -> None:
         config = ClusterConfig(
             model_dir=str(model_dir),
-            grpc_port=0,
-            http_port=0,
-            threads_per_worker=1,
-            engine_overrides={"max_num_batched_tokens": 256, "max_model_len": 1024},
-            **counts,
+            pools=pools,
+            engine=EngineConfig(
+                model=str(model_dir),
+                device=default_device(),
+                num_threads=1,
+                max_num_batched_tokens=256,
+                max_model_len=1024,
+            ),
+            router=RouterConfig(model_dir=str(model_dir), grpc_port=0, http_port=0),
         )
         cluster = LocalCluster(config)
         try:
@@ -76,12 +83,12 @@ def _http_status(url: str) -> int:
 
 
 def test_one_prefill_one_decode(ray_session, tiny_model_dir, prompts, expected):
-    run_cluster_check(tiny_model_dir, prompts, expected, num_prefill=1, num_decode=1)
+    run_cluster_check(tiny_model_dir, prompts, expected, PoolsConfig(1, 1))
 
 
 def test_two_colocated(ray_session, tiny_model_dir, prompts, expected):
-    run_cluster_check(tiny_model_dir, prompts, expected, num_colocated=2)
+    run_cluster_check(tiny_model_dir, prompts, expected, PoolsConfig.colocated(2))
 
 
 def test_two_prefill_two_decode(ray_session, tiny_model_dir, prompts, expected):
-    run_cluster_check(tiny_model_dir, prompts, expected, num_prefill=2, num_decode=2)
+    run_cluster_check(tiny_model_dir, prompts, expected, PoolsConfig(2, 2))

@@ -1,37 +1,138 @@
-"""`tandem serve` engine options, parsed as the command line gives them (no cluster)."""
+"""`tandem serve` flags -> the typed cluster tree, and flags the CLI refuses (no cluster
+is started: `main` exits at argument checking, before Ray)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tandem.cluster.cli import DEFAULT_TOKEN_BUDGET, _engine_overrides, build_parser
-from tandem.engine.config import EngineConfig
+from tandem.cluster.cli import build_parser, cluster_config_from_args, main
+from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig
+from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from tandem.router.config import RouterConfig
+from tandem.router.policy import AdmissionPolicy
+from tandem.telemetry.tracing import TraceExporter
+from tandem.worker.config import KvBackend, WorkerRole, WorkerSettings
 
 
-def overrides(tiny_model_dir, *flags: str) -> dict:
-    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), *flags])
-    return _engine_overrides(args)
+def config_of(model_dir, *flags: str) -> ClusterConfig:
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), *flags])
+    return cluster_config_from_args(args)
 
 
-def test_chunked_prefill_is_on_with_the_default_budget(tiny_model_dir):
-    assert overrides(tiny_model_dir) == {
-        "enable_chunked_prefill": True,
-        "max_num_batched_tokens": DEFAULT_TOKEN_BUDGET,
-    }
+def refused(capsys, model_dir, *flags: str) -> str:
+    """Run `tandem serve` with `flags`: it must exit 2 before starting anything; its stderr."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(model_dir), *flags])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_defaults_come_from_the_config_classes(tiny_model_dir):
+    config = config_of(tiny_model_dir, "--device", "cpu")
+    assert config.pools == PoolsConfig()
+    assert config.roles == [WorkerRole.PREFILL, WorkerRole.DECODE]
+    assert config.engine.enable_chunked_prefill
+    assert config.engine.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS
+    assert config.engine.block_size == EngineConfig.__dataclass_fields__["block_size"].default
+    defaults = RouterConfig(model_dir=str(tiny_model_dir))
+    assert config.router.admission_policy is defaults.admission_policy is AdmissionPolicy.NONE
+    assert config.router.max_local_prefill_tokens == defaults.max_local_prefill_tokens
+    assert (config.router.grpc_port, config.router.http_port) == (
+        defaults.grpc_port,
+        defaults.http_port,
+    )
+    assert config.worker == WorkerSettings()
+    assert config.ray == RayConfig()
+    # No backend named: TCP on CPU engines.
+    assert config.worker.kv_backend is None
+
+
+def test_flags_land_in_the_tree(tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("TANDEM_API_KEY", raising=False)
+    config = config_of(
+        tiny_model_dir,
+        "--device", "cpu", "--kv-backend", "tcp", "--prefill", "2", "--decode", "3",
+        "--host", "0.0.0.0", "--grpc-port", "0", "--http-port", "0", "--threads", "2",
+        "--max-model-len", "300", "--max-num-batched-tokens", "128",
+        "--trace-exporter", "console", "--admission", "queue", "--ttft-slo", "0.5",
+        "--itl-slo", "0.05", "--max-local-prefill-tokens", "0", "--api-key", "k",
+        "--ray-address", "auto",
+    )  # fmt: skip
+    assert config.ray.address == "auto"
+    assert config.pools == PoolsConfig(num_prefill=2, num_decode=3)
+    assert (config.engine.max_model_len, config.engine.max_num_batched_tokens) == (300, 128)
+    assert config.engine.num_threads == 2
+    assert config.worker.kv_backend is KvBackend.TCP
+    assert config.worker.host == config.router.host == "0.0.0.0"
+    assert config.worker.trace_exporter is config.router.trace_exporter is TraceExporter.CONSOLE
+    router = config.router
+    assert router.admission_policy is AdmissionPolicy.QUEUE
+    assert (router.ttft_slo_s, router.itl_slo_s, router.api_key) == (0.5, 0.05, "k")
+    assert router.max_local_prefill_tokens == 0
+
+
+def test_colocated_pools(tiny_model_dir):
+    config = config_of(tiny_model_dir, "--device", "cpu", "--colocated", "2")
+    assert config.roles == [WorkerRole.COLOCATED, WorkerRole.COLOCATED]
 
 
 def test_without_chunking_the_budget_covers_the_longest_prompt(tiny_model_dir):
     limit = EngineConfig(model=str(tiny_model_dir)).max_model_len
-    unchunked = overrides(tiny_model_dir, "--no-chunked-prefill")
-    assert unchunked == {"enable_chunked_prefill": False, "max_num_batched_tokens": limit}
-    capped = overrides(tiny_model_dir, "--no-chunked-prefill", "--max-model-len", "300")
-    assert capped["max_num_batched_tokens"] == 300
-    # The engine accepts what the command line builds.
-    config = EngineConfig(model=str(tiny_model_dir), **capped)
-    assert not config.enable_chunked_prefill
+    unchunked = config_of(tiny_model_dir, "--device", "cpu", "--no-chunked-prefill").engine
+    assert not unchunked.enable_chunked_prefill
+    assert unchunked.max_num_batched_tokens == limit
+    capped = config_of(
+        tiny_model_dir, "--device", "cpu", "--no-chunked-prefill", "--max-model-len", "300"
+    ).engine
+    assert capped.max_num_batched_tokens == 300
 
 
-def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_model_dir):
-    small = overrides(tiny_model_dir, "--no-chunked-prefill", "--max-num-batched-tokens", "64")
-    with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        EngineConfig(model=str(tiny_model_dir), **small)
+def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_model_dir, capsys):
+    err = refused(
+        capsys, tiny_model_dir, "--device", "cpu", "--no-chunked-prefill",
+        "--max-num-batched-tokens", "64",
+    )  # fmt: skip
+    assert "max_num_batched_tokens" in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--kv-backend", "local"), "invalid choice: 'local'"),
+        (("--device", "tpu"), "invalid choice: 'tpu'"),
+        (("--admission", "maybe"), "invalid choice: 'maybe'"),
+        (("--trace-exporter", "jaeger"), "invalid choice: 'jaeger'"),
+        (("--prefill", "0"), "--prefill: must be >= 1, got 0"),
+        (("--decode", "-1"), "--decode: must be >= 1, got -1"),
+        (("--colocated", "two"), "--colocated: expected a positive integer, got 'two'"),
+        (("--threads", "0"), "--threads: must be >= 1"),
+        (("--grpc-port", "70000"), "--grpc-port: must be a port in [0, 65535]"),
+        (("--max-local-prefill-tokens", "-5"), "--max-local-prefill-tokens: must be >= 0"),
+        (("--ttft-slo", "0"), "--ttft-slo: must be > 0"),
+        (("--colocated", "2", "--prefill", "1"), "--colocated replaces the --prefill/--decode"),
+        (("--colocated", "1", "--decode", "1"), "--colocated replaces the --prefill/--decode"),
+        (("--device", "cpu", "--kv-backend", "nccl"), "--kv-backend nccl moves KV between GPUs"),
+    ],
+)
+def test_flags_the_cli_refuses(tiny_model_dir, capsys, flags, message):
+    err = refused(capsys, tiny_model_dir, *flags)
+    assert "usage: tandem serve" in err
+    assert message in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_without_cuda_is_refused(tiny_model_dir, capsys):
+    err = refused(capsys, tiny_model_dir, "--device", "cuda")
+    assert "--device cuda: this machine has no CUDA device" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_nccl_on_the_default_cpu_device_is_refused(tiny_model_dir, capsys):
+    err = refused(capsys, tiny_model_dir, "--kv-backend", "nccl")
+    assert "--kv-backend nccl moves KV between GPUs" in err
+
+
+def test_a_missing_model_directory_is_refused(tmp_path, capsys):
+    err = refused(capsys, tmp_path / "nowhere", "--device", "cpu")
+    assert "no config.json" in err

@@ -12,6 +12,7 @@ import pytest
 from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
+from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tests.helpers.clock import FakeClock
 from tests.helpers.hf_reference import hf_greedy
@@ -42,7 +43,7 @@ def test_prefill_engine_kv_moved_to_decode_engine_matches_transformers(tiny_mode
     for i, prompt in enumerate(prompts):
         prefill.add_request(f"r{i}", prompt, params)
     for out in drain(prefill):
-        assert out.finished and out.finish_reason == "prefilled"
+        assert out.finished and out.finish_reason is FinishReason.PREFILLED
         first_tokens[out.req_id] = out.new_token_ids[0]
     assert prefill.stats().num_held == len(prompts)
     for i, prompt in enumerate(prompts):
@@ -60,6 +61,27 @@ def test_prefill_engine_kv_moved_to_decode_engine_matches_transformers(tiny_mode
     expected = hf_greedy(tiny_model_dir, prompts, 16)
     assert [generated[f"r{i}"] for i in range(len(prompts))] == expected
     assert prefill.is_idle() and decode.is_idle()
+
+
+def test_decode_only_engine_prefills_only_when_told(tiny_model_dir):
+    """A decode-only engine's entry is imported KV; a prompt is prefilled locally only
+    with `local_prefill=True` (conditional disaggregation or pull recovery)."""
+    decode = make_engine(tiny_model_dir, mode=EngineMode.DECODE_ONLY)
+    prompt = make_prompts(2048, (40,), seed=5)[0]
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    with pytest.raises(ValueError, match=r"decode-only engine .* only when asked to"):
+        decode.add_request("stray", prompt, params)
+    assert decode.is_idle()
+    decode.add_request("asked", prompt, params, local_prefill=True)
+    outputs = drain(decode)
+    assert [t for out in outputs for t in out.new_token_ids] == hf_greedy(
+        tiny_model_dir, [prompt], 8
+    )[0]
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+    # Engines of the other modes prefill whatever they are given.
+    colocated = make_engine(tiny_model_dir)
+    colocated.add_request("plain", prompt, params)
+    assert drain(colocated)[-1].finished
 
 
 def test_released_prefill_blocks_stay_in_prefix_cache(tiny_model_dir):
@@ -196,6 +218,10 @@ def test_config_validation_names_the_field(tiny_model_dir):
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(model=str(tiny_model_dir), block_size=12)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        EngineConfig(model=str(tiny_model_dir), enable_chunked_prefill=False)
+        EngineConfig(
+            model=str(tiny_model_dir), enable_chunked_prefill=False, max_num_batched_tokens=64
+        )
+    with pytest.raises(ValueError, match="mode must be one of colocated, prefill_only"):
+        EngineConfig(model=str(tiny_model_dir), mode="decode")
     with pytest.raises(FileNotFoundError):
         EngineConfig(model=str(tiny_model_dir / "missing"))

@@ -60,20 +60,16 @@ class InprocCluster:
             ("prefill-0", WorkerRole.PREFILL, PrefillWorker),
             ("decode-0", WorkerRole.DECODE, DecodeWorker),
         ):
-            engine = EngineConfig(
-                model=self.model_dir,
-                mode=role.engine_mode,
-                num_threads=1,
-                max_model_len=1024,
-                **self.engine_overrides,
-            )
+            settings = {"num_threads": 1, "max_model_len": 1024, **self.engine_overrides}
+            engine = EngineConfig(model=self.model_dir, mode=role.engine_mode, **settings)
             config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
             server = cls(config, tracing=self.tracing)
             self._servers.append(server)
             endpoint = await server.start()
-            self.workers.append(WorkerEndpoint(worker_id, role.value, endpoint))
+            self.workers.append(WorkerEndpoint(worker_id, role, endpoint))
         # No start-up profile by default: its probes would show in exact worker counts.
-        settings = {"max_model_len": 1024, "warmup_profile": False, **self.router_overrides}
+        # (Block size and max model length the router learns from the workers.)
+        settings = {"warmup_profile": False, **self.router_overrides}
         config = RouterConfig(model_dir=self.model_dir, grpc_port=0, http_port=0, **settings)
         self.router = Router(config, self.workers, tracing=self.tracing)
         await self.router.start()

@@ -14,6 +14,13 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
 
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+    WORKER_ROLE_COLOCATED: _ClassVar[WorkerRole]
+
 class KvBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_BACKEND_UNSPECIFIED: _ClassVar[KvBackend]
@@ -24,6 +31,10 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
+WORKER_ROLE_COLOCATED: WorkerRole
 KV_BACKEND_UNSPECIFIED: KvBackend
 KV_BACKEND_TCP: KvBackend
 KV_BACKEND_NCCL: KvBackend
@@ -126,7 +137,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_held", "num_importing", "num_free_blocks", "num_blocks", "num_queued_prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_open_streams", "num_open_channels", "num_transfer_threads", "num_kv_recomputes", "num_preemptions")
+    __slots__ = ("worker_id", "role", "num_waiting", "num_running", "num_held", "num_importing", "num_free_blocks", "num_blocks", "num_queued_prefill_tokens", "prefix_cache_queries", "prefix_cache_hits", "num_open_streams", "num_open_channels", "num_transfer_threads", "num_kv_recomputes", "num_preemptions", "block_size", "max_model_len")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -143,8 +154,10 @@ class StatsResponse(_message.Message):
     NUM_TRANSFER_THREADS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_RECOMPUTES_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
-    role: str
+    role: WorkerRole
     num_waiting: int
     num_running: int
     num_held: int
@@ -159,21 +172,25 @@ class StatsResponse(_message.Message):
     num_transfer_threads: int
     num_kv_recomputes: int
     num_preemptions: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_importing: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_open_streams: _Optional[int] = ..., num_open_channels: _Optional[int] = ..., num_transfer_threads: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    block_size: int
+    max_model_len: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_held: _Optional[int] = ..., num_importing: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_queued_prefill_tokens: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_open_streams: _Optional[int] = ..., num_open_channels: _Optional[int] = ..., num_transfer_threads: _Optional[int] = ..., num_kv_recomputes: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_handle", "first_token_id")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "kv_handle", "first_token_id", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
     kv_handle: KvHandle
     first_token_id: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "kv_recomputed", "timings", "prefill_timings")

@@ -1,0 +1,121 @@
+"""The typed configuration tree of a whole cluster, built once and passed down.
+
+    ClusterConfig(model_dir,
+                  pools=PoolsConfig(num_prefill, num_decode | num_colocated),
+                  engine=EngineConfig(...),    # every worker's engine; mode set per role
+                  worker=WorkerSettings(...),  # what every worker process shares
+                  router=RouterConfig(...),    # learns block size / max model len from workers
+                  ray=RayConfig(...))
+
+Each default is defined once, in the class that owns it; `tandem serve` builds this
+tree from its flags (a flag left out keeps the class default). No Ray import here, so
+the command line can read defaults without starting Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem.engine.config import EngineConfig, default_device
+from tandem.router.config import RouterConfig
+from tandem.worker.config import WorkerRole, WorkerSettings, check_kv_backend
+
+
+@dataclass
+class PoolsConfig:
+    """How many workers of each role: prefill + decode pools, or colocated workers."""
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    # Colocated workers replace both pools (num_prefill = num_decode = 0 then).
+    num_colocated: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prefill", "num_decode", "num_colocated"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"pools.{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_colocated and (self.num_prefill or self.num_decode):
+            raise ValueError(
+                "pools: colocated workers replace the prefill/decode pools; "
+                "use PoolsConfig.colocated(k) (num_prefill = num_decode = 0)"
+            )
+        if not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1):
+            raise ValueError(
+                "pools: a disaggregated cluster needs num_prefill >= 1 and num_decode >= 1, "
+                f"got {self.num_prefill} and {self.num_decode}"
+            )
+
+    @classmethod
+    def colocated(cls, num_workers: int) -> PoolsConfig:
+        return cls(num_prefill=0, num_decode=0, num_colocated=num_workers)
+
+    @property
+    def roles(self) -> list[WorkerRole]:
+        if self.num_colocated:
+            return [WorkerRole.COLOCATED] * self.num_colocated
+        return [WorkerRole.PREFILL] * self.num_prefill + [WorkerRole.DECODE] * self.num_decode
+
+
+@dataclass
+class RayConfig:
+    """Where the workers run."""
+
+    # Join an existing Ray cluster ("auto" or host:port); None starts a local one.
+    address: str | None = None
+    # GPUs per worker bundle (cuda only); a fraction lets several workers share one GPU.
+    gpus_per_worker: float = 1.0
+    # Longest the placement group and every worker's model load may take.
+    worker_start_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        gpus = self.gpus_per_worker
+        if gpus <= 0 or (gpus > 1 and not float(gpus).is_integer()):
+            raise ValueError(f"ray.gpus_per_worker must be in (0, 1] or whole, got {gpus}")
+        if self.worker_start_timeout_s <= 0:
+            raise ValueError(
+                f"ray.worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}"
+            )
+
+
+@dataclass
+class ClusterConfig:
+    """The whole cluster, built once (by `tandem serve` or a test) and passed down.
+
+    cluster -> pools (how many workers of each role), engine (every worker's engine;
+    its `mode` is set per role and `num_threads` None = cores / workers), worker
+    (settings every worker shares), router, ray.
+    """
+
+    model_dir: str
+    pools: PoolsConfig = field(default_factory=PoolsConfig)
+    # None = the engine defaults for `model_dir` on cuda when available, else cpu.
+    engine: EngineConfig | None = None
+    worker: WorkerSettings = field(default_factory=WorkerSettings)
+    # None = the router defaults for `model_dir`.
+    router: RouterConfig | None = None
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        model = Path(self.model_dir).resolve()
+        if self.engine is None:
+            self.engine = EngineConfig(model=self.model_dir, device=default_device())
+        if Path(self.engine.model).resolve() != model:
+            raise ValueError(
+                f"engine.model ({self.engine.model}) must be model_dir ({self.model_dir})"
+            )
+        if self.router is None:
+            self.router = RouterConfig(model_dir=self.model_dir)
+        if Path(self.router.model_dir).resolve() != model:
+            raise ValueError(
+                f"router.model_dir ({self.router.model_dir}) must be model_dir ({self.model_dir})"
+            )
+        check_kv_backend(self.worker.kv_backend, self.engine.device)
+
+    @property
+    def use_gpu(self) -> bool:
+        return self.engine.device.startswith("cuda")
+
+    @property
+    def roles(self) -> list[WorkerRole]:
+        return self.pools.roles
