@@ -25,12 +25,15 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from tandem.engine.config import DEFAULT_BLOCK_SIZE
 from tandem.proto.server_options import GRPC_OPTIONS
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.router.config import RouterConfig
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
+from tandem.worker.config import WorkerRole
+from tandem.worker.convert import WORKER_ROLES
 
 # Token ids the fakes answer with (any id below every preset's vocabulary works).
 FAKE_FIRST_TOKEN_ID = 42
@@ -38,14 +41,19 @@ _FAKE_TOKEN_ID = 43
 # A pool this large never limits admission.
 _FAKE_NUM_BLOCKS = 1_000_000
 _LEASE_S = 30.0
+# The limits the fakes report (the router learns them from `Stats`); no prompt the
+# benchmark sends comes near this length.
+_FAKE_MAX_MODEL_LEN = 4096
 
 
-def _idle_stats(worker_id: str, role: str) -> pb.StatsResponse:
+def _idle_stats(worker_id: str, role: WorkerRole) -> pb.StatsResponse:
     return pb.StatsResponse(
         worker_id=worker_id,
-        role=role,
+        role=WORKER_ROLES[role],
         num_free_blocks=_FAKE_NUM_BLOCKS,
         num_blocks=_FAKE_NUM_BLOCKS,
+        block_size=DEFAULT_BLOCK_SIZE,
+        max_model_len=_FAKE_MAX_MODEL_LEN,
     )
 
 
@@ -75,7 +83,7 @@ class FakePrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         return pb.ReleaseResponse(released=True)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        return _idle_stats(self.worker_id, "prefill")
+        return _idle_stats(self.worker_id, WorkerRole.PREFILL)
 
 
 class FakeDecodeService(worker_pb2_grpc.DecodeWorkerServicer):
@@ -97,7 +105,7 @@ class FakeDecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return pb.AbortResponse(aborted=False)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        return _idle_stats(self.worker_id, "decode")
+        return _idle_stats(self.worker_id, WorkerRole.DECODE)
 
 
 async def _start_server(
@@ -139,8 +147,8 @@ async def serve(args: argparse.Namespace) -> None:
             max_local_prefill_tokens=0,
         )
         workers = [
-            WorkerEndpoint("prefill-0", "prefill", f"127.0.0.1:{args.prefill_port}"),
-            WorkerEndpoint("decode-0", "decode", f"127.0.0.1:{args.decode_port}"),
+            WorkerEndpoint("prefill-0", WorkerRole.PREFILL, f"127.0.0.1:{args.prefill_port}"),
+            WorkerEndpoint("decode-0", WorkerRole.DECODE, f"127.0.0.1:{args.decode_port}"),
         ]
         router = Router(config, workers)
     stop = asyncio.Event()
