@@ -1,0 +1,83 @@
+"""Pool membership as the router sees it: which workers exist and what state each is in.
+
+The router does not own membership. Whoever does (the cluster's pool controller, or a
+test) hands the router a `Membership` snapshot through `Router.update_membership`;
+the router opens channels to new workers, places new requests only on `SERVING`
+ones, lets requests on `DRAINING` workers finish, and migrates requests off `DEAD`
+or vanished workers. Admin calls (`GetPools`, `ScalePools`, `DrainWorker`) go to an
+`AdminBackend` that the membership owner provides, so this package never imports it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tandem.worker.config import WorkerRole
+
+
+class WorkerLifecycle(enum.StrEnum):
+    """Where a worker is in its life, as the membership owner sees it."""
+
+    # Placed (or waiting for a node) and loading its model; takes no requests yet.
+    STARTING = "starting"
+    # Healthy and taking new requests.
+    SERVING = "serving"
+    # Takes no new requests; its running requests finish (or migrate past a timeout).
+    DRAINING = "draining"
+    # Gone (process exited, node lost, health checks failed); about to be replaced.
+    DEAD = "dead"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """One worker of the cluster."""
+
+    worker_id: str
+    role: WorkerRole
+    state: WorkerLifecycle
+    # host:port of the worker's gRPC server ("" while starting).
+    endpoint: str = ""
+    # Ray node id (hex) the worker runs on ("" when unknown).
+    node: str = ""
+    pid: int = 0
+    # http://host:port/metrics of the worker ("" while starting).
+    metrics_url: str = ""
+
+
+@dataclass(frozen=True)
+class PoolTargets:
+    """How many serving workers each role should have."""
+
+    prefill: int
+    decode: int
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Membership:
+    """A snapshot of the pools; `version` grows with every change."""
+
+    version: int
+    workers: list[WorkerInfo] = field(default_factory=list)
+    targets: PoolTargets | None = None
+
+
+class AdminBackend(Protocol):
+    """What the admin API (gRPC `tandem.admin.v1.Admin`, HTTP `/admin/*`) calls.
+
+    Implementations raise `ValueError` for bad input (unknown role or worker, a target
+    out of range) and `RuntimeError` when the change cannot be made now.
+    """
+
+    async def get_pools(self) -> Membership: ...
+
+    async def scale(self, targets: PoolTargets) -> Membership: ...
+
+    async def drain(self, worker_id: str) -> Membership: ...
