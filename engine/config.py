@@ -38,10 +38,13 @@ _E = TypeVar("_E", bound=enum.StrEnum)
 
 def parse_enum(kind: type[_E], value: object, name: str) -> _E:
     """`kind(value)` for a config field, or a ValueError naming the field and the choices."""
+    choices = ", ".join(member.value for member in kind)
+    # A member is a str too; anything else (a number, None) is no choice's value.
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     try:
         return kind(value)
     except ValueError:
-        choices = ", ".join(member.value for member in kind)
         raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
 
 
@@ -117,7 +120,7 @@ class ModelConfig:
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         head_dim = raw.get("head_dim") or hidden // num_heads
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope: dict[str, Any] = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope.setdefault("rope_theta", float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))))
         rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
         eos = _token_ids((generation or {}).get("eos_token_id", raw.get("eos_token_id")))
