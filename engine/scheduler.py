@@ -66,14 +66,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
-        # EngineConfig.__post_init__ resolves both (from the model and chunked prefill).
-        if config.max_model_len is None or config.max_num_batched_tokens is None:
-            raise ValueError(
-                f"unresolved EngineConfig: max_model_len={config.max_model_len}, "
-                f"max_num_batched_tokens={config.max_num_batched_tokens}"
-            )
-        self.max_model_len: int = config.max_model_len
-        self.max_num_batched_tokens: int = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -90,7 +83,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
