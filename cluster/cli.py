@@ -261,7 +261,8 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 num_decode=_flag(args.decode, PoolsConfig.num_decode),
             )
         )
-        # None (flag left out) is these fields' own default: derived by the engine.
+        # A flag left out (None) is these fields' own default: derived by the engine (or
+        # torch's thread count).
         engine = EngineConfig(
             model=args.model,
             device=device,
