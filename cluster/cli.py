@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from tandem.cluster.config import ClusterConfig
@@ -28,6 +28,7 @@ DEMO_PROMPTS = (
 )
 
 Handler = Callable[[argparse.Namespace], int]
+_T = TypeVar("_T")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -255,33 +256,39 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         pools = (
             PoolsConfig.colocated(args.colocated)
             if args.colocated is not None
-            else PoolsConfig(**_given(args, num_prefill="prefill", num_decode="decode"))
+            else PoolsConfig(
+                num_prefill=_flag(args.prefill, PoolsConfig.num_prefill),
+                num_decode=_flag(args.decode, PoolsConfig.num_decode),
+            )
         )
+        # A flag left out (None) is these fields' own default: derived by the engine (or
+        # torch's thread count).
         engine = EngineConfig(
             model=args.model,
             device=device,
             enable_chunked_prefill=not args.no_chunked_prefill,
-            **_given(
-                args,
-                num_threads="threads",
-                max_model_len="max_model_len",
-                max_num_batched_tokens="max_num_batched_tokens",
-            ),
+            num_threads=args.threads,
+            max_model_len=args.max_model_len,
+            max_num_batched_tokens=args.max_num_batched_tokens,
         )
-        shared = _given(args, host="host", trace_exporter="trace_exporter")
-        worker = WorkerSettings(**shared, **_given(args, kv_backend="kv_backend"))
+        # --host and --trace-exporter apply to the workers and the router alike.
+        worker = WorkerSettings(
+            host=_flag(args.host, WorkerSettings.host),
+            trace_exporter=_flag(args.trace_exporter, WorkerSettings.trace_exporter),
+            kv_backend=args.kv_backend,
+        )
         router = RouterConfig(
             model_dir=args.model,
             api_key=api_key,
-            **shared,
-            **_given(
-                args,
-                grpc_port="grpc_port",
-                http_port="http_port",
-                admission_policy="admission",
-                ttft_slo_s="ttft_slo",
-                itl_slo_s="itl_slo",
-                max_local_prefill_tokens="max_local_prefill_tokens",
+            host=_flag(args.host, RouterConfig.host),
+            trace_exporter=_flag(args.trace_exporter, RouterConfig.trace_exporter),
+            grpc_port=_flag(args.grpc_port, RouterConfig.grpc_port),
+            http_port=_flag(args.http_port, RouterConfig.http_port),
+            admission_policy=_flag(args.admission, RouterConfig.admission_policy),
+            ttft_slo_s=args.ttft_slo,
+            itl_slo_s=args.itl_slo,
+            max_local_prefill_tokens=_flag(
+                args.max_local_prefill_tokens, RouterConfig.max_local_prefill_tokens
             ),
         )
         return ClusterConfig(
@@ -290,16 +297,15 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             engine=engine,
             worker=worker,
             router=router,
-            ray=RayConfig(**_given(args, address="ray_address")),
+            ray=RayConfig(address=args.ray_address),
         )
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from exc
 
 
-def _given(args: argparse.Namespace, **fields: str) -> dict[str, object]:
-    """config field -> flag value, for the flags the command line set (not None)."""
-    values = {name: getattr(args, flag) for name, flag in fields.items()}
-    return {name: value for name, value in values.items() if value is not None}
+def _flag(value: _T | None, default: _T) -> _T:
+    """A flag's value, or `default` (the config class's own) when the flag was left out."""
+    return default if value is None else value
 
 
 def _run_model_make(args: argparse.Namespace) -> int:

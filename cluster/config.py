@@ -14,7 +14,7 @@ the command line can read defaults without starting Ray.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.config import EngineConfig, default_device
@@ -78,7 +78,10 @@ class RayConfig:
             )
 
 
-@dataclass
+# init=False: the constructor takes None for the engine and router (their defaults
+# depend on `model_dir`), while the attributes are always filled in, so readers need
+# no None checks.
+@dataclass(init=False)
 class ClusterConfig:
     """The whole cluster, built once (by `tandem serve` or a test) and passed down.
 
@@ -88,24 +91,37 @@ class ClusterConfig:
     """
 
     model_dir: str
-    pools: PoolsConfig = field(default_factory=PoolsConfig)
-    # None = the engine defaults for `model_dir` on cuda when available, else cpu.
-    engine: EngineConfig | None = None
-    worker: WorkerSettings = field(default_factory=WorkerSettings)
-    # None = the router defaults for `model_dir`.
-    router: RouterConfig | None = None
-    ray: RayConfig = field(default_factory=RayConfig)
+    pools: PoolsConfig
+    engine: EngineConfig
+    worker: WorkerSettings
+    router: RouterConfig
+    ray: RayConfig
 
-    def __post_init__(self) -> None:
-        model = Path(self.model_dir).resolve()
-        if self.engine is None:
-            self.engine = EngineConfig(model=self.model_dir, device=default_device())
+    def __init__(
+        self,
+        model_dir: str,
+        pools: PoolsConfig | None = None,
+        engine: EngineConfig | None = None,
+        worker: WorkerSettings | None = None,
+        router: RouterConfig | None = None,
+        ray: RayConfig | None = None,
+    ) -> None:
+        """None = the class default: for `engine`, the engine defaults for `model_dir`
+        on cuda when available, else cpu; for `router`, the router defaults for
+        `model_dir`."""
+        self.model_dir = model_dir
+        self.pools = PoolsConfig() if pools is None else pools
+        self.worker = WorkerSettings() if worker is None else worker
+        self.ray = RayConfig() if ray is None else ray
+        model = Path(model_dir).resolve()
+        self.engine = (
+            EngineConfig(model=model_dir, device=default_device()) if engine is None else engine
+        )
         if Path(self.engine.model).resolve() != model:
             raise ValueError(
                 f"engine.model ({self.engine.model}) must be model_dir ({self.model_dir})"
             )
-        if self.router is None:
-            self.router = RouterConfig(model_dir=self.model_dir)
+        self.router = RouterConfig(model_dir=model_dir) if router is None else router
         if Path(self.router.model_dir).resolve() != model:
             raise ValueError(
                 f"router.model_dir ({self.router.model_dir}) must be model_dir ({self.model_dir})"

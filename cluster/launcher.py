@@ -15,11 +15,11 @@ import logging
 import os
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.cluster.config import ClusterConfig
-from tandem.cluster.worker_actor import WorkerActor
+from tandem.cluster.worker_actor import RemoteWorkerActor
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 from tandem.worker.config import WorkerConfig, WorkerRole
@@ -37,26 +37,27 @@ class LocalCluster:
         self.router: Router | None = None
         self.workers: list[WorkerEndpoint] = []
         self._actors: list = []
-        self._pg = None
+        self._pg: PlacementGroup | None = None
         self._started_ray = False
 
-    async def start(self) -> None:
+    async def start(self) -> Router:
+        """Start the workers, then the router; returns the running router."""
         config = self.config
         roles = config.roles
         self._init_ray(len(roles))
         bundle = {"GPU": config.ray.gpus_per_worker, "CPU": 1} if config.use_gpu else {"CPU": 1}
-        self._pg = placement_group([dict(bundle) for _ in roles], strategy="PACK")
-        await asyncio.wait_for(self._pg.ready(), config.ray.worker_start_timeout_s)
+        self._pg = pg = placement_group([dict(bundle) for _ in roles], strategy="PACK")
+        await asyncio.wait_for(pg.ready(), config.ray.worker_start_timeout_s)
         threads = config.engine.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
         counters: dict[WorkerRole, int] = {}
         for index, role in enumerate(roles):
             counters[role] = counters.get(role, 0) + 1
             worker_id = f"{role.value}-{counters[role] - 1}"
-            actor = WorkerActor.options(
+            actor = RemoteWorkerActor.options(
                 name=None,
                 num_cpus=bundle["CPU"],
                 num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, index),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, index),
             ).remote(self._worker_config(worker_id, role, threads))
             self._actors.append(actor)
             self.workers.append(WorkerEndpoint(worker_id, role, ""))
@@ -69,8 +70,9 @@ class LocalCluster:
             for w, endpoint in zip(self.workers, endpoints, strict=True)
         ]
         # The router learns block size and max model length from the workers' Stats.
-        self.router = Router(config.router, self.workers)
-        await self.router.start()
+        self.router = router = Router(config.router, self.workers)
+        await router.start()
+        return router
 
     def _init_ray(self, num_workers: int) -> None:
         if ray.is_initialized():

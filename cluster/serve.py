@@ -19,8 +19,7 @@ async def serve(config: ClusterConfig, announce=print) -> None:
         loop.add_signal_handler(sig, stop.set)
     cluster = LocalCluster(config)
     try:
-        await cluster.start()
-        router = cluster.router
+        router = await cluster.start()
         announce(f"Tandem serving {config.model_dir}")
         for worker in cluster.workers:
             announce(f"  {worker.role:<9} {worker.worker_id:<12} {worker.endpoint}")

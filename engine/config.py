@@ -38,10 +38,13 @@ _E = TypeVar("_E", bound=enum.StrEnum)
 
 def parse_enum(kind: type[_E], value: object, name: str) -> _E:
     """`kind(value)` for a config field, or a ValueError naming the field and the choices."""
+    choices = ", ".join(member.value for member in kind)
+    # A member is a str too; anything else (a number, None) is no choice's value.
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
     try:
         return kind(value)
     except ValueError:
-        choices = ", ".join(member.value for member in kind)
         raise ValueError(f"{name} must be one of {choices}, got {value!r}") from None
 
 
@@ -117,7 +120,7 @@ class ModelConfig:
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         head_dim = raw.get("head_dim") or hidden // num_heads
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        rope: dict[str, Any] = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         rope.setdefault("rope_theta", float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))))
         rope["rope_type"] = rope.get("rope_type") or rope.get("type") or "default"
         eos = _token_ids((generation or {}).get("eos_token_id", raw.get("eos_token_id")))
@@ -162,24 +165,29 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-@dataclass
+# init=False: the constructor takes None for the sizes it derives (max_model_len,
+# max_num_batched_tokens, num_blocks), while the attributes are always filled-in ints,
+# so readers need no None checks. Each other default is the class attribute above it
+# (one definition; `__init__` names it).
+@dataclass(init=False)
 class EngineConfig:
     """Everything one engine needs; validated on construction."""
 
     model: str
+    # The derived sizes (no class default: `__init__` takes None for "derive it").
+    # KV blocks in the pool; given None, derived from `kv_cache_memory_bytes`.
+    num_blocks: int
+    # Token budget of one engine step (decode tokens + prefill chunk tokens); given None:
+    # DEFAULT_MAX_NUM_BATCHED_TOKENS, or max_model_len with chunked prefill off (a whole
+    # prompt must fit one step, as in vLLM).
+    max_num_batched_tokens: int
+    # Longest prompt + output; given None: the model's `max_position_embeddings`.
+    max_model_len: int
     # Tokens per KV block.
     block_size: int = DEFAULT_BLOCK_SIZE
-    # KV blocks in the pool; when None, derived from `kv_cache_memory_bytes`.
-    num_blocks: int | None = None
     kv_cache_memory_bytes: int = 1 << 30
     # Most sequences in one batch.
     max_num_seqs: int = 64
-    # Token budget of one engine step (decode tokens + prefill chunk tokens); None =
-    # DEFAULT_MAX_NUM_BATCHED_TOKENS, or max_model_len with chunked prefill off (a whole
-    # prompt must fit one step, as in vLLM).
-    max_num_batched_tokens: int | None = None
-    # Longest prompt + output; None = the model's `max_position_embeddings`.
-    max_model_len: int | None = None
     enable_prefix_caching: bool = True
     # When off, a prompt is prefilled in one step (the budget must cover max_model_len).
     enable_chunked_prefill: bool = True
@@ -194,37 +202,74 @@ class EngineConfig:
     kv_lease_s: float = 30.0
     model_config: ModelConfig = field(init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.mode = parse_enum(EngineMode, self.mode, "mode")
-        self.model_config = ModelConfig.from_model_dir(self.model)
+    def __init__(
+        self,
+        model: str,
+        block_size: int = block_size,
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int = kv_cache_memory_bytes,
+        max_num_seqs: int = max_num_seqs,
+        max_num_batched_tokens: int | None = None,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = enable_prefix_caching,
+        enable_chunked_prefill: bool = enable_chunked_prefill,
+        mode: EngineMode = mode,
+        dtype: str = dtype,
+        device: str = device,
+        num_threads: int | None = num_threads,
+        kv_lease_s: float = kv_lease_s,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.max_num_seqs = max_num_seqs
+        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.mode = parse_enum(EngineMode, mode, "mode")
+        self.dtype = dtype
+        self.device = device
+        self.num_threads = num_threads
+        self.kv_lease_s = kv_lease_s
+        self.model_config = ModelConfig.from_model_dir(model)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        self.max_model_len = self._resolve_max_model_len(max_model_len)
+        self.max_num_batched_tokens = self._resolve_max_num_batched_tokens(max_num_batched_tokens)
+        self._check_placement()
+        self.num_blocks = self._resolve_num_blocks(num_blocks)
+
+    def _resolve_max_model_len(self, requested: int | None) -> int:
         limit = self.model_config.max_position_embeddings
-        if self.max_model_len is None:
-            self.max_model_len = limit
-        if not 1 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in [1, {limit}], got {self.max_model_len}")
+        max_model_len = limit if requested is None else requested
+        if not 1 <= max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}], got {max_model_len}")
         window = self.model_config.sliding_window
-        if window is not None and window < self.max_model_len:
+        if window is not None and window < max_model_len:
             # Attention is global inside the window, so capping the length keeps it exact.
             logger.warning("sliding window %d < max_model_len; capping max_model_len", window)
-            self.max_model_len = window
-        if self.max_num_batched_tokens is None:
-            chunked = self.enable_chunked_prefill
-            self.max_num_batched_tokens = (
-                DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else self.max_model_len
-            )
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(
-                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
-            )
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            max_model_len = window
+        return max_model_len
+
+    def _resolve_max_num_batched_tokens(self, requested: int | None) -> int:
+        if requested is not None:
+            budget = requested
+        elif self.enable_chunked_prefill:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS
+        else:
+            budget = self.max_model_len
+        if budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {budget}")
+        if not self.enable_chunked_prefill and budget < self.max_model_len:
             raise ValueError(
                 "with chunked prefill off, max_num_batched_tokens "
-                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+                f"({budget}) must be >= max_model_len ({self.max_model_len})"
             )
+        return budget
+
+    def _check_placement(self) -> None:
+        """dtype, device, threads and the KV lease."""
         if self.dtype not in _DTYPES and self.dtype != "auto":
             raise ValueError(
                 f"dtype must be one of {sorted(_DTYPES)} or 'auto', got {self.dtype!r}"
@@ -237,12 +282,15 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
-        if self.num_blocks is None:
+
+    def _resolve_num_blocks(self, requested: int | None) -> int:
+        if requested is None:
             per_block = self.model_config.kv_bytes_per_token * self.block_size
             per_block *= torch.empty((), dtype=self.torch_dtype).element_size()
-            self.num_blocks = max(1, self.kv_cache_memory_bytes // per_block)
-        if self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+            return max(1, self.kv_cache_memory_bytes // per_block)
+        if requested < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {requested}")
+        return requested
 
     @property
     def torch_dtype(self) -> torch.dtype:

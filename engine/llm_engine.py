@@ -53,13 +53,7 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        # EngineConfig.__post_init__ resolves both (from the model and the memory budget).
-        if config.max_model_len is None or config.num_blocks is None:
-            raise ValueError(
-                f"unresolved EngineConfig: max_model_len={config.max_model_len}, "
-                f"num_blocks={config.num_blocks}"
-            )
-        self.max_model_len: int = config.max_model_len
+        self.max_model_len = config.max_model_len
         self.model_config = config.model_config
         # Times KV leases (injectable, so a test can expire one without waiting).
         self.clock = clock

@@ -66,9 +66,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
-        if config.max_model_len is None:  # EngineConfig.__post_init__ resolves it
-            raise ValueError("EngineConfig.max_model_len is unresolved")
-        self.max_model_len: int = config.max_model_len
+        self.max_model_len = config.max_model_len
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []

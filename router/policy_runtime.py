@@ -96,15 +96,22 @@ class PolicyRuntime:
         self.slo = slo_config(config)
         self.policy: GoodputPolicy | None = None
         # Learned from the workers in `start`.
-        self.limits: WorkerLimits | None = None
+        self._limits: WorkerLimits | None = None
         self._poller: asyncio.Task | None = None
+
+    @property
+    def limits(self) -> WorkerLimits:
+        """The limits every worker reported; RuntimeError before `start` learned them."""
+        if self._limits is None:
+            raise RuntimeError("PolicyRuntime.limits: start() has not read the workers' Stats")
+        return self._limits
 
     async def start(self) -> GoodputPolicy:
         """Read every worker's pool size and limits, build the policy, start polling.
         Raises ValueError when the workers disagree on block size or model length."""
         stats = await self.pool.stats(self.config.probe_timeout_s)
         now = time.monotonic()
-        self.limits = limits = worker_limits(
+        self._limits = limits = worker_limits(
             stats, {w.worker_id: w.role for w in self.pool.workers}
         )
 
@@ -121,7 +128,7 @@ class PolicyRuntime:
         prefill_states = [state(w) for w in self.pool.prefill]
         decode_states = [state(w) for w in self.pool.decode]
         if self.config.warmup_profile:
-            await self._profile(prefill_states, decode_states)
+            await self._profile(prefill_states, decode_states, limits.max_model_len)
         self.policy = GoodputPolicy(
             prefill_states,
             decode_states,
@@ -135,11 +142,14 @@ class PolicyRuntime:
         return self.policy
 
     async def _profile(
-        self, prefill_states: list[WorkerState], decode_states: list[WorkerState]
+        self,
+        prefill_states: list[WorkerState],
+        decode_states: list[WorkerState],
+        max_len: int,
     ) -> None:
-        """Seed every worker's latency models from a few timed probe requests."""
+        """Seed every worker's latency models from a few timed probe requests of at most
+        `max_len` tokens."""
         model = ModelConfig.from_model_dir(self.config.model_dir)
-        max_len = self.limits.max_model_len
         timeout = self.config.prefill_timeout_s
         by_id = {w.worker_id: w for w in self.pool.workers}
         for state in prefill_states:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandem.engine.model_maker import make_model
-from tests.helpers.inproc_cluster import SHARED_ROUTER_SETTINGS, InprocCluster
+from tests.helpers.inproc_cluster import InprocCluster, shared_router_config
 
 # CI machines are small; more intra-op threads than cores only adds contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -31,7 +31,8 @@ def cluster(tiny_model_dir: Path) -> Iterator[InprocCluster]:
     test), so tests stay independent; a module that needs other router or engine
     settings defines its own `cluster` fixture (which overrides this one) or starts one.
     """
-    cluster = InprocCluster(str(tiny_model_dir), router_overrides=SHARED_ROUTER_SETTINGS)
+    model_dir = str(tiny_model_dir)
+    cluster = InprocCluster(model_dir, router_config=shared_router_config(model_dir))
     cluster.start()
     yield cluster
     cluster.stop()

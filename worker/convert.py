@@ -11,7 +11,7 @@ from tandem.worker.config import WorkerRole
 
 # Engine finish reason <-> wire (PREFILLED never crosses it: the prefill worker answers a
 # KvHandle instead). None = still running.
-FINISH_REASONS: dict[FinishReason | None, int] = {
+FINISH_REASONS: dict[FinishReason | None, pb.FinishReason] = {
     None: pb.FINISH_REASON_UNSPECIFIED,
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -21,7 +21,7 @@ FINISH_REASON_FROM_PROTO: dict[int, FinishReason | None] = {
     v: k for k, v in FINISH_REASONS.items()
 }
 
-WORKER_ROLES: dict[WorkerRole, int] = {
+WORKER_ROLES: dict[WorkerRole, pb.WorkerRole] = {
     WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL,
     WorkerRole.DECODE: pb.WORKER_ROLE_DECODE,
     WorkerRole.COLOCATED: pb.WORKER_ROLE_COLOCATED,

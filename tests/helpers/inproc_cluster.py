@@ -2,8 +2,9 @@
 over real gRPC, TCP KV transfer and HTTP, on an asyncio loop in a background thread
 (so synchronous clients such as `openai` or `tritonclient` can call it).
 
-`tests/conftest.py` starts one with `SHARED_ROUTER_SETTINGS` for the whole session (the
-`cluster` fixture); tests that need other settings start their own.
+`tests/conftest.py` starts one with `shared_router_config` for the whole session (the
+`cluster` fixture); tests that need other settings start their own, passing typed
+configs (`dataclasses.replace` of `inproc_engine_config` / `inproc_router_config`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.decode_worker.server import DecodeWorker
@@ -28,14 +29,36 @@ from tests.helpers.grpc_calls import assert_workers_idle
 # over MAX_BODY_BYTES (gRPC and KServe calls are unaffected).
 SHARED_API_KEY = "sk-tandem-test"
 SHARED_MAX_BODY_BYTES = 256 * 1024
-SHARED_ROUTER_SETTINGS = {"api_key": SHARED_API_KEY, "max_body_bytes": SHARED_MAX_BODY_BYTES}
+
+
+def inproc_engine_config(model_dir: str) -> EngineConfig:
+    """Both workers' engine by default (each worker sets `mode` for its role): one torch
+    thread, 1024-token model length."""
+    return EngineConfig(model=model_dir, num_threads=1, max_model_len=1024)
+
+
+def inproc_router_config(model_dir: str) -> RouterConfig:
+    """The router by default: free ports, and no start-up profile (its probes would show
+    in exact worker counts). Block size and max model length it learns from the workers."""
+    return RouterConfig(model_dir=model_dir, grpc_port=0, http_port=0, warmup_profile=False)
+
+
+def shared_router_config(model_dir: str) -> RouterConfig:
+    """The session cluster's router: API key and body limit on top of the defaults."""
+    return replace(
+        inproc_router_config(model_dir),
+        api_key=SHARED_API_KEY,
+        max_body_bytes=SHARED_MAX_BODY_BYTES,
+    )
 
 
 @dataclass
 class InprocCluster:
     model_dir: str
-    router_overrides: dict[str, Any] = field(default_factory=dict)
-    engine_overrides: dict[str, Any] = field(default_factory=dict)
+    # None = inproc_router_config(model_dir).
+    router_config: RouterConfig | None = None
+    # Both workers' engine; its `mode` is set per role. None = inproc_engine_config.
+    engine_config: EngineConfig | None = None
     # Shared by the router and both workers (e.g. to collect every span in memory).
     tracing: Tracing | None = None
     router: Router | None = None
@@ -56,22 +79,19 @@ class InprocCluster:
         return self
 
     async def _start(self) -> None:
+        template = self.engine_config or inproc_engine_config(self.model_dir)
         for worker_id, role, cls in (
             ("prefill-0", WorkerRole.PREFILL, PrefillWorker),
             ("decode-0", WorkerRole.DECODE, DecodeWorker),
         ):
-            settings = {"num_threads": 1, "max_model_len": 1024, **self.engine_overrides}
-            engine = EngineConfig(model=self.model_dir, mode=role.engine_mode, **settings)
+            engine = replace(template, mode=role.engine_mode)
             config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
             server = cls(config, tracing=self.tracing)
             self._servers.append(server)
             endpoint = await server.start()
             self.workers.append(WorkerEndpoint(worker_id, role, endpoint))
-        # No start-up profile by default: its probes would show in exact worker counts.
-        # (Block size and max model length the router learns from the workers.)
-        settings = {"warmup_profile": False, **self.router_overrides}
-        config = RouterConfig(model_dir=self.model_dir, grpc_port=0, http_port=0, **settings)
-        self.router = Router(config, self.workers, tracing=self.tracing)
+        router_config = self.router_config or inproc_router_config(self.model_dir)
+        self.router = Router(router_config, self.workers, tracing=self.tracing)
         await self.router.start()
 
     @property

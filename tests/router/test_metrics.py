@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import urllib.request
+from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers.inproc_cluster import InprocCluster
+from tests.helpers.inproc_cluster import InprocCluster, inproc_router_config
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,7 +49,9 @@ def scrape(url: str) -> dict[str, float]:
 def test_metrics_match_a_known_workload(tiny_model_dir):
     prompts = make_prompts(2048, (5, 33, 120, 64, 9), seed=41)
     # Every request through the prefill worker, so the transfer counts are exact.
-    cluster = InprocCluster(str(tiny_model_dir), router_overrides={"max_local_prefill_tokens": 0})
+    model_dir = str(tiny_model_dir)
+    router_config = replace(inproc_router_config(model_dir), max_local_prefill_tokens=0)
+    cluster = InprocCluster(model_dir, router_config=router_config)
     cluster.start()
     try:
         cluster.run(run_fixed_length(cluster.grpc_endpoint, prompts))
@@ -87,7 +90,9 @@ def test_disaggregation_decisions_are_counted_with_conditional_disaggregation(ti
     # tests/router/policy); here: every decision is counted, and only remote ones
     # move KV.
     prompts = make_prompts(2048, (4, 9, 6, 300), seed=42)
-    cluster = InprocCluster(str(tiny_model_dir), router_overrides={"warmup_profile": True})
+    model_dir = str(tiny_model_dir)
+    router_config = replace(inproc_router_config(model_dir), warmup_profile=True)
+    cluster = InprocCluster(model_dir, router_config=router_config)
     cluster.start()
     try:
         cluster.run(run_fixed_length(cluster.grpc_endpoint, prompts))

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from tandem.telemetry.tracing import Tracing
 from tests.helpers.grpc_calls import generate_tokens
-from tests.helpers.inproc_cluster import InprocCluster
+from tests.helpers.inproc_cluster import InprocCluster, inproc_router_config
 from tests.helpers.prompts import make_prompts
 
 
 @pytest.mark.timeout(300)
 def test_request_trace_spans_queue_prefill_transfer_decode(tiny_model_dir):
     exporter = InMemorySpanExporter()
+    model_dir = str(tiny_model_dir)
     cluster = InprocCluster(
-        str(tiny_model_dir),
-        router_overrides={"max_local_prefill_tokens": 0},  # always the disaggregated path
+        model_dir,
+        # Always the disaggregated path.
+        router_config=replace(inproc_router_config(model_dir), max_local_prefill_tokens=0),
         tracing=Tracing("test", exporter),
     ).start()
     try:

@@ -100,7 +100,8 @@ def test_router_start_refuses_workers_with_different_block_sizes(tiny_model_dir)
 
 
 def test_router_checks_prompts_against_the_workers_max_model_len(tiny_model_dir):
-    cluster = InprocCluster(str(tiny_model_dir), engine_overrides={"max_model_len": 256})
+    engine_config = EngineConfig(model=str(tiny_model_dir), num_threads=1, max_model_len=256)
+    cluster = InprocCluster(str(tiny_model_dir), engine_config=engine_config)
     cluster.start()
 
     async def generate(prompt_len: int, max_tokens: int) -> grpc.StatusCode:
