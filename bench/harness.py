@@ -1,14 +1,4 @@
-"""The process harness: every server a benchmark measures is a real process of its own.
-
-A `ServerSpec` names a system (`tandem serve` in some layout, `transformers serve`, the
-router benchmark's fake workers or router) and the command line that starts it;
-`running(specs, log_dir)` starts them one after another, waits until each answers,
-yields the started `ServerProcess`es, and stops them (SIGINT, then SIGTERM, then SIGKILL
-of the whole process group) on exit, error or Ctrl-C. Each server's output goes to a
-log file next to the results, so a failed start can be read afterwards. A spec may pin
-its process to some cores (`taskset`), so a router measured "on one core" does not
-share it with its load.
-"""
+"""The process harness: every server a benchmark measures is a real process of its own."""
 
 from __future__ import annotations
 

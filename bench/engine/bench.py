@@ -1,13 +1,4 @@
-"""`tandem-bench engine`: the engine against its matmul floor, the roofline and HF.
-
-One process, the `small` preset, float32 and bfloat16 side by side: prefill of a
-512-token prompt and decode steps at batch 1, 8 and 32, each timed on the engine, on
-`transformers`, as the model's bare weight matmuls, and against the hardware roofline.
-Writes the `## Engine` section of docs/benchmarks.md and raw JSON under bench/results/.
-`--quick` is a smoke run (float32, batch 1 and 8, few repeats) for development; it
-touches the docs only when `--out` is given. On a shared machine a full run waits for
-quiet moments and re-measures a row once if other processes disturbed it.
-"""
+"""`tandem-bench engine`: the engine against its matmul floor, the roofline and HF."""
 
 from __future__ import annotations
 
@@ -213,7 +204,7 @@ def _write_outputs(report: BenchReport, shape: ModelShape, out: str | None, quic
     _say(f"raw results: {json_path}")
     if out is None:
         return
-    write_section(Path(out), SECTION_HEADING, render_section(report, shape))
+    write_section(Path(out), SECTION_HEADING, render_section(report))
     _say(f"wrote {SECTION_HEADING!r} of {out}")
 
 

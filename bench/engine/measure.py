@@ -1,12 +1,4 @@
-"""What the engine benchmark times: the engine, `transformers` and the bare matmuls.
-
-- engine subjects: `build_engine`, `prefill_timer`, `DecodeBatch` (steps of a batch of
-  running requests), op profiles of both phases, `matmul_floor_timer` (the model's
-  weight matmuls alone: the floor no engine can beat);
-- `transformers` subjects: `load_hf_model`, `hf_prefill_timer`, `HfDecodeBatch`;
-- rows: `prefill_row` / `decode_row` time every subject of one phase interleaved and
-  hold the result against the roofline.
-"""
+"""What the engine benchmark times: the engine, `transformers` and the bare matmuls."""
 
 from __future__ import annotations
 

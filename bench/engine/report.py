@@ -1,15 +1,8 @@
-"""The engine benchmark's results, roofline and its `## Engine` section of docs/benchmarks.md.
-
-Pure functions of the measured numbers (the tests check them on synthetic ones):
-`ModelShape` and the roofline, the result types (`Row`, `Profile`, `DtypeResult`,
-`BenchReport`), tables, the generated reading and the whole section.
-"""
+"""The engine benchmark's results, roofline and tables: pure functions of the numbers."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
 
 from tandem.bench.engine.timing import MachineFacts, OpTime
 from tandem.bench.report import render_table
@@ -318,125 +311,6 @@ def decode_roofline(
     return roofline(weights + kv, flops, bandwidth, peak_flops)
 
 
-def _row(result: DtypeResult, name: str) -> Row | None:
-    return next((r for r in result.rows if r.name == name), None)
-
-
-def _elem_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def _decode_sentence(result: DtypeResult) -> str:
-    decodes = [r for r in result.rows if r.kind == "decode"]
-    if not decodes:
-        return ""
-    first, last = decodes[0], decodes[-1]
-    return (
-        f"In {result.dtype}, a batch-{first.num_tokens} decode step takes "
-        f"{format_time(first.engine_s)}, {first.engine_over_floor:.2f}× the model's own "
-        f"weight matmuls and {first.engine_over_roofline:.2f}× the {first.roofline_bound}-"
-        f"bound roofline; at batch {last.num_tokens} it is {last.engine_over_floor:.2f}× "
-        f"the floor ({last.num_tokens / last.engine_s:,.0f} tok/s)."
-    )
-
-
-def _floor_sentence(result: DtypeResult, shape: ModelShape) -> str:
-    """How far the bare batch-1 matmuls already are from streaming at full bandwidth."""
-    b1 = _row(result, "decode b1")
-    if b1 is None or b1.roofline_bound != "memory":
-        return ""
-    weights_gb_s = shape.matmul_params * _elem_size(result.dtype) / b1.floor_s / 1e9
-    return (
-        f"The batch-1 matmul floor is itself {b1.floor_s / b1.roofline_s:.1f}× the roofline: "
-        f"the GEMV kernels stream weights at {weights_gb_s:.1f} GB/s, below the plain-sum "
-        "bandwidth, so the floor is the reachable target."
-    )
-
-
-def _dtype_reading(result: DtypeResult, shape: ModelShape) -> str:
-    parts = [_decode_sentence(result), _floor_sentence(result, shape)]
-    prefill = next((r for r in result.rows if r.kind == "prefill"), None)
-    if prefill is not None:
-        parts.append(
-            f"Prefill of {prefill.num_tokens} tokens runs at "
-            f"{prefill.num_tokens / prefill.engine_s:,.0f} tok/s, "
-            f"{prefill.engine_over_floor:.2f}× the floor."
-        )
-    met = sum(r.transformers_met for r in result.rows)
-    ratios = [r.engine_over_transformers for r in result.rows]
-    parts.append(
-        f"The engine is at least as fast as transformers on {met} of {len(result.rows)} "
-        f"rows (time ratios {min(ratios):.2f}–{max(ratios):.2f})."
-    )
-    return " ".join(p for p in parts if p)
-
-
-def _profiles_reading(profiles: list[Profile]) -> str:
-    """The costliest non-GEMM op of each profiled row, grouped by op."""
-    by_op: dict[str, list[str]] = {}
-    for profile in profiles:
-        other = [op for op in profile.ops if op.op not in MATMUL_OPS]
-        if other:
-            where = f"{profile.dtype} {profile.row} {format_time(other[0].self_s)}"
-            by_op.setdefault(other[0].op, []).append(where)
-    text = (
-        "In the profiles of missed rows the GEMM kernels are the floor itself; the rest is "
-        "the engine's overhead"
-    )
-    if by_op:
-        groups = [f"`{op}` ({'; '.join(rows)} per step)" for op, rows in by_op.items()]
-        text += ", led by " + ", ".join(groups)
-    return text + "."
-
-
-def _dtype_comparison(report: BenchReport) -> str:
-    """bf16 against fp32 engine times, row by row, with the GEMM peaks that explain it."""
-    results = {r.dtype: r for r in report.results}
-    if "float32" not in results or "bfloat16" not in results:
-        return ""
-    fp32, bf16 = results["float32"], results["bfloat16"]
-    ratios = []
-    for row in bf16.rows:
-        base = _row(fp32, row.name)
-        if base is not None:
-            ratios.append(f"{row.name} {row.engine_s / base.engine_s:.2f}×")
-    return (
-        f"bfloat16 against float32 (engine time ratio): {', '.join(ratios)}. Without native "
-        f"bf16 instructions bf16 GEMMs reach {bf16.peak_flops / 1e9:.1f} GFLOP/s against "
-        f"{fp32.peak_flops / 1e9:.1f} for float32, so bf16 only pays off where halving the "
-        "weight bytes matters more than the arithmetic, i.e. small-batch decode."
-    )
-
-
-def _noise_reading(report: BenchReport) -> str:
-    noisy = [
-        f"{result.dtype} {row.name} ({row.foreign_cores:.2f})"
-        for result in report.results
-        for row in result.rows
-        if row.foreign_cores > QUIET_MAX_CORES
-    ]
-    if not noisy:
-        return (
-            f"Other processes used at most {QUIET_MAX_CORES} cores while any row was measured, "
-            "so the numbers are clean."
-        )
-    return (
-        f"Other processes kept cores busy during {', '.join(noisy)} (cores, the last "
-        "column): with 2 threads on 2 cores each parallel op then waits for a descheduled "
-        "peer, so those rows' absolute times are inflated and noisy; their ratios, from "
-        "samples interleaved round by round, are the steadier reading."
-    )
-
-
-def plain_reading(report: BenchReport, shape: ModelShape) -> str:
-    parts = [_dtype_reading(r, shape) for r in report.results]
-    if report.profiles:
-        parts.append(_profiles_reading(report.profiles))
-    parts.append(_dtype_comparison(report))
-    parts.append(_noise_reading(report))
-    return " ".join(p for p in parts if p)
-
-
 FULL_COMMAND = ".venv/bin/tandem-bench engine"
 
 
@@ -465,51 +339,18 @@ def _ceilings_paragraph(report: BenchReport) -> str:
     )
 
 
-def _method(shape: ModelShape, report: BenchReport) -> str:
-    params = shape.matmul_params
-    return "\n".join(
-        [
-            f"**Method.** `small` preset ({shape.num_layers} layers, hidden {shape.hidden_size}, "
-            f"{shape.num_heads} heads / {shape.num_kv_heads} KV heads, intermediate "
-            f"{shape.intermediate_size}, vocab {shape.vocab_size}); {params / 1e6:.1f}M "
-            "parameters in matmuls (embeddings excluded: a lookup). Times are medians.",
-            "",
-            "- *prefill 512*: one 512-token request, prefix caching off, the `step()` that "
-            "prefills it and samples its first token; fresh request per run, after a warm-up.",
-            "- *decode bB*: B sequences with 128-token prompts enter through the decode-side "
-            "KV import (`reserve_import`/`commit_import`, as a decode worker does), so every "
-            "step yields B tokens; per-step time, context as shown (keys per sequence).",
-            f"- *transformers*: `AutoModelForCausalLM`, `attn_implementation="
-            f'"{report.hf_attention}"` (its default), same weights, dtype and threads; '
-            "prefill = forward of 1×512 with `logits_to_keep=1`; decode = forward of [B, 1] "
-            "with a `DynamicCache` already holding 128 tokens.",
-            "- *matmul floor*: `F.linear(x, W)` over the engine model's own weight tensors in "
-            "model order (per layer qkv, o, gate_up, down; then lm_head on 1 row for prefill, "
-            "B rows for decode), x of 512 / B rows, timed as one pass.",
-            "- *roofline*: max(bytes ÷ bandwidth, FLOPs ÷ peak); bytes = matmul weights "
-            "+ KV cache read; FLOPs = 2 × matmul params × rows + attention; peak = the square "
-            "GEMM's, or the rate the row's own matmul floor reached when that is higher "
-            "(a square GEMM is not always the fastest shape).",
-            "- *targets*: decode ≤ 1.2× matmul floor at batch 1, ≤ 1.3× at larger batches; "
-            "prefill ≤ 1.3×; never slower than transformers (engine/transformers ≤ 1).",
-        ]
-    )
-
-
-def render_section(report: BenchReport, shape: ModelShape) -> str:
-    """The body of `## Engine` (without the heading)."""
+def render_section(report: BenchReport) -> list[str]:
+    """The generated blocks of `## Engine`: the run and its machine, then the tables (the
+    method and the reading are hand-written between and after them)."""
     kind = "quick smoke run — not the reference numbers" if report.quick else "full run"
-    blocks = [
+    run = [
         f"Command (full run, from the repository root):\n\n```\n{FULL_COMMAND}\n```",
         f"This run: `{report.command}` ({kind}, {report.wall_s / 60:.1f} min).",
         _machine_paragraph(report),
         _ceilings_paragraph(report),
-        _method(shape, report),
     ]
-    for result in report.results:
-        blocks.append(f"### {result.dtype}\n\n{format_table(result.rows)}")
+    tables = [f"### {result.dtype}\n\n{format_table(result.rows)}" for result in report.results]
     if report.profiles:
-        blocks.append("### Profiles of missed targets")
-        blocks += [format_profile(p) for p in report.profiles]
-    blocks.append(f"### Reading\n\n{plain_reading(report, shape)}")
-    return "\n\n".join(blocks)
+        tables.append("### Profiles of missed targets")
+        tables += [format_profile(p) for p in report.profiles]
+    return ["\n\n".join(run), "\n\n".join(tables)]

@@ -1,12 +1,4 @@
-"""Timing, machine load and hardware ceilings of the engine benchmark.
-
-- `RepeatPolicy`, `repeat_interleaved`, `time_call`, `median`: interleaved repeats of
-  several timers, so drift in machine load hits all of them alike;
-- `profile_self_times`, `top_ops`: torch profiler self times per op;
-- `snapshot`, `foreign_cores`, `wait_until_quiet`: CPU time other processes use
-  (from /proc/stat), so a shared machine can be waited out;
-- `machine_facts`, `measure_bandwidth`, `measure_peak_flops`: the roofline's ceilings.
-"""
+"""Timing, machine load and hardware ceilings of the engine benchmark."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""`tandem-bench experiment NAME`: run an experiment end to end and publish it.
-
-    tandem-bench experiment all            # the four experiments, one run, ~50 min
-    tandem-bench experiment head-of-line   # or frontier, goodput; --quick for a smoke run
-
-Starts the servers it needs (real processes: `tandem serve`, `transformers serve`), runs
-the load, stops them, writes results JSON (bench/results/experiments/), plots
-(docs/img/) and its section of docs/benchmarks.md. Experiment 4 (peer) is not separate:
-`transformers serve` is one of the systems of the frontier and goodput runs.
-"""
+"""`tandem-bench experiment NAME`: run an experiment end to end and publish it."""
 
 from __future__ import annotations
 

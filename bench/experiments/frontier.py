@@ -1,9 +1,4 @@
-"""Experiment 1 (and the frontier half of 4): the throughput/latency frontier.
-
-Closed loop at concurrency 1, 2, 4, …; fixed prompt and output lengths; every server
-gets the same OpenAI request bodies (text prompts, no extra fields) and each level is
-run against every server before the next (`interleaved_sweep`).
-"""
+"""Experiment 1 (and the frontier half of 4): the throughput/latency frontier."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""Experiment 3 (and the goodput half of 4): goodput on a mixed workload.
-
-Open-loop Poisson arrivals of a mixed workload — mostly short chats, some long
-documents — at increasing rates, against every system (levels interleaved). A request
-meets the SLO when its TTFT and its TPOT are within target (documents have a TTFT target
-of their own: no one expects a 1.5k-token prompt answered as fast as a question). A
-system's goodput is the highest rate it sustains with ≥ 90% of requests meeting the SLO.
-"""
+"""Experiment 3 (and the goodput half of 4): goodput on a mixed workload."""
 
 from __future__ import annotations
 

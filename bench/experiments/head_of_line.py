@@ -1,21 +1,4 @@
-"""Experiment 2: head-of-line blocking.
-
-A steady closed loop of short requests; after `inject_at_s` one request with a very long
-prompt arrives. Each layout runs alone on the machine (one server at a time), through
-Tandem's gRPC API (token ids, one message per token: exact arrival times). What the
-short requests' inter-token gaps do while the long prompt is prefilled tells the three
-layouts apart:
-- one colocated worker without chunked prefill runs the whole prompt in one step, so
-  every decode waits about the full prefill;
-- with chunked prefill each step carries one chunk and the decodes, so gaps grow to
-  about one chunk's time, for as long as the prefill lasts;
-- disaggregated, the prompt goes to the prefill worker and the decode worker's steps do
-  not change; what it pays is importing the finished KV (after the prefill). Short
-  requests that arrive while the prefill worker is busy either wait for it (every
-  prefill remote: their TTFT pays) or are prefilled by the decode worker (Tandem's
-  default conditional disaggregation: the running requests' gaps pay one step each);
-  the TTFT of those arrivals is measured next to the gaps.
-"""
+"""Experiment 2: head-of-line blocking."""
 
 from __future__ import annotations
 

@@ -1,17 +1,4 @@
-"""What every experiment shares: where things go, which systems exist, how to reach them.
-
-Systems (all on the same model directory and the same cores):
-- `disaggregated`: `tandem serve --prefill 1 --decode 1` (router defaults: prompts up to
-  512 tokens may be prefilled by the decode worker itself, longer ones by the prefill
-  pool); `disaggregated-remote-prefill` adds `--max-local-prefill-tokens 0` (every
-  prompt to the prefill pool, as a plain disaggregated server does);
-- `colocated-2`: `tandem serve --colocated 2`, two workers each doing both phases;
-- `colocated-1` / `colocated-1-no-chunking`: one colocated worker (all cores), chunked
-  prefill on/off;
-- `transformers`: `transformers serve --continuous-batching` (the peer).
-Tandem workers get cores ÷ workers torch threads each (`tandem serve`'s default), so
-every layout uses the whole machine; `transformers serve` uses torch's default (all cores).
-"""
+"""What every experiment shares: where things go, which systems exist, how to reach them."""
 
 from __future__ import annotations
 

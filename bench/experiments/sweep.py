@@ -1,11 +1,6 @@
 """Interleaved sweeps: every load level is run against every system before the next
 level, so slow drift of a shared machine (other processes, heat) falls on all systems
-alike instead of on whichever ran last.
-
-Every system gets the same prompts at a level, and each level gets fresh ones (workload
-seed + level index): a level that resent an earlier level's prompts would be served from
-the prefix cache of the systems that have one and measure nothing but cache hits.
-"""
+alike instead of on whichever ran last."""
 
 from __future__ import annotations
 

@@ -1,11 +1,4 @@
-"""KV transfer benchmark: tcp pulls on loopback against raw socket throughput.
-
-    tandem-bench kv-transfer [--model models/tandem-small] [--out docs/benchmarks.md]
-
-Prefill side (`KvTransferService` + a raw socket server) in a child process, decode side
-here, so the GIL does not serialise both ends; KV layout from the model dir (fp32, block
-16), else the small preset's numbers. Writes only the report's `## KV transfer` section.
-"""
+"""KV transfer benchmark: tcp pulls on loopback against raw socket throughput."""
 
 from __future__ import annotations
 
@@ -194,13 +187,7 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
         "",
         f"Layout `{args.layout.fingerprint()}`; {os.cpu_count()} CPU cores, load average "
         f"{os.getloadavg()[0]:.1f} at the end (shared machine); torch {torch.__version__}. "
-        "Two processes on loopback (so the GIL does not serialise both ends): prefill side "
-        "`KvTransferService` serving `CacheBlocks` of a paged cache (block ids fully "
-        "shuffled: the worst case for vectored I/O), decode side `KvTransferClient` (tcp). "
-        "Raw = plain `sendall`/`recv_into` of the same bytes between the same processes "
-        f"into a reused buffer. {args.repeats} rounds after a "
-        "warm-up, all variants back to back per round; GB/s from median times; (vs raw) = "
-        'median over rounds of raw time / variant time. Transfer / prefill uses "pull".',
+        f"{args.repeats} rounds after a warm-up; GB/s from median times.",
         "",
     ]
     cells = []
@@ -216,26 +203,7 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
     lines.append(
         render_table([*header.split("|"), "export copy", "prefill s", "transfer / prefill"], cells)
     )
-    pulls, freshs, intos = ([r.vs_raw(n) for r in rows] for n in ("pull", "fresh", "into"))
-    lines += [
-        "",
-        f"Prefill time (* = extrapolated): {args.prefill_note}",
-        "",
-        f'Reading: "pull" (`await client.pull(handle)`, the default) reaches '
-        f"{min(pulls):.0%}-{max(pulls):.0%} of raw (target >= 70%; medians on a shared "
-        "machine, so a few points either way are noise). The prefill side sends "
-        "straight from its cache (`sendmsg`, one iovec per run of adjacent blocks); the "
-        "decode side receives into recycled memory (a result's buffer is reused once "
-        'nothing references it). Without recycling ("fresh memory", '
-        f"`max_pooled_bytes=0`) it reaches {min(freshs):.0%}-{max(freshs):.0%}: the kernel "
-        "faults in and zeroes every page of a new tensor as the socket fills it. "
-        '"Into cache blocks" (`out=CacheBlocks(kv_cache, reserved_ids)`) writes straight '
-        "into the decode engine's shuffled blocks by `recvmsg_into`, saving the later "
-        f"`write_kv` copy ({min(intos):.0%}-{max(intos):.0%}: 16-token blocks cost "
-        'per-iovec work). "Export copy" serves a full-size copy per pull (what '
-        "`Engine.export_kv` returns) and pays the fresh-memory cost on the prefill side.",
-        "",
-    ]
+    lines += ["", f"Prefill time (* = extrapolated): {args.prefill_note}"]
     return "\n".join(lines)
 
 

@@ -1,13 +1,4 @@
-"""`tandem-bench run|sweep`: the load generator's command line.
-
-    tandem-bench run --target grpc://127.0.0.1:50051 --workload chat --rate 4 \\
-        --num-requests 200 --ttft-slo 1 --itl-slo 0.1 --out results.json
-    tandem-bench sweep --target http://127.0.0.1:8000 --concurrency 1,2,4,8 \\
-        --num-requests 64 --out sweep.json --plot frontier.png
-
-Only argparse is imported at module level (`tandem-bench --help` must stay fast); each
-handler imports the runner, clients and plotting it needs.
-"""
+"""`tandem-bench run|sweep`: the load generator's command line."""
 
 from __future__ import annotations
 

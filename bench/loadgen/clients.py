@@ -1,13 +1,4 @@
-"""Streaming clients, one per target kind, behind one interface.
-
-`make_client(config)` picks by the target's scheme: `grpc://HOST:PORT` streams Tandem's
-`tandem.v1.Generation/Generate`; `http://` or `https://` streams any OpenAI-compatible
-`/v1/completions` (SSE) — vLLM, SGLang, TGI's OpenAI layer, Tandem's own — so several
-servers are measured by the same code. `start()` connects and learns the model
-(`ConnectionError` when the server cannot be reached or asked);
-`stream(spec)` sends one request and returns its `RequestTrace` (it never raises for a
-failed request: the failure is the trace's `error`); `close()` frees the connection.
-"""
+"""Streaming clients, one per target kind, behind one interface."""
 
 from __future__ import annotations
 

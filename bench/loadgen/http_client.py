@@ -1,17 +1,4 @@
-"""OpenAI-compatible `/v1/completions` over SSE, timed per chunk.
-
-Body: `stream: true`, `stream_options.include_usage` (the final usage chunk gives the
-server's own output-token count), `ignore_eos` as an extra field (vLLM, SGLang and
-Tandem honour it; a server that does not may stop early, which the trace shows; with
-`strict_openai` it is left out for servers that refuse unknown fields), and
-the prompt as a list of token ids (OpenAI's `prompt: [int, ...]` form) or as text.
-
-Tokens per chunk: the chunk's `logprobs.tokens` when present (`http_logprobs`), else its
-`token_ids` when the server adds them, else 1 per chunk with text. A server may merge
-several tokens into one chunk (a detokenizer holding back an incomplete character does),
-so without logprobs the arrivals can be fewer than `num_output_tokens`; TPOT uses the
-usage count and stays exact, the ITL gaps are then gaps between chunks.
-"""
+"""OpenAI-compatible `/v1/completions` over SSE, timed per chunk."""
 
 from __future__ import annotations
 

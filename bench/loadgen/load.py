@@ -1,17 +1,4 @@
-"""Load drivers: who sends which request when.
-
-- Closed loop: `concurrency` workers, each sending its next request when its last one
-  ends (throughput/latency frontier at a fixed load).
-- Open loop: requests leave on a seeded Poisson schedule at `rate_rps` whatever the
-  server does (goodput against offered load); `poisson_schedule` is that schedule,
-  computed up front so it can be checked without a clock.
-- Injections: extra requests (a long prompt) sent at fixed offsets from the start, on
-  top of either loop; they do not count towards `num_requests`.
-
-The run stops sending after `num_requests` or `duration_s` (whichever comes first) and
-waits for what is in flight; `timeout_s` bounds the whole run, and requests still open
-then are cancelled and recorded as failed ("cancelled: run timeout").
-"""
+"""Load drivers: who sends which request when."""
 
 from __future__ import annotations
 

@@ -1,17 +1,4 @@
-"""Latency and throughput metrics: pure functions over `RequestTrace`s.
-
-Definitions (per request, from its token arrival times t₁ ≤ … ≤ tₙ and send time s):
-- TTFT = t₁ − s;  ITL = every gap tᵢ₊₁ − tᵢ (pooled over requests for percentiles);
-- TPOT = (tₙ − t₁) / (n − 1) with n the server's output-token count (undefined for n < 2);
-- e2e = end − s.
-Throughput counts successful requests and their output tokens over the run's duration.
-A request meets the SLO when it succeeded, TTFT ≤ its TTFT target (requests tagged
-"long" — documents of a mixed workload — may have a target of their own) and TPOT ≤ the ITL
-target (its mean inter-token latency, as DistServe and Tandem's router define it; a
-request with one output token has no TPOT and is judged on TTFT alone). Failed requests
-are misses. Goodput = requests meeting the SLO per second of the run.
-Percentiles interpolate linearly between order statistics (numpy's default "linear").
-"""
+"""Latency and throughput metrics: pure functions over `RequestTrace`s."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
 """Plots of benchmark results, written to PNG (matplotlib `Figure`s rendered by Agg:
-no pyplot, no display, no global figure state).
-
-- `plot_frontier`: output throughput against TTFT and ITL, one curve per server,
-  one point per concurrency (the latency/throughput frontier);
-- `plot_itl_timeline`: every inter-token gap of the short requests against time, with
-  each long prompt's prefill shaded (head-of-line blocking shows as a spike there);
-- `plot_goodput`: goodput and SLO attainment against offered request rate.
-"""
+no pyplot, no display, no global figure state)."""
 
 from __future__ import annotations
 

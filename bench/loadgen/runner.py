@@ -1,14 +1,4 @@
-"""One benchmark run, or a sweep of runs, from a `BenchConfig`: the API experiments use.
-
-    config = BenchConfig(ClientConfig("grpc://127.0.0.1:50051"), WorkloadConfig("chat"),
-                         LoadConfig(rate_rps=4, num_requests=200), slo=SloTargets(1.0, 0.1))
-    result = asyncio.run(run_benchmark(config))   # result.summary, result.to_json()
-
-A run: start the client (learn the model, its limits and vocabulary), build the
-workload, send `warmup_requests` unrecorded requests one by one, drive the load (with
-any long-prompt injections), summarise. A sweep reuses one client for every point and
-sends the same requests (same seed) at each load level.
-"""
+"""One benchmark run, or a sweep of runs, from a `BenchConfig`: the API experiments use."""
 
 from __future__ import annotations
 

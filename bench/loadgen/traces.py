@@ -1,9 +1,4 @@
-"""`RequestTrace`: what one request did, as the load generator saw it.
-
-Clients fill one per request; the metrics are pure functions of a list of them, and the
-results JSON stores them (times relative to the run's start), so any plot can be redrawn
-from a results file without rerunning.
-"""
+"""`RequestTrace`: what one request did, as the load generator saw it."""
 
 from __future__ import annotations
 

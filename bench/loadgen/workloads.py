@@ -1,12 +1,4 @@
-"""Request specs for a benchmark run, generated (never downloaded) from a seed.
-
-Every workload is a pure function of its parameters, its seed and the request's index
-(`workload.request(i)`), so the first n requests of a long run equal an n-request run,
-and two servers measured side by side get the same prompts. Prompts are token ids in
-`[FIRST_TOKEN_ID, vocab_size)`; `prompt_text` renders the same ids as words for servers
-that only take text (one word per id, so a shared id prefix stays a shared text prefix;
-the server's token count of that text is only close to `prompt_len`).
-"""
+"""Request specs for a benchmark run, generated (never downloaded) from a seed."""
 
 from __future__ import annotations
 

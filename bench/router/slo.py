@@ -1,21 +1,4 @@
-"""SLO admission under overload: shedding vs admitting everything, on a real cluster.
-
-    tandem-bench slo [--preset small] [--out docs/benchmarks.md] [--quick]
-
-1. Calibrate on a fresh `tandem serve --prefill 1 --decode 1` (admission `none`):
-   unloaded TTFT of a short-prompt request (sequential calls), the TTFT target (a
-   multiple of it), then Poisson probes at rising rates; *capacity* = the highest rate
-   whose requests still met the target ≥ 90% of the time.
-2. Offer `--overload` × capacity as one open-loop Poisson trace (fixed seed) for a
-   fixed duration, once on a fresh cluster with `--admission shed` and once with `none`,
-   same trace, same warm-up (both with `--max-local-prefill-tokens 0`); then both again
-   with the router's default conditional disaggregation.
-
-The load is the load generator's (gRPC client, closed loop of 1 for sequential calls,
-open loop for the traces); each cluster is a `tandem serve` process. Writes
-`## SLO admission under overload` of docs/benchmarks.md and raw numbers to
-bench/results/slo.json.
-"""
+"""SLO admission under overload: shedding vs admitting everything, on a real cluster."""
 
 from __future__ import annotations
 
@@ -351,120 +334,42 @@ def _counters(run: PolicyRun) -> str:
     return f"{run.setup.label}: {shown or 'none'}"
 
 
-def reading(runs: Sequence[PolicyRun]) -> str:
-    by_label = {run.setup.label: run.summary for run in runs}
-    shed, none = by_label.get("shed"), by_label.get("none")
-    if shed is None or none is None:
-        return "The `shed` and `none` runs did not both run; nothing to compare."
-    kept, fell = shed.admitted.slo_attainment, none.admitted.slo_attainment
-    met = kept >= MIN_ATTAINMENT and not fell >= MIN_ATTAINMENT
-    verdict = (
-        f"**Target met**: shedding kept {_pct(kept)} of admitted requests within "
-        f"the TTFT target where admitting everything fell to {_pct(fell)}."
-        if met
-        else f"**Target missed**: `shed` {_pct(kept)}, `none` {_pct(fell)} "
-        f"(the aim: `shed` ≥ {MIN_ATTAINMENT:.0%}, `none` below it)."
-    )
-    return (
-        f"{verdict} Shedding turned away {shed.num_shed} of {shed.num_offered} requests "
-        f"(admitted {_pct(shed.admitted_fraction)}), each rejection answered in "
-        f"{format_ms(shed.shed_latency.p50)} (p50), so a client can retry elsewhere at "
-        f"once. Goodput: {shed.admitted.goodput_rps:.2f} req/s with shedding vs "
-        f"{none.admitted.goodput_rps:.2f} without; p99 TTFT of admitted requests "
-        f"{format_ms(shed.admitted.ttft_s.p99)} vs {format_ms(none.admitted.ttft_s.p99)}. "
-        "Without admission control every request joins the prefill worker's queue, which "
-        "grows for as long as arrivals outpace it, so TTFT climbs with the backlog."
-    )
-
-
-# Why admitted requests can still miss under `shed` (code reading and an instrumented run
-# that logged each placement's predicted TTFT next to the worker's reported time).
-_PREDICTION_NOTES = (
-    "**What the prediction leaves out.** `shed` admits a request when the placement's "
-    "predicted TTFT (prefill queue wait + prefill time, from latency models fitted online "
-    "to the prefill worker's reported times) is within the target. What the client sees "
-    "is the worker's actual time plus two gRPC hops. In an instrumented run at this load "
-    "(3.7 req/s, 440 ms target; max_tokens 4) the worker's own time for a 45-token "
-    "prefill ranged from 0.15 s to 0.77 s *with an empty prefill queue*; over five such "
-    "runs (max_tokens 2 and 4) the p90 of actual − predicted TTFT was +0.27 to +0.46 s, "
-    "as large as the target's headroom. On this "
-    "machine two worker processes, the router, the client, Ray's daemons and other "
-    "sessions' jobs share 2 cores (Ray also starts its workers at nice 15, so they lose "
-    "the CPU to everything else), and prefill slows whenever something else runs: no "
-    "queue-based prediction sees that. Two router-side causes add to it: the prefill "
-    "engine batches every waiting prompt into one step (token budget 512), so a request "
-    "admitted on an empty queue also waits for prompts admitted *after* it, which the "
-    "FCFS queue estimate does not count; and the prefill worker reports "
-    "`Timings.compute_s` from RPC arrival (engine queue included), so under load the "
-    "router's prefill model learns queueing as compute."
-)
-
-_LOCAL_PREFILL_NOTE = (
-    "**Conditional disaggregation (third row).** With the router's default "
-    "`max_local_prefill_tokens=512`, almost every short prompt is prefilled on the "
-    "*decode* worker (see the `local_prefill` counter), and `shed` admits nearly all of "
-    "them. The decode worker's prefill latency model never learns: for a local prefill "
-    "`RequestFlow` reports `on_prefill_done` without `compute_s` (the Decode stream has "
-    "no prefill timing), so that model keeps its GPU-scale prior (~5 ms + 0.1 ms/token) "
-    "while the prefill worker's model learns the real CPU cost; local prefill then "
-    "always looks faster and its predicted TTFT is far too low. The first two rows set "
-    "`max_local_prefill_tokens=0` so that TTFT admission is measured on the path it "
-    "models."
-)
-
-
-def render_section(report: dict[str, Any]) -> str:
+def render_section(report: dict[str, Any]) -> list[str]:
+    """The generated blocks: the run and its machine; calibration, probes and the runs
+    (the method and the reading are hand-written around them)."""
     c: Calibration = report["calibration"]
     runs: Sequence[PolicyRun] = report["runs"]
-    capacity = (
-        "none (even the first probe missed)"
-        if c.capacity_per_s is None
-        else f"{c.capacity_per_s:.2f} req/s"
-    )
+    capacity = "none" if c.capacity_per_s is None else f"{c.capacity_per_s:.2f} req/s"
     ratio = c.ttft_target_s / c.unloaded_ttft.p50
     offered = report["offered_rate_per_s"]
-    return "\n".join([
+    loads = [
+        f"{r.setup.label} {r.load_average_start[0]:.2f} → {r.load_average_end[0]:.2f}"
+        for r in runs
+    ]
+    run = [
         "Command (full run, from the repository root):", "", "```", FULL_COMMAND, "```", "",
         f"This run: `{report['command']}` ({report['wall_s'] / 60:.1f} min).", "",
-        machine_sentence(report["machine"], report["load_average_end"]), "",
-        f"**Method.** `{report['model']}` preset (~125M parameters; `tiny` is so fast that "
-        "Python and gRPC overheads, not prefill, would set capacity) served by "
-        "`tandem serve --prefill 1 --decode 1` (a Ray `LocalCluster`: 1 prefill + 1 decode "
-        "worker, each a Ray actor with 1 torch thread, KV over TCP; the router in the serve "
-        "process), the client (the load generator) in the benchmark process. Every request "
-        f"has its own text prompt (mean {c.num_prompt_tokens:.0f} tokens, no shared prefix, "
-        f"so prefill is real work), `max_tokens={report['max_tokens']}`, greedy, "
-        "`ignore_eos`. Output is kept short because here the decode worker shares the 2 "
-        "cores with the prefill worker. SLO: TTFT ≤ target, measured by the client from "
-        f"sending to the first token; the router's ITL target is set to {ITL_OFF_S:g} s so "
-        "it never binds (TTFT admission is under test). *Attainment* = admitted requests "
-        "that finished within the target / admitted; *goodput* = requests that met the SLO "
-        "per second of the arrival window; *shed* = `RESOURCE_EXHAUSTED` before any token.",
-        "",
+        machine_sentence(report["machine"], report["load_average_end"]),
+    ]
+    results = [
         f"- *Unloaded* (sequential, after warm-up): TTFT p50 {format_ms(c.unloaded_ttft.p50)}, "
         f"p99 {format_ms(c.unloaded_ttft.p99)}; end-to-end p50 "
         f"{format_ms(c.unloaded_e2e.p50)}; mean ITL p50 {format_ms(c.unloaded_itl.p50)}.",
         f"- *TTFT target*: {format_ms(c.ttft_target_s, 0)} = unloaded p50 × {ratio:.1f} "
         "(`--ttft-multiple`, rounded up to 10 ms).",
-        "- *Capacity* (same cluster, admission `none`, `--max-local-prefill-tokens 0`): "
-        "open-loop Poisson probes at rising rates (each ≥ 10 s and ≥ 30 expected requests) "
-        f"until fewer than {MIN_ATTAINMENT:.0%} of requests met the target; capacity = "
-        f"the last rate that passed: **{capacity}**.", "",
+        f"- *Capacity* (mean prompt {c.num_prompt_tokens:.0f} tokens, admission `none`, "
+        "`--max-local-prefill-tokens 0`): the last rising Poisson rate at which "
+        f"{MIN_ATTAINMENT:.0%} of requests met the target: **{capacity}**.", "",
         render_probes(c), "",
         f"**Overload.** One Poisson trace at {offered:.2f} req/s (the capacity × "
         f"{offered / (c.capacity_per_s or math.nan):.1f}; seed {report['seed']}) for "
         f"{report['duration_s']:g} s, replayed on a fresh cluster per run after {NUM_WARMUP} "
-        "sequential warm-up requests (the router's latency models learn from them; there "
-        "is no start-up profile). Requests may finish after the window; each has a 120 s "
-        "deadline.", "",
+        f"sequential warm-up requests; `max_tokens={report['max_tokens']}`.", "",
         render_runs(runs), "",
         "Router counters after each run: " + "; ".join(_counters(r) for r in runs) + ".",
-        "Load average (1 min) at the start → end of each trace: " + "; ".join(
-            f"{r.setup.label} {r.load_average_start[0]:.2f} → {r.load_average_end[0]:.2f}"
-            for r in runs
-        ) + ".", "",
-        reading(runs), "", _PREDICTION_NOTES, "", _LOCAL_PREFILL_NOTE,
-    ])  # fmt: skip
+        "Load average (1 min) at the start → end of each trace: " + "; ".join(loads) + ".",
+    ]
+    return ["\n".join(run), "\n".join(results)]
 
 
 def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
@@ -537,7 +442,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     }
     write_json(args.json, report)
     section = render_section(report)
-    print(f"{SECTION_HEADING}\n\n{section}")
+    print(f"{SECTION_HEADING}\n\n" + "\n\n".join(section))
     if args.out and not args.quick:
         write_section(Path(args.out), SECTION_HEADING, section)
     return 0
