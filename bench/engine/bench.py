@@ -6,7 +6,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,7 +76,7 @@ class BenchPlan:
 def make_plan(args: argparse.Namespace) -> BenchPlan:
     if args.quick:
         return BenchPlan(
-            model_dir=args.model,
+            model_dir=str(args.model),
             dtypes=("float32",),
             batch_sizes=(1, 8),
             num_threads=args.threads,
@@ -89,7 +88,7 @@ def make_plan(args: argparse.Namespace) -> BenchPlan:
             max_attempts=1,
         )
     return BenchPlan(
-        model_dir=args.model,
+        model_dir=str(args.model),
         dtypes=("float32", "bfloat16"),
         batch_sizes=(1, 8, 32),
         num_threads=args.threads,
@@ -208,32 +207,10 @@ def _write_outputs(report: BenchReport, shape: ModelShape, out: str | None, quic
     _say(f"wrote {SECTION_HEADING!r} of {out}")
 
 
-def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog or "tandem-bench engine", description=__doc__)
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model dir (made if absent)")
-    parser.add_argument(
-        "--out", default=None, help=f"markdown file to update (full run default: {DEFAULT_OUT})"
-    )
-    parser.add_argument("--quick", action="store_true", help="smoke run: fp32, batch 1 and 8")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=None,
-        metavar="S",
-        help="before each row wait up to S seconds for other processes to go quiet "
-        f"(default {DEFAULT_QUIET_WAIT_S:.0f} for a full run, 0 with --quick)",
-    )
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
+def main(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
-    ensure_model(Path(args.model), "small")
-    shown = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["tandem-bench engine", *shown]).strip()
-    report, shape = run(make_plan(args), command)
+    ensure_model(args.model, "small")
+    report, shape = run(make_plan(args), args.command)
     for result in report.results:
         _say(f"\n{result.dtype}\n{format_table(result.rows)}")
     _write_outputs(report, shape, out, args.quick)

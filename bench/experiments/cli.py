@@ -23,32 +23,19 @@ HEADINGS = {
 logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="run a published experiment: servers, load, plots, docs section"
-    )
-    parser.add_argument("name", choices=(*EXPERIMENTS, "all"), help="which experiment")
-    parser.add_argument("--model", default="models/tandem-small", help="HF model directory")
-    parser.add_argument("--quick", action="store_true", help="few short levels (smoke run)")
-    parser.add_argument("--doc", default="docs/benchmarks.md", help="report to update; '' = none")
-    parser.add_argument("--img-dir", default="docs/img", help="where the plots go")
-    parser.add_argument(
-        "--results-dir", default="bench/results/experiments", help="results JSON and logs"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+def main(args: argparse.Namespace) -> int:
     from tandem.bench.experiments.setup import ExperimentSetup
 
+    if not (args.model / "config.json").is_file():
+        print(f"tandem-bench experiment: no model at {args.model} (tandem model make)")
+        return 2
     setup = ExperimentSetup(
-        model_dir=args.model,
-        results_dir=Path(args.results_dir),
-        img_dir=Path(args.img_dir),
+        model_dir=str(args.model),
+        results_dir=args.results_dir,
+        img_dir=args.img_dir,
         doc_path=Path(args.doc) if args.doc else None,
         quick=args.quick,
     )
-    if not Path(args.model, "config.json").is_file():
-        print(f"tandem-bench experiment: no model at {args.model} (tandem model make)")
-        return 2
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     asyncio.run(run_experiments(setup, names))
     return 0

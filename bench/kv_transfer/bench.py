@@ -13,7 +13,6 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -207,16 +206,7 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("models/tandem-small"))
-    parser.add_argument("--out", default="docs/benchmarks.md", help="'' = print only")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--prefill-tokens-per-s", type=float, help="else measured")
-    args = parser.parse_args(argv)
-    given = argv if argv is not None else sys.argv[1:]
-    args.command = " ".join(["tandem-bench kv-transfer", *given])
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def main(args: argparse.Namespace) -> int:
     args.layout = KvLayout("tandem-small", "float32", 16, 12, 4, 64)
     if (args.model / "config.json").is_file():
         config = EngineConfig(model=str(args.model), dtype="float32")

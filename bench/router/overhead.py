@@ -18,7 +18,6 @@ import grpc
 from tandem.bench.harness import (
     ServerSpec,
     ensure_model,
-    exit_on_sigterm,
     free_port,
     process_cpu_s,
     running,
@@ -382,35 +381,14 @@ def render_section(report: dict[str, Any]) -> list[str]:
     return ["\n".join(run), "\n".join(overhead), "\n".join(loaded)]
 
 
-def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("models/tandem-tiny"))
-    parser.add_argument("--out", default="docs/benchmarks.md", help="'' = print only")
-    parser.add_argument("--json", type=Path, default=Path("bench/results/router.json"))
-    parser.add_argument("--requests", type=int, default=200, help="sequential requests per path")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
-    parser.add_argument("--quick", action="store_true", help="tiny run to check the plumbing")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.requests, args.warmup, args.duration = 20, 2, 3.0
-    return args
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
-    shown = argv if argv is not None else sys.argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    exit_on_sigterm()
+def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     facts = machine_facts()
     ensure_model(args.model, "tiny")
     overhead = measure_added_latency(args)
     logger.info("added latency p50 %s", format_ms(overhead.added_e2e.p50))
     report = {
-        "command": " ".join(["tandem-bench router", *shown]),
+        "command": args.command,
         "machine": facts,
         "overhead": overhead,
         "cores": cores_split(),

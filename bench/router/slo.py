@@ -9,7 +9,6 @@ import math
 import os
 import random
 import re
-import sys
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.harness import ensure_model, exit_on_sigterm, free_port, running, tandem_spec
+from tandem.bench.harness import ensure_model, free_port, running, tandem_spec
 from tandem.bench.loadgen.clients import ClientConfig, GrpcClient
 from tandem.bench.loadgen.load import LoadConfig, run_load
 from tandem.bench.loadgen.metrics import Distribution, RunSummary, SloTargets, e2e_s, tpot_s, ttft_s
@@ -372,46 +371,7 @@ def render_section(report: dict[str, Any]) -> list[str]:
     return ["\n".join(run), "\n".join(results)]
 
 
-def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="small", choices=["tiny", "small"])
-    parser.add_argument("--model", type=Path, help="default: models/tandem-<preset>")
-    parser.add_argument("--out", default="docs/benchmarks.md", help="'' = print only")
-    parser.add_argument("--json", type=Path, default=Path("bench/results/slo.json"))
-    # Short outputs: here the decode worker shares the 2 cores with the prefill worker, and
-    # long decodes would slow prefill down in a way no router can see (GPUs are not shared).
-    parser.add_argument("--max-tokens", type=int, default=2)
-    parser.add_argument("--ttft-multiple", type=float, default=3.0, help="target / unloaded p50")
-    parser.add_argument("--overload", type=float, default=2.0, help="offered / capacity")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
-    parser.add_argument("--probe-duration", type=float, default=10.0, help="at least")
-    parser.add_argument(
-        "--probe-requests", type=int, default=30, help="probes last long enough for this many"
-    )
-    parser.add_argument("--max-probes", type=int, default=7)
-    parser.add_argument("--probe-step", type=float, default=1.3, help="rate factor per probe")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--local-prefill-run",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="two more runs with the router's default conditional disaggregation",
-    )
-    parser.add_argument("--quick", action="store_true", help="short run to check the plumbing")
-    args = parser.parse_args(argv)
-    if args.model is None:
-        args.model = Path(f"models/tandem-{args.preset}")
-    if args.quick:
-        args.duration, args.probe_duration, args.max_probes = 8.0, 4.0, 3
-        args.probe_requests = 5
-    return args
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
-    shown = argv if argv is not None else sys.argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    exit_on_sigterm()
+def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     facts = machine_facts()
     ensure_model(args.model, args.preset)
@@ -422,13 +382,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         capacity = calibration.probes[0].rate_per_s / args.probe_step
         logger.warning("no probe met the target; using %.2f req/s as capacity", capacity)
     offered = args.overload * capacity
-    setups = [RunSetup("shed", "shed"), RunSetup("none", "none")]
-    if args.local_prefill_run:
-        setups.append(RunSetup("shed, default local prefill", "shed", DEFAULT_LOCAL_PREFILL))
-        setups.append(RunSetup("none, default local prefill", "none", DEFAULT_LOCAL_PREFILL))
+    setups = [
+        RunSetup("shed", "shed"),
+        RunSetup("none", "none"),
+        RunSetup("shed, default local prefill", "shed", DEFAULT_LOCAL_PREFILL),
+        RunSetup("none, default local prefill", "none", DEFAULT_LOCAL_PREFILL),
+    ]
     runs = [run_policy(args, s, calibration.ttft_target_s, offered) for s in setups]
     report = {
-        "command": " ".join(["tandem-bench slo", *shown]),
+        "command": args.command,
         "wall_s": time.monotonic() - started,
         "machine": facts,
         "load_average_end": os.getloadavg(),

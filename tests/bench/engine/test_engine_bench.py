@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.bench.engine.bench import make_plan, parse_args
+from tandem.bench.cli import parse_args
+from tandem.bench.engine.bench import make_plan
 from tandem.bench.engine.report import (
     SECTION_HEADING,
     BenchReport,
@@ -236,8 +237,8 @@ def test_rendered_section_has_run_machine_tables_and_profiles():
 
 
 def test_quick_plan_is_smaller_than_full():
-    quick = make_plan(parse_args(["--quick"]))
-    full = make_plan(parse_args([]))
+    quick = make_plan(parse_args(["engine", "--quick"]))
+    full = make_plan(parse_args(["engine"]))
     assert quick.dtypes == ("float32",) and quick.batch_sizes == (1, 8)
     assert full.dtypes == ("float32", "bfloat16") and full.batch_sizes == (1, 8, 32)
     assert quick.decode.max_runs <= full.decode.max_runs

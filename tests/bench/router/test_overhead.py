@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.bench.cli import parse_args
 from tandem.bench.loadgen.metrics import Distribution
 from tandem.bench.loadgen.traces import RequestTrace
 from tandem.bench.router.overhead import (
@@ -11,7 +12,6 @@ from tandem.bench.router.overhead import (
     TextWorkload,
     ThroughputResult,
     paired_differences,
-    parse_args,
     render_section,
     throughput_of,
 )
@@ -31,7 +31,7 @@ def test_text_workload_sends_the_same_text_with_its_own_ids():
 
 
 def test_parse_args_quick():
-    args = parse_args(["--quick", "--concurrency", "8"])
+    args = parse_args(["router", "--quick", "--concurrency", "8"])
     assert args.requests == 20 and args.concurrency == [8] and args.duration == 3.0
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from tandem.bench.cli import parse_args
 from tandem.bench.loadgen.metrics import Distribution
 from tandem.bench.loadgen.traces import RequestTrace
 from tandem.bench.router.slo import (
@@ -16,7 +17,6 @@ from tandem.bench.router.slo import (
     TextPrompts,
     capacity_of,
     is_shed,
-    parse_args,
     parse_samples,
     render_section,
     summarize,
@@ -126,7 +126,7 @@ def test_parse_samples_keeps_wanted_counters_without_the_model_label():
 
 
 def test_parse_args_quick_shortens_the_run():
-    args = parse_args(["--quick", "--preset", "tiny"])
+    args = parse_args(["slo", "--quick", "--preset", "tiny"])
     assert args.duration < 40 and args.max_probes <= 3
     assert str(args.model) == "models/tandem-tiny"
 
