@@ -113,11 +113,9 @@ def _load_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
         "--target", required=True, help="grpc://HOST:PORT (Tandem) or http://HOST:PORT (OpenAI)"
     )
     target.add_argument("--model", default="", help="model name (default: the server's first)")
-    target.add_argument("--api-key", default=None, help="HTTP bearer token")
     target.add_argument(
-        "--prompt-format", default="ids", choices=("ids", "text", "auto"),
-        help="prompts as token ids, as words, or ids unless the server refuses them",
-    )  # fmt: skip
+        "--prompt-format", default="ids", choices=("ids", "text"), help="token ids or words"
+    )
     target.add_argument(
         "--http-logprobs", action="store_true", help="HTTP: ask logprobs for exact token counts"
     )
@@ -129,21 +127,17 @@ def _load_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
     target.add_argument("--request-timeout", type=float, default=600.0, help="per request, s")
 
     workload = parser.add_argument_group("workload")
-    kinds = ("fixed", "random", "shared-prefix", "chat", "mixed")
     workload.add_argument(
-        "--workload", default="fixed", choices=kinds, help="mixed: chat plus long documents"
-    )
+        "--workload", default="fixed", choices=("fixed", "chat", "mixed"),
+        help="fixed lengths, ShareGPT-like chat, or chat plus long documents",
+    )  # fmt: skip
     workload.add_argument(
         "--input-len", type=int, default=None,
-        help="prompt tokens (shared-prefix: suffix; chat: mean) [128; chat 215]",
+        help="prompt tokens (chat: mean) [128; chat 215]",
     )  # fmt: skip
     workload.add_argument(
         "--output-len", type=int, default=None, help="output tokens (chat: mean) [128; chat 198]"
     )
-    workload.add_argument("--range-ratio", type=float, default=0.5, help="random: len·(1±r)")
-    workload.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: K")
-    workload.add_argument("--num-suffixes", type=int, default=8, help="shared-prefix: M")
-    workload.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: tokens")
     workload.add_argument("--vocab-size", type=int, help="token ids below this [server's]")
     workload.add_argument("--max-model-len", type=int, help="chat: clip to this [server's]")
     workload.add_argument("--seed", type=int, default=0, help="prompts and arrival times")

@@ -28,8 +28,7 @@ def _bench_config(args: argparse.Namespace, concurrency: int | None, rate: float
 
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:
-        shared = args.workload == "shared-prefix"
-        num_requests = args.num_prefixes * args.num_suffixes if shared else DEFAULT_NUM_REQUESTS
+        num_requests = DEFAULT_NUM_REQUESTS
     long_prompt = None
     if args.inject_long_at:
         long_prompt = LongPromptConfig(
@@ -44,16 +43,11 @@ def _bench_config(args: argparse.Namespace, concurrency: int | None, rate: float
             request_timeout_s=args.request_timeout,
             http_logprobs=args.http_logprobs,
             strict_openai=args.strict_openai,
-            api_key=args.api_key,
         ),
         workload=WorkloadConfig(
             kind=args.workload,
             input_len=args.input_len,
             output_len=args.output_len,
-            range_ratio=args.range_ratio,
-            num_prefixes=args.num_prefixes,
-            num_suffixes=args.num_suffixes,
-            prefix_len=args.prefix_len,
             vocab_size=args.vocab_size,
             max_model_len=args.max_model_len,
             seed=args.seed,

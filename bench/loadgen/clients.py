@@ -11,14 +11,14 @@ from typing import Protocol
 import grpc
 
 from tandem.bench.loadgen.traces import RequestTrace
-from tandem.bench.loadgen.workloads import FIRST_TOKEN_ID, RequestSpec
+from tandem.bench.loadgen.workloads import RequestSpec
 from tandem.proto.server_options import GRPC_OPTIONS
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-PROMPT_FORMATS = ("ids", "text", "auto")
+PROMPT_FORMATS = ("ids", "text")
 
 _GRPC_FINISH = {
     gen_pb.FINISH_REASON_STOP: "stop",
@@ -33,8 +33,7 @@ class ClientConfig:
     target: str
     # Served model name; "" = the first model the server lists.
     model: str = ""
-    # How prompts travel: "ids" (token ids), "text" (`RequestSpec.prompt_text`) or "auto"
-    # (ids, unless a probe request shows the server refuses them).
+    # How prompts travel: "ids" (token ids) or "text" (`RequestSpec.prompt_text`).
     prompt_format: str = "ids"
     temperature: float = 0.0
     # Per-request deadline; a request past it fails with error "timeout"/DEADLINE_EXCEEDED.
@@ -45,8 +44,6 @@ class ClientConfig:
     # HTTP only: send only OpenAI's own request fields (no `ignore_eos`), for servers that
     # refuse unknown ones (`transformers serve`); outputs may then end early at EOS.
     strict_openai: bool = False
-    # HTTP only: sent as `Authorization: Bearer ...`.
-    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.target.startswith(("grpc://", "http://", "https://")):
@@ -72,7 +69,6 @@ class ServerInfo:
     # None when the server does not say.
     max_model_len: int | None
     vocab_size: int | None
-    # The prompt format actually used ("ids" or "text"; "auto" resolved).
     prompt_format: str
 
 
@@ -92,11 +88,6 @@ def make_client(config: ClientConfig) -> Client:
     return HttpClient(config)
 
 
-def probe_spec() -> RequestSpec:
-    """A tiny request used to check the server takes token-id prompts."""
-    return RequestSpec("probe", (FIRST_TOKEN_ID,) * 4, max_tokens=1)
-
-
 class GrpcClient:
     """Tandem's public gRPC API; token ids come per message, so arrivals are exact."""
 
@@ -105,7 +96,7 @@ class GrpcClient:
         self.endpoint = config.target.removeprefix("grpc://").rstrip("/")
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationStub | None = None
-        self._prompt_format = "ids" if config.prompt_format == "auto" else config.prompt_format
+        self._prompt_format = config.prompt_format
         self._model = config.model
 
     async def start(self) -> ServerInfo:

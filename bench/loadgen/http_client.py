@@ -9,14 +9,11 @@ from typing import Any
 
 import aiohttp
 
-from tandem.bench.loadgen.clients import ClientConfig, ServerInfo, probe_spec
+from tandem.bench.loadgen.clients import ClientConfig, ServerInfo
 from tandem.bench.loadgen.traces import RequestTrace
 from tandem.bench.loadgen.workloads import RequestSpec
 
 logger = logging.getLogger(__name__)
-
-# HTTP statuses that mean "this body is not acceptable" (a probe with token ids got one).
-_REFUSED = (400, 422)
 
 
 class HttpClient:
@@ -28,11 +25,8 @@ class HttpClient:
         self._model = config.model
 
     async def start(self) -> ServerInfo:
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         # No connection limit: the load driver, not the pool, decides the concurrency.
-        self._session = aiohttp.ClientSession(
-            headers=headers, connector=aiohttp.TCPConnector(limit=0)
-        )
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         timeout = aiohttp.ClientTimeout(total=30)
         try:
             async with self._session.get(f"{self.base_url}/v1/models", timeout=timeout) as resp:
@@ -48,12 +42,6 @@ class HttpClient:
         if self._model and card.get("id") != self._model:
             raise RuntimeError(f"{self.base_url} does not serve {self._model!r}")
         self._model = str(card["id"])
-        if self._prompt_format == "auto":
-            self._prompt_format = "ids"
-            trace = await self.stream(probe_spec())
-            if trace.error.startswith(tuple(f"HTTP {s}" for s in _REFUSED)):
-                logger.info("%s refuses token-id prompts (%s): sending text", self.base_url, trace)
-                self._prompt_format = "text"
         return ServerInfo(
             model=self._model,
             max_model_len=card.get("max_model_len"),

@@ -17,15 +17,13 @@ from tandem.bench.loadgen.workloads import (
     ChatWorkload,
     FixedWorkload,
     MixedWorkload,
-    RandomWorkload,
-    SharedPrefixWorkload,
     Vocab,
     Workload,
 )
 
 logger = logging.getLogger(__name__)
 
-WORKLOAD_KINDS = ("fixed", "random", "shared-prefix", "chat", "mixed")
+WORKLOAD_KINDS = ("fixed", "chat", "mixed")
 # Bumped when the results JSON changes shape.
 RESULTS_VERSION = 1
 # Used to clip the chat mix when the server does not say its limit.
@@ -35,16 +33,10 @@ DEFAULT_MAX_MODEL_LEN = 4096
 @dataclass(frozen=True)
 class WorkloadConfig:
     kind: str = "fixed"
-    # fixed/random: prompt length; shared-prefix: suffix length; chat: mean (None = ChatMix's).
+    # Prompt tokens (chat: the mean; None = 128, chat: ChatMix's).
     input_len: int | None = None
-    # Output tokens (chat: the mean; None = ChatMix's).
+    # Output tokens (chat: the mean; None = 128, chat: ChatMix's).
     output_len: int | None = None
-    # random: lengths uniform in len·(1 ± range_ratio).
-    range_ratio: float = 0.5
-    # shared-prefix: K prefixes of prefix_len ids × M suffixes.
-    num_prefixes: int = 4
-    num_suffixes: int = 8
-    prefix_len: int = 256
     # Token ids are drawn below this; None = the server's vocabulary (gRPC reports it).
     vocab_size: int | None = None
     # chat/mixed: clip prompt + output to this; None = the server's limit.
@@ -81,9 +73,7 @@ class BenchConfig:
     warmup_requests: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["client"].pop("api_key", None)  # never write a secret into a results file
-        return data
+        return asdict(self)
 
 
 def build_workload(config: WorkloadConfig, server: ServerInfo) -> Workload:
@@ -99,17 +89,6 @@ def build_workload(config: WorkloadConfig, server: ServerInfo) -> Workload:
     input_len, output_len = config.input_len or 128, config.output_len or 128
     if config.kind == "fixed":
         return FixedWorkload(vocab, input_len, output_len)
-    if config.kind == "random":
-        return RandomWorkload(vocab, input_len, output_len, config.range_ratio)
-    if config.kind == "shared-prefix":
-        return SharedPrefixWorkload(
-            vocab,
-            config.num_prefixes,
-            config.num_suffixes,
-            config.prefix_len,
-            input_len,
-            output_len,
-        )
     defaults = ChatMix()
     mix = ChatMix(
         mean_input_len=config.input_len or defaults.mean_input_len,

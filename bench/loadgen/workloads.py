@@ -37,9 +37,8 @@ SHORT_TAG = "short"
 LONG_TAG = "long"
 
 # Seed streams: requests of different workloads (and long prompts) never share a stream.
-_STREAM_FIXED, _STREAM_RANDOM, _STREAM_PREFIX, _STREAM_SUFFIX, _STREAM_CHAT, _STREAM_MIX = range(
-    1, 7
-)
+# The numbers are part of the published runs' prompts: keep them.
+_STREAM_FIXED, _STREAM_CHAT, _STREAM_MIX = 1, 5, 6
 
 
 @dataclass(frozen=True)
@@ -122,72 +121,6 @@ class FixedWorkload:
         rng = self.vocab.rng(_STREAM_FIXED, zlib.crc32(self.tag.encode()), index)
         ids = self.vocab.token_ids(rng, self.input_len)
         return RequestSpec(f"{self.tag}-{index}", ids, self.output_len, tag=self.tag)
-
-
-@dataclass(frozen=True)
-class RandomWorkload:
-    """Lengths uniform in [len·(1 − range_ratio), len·(1 + range_ratio)] (as vLLM's
-    `random` dataset), at least 1."""
-
-    vocab: Vocab
-    input_len: int
-    output_len: int
-    range_ratio: float = 0.5
-    name: str = "random"
-
-    def __post_init__(self) -> None:
-        _check_positive(input_len=self.input_len, output_len=self.output_len)
-        if not 0 <= self.range_ratio < 1:
-            raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
-
-    def _length(self, rng: np.random.Generator, mean_len: int) -> int:
-        low = max(1, int(mean_len * (1 - self.range_ratio)))
-        high = max(low, int(mean_len * (1 + self.range_ratio)))
-        return int(rng.integers(low, high + 1))
-
-    def request(self, index: int) -> RequestSpec:
-        rng = self.vocab.rng(_STREAM_RANDOM, index)
-        input_len = self._length(rng, self.input_len)
-        output_len = self._length(rng, self.output_len)
-        return RequestSpec(f"random-{index}", self.vocab.token_ids(rng, input_len), output_len)
-
-
-@dataclass(frozen=True)
-class SharedPrefixWorkload:
-    """K system prompts (`prefix_len` ids) × M user suffixes (`suffix_len` ids).
-
-    Request i uses prefix i mod K (round robin, so all K stay live in the prefix cache)
-    and that prefix's suffix ⌊i / K⌋ mod M; K·M requests cover every pair once.
-    """
-
-    vocab: Vocab
-    num_prefixes: int
-    num_suffixes: int
-    prefix_len: int
-    suffix_len: int
-    output_len: int
-    name: str = "shared-prefix"
-
-    def __post_init__(self) -> None:
-        _check_positive(
-            num_prefixes=self.num_prefixes,
-            num_suffixes=self.num_suffixes,
-            prefix_len=self.prefix_len,
-            suffix_len=self.suffix_len,
-            output_len=self.output_len,
-        )
-
-    @property
-    def num_pairs(self) -> int:
-        return self.num_prefixes * self.num_suffixes
-
-    def request(self, index: int) -> RequestSpec:
-        prefix_index = index % self.num_prefixes
-        suffix_index = (index // self.num_prefixes) % self.num_suffixes
-        prefix = self.vocab.token_ids(self.vocab.rng(_STREAM_PREFIX, prefix_index), self.prefix_len)
-        suffix_rng = self.vocab.rng(_STREAM_SUFFIX, prefix_index, suffix_index)
-        suffix = self.vocab.token_ids(suffix_rng, self.suffix_len)
-        return RequestSpec(f"prefix{prefix_index}-{index}", prefix + suffix, self.output_len)
 
 
 @dataclass(frozen=True)
