@@ -90,16 +90,17 @@ def write_section(path: Path, heading: str, body: str | Sequence[str]) -> None:
 def write_json(path: Path, data: Any) -> None:
     """Raw results (dataclasses become dicts; NaN and infinities are written as null)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_plain(data), indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps(plain(data), indent=1, sort_keys=True) + "\n")
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """`value` as JSON data: dataclasses become dicts, NaN and infinities None."""
     if hasattr(value, "__dataclass_fields__"):
-        return _plain(asdict(value))
+        return plain(asdict(value))
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.report import write_json
+
 logger = logging.getLogger(__name__)
 
-# When neither --num-requests nor --duration is given (shared-prefix: K × M instead).
+# When neither --num-requests nor --duration is given.
 DEFAULT_NUM_REQUESTS = 100
 
 
@@ -75,13 +76,6 @@ def _fail(command: str, exc: Exception, code: int) -> int:
     return code
 
 
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(data, indent=1) + "\n")
-    logger.info("results: %s", out)
-
-
 def run_command(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -102,7 +96,7 @@ def run_command(args: argparse.Namespace) -> int:
     for tag, summary in result.by_tag.items():
         print("\n" + format_summary(summary, f"tag {tag!r}", args.markdown))
     if args.out:
-        _write_json(args.out, result.to_json(include_traces=not args.no_traces))
+        write_json(Path(args.out), result.to_json(include_traces=not args.no_traces))
     if args.timeline_plot:
         from tandem.bench.loadgen.plots import plot_itl_timeline
 
@@ -145,7 +139,7 @@ def sweep_command(args: argparse.Namespace) -> int:
     points = sweep_points(results)
     print(format_sweep(points, args.markdown))
     if args.out:
-        _write_json(args.out, sweep_to_json(results))
+        write_json(Path(args.out), sweep_to_json(results))
     if args.plot:
         from tandem.bench.loadgen.plots import plot_frontier, plot_goodput
 

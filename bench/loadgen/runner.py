@@ -214,11 +214,3 @@ def sweep_to_json(results: Sequence[BenchResult]) -> dict[str, Any]:
             for r in results
         ],
     }
-
-
-def sweep_points_from_json(data: dict[str, Any]) -> list[SweepPoint]:
-    """The points of a `sweep_to_json` document (to replot or compare saved sweeps)."""
-    return [
-        SweepPoint(RunSummary.from_json(p["summary"]), p["concurrency"], p["rate_rps"])
-        for p in data["points"]
-    ]
