@@ -72,6 +72,14 @@ def tandem_spec(
     )
 
 
+def cpu_pair_spec(label: str, model_dir: Path, flags: Sequence[str] = ()) -> ServerSpec:
+    """`tandem serve` with one prefill and one decode worker on the CPU, KV over TCP (the
+    router benchmarks' cluster), on free ports."""
+    pair = ("--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-backend", "tcp")
+    flags = (*pair, "--max-model-len", "1024", *flags)
+    return tandem_spec(label, str(model_dir), free_port(), free_port(), flags)
+
+
 def transformers_spec(
     model_dir: str, http_port: int, kv_blocks: int, kv_block_size: int = 16
 ) -> ServerSpec:

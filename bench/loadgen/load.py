@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from tandem.bench.loadgen.clients import Client
+from tandem.bench.loadgen.clients import Client, ClientConfig, GrpcClient
 from tandem.bench.loadgen.traces import RequestTrace
 from tandem.bench.loadgen.workloads import RequestSpec, Workload
 
@@ -124,6 +124,19 @@ async def run_load(
     traces = [t.shifted(run.start_s) for t in run.traces]
     duration_s = max((t.end_s for t in traces), default=time.perf_counter() - run.start_s)
     return LoadResult(traces=traces, duration_s=max(duration_s, 1e-9))
+
+
+async def grpc_load(
+    target: str, workload: Workload, config: LoadConfig, request_timeout_s: float = 120.0
+) -> LoadResult:
+    """`run_load` with a gRPC client of its own (text prompts), closed afterwards."""
+    client_config = ClientConfig(target, prompt_format="text", request_timeout_s=request_timeout_s)
+    client = GrpcClient(client_config)
+    await client.start()
+    try:
+        return await run_load(client, workload, config)
+    finally:
+        await client.close()
 
 
 class _Run:

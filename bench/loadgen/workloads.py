@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+import uuid
 import zlib
 from dataclasses import dataclass
 from typing import Protocol
@@ -121,6 +123,29 @@ class FixedWorkload:
         rng = self.vocab.rng(_STREAM_FIXED, zlib.crc32(self.tag.encode()), index)
         ids = self.vocab.token_ids(rng, self.input_len)
         return RequestSpec(f"{self.tag}-{index}", ids, self.output_len, tag=self.tag)
+
+
+@dataclass(frozen=True)
+class TextPrompts:
+    """Text prompts of `num_words` words that share no prefix block (each starts with its
+    own number), so the prefix cache cannot turn their prefill into a lookup; request i is
+    a pure function of (seed, i). With `text` every request sends that text instead."""
+
+    seed: int
+    max_tokens: int
+    text: str = ""
+    # About 45 tokens with the presets' tokenizer.
+    num_words: int = 40
+    name: str = "text"
+
+    def request(self, index: int) -> RequestSpec:
+        if self.text:  # the same prompt each time: ids must still be unique
+            req_id = f"{self.seed}-{index}-{uuid.uuid4().hex[:8]}"
+            return RequestSpec(req_id, (), self.max_tokens, text=self.text)
+        rng = random.Random(self.seed * 1_000_003 + index)
+        words = " ".join(rng.choice(WORDS) for _ in range(self.num_words))
+        req_id = f"{self.seed}-{index}"
+        return RequestSpec(req_id, (), self.max_tokens, text=f"{req_id}: {words}")
 
 
 @dataclass(frozen=True)

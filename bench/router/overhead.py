@@ -17,17 +17,17 @@ import grpc
 
 from tandem.bench.harness import (
     ServerSpec,
+    cpu_pair_spec,
     ensure_model,
     free_port,
     process_cpu_s,
     running,
-    tandem_spec,
 )
 from tandem.bench.loadgen.clients import ClientConfig, GrpcClient
 from tandem.bench.loadgen.load import LoadConfig, run_load
 from tandem.bench.loadgen.metrics import Distribution, e2e_s, ttft_s
 from tandem.bench.loadgen.traces import RequestTrace
-from tandem.bench.loadgen.workloads import RequestSpec
+from tandem.bench.loadgen.workloads import TextPrompts
 from tandem.bench.report import (
     format_ms,
     machine_facts,
@@ -51,20 +51,6 @@ FULL_COMMAND = ".venv/bin/tandem-bench router"
 PROMPT = "The router picks a prefill worker and a decode worker for every request."
 WARMUP_S = 2.0
 _TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class TextWorkload:
-    """The same text prompt every time (both paths then hit the prefix cache alike)."""
-
-    prompt: str
-    max_tokens: int
-    name: str = "router-overhead"
-
-    def request(self, index: int) -> RequestSpec:
-        return RequestSpec(
-            f"r{index}-{uuid.uuid4().hex[:8]}", (), self.max_tokens, text=self.prompt
-        )
 
 
 @dataclass(frozen=True)
@@ -158,7 +144,7 @@ async def measure_overhead(
         params = sampling_params_to_proto(
             SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         )
-        workload = TextWorkload(PROMPT, max_tokens)
+        workload = TextPrompts(0, max_tokens, text=PROMPT)
         routed: list[RequestTrace] = []
         straight: list[RequestTrace] = []
         try:
@@ -254,7 +240,7 @@ async def closed_loop(
             timeout_s=WARMUP_S + duration_s + 60,
             progress=False,
         )
-        result = await run_load(client, TextWorkload(PROMPT, max_tokens), config)
+        result = await run_load(client, TextPrompts(0, max_tokens, text=PROMPT), config)
         cpu = (await cpu_start, await cpu_end)
     finally:
         await client.close()
@@ -268,11 +254,8 @@ def cores_split() -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def measure_added_latency(args: argparse.Namespace) -> OverheadResult:
-    flags: tuple[str, ...] = ("--prefill", "1", "--decode", "1", "--device", "cpu")
-    flags += ("--kv-backend", "tcp")
     # Always disaggregate: the direct path is Prefill then Decode, so must the router be.
-    flags += ("--max-model-len", "1024", "--max-local-prefill-tokens", "0")
-    spec = tandem_spec("router-bench-cluster", str(args.model), free_port(), free_port(), flags)
+    spec = cpu_pair_spec("router-bench-cluster", args.model, ("--max-local-prefill-tokens", "0"))
     with running([spec], args.json.parent / "logs") as (cluster,):
         workers = cluster.worker_endpoints()
         target = spec.grpc_target or ""

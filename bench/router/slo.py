@@ -7,7 +7,6 @@ import asyncio
 import logging
 import math
 import os
-import random
 import re
 import time
 import urllib.request
@@ -16,13 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.harness import ensure_model, free_port, running, tandem_spec
-from tandem.bench.loadgen.clients import ClientConfig, GrpcClient
-from tandem.bench.loadgen.load import LoadConfig, run_load
+from tandem.bench.harness import ServerSpec, cpu_pair_spec, ensure_model, running
+from tandem.bench.loadgen.load import LoadConfig, grpc_load
 from tandem.bench.loadgen.metrics import Distribution, RunSummary, SloTargets, e2e_s, tpot_s, ttft_s
 from tandem.bench.loadgen.metrics import summarize as loadgen_summarize
 from tandem.bench.loadgen.traces import RequestTrace
-from tandem.bench.loadgen.workloads import WORDS, RequestSpec
+from tandem.bench.loadgen.workloads import TextPrompts
 from tandem.bench.report import (
     format_ms,
     machine_facts,
@@ -41,32 +39,12 @@ NUM_WARMUP = 12
 # The router always has an ITL target; this one never binds (the SLO here is TTFT).
 ITL_OFF_S = 60.0
 MIN_ATTAINMENT = 0.9
-# Words per prompt: about 45 tokens with the presets' tokenizer.
-PROMPT_WORDS = 40
 # Prompt seeds: every phase gets its own prompts (no cross-phase prefix-cache hits).
 _WARMUP_SEED, _UNLOADED_SEED, _PROBE_SEED, _TRACE_SEED = 1, 2, 100, 10_000
 # `tandem serve`'s default `--max-local-prefill-tokens` (conditional disaggregation on).
 DEFAULT_LOCAL_PREFILL = 512
-_REQUEST_TIMEOUT_S = 120.0
-_START_TIMEOUT_S = 600.0
 # name{labels} value, one Prometheus sample per line
 _SAMPLE = re.compile(r"^(?P<name>[^{\s]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
-
-
-@dataclass(frozen=True)
-class TextPrompts:
-    """Short text prompts that share no prefix block (each starts with its own number),
-    so the prefix cache cannot turn their prefill into a lookup; request i is a pure
-    function of (seed, i)."""
-
-    seed: int
-    max_tokens: int
-    name: str = "distinct-text"
-
-    def request(self, index: int) -> RequestSpec:
-        rng = random.Random(self.seed * 1_000_003 + index)
-        text = f"{self.seed}-{index}: " + " ".join(rng.choice(WORDS) for _ in range(PROMPT_WORDS))
-        return RequestSpec(f"{self.seed}-{index}", (), self.max_tokens, text=text)
 
 
 def is_shed(trace: RequestTrace) -> bool:
@@ -183,64 +161,44 @@ class PolicyRun:
     load_average_end: tuple[float, float, float]
 
 
-class Cluster:
-    """A `tandem serve` process for one run, and the load generator's client of it."""
+def _spec(args: argparse.Namespace, setup: RunSetup, target_s: float) -> ServerSpec:
+    flags = ("--admission", setup.policy, "--ttft-slo", f"{target_s:g}")
+    flags += ("--itl-slo", f"{ITL_OFF_S:g}")
+    flags += ("--max-local-prefill-tokens", str(setup.local_prefill_tokens))
+    return cpu_pair_spec(f"slo-{setup.label}", args.model, flags)
 
-    def __init__(self, args: argparse.Namespace, setup: RunSetup, target_s: float) -> None:
-        flags: tuple[str, ...] = ("--prefill", "1", "--decode", "1", "--device", "cpu")
-        flags += ("--kv-backend", "tcp")
-        flags += ("--max-model-len", "1024", "--admission", setup.policy)
-        flags += ("--ttft-slo", f"{target_s:g}", "--itl-slo", f"{ITL_OFF_S:g}")
-        flags += ("--max-local-prefill-tokens", str(setup.local_prefill_tokens))
-        self.spec = tandem_spec(
-            f"slo-{setup.label}", str(args.model), free_port(), free_port(), flags
-        )
-        self.log_dir = args.json.parent / "logs"
-        self.max_tokens = args.max_tokens
 
-    def load(
-        self, workload: TextPrompts, concurrency: int | None, rate: float | None = None,
-        num_requests: int | None = None, duration_s: float | None = None, seed: int = 0,
-    ) -> list[RequestTrace]:  # fmt: skip
-        """One run of the load generator: sequential calls (concurrency 1) or a trace."""
-        config = LoadConfig(
-            concurrency=concurrency, rate_rps=rate, num_requests=num_requests,
-            duration_s=duration_s, timeout_s=(duration_s or 0) + 3600, seed=seed, progress=False,
-        )  # fmt: skip
+def _load(spec: ServerSpec, prompts: TextPrompts, config: LoadConfig) -> list[RequestTrace]:
+    return asyncio.run(grpc_load(spec.grpc_target or "", prompts, config)).traces
 
-        async def go() -> list[RequestTrace]:
-            client = GrpcClient(
-                ClientConfig(self.spec.grpc_target or "", prompt_format="text",
-                             request_timeout_s=_REQUEST_TIMEOUT_S)
-            )  # fmt: skip
-            await client.start()
-            try:
-                return (await run_load(client, workload, config)).traces
-            finally:
-                await client.close()
 
-        return asyncio.run(go())
+def _sequential(spec: ServerSpec, seed: int, count: int, max_tokens: int) -> list[RequestTrace]:
+    """One request at a time: warm-up (code paths, the router's latency models) or the
+    unloaded baseline."""
+    config = LoadConfig(concurrency=1, num_requests=count, progress=False)
+    traces = _load(spec, TextPrompts(seed, max_tokens), config)
+    failed = [t.error for t in traces if t.error]
+    if failed:
+        raise RuntimeError(f"sequential requests failed: {failed}")
+    return sorted(traces, key=lambda t: t.send_s)
 
-    def sequential(self, seed: int, count: int) -> list[RequestTrace]:
-        """One request at a time: warm-up (code paths, the router's latency models) or
-        the unloaded baseline."""
-        traces = self.load(TextPrompts(seed, self.max_tokens), 1, num_requests=count)
-        failed = [t.error for t in traces if t.error]
-        if failed:
-            raise RuntimeError(f"sequential requests failed: {failed}")
-        return sorted(traces, key=lambda t: t.send_s)
 
-    def trace(self, rate: float, duration_s: float, seed: int, prompt_seed: int) -> list:
-        workload = TextPrompts(prompt_seed, self.max_tokens)
-        return self.load(workload, None, rate, duration_s=duration_s, seed=seed)
+def _trace(spec: ServerSpec, args: argparse.Namespace, rate: float, duration_s: float, seed: int,
+           prompt_seed: int) -> list[RequestTrace]:  # fmt: skip
+    """An open-loop Poisson trace at `rate` for `duration_s` seconds of arrivals."""
+    config = LoadConfig(
+        rate_rps=rate, duration_s=duration_s, timeout_s=duration_s + 3600, seed=seed,
+        progress=False,
+    )  # fmt: skip
+    return _load(spec, TextPrompts(prompt_seed, args.max_tokens), config)
 
 
 def calibrate(args: argparse.Namespace) -> Calibration:
     # Admission `none`: the target only labels the router's metrics here.
-    cluster = Cluster(args, RunSetup("calibration", "none"), ITL_OFF_S)
-    with running([cluster.spec], cluster.log_dir):
-        cluster.sequential(_WARMUP_SEED, NUM_WARMUP)
-        timings = cluster.sequential(_UNLOADED_SEED, 16)
+    spec = _spec(args, RunSetup("calibration", "none"), ITL_OFF_S)
+    with running([spec], args.json.parent / "logs"):
+        _sequential(spec, _WARMUP_SEED, NUM_WARMUP, args.max_tokens)
+        timings = _sequential(spec, _UNLOADED_SEED, 16, args.max_tokens)
         ttft = Distribution.of([x for x in map(ttft_s, timings) if x is not None])
         itl = Distribution.of([x for x in map(tpot_s, timings) if x is not None])
         # Rounded up to 10 ms so the target reads as a round number.
@@ -251,7 +209,7 @@ def calibrate(args: argparse.Namespace) -> Calibration:
         probes: list[Probe] = []
         for i in range(args.max_probes):
             duration = max(args.probe_duration, args.probe_requests / rate)
-            traces = cluster.trace(rate, duration, _PROBE_SEED + i, _PROBE_SEED + i)
+            traces = _trace(spec, args, rate, duration, _PROBE_SEED + i, _PROBE_SEED + i)
             probes.append(Probe(rate, summarize(traces, duration, target)))
             attainment = probes[-1].summary.admitted.slo_attainment
             logger.info("probe %.2f req/s: attainment %.0f%%", rate, attainment * 100)
@@ -272,14 +230,14 @@ def calibrate(args: argparse.Namespace) -> Calibration:
 def run_policy(
     args: argparse.Namespace, setup: RunSetup, target_s: float, rate: float
 ) -> PolicyRun:
-    cluster = Cluster(args, setup, target_s)
-    with running([cluster.spec], cluster.log_dir):
-        cluster.sequential(_WARMUP_SEED, NUM_WARMUP)
+    spec = _spec(args, setup, target_s)
+    with running([spec], args.json.parent / "logs"):
+        _sequential(spec, _WARMUP_SEED, NUM_WARMUP, args.max_tokens)
         load_start = os.getloadavg()
-        traces = cluster.trace(rate, args.duration, args.seed, _TRACE_SEED + args.seed)
+        traces = _trace(spec, args, rate, args.duration, args.seed, _TRACE_SEED + args.seed)
         load_end = os.getloadavg()
         counters = scrape_counters(
-            cluster.spec.http_url,
+            spec.http_url,
             ("tandem:requests_rejected_total", "tandem:disagg_decisions_total"),
         )
     summary = summarize(traces, args.duration, target_s)

@@ -7,9 +7,9 @@ import pytest
 from tandem.bench.cli import parse_args
 from tandem.bench.loadgen.metrics import Distribution
 from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import TextPrompts
 from tandem.bench.router.overhead import (
     OverheadResult,
-    TextWorkload,
     ThroughputResult,
     paired_differences,
     render_section,
@@ -24,7 +24,7 @@ def test_paired_differences():
 
 
 def test_text_workload_sends_the_same_text_with_its_own_ids():
-    workload = TextWorkload("hello there", 4)
+    workload = TextPrompts(0, 4, text="hello there")
     first, second = workload.request(0), workload.request(1)
     assert first.prompt_text == second.prompt_text == "hello there"
     assert first.max_tokens == 4 and first.req_id != second.req_id

@@ -9,12 +9,12 @@ import pytest
 from tandem.bench.cli import parse_args
 from tandem.bench.loadgen.metrics import Distribution
 from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import TextPrompts
 from tandem.bench.router.slo import (
     Calibration,
     PolicyRun,
     Probe,
     RunSetup,
-    TextPrompts,
     capacity_of,
     is_shed,
     parse_samples,
