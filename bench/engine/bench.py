@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import time
 from collections.abc import Callable
@@ -34,13 +33,13 @@ from tandem.bench.engine.report import (
 )
 from tandem.bench.engine.timing import (
     RepeatPolicy,
-    machine_facts,
     measure_bandwidth,
     measure_peak_flops,
+    torch_facts,
     wait_until_quiet,
 )
 from tandem.bench.harness import ensure_model
-from tandem.bench.report import write_section
+from tandem.bench.report import machine_facts, write_json, write_section
 from tandem.engine.config import ModelConfig
 
 DEFAULT_MODEL = "models/tandem-small"
@@ -181,10 +180,10 @@ def _run_dtype(
 def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
     torch.set_num_threads(plan.num_threads)
     start = time.perf_counter()
-    machine = machine_facts(plan.num_threads)
+    machine = {**machine_facts(), **torch_facts(plan.num_threads)}
     _wait_quiet(plan)
     bandwidth = measure_bandwidth(num_runs=plan.num_hardware_runs)
-    _say(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (load avg {machine.load_average:.2f})")
+    _say(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (load avg {os.getloadavg()[0]:.2f})")
     shape = ModelShape.from_model_config(ModelConfig.from_model_dir(plan.model_dir))
     report = BenchReport(command, plan.quick, machine, bandwidth, measure.ATTN_IMPLEMENTATION)
     for dtype in plan.dtypes:
@@ -199,7 +198,7 @@ def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
 def _write_outputs(report: BenchReport, shape: ModelShape, out: str | None, quick: bool) -> None:
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     json_path = RESULTS_DIR / ("engine-quick.json" if quick else "engine.json")
-    json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    write_json(json_path, report)
     _say(f"raw results: {json_path}")
     if out is None:
         return

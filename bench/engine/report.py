@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from tandem.bench.engine.timing import MachineFacts, OpTime
+from tandem.bench.engine.timing import OpTime
 from tandem.bench.report import render_table
 from tandem.engine.config import ModelConfig
 
@@ -68,16 +69,6 @@ class Row:
     def transformers_met(self) -> bool:
         return self.engine_over_transformers <= TRANSFORMERS_TARGET
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            **self.__dict__,
-            "engine_over_floor": self.engine_over_floor,
-            "engine_over_roofline": self.engine_over_roofline,
-            "engine_over_transformers": self.engine_over_transformers,
-            "floor_met": self.floor_met,
-            "transformers_met": self.transformers_met,
-        }
-
 
 @dataclass(frozen=True)
 class Profile:
@@ -105,7 +96,8 @@ class DtypeResult:
 class BenchReport:
     command: str
     quick: bool
-    machine: MachineFacts
+    # `bench.report.machine_facts()` plus the torch facts `engine.timing.torch_facts` adds.
+    machine: dict[str, Any]
     bandwidth: float  # bytes/s
     hf_attention: str
     results: list[DtypeResult] = field(default_factory=list)
@@ -113,26 +105,6 @@ class BenchReport:
     wall_s: float = 0.0
     # 1-minute load average when the run ended (the start is in `machine`).
     load_average_end: float = 0.0
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "command": self.command,
-            "quick": self.quick,
-            "machine": self.machine.__dict__,
-            "bandwidth_bytes_s": self.bandwidth,
-            "hf_attention": self.hf_attention,
-            "wall_s": self.wall_s,
-            "load_average_end": self.load_average_end,
-            "results": [
-                {
-                    "dtype": r.dtype,
-                    "peak_flops": r.peak_flops,
-                    "rows": [x.to_json() for x in r.rows],
-                }
-                for r in self.results
-            ],
-            "profiles": [{**p.__dict__, "ops": [o.__dict__ for o in p.ops]} for p in self.profiles],
-        }
 
 
 def format_time(seconds: float) -> str:
@@ -203,15 +175,7 @@ class ModelShape:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig) -> ModelShape:
-        return cls(
-            num_layers=cfg.num_layers,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            intermediate_size=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size,
-        )
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
     @property
     def layer_matmul_params(self) -> int:
@@ -320,13 +284,12 @@ def _gb(value: float) -> str:
 
 def _machine_paragraph(report: BenchReport) -> str:
     m = report.machine
-    bf16 = "native bf16 instructions" if m.has_bf16_instructions else "no native bf16 instructions"
+    bf16 = "native" if m["bf16_instructions"] else "no native"
     return (
-        f"**Machine.** {m.cpu_model}, {m.num_cores} cores ({m.cpu_capability}, {bf16}); "
-        f"torch {m.torch_version}, transformers {m.transformers_version}, "
-        f"Python {m.python_version}; torch threads: {m.num_threads}; {m.date_utc}; "
-        f"1-minute load average {m.load_average:.2f} at start, "
-        f"{report.load_average_end:.2f} at end."
+        f"**Machine.** {m['cpu']}, {m['cores']} cores ({m['cpu_capability']}, {bf16} bf16 "
+        f"instructions); torch {m['torch']}, transformers {m['transformers']}, Python "
+        f"{m['python']}; torch threads: {m['threads']}; {m['started']}; 1-minute load average "
+        f"{m['load_avg_1m_at_start']:.2f} at start, {report.load_average_end:.2f} at end."
     )
 
 

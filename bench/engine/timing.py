@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -157,48 +156,20 @@ def wait_until_quiet(max_cores: float, timeout_s: float, probe_s: float = 1.0) -
             return load
 
 
-@dataclass(frozen=True)
-class MachineFacts:
-    cpu_model: str
-    num_cores: int
-    # torch's SIMD level (AVX2, AVX512, ...) and whether the CPU has native bf16 math.
-    cpu_capability: str
-    has_bf16_instructions: bool
-    torch_version: str
-    transformers_version: str
-    python_version: str
-    num_threads: int
-    date_utc: str
-    # 1-minute load average when the benchmark started (others' work skews timings).
-    load_average: float
-
-
-def _cpuinfo_field(text: str, name: str) -> str:
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == name:
-            return value.strip()
-    return "unknown"
-
-
-def machine_facts(num_threads: int) -> MachineFacts:
+def torch_facts(num_threads: int) -> dict[str, Any]:
+    """What the engine's times depend on beyond `bench.report.machine_facts()`."""
     import transformers
 
-    cpuinfo_path = Path("/proc/cpuinfo")
-    cpuinfo = cpuinfo_path.read_text() if cpuinfo_path.is_file() else ""
-    flags = set(_cpuinfo_field(cpuinfo, "flags").split())
-    return MachineFacts(
-        cpu_model=_cpuinfo_field(cpuinfo, "model name"),
-        num_cores=os.cpu_count() or 0,
-        cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        has_bf16_instructions=bool(flags & {"avx512_bf16", "amx_bf16", "avx_ne_convert"}),
-        torch_version=torch.__version__,
-        transformers_version=transformers.__version__,
-        python_version=platform.python_version(),
-        num_threads=num_threads,
-        date_utc=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        load_average=os.getloadavg()[0],
-    )
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    bf16 = {"avx512_bf16", "amx_bf16", "avx_ne_convert"}
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_instructions": bool(set(flags.split()) & bf16),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": num_threads,
+    }
 
 
 def measure_bandwidth(num_bytes: int = 1 << 30, num_runs: int = 5) -> float:

@@ -23,7 +23,6 @@ from tandem.bench.engine.report import (
 )
 from tandem.bench.engine.timing import (
     CpuSnapshot,
-    MachineFacts,
     OpTime,
     RepeatPolicy,
     busy_seconds,
@@ -68,18 +67,11 @@ def make_row(engine_s: float, floor_s: float, hf_s: float, kind: str = "decode")
 
 
 def make_report(rows: list[Row], quick: bool = False) -> BenchReport:
-    machine = MachineFacts(
-        cpu_model="Test CPU",
-        num_cores=2,
-        cpu_capability="AVX2",
-        has_bf16_instructions=False,
-        torch_version="2.x",
-        transformers_version="5.x",
-        python_version="3.11",
-        num_threads=2,
-        date_utc="2025-01-01 00:00 UTC",
-        load_average=3.0,
-    )
+    machine = {
+        "cpu": "Test CPU", "cores": 2, "cpu_capability": "AVX2", "bf16_instructions": False,
+        "torch": "2.x", "transformers": "5.x", "python": "3.11", "threads": 2,
+        "started": "2025-01-01 00:00 UTC", "load_avg_1m_at_start": 3.0,
+    }  # fmt: skip
     report = BenchReport("tandem-bench engine", quick, machine, 15e9, "sdpa")
     report.results = [DtypeResult("float32", 80e9, rows), DtypeResult("bfloat16", 10e9, rows)]
     report.profiles = [
