@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import time
@@ -42,10 +43,8 @@ from tandem.bench.harness import ensure_model
 from tandem.bench.report import machine_facts, write_json, write_section
 from tandem.engine.config import ModelConfig
 
-DEFAULT_MODEL = "models/tandem-small"
 DEFAULT_OUT = "docs/benchmarks.md"
 RESULTS_DIR = Path("bench/results")
-DEFAULT_QUIET_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -73,30 +72,20 @@ class BenchPlan:
 
 
 def make_plan(args: argparse.Namespace) -> BenchPlan:
-    if args.quick:
-        return BenchPlan(
-            model_dir=str(args.model),
-            dtypes=("float32",),
-            batch_sizes=(1, 8),
-            num_threads=args.threads,
-            prefill=RepeatPolicy(num_warmup=1, min_runs=2, max_runs=3, budget_s=3.0),
-            decode=RepeatPolicy(num_warmup=2, min_runs=5, max_runs=8, budget_s=2.0),
-            num_hardware_runs=2,
-            quick=True,
-            quiet_wait_s=args.wait_quiet if args.wait_quiet is not None else 0.0,
-            max_attempts=1,
-        )
+    """`--quick`: float32 only, batch 1 and 8, few repeats, no waiting for quiet."""
+    quick = bool(args.quick)
+    wait = args.wait_quiet if args.wait_quiet is not None else 0.0 if quick else 60.0
     return BenchPlan(
         model_dir=str(args.model),
-        dtypes=("float32", "bfloat16"),
-        batch_sizes=(1, 8, 32),
+        dtypes=("float32",) if quick else ("float32", "bfloat16"),
+        batch_sizes=(1, 8) if quick else (1, 8, 32),
         num_threads=args.threads,
-        prefill=RepeatPolicy(num_warmup=1, min_runs=3, max_runs=5, budget_s=15.0),
-        decode=RepeatPolicy(num_warmup=2, min_runs=5, max_runs=20, budget_s=8.0),
-        num_hardware_runs=5,
-        quick=False,
-        quiet_wait_s=args.wait_quiet if args.wait_quiet is not None else DEFAULT_QUIET_WAIT_S,
-        max_attempts=2,
+        prefill=RepeatPolicy(1, 2, 3, budget_s=3.0) if quick else RepeatPolicy(1, 3, 5, 15.0),
+        decode=RepeatPolicy(2, 5, 8, budget_s=2.0) if quick else RepeatPolicy(2, 5, 20, 8.0),
+        num_hardware_runs=2 if quick else 5,
+        quick=quick,
+        quiet_wait_s=wait,
+        max_attempts=1 if quick else 2,
     )
 
 
@@ -134,12 +123,9 @@ def _measure_row(plan: BenchPlan, measure: Callable[[], Row]) -> Row:
 
 def _measure_rows(plan: BenchPlan, subjects: Subjects, prompt: list[int]) -> list[Row]:
     rows = [_measure_row(plan, lambda: prefill_row(subjects, prompt, plan.prefill))]
-    for batch_size in plan.batch_sizes:
-
-        def measure(b: int = batch_size) -> Row:
-            return decode_row(subjects, b, plan.prompt_len, plan.decode)
-
-        rows.append(_measure_row(plan, measure))
+    for batch in plan.batch_sizes:
+        decode = functools.partial(decode_row, subjects, batch, plan.prompt_len, plan.decode)
+        rows.append(_measure_row(plan, decode))
     return rows
 
 
@@ -150,15 +136,12 @@ def _run_dtype(
     _wait_quiet(plan)
     peak = measure_peak_flops(torch_dtype, num_runs=plan.num_hardware_runs)
     _say(f"{dtype}: peak GEMM {peak / 1e9:.1f} GFLOP/s")
+    engine = measure.build_engine(
+        plan.model_dir, dtype, plan.num_threads, plan.prefill_len, max(plan.batch_sizes),
+        plan.decode_seq_len,
+    )  # fmt: skip
     subjects = Subjects(
-        engine=measure.build_engine(
-            plan.model_dir,
-            dtype,
-            plan.num_threads,
-            plan.prefill_len,
-            max(plan.batch_sizes),
-            plan.decode_seq_len,
-        ),
+        engine=engine,
         hf_model=measure.load_hf_model(plan.model_dir, torch_dtype),
         shape=shape,
         elem_size=torch.empty((), dtype=torch_dtype).element_size(),
@@ -167,8 +150,7 @@ def _run_dtype(
     )
     prompt = measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
     rows = _measure_rows(plan, subjects, prompt)
-    engine = subjects.engine
-    del subjects
+    del subjects  # frees the transformers model before profiling
     gc.collect()
     _wait_quiet(plan)
     profiles = profile_missed(engine, dtype, rows, prompt, plan.prompt_len)
@@ -177,7 +159,7 @@ def _run_dtype(
     return DtypeResult(dtype, peak, rows), profiles
 
 
-def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
+def run(plan: BenchPlan, command: str) -> BenchReport:
     torch.set_num_threads(plan.num_threads)
     start = time.perf_counter()
     machine = {**machine_facts(), **torch_facts(plan.num_threads)}
@@ -192,25 +174,23 @@ def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
         report.profiles.extend(profiles)
     report.wall_s = time.perf_counter() - start
     report.load_average_end = os.getloadavg()[0]
-    return report, shape
+    return report
 
 
-def _write_outputs(report: BenchReport, shape: ModelShape, out: str | None, quick: bool) -> None:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+def _write_outputs(report: BenchReport, out: str | None, quick: bool) -> None:
     json_path = RESULTS_DIR / ("engine-quick.json" if quick else "engine.json")
     write_json(json_path, report)
     _say(f"raw results: {json_path}")
-    if out is None:
-        return
-    write_section(Path(out), SECTION_HEADING, render_section(report))
-    _say(f"wrote {SECTION_HEADING!r} of {out}")
+    if out:
+        write_section(Path(out), SECTION_HEADING, render_section(report))
+        _say(f"wrote {SECTION_HEADING!r} of {out}")
 
 
 def main(args: argparse.Namespace) -> int:
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
     ensure_model(args.model, "small")
-    report, shape = run(make_plan(args), args.command)
+    report = run(make_plan(args), args.command)
     for result in report.results:
         _say(f"\n{result.dtype}\n{format_table(result.rows)}")
-    _write_outputs(report, shape, out, args.quick)
+    _write_outputs(report, out, args.quick)
     return 0

@@ -8,6 +8,7 @@ import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -160,9 +161,10 @@ def profile_decode(engine: Engine, batch_size: int, prompt_len: int, num_steps: 
 
 def model_weights(model: LlamaForCausalLM) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(every layer's qkv, o, gate_up, down weight in model order, lm_head weight)."""
+    layers: list[Any] = list(model.layers)  # nn.ModuleList items are typed as plain Modules
     layer_weights = [
         weight
-        for layer in model.layers
+        for layer in layers
         for weight in (
             layer.self_attn.qkv_proj.weight,
             layer.self_attn.o_proj.weight,

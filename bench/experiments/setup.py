@@ -64,7 +64,10 @@ class ExperimentSetup:
 
     def worker_kv_blocks(self) -> int:
         """KV blocks (16 tokens) of one Tandem worker's default pool: the peer gets as many."""
-        return EngineConfig(model=self.model_dir).num_blocks
+        blocks = EngineConfig(model=self.model_dir).num_blocks
+        if blocks is None:  # `EngineConfig` sizes the pool when it is built
+            raise RuntimeError(f"no KV pool size for {self.model_dir}")
+        return blocks
 
     def server(self, system: str) -> ServerSpec:
         if system not in SYSTEMS:

@@ -21,7 +21,8 @@ def _prompts(vocab: int, lens: tuple[int, ...], seed: int = 7) -> list[list[int]
 def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to("cuda").eval()  # type: ignore[arg-type]  # transformers wraps to()
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -58,7 +59,8 @@ def check_cluster(model_dir: str, prompts: list[list[int]], expected: list[list[
     from tandem.bench.loadgen.workloads import RequestSpec
 
     kv_backend = "nccl" if torch.cuda.device_count() >= 2 else "tcp"
-    flags = ("--prefill", "1", "--decode", "1", "--device", "cuda", "--kv-backend", kv_backend)
+    flags: tuple[str, ...] = ("--prefill", "1", "--decode", "1", "--device", "cuda")
+    flags += ("--kv-backend", kv_backend)
     flags += ("--max-model-len", "2048")
     spec = tandem_spec("gpu-check", model_dir, free_port(), free_port(), flags)
 

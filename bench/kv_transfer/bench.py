@@ -159,7 +159,8 @@ def measure_prefill(model_dir: Path) -> dict[int, float]:
     from tandem.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32"))
-    max_len, vocab = min(8192, engine.config.max_model_len - 1), engine.model_config.vocab_size
+    max_len = min(8192, (engine.config.max_model_len or 8193) - 1)
+    vocab = engine.model_config.vocab_size
     times: dict[int, float] = {}
     for n in sorted({1024, max_len}):
         for seed in range(2):  # best of two distinct prompts: the machine is shared

@@ -18,7 +18,6 @@ from tandem.bench.loadgen.workloads import (
     FixedWorkload,
     MixedWorkload,
     Vocab,
-    Workload,
 )
 
 logger = logging.getLogger(__name__)
@@ -76,7 +75,9 @@ class BenchConfig:
         return asdict(self)
 
 
-def build_workload(config: WorkloadConfig, server: ServerInfo) -> Workload:
+def build_workload(
+    config: WorkloadConfig, server: ServerInfo
+) -> FixedWorkload | ChatWorkload | MixedWorkload:
     vocab_size = config.vocab_size or server.vocab_size
     if vocab_size is None:
         if server.prompt_format == "ids":

@@ -70,8 +70,8 @@ class RequestSpec:
 class Workload(Protocol):
     """A deterministic, unbounded sequence of request specs."""
 
-    name: str
-    vocab: Vocab
+    @property
+    def name(self) -> str: ...
 
     def request(self, index: int) -> RequestSpec: ...
 

@@ -162,7 +162,7 @@ class PolicyRun:
 
 
 def _spec(args: argparse.Namespace, setup: RunSetup, target_s: float) -> ServerSpec:
-    flags = ("--admission", setup.policy, "--ttft-slo", f"{target_s:g}")
+    flags: tuple[str, ...] = ("--admission", setup.policy, "--ttft-slo", f"{target_s:g}")
     flags += ("--itl-slo", f"{ITL_OFF_S:g}")
     flags += ("--max-local-prefill-tokens", str(setup.local_prefill_tokens))
     return cpu_pair_spec(f"slo-{setup.label}", args.model, flags)
