@@ -169,9 +169,6 @@ def _load_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
     if sweep:
         load.add_argument("--plot", help="PNG: frontier (concurrency) or goodput (rate)")
         load.add_argument("--label", help="series name in the plot (default target)")
-    else:
-        load.add_argument("--timeline-plot", help="write the ITL timeline PNG here")
-        load.add_argument("--no-traces", action="store_true", help="leave per-request traces out")
 
 
 def build_parser() -> argparse.ArgumentParser:

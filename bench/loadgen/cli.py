@@ -96,11 +96,7 @@ def run_command(args: argparse.Namespace) -> int:
     for tag, summary in result.by_tag.items():
         print("\n" + format_summary(summary, f"tag {tag!r}", args.markdown))
     if args.out:
-        write_json(Path(args.out), result.to_json(include_traces=not args.no_traces))
-    if args.timeline_plot:
-        from tandem.bench.loadgen.plots import plot_itl_timeline
-
-        plot_itl_timeline(result.load.traces, args.timeline_plot, title=title)
+        write_json(Path(args.out), result.to_json())
     return 0 if result.summary.num_succeeded else 1
 
 

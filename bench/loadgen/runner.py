@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.bench.loadgen.clients import Client, ClientConfig, ServerInfo, make_client
@@ -19,6 +19,7 @@ from tandem.bench.loadgen.workloads import (
     MixedWorkload,
     Vocab,
 )
+from tandem.bench.report import plain
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ class BenchConfig:
     # Sent one at a time before the run and not recorded (connections, first-call costs).
     warmup_requests: int = 1
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def build_workload(
@@ -120,17 +119,10 @@ class BenchResult:
     # Per tag ("short", "long"), when the run had more than one.
     by_tag: dict[str, RunSummary]
 
-    def to_json(self, include_traces: bool = True) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "version": RESULTS_VERSION,
-            "config": self.config.to_json(),
-            "server": asdict(self.server),
-            "summary": self.summary.to_json(),
-            "by_tag": {tag: s.to_json() for tag, s in self.by_tag.items()},
-        }
-        if include_traces:
-            data["traces"] = [t.to_json() for t in self.load.traces]
-        return data
+    def to_json(self) -> dict[str, Any]:
+        fields = ("config", "server", "summary", "by_tag")
+        data = {name: plain(getattr(self, name)) for name in fields}
+        return {"version": RESULTS_VERSION, **data, "traces": plain(self.load.traces)}
 
 
 def summarize_run(load: LoadResult, slo: SloTargets) -> tuple[RunSummary, dict[str, RunSummary]]:
@@ -199,19 +191,14 @@ def sweep_to_json(results: Sequence[BenchResult]) -> dict[str, Any]:
     (no traces)."""
     if not results:
         raise ValueError("a sweep needs at least one result")
-    config = results[0].config.to_json()
-    config["load"] = [asdict(r.config.load) for r in results]
+    config = plain(results[0].config)
+    config["load"] = plain([r.config.load for r in results])
+    points = [
+        {"concurrency": r.config.load.concurrency, "rate_rps": r.config.load.rate_rps,
+         "summary": plain(r.summary), "by_tag": plain(r.by_tag)}
+        for r in results
+    ]  # fmt: skip
     return {
-        "version": RESULTS_VERSION,
-        "config": config,
-        "server": asdict(results[0].server),
-        "points": [
-            {
-                "concurrency": r.config.load.concurrency,
-                "rate_rps": r.config.load.rate_rps,
-                "summary": r.summary.to_json(),
-                "by_tag": {tag: s.to_json() for tag, s in r.by_tag.items()},
-            }
-            for r in results
-        ],
-    }
+        "version": RESULTS_VERSION, "config": config, "server": plain(results[0].server),
+        "points": points,
+    }  # fmt: skip
