@@ -87,6 +87,23 @@ def write_section(path: Path, heading: str, body: str | Sequence[str]) -> None:
     path.write_text(replace_section(doc, heading, body))
 
 
+def publish(out: str | None, heading: str, blocks: Sequence[str], write: bool = True) -> None:
+    """Print a section's generated blocks and, unless `out` is empty or `write` false,
+    write them into the document `out`."""
+    print(f"{heading}\n\n" + "\n\n".join(blocks), flush=True)
+    if out and write:
+        write_section(Path(out), heading, blocks)
+
+
+def run_block(full_command: str, command: str, wall_s: float, machine: str) -> str:
+    """A section's first generated block: the command that reproduces it, this run, the
+    machine."""
+    return (
+        f"Command (full run, from the repository root):\n\n```\n{full_command}\n```\n\n"
+        f"This run: `{command}` ({wall_s / 60:.1f} min).\n\n{machine}"
+    )
+
+
 def write_json(path: Path, data: Any) -> None:
     """Raw results (dataclasses become dicts; NaN and infinities are written as null)."""
     path.parent.mkdir(parents=True, exist_ok=True)

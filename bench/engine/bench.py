@@ -29,7 +29,6 @@ from tandem.bench.engine.report import (
     ModelShape,
     Profile,
     Row,
-    format_table,
     render_section,
 )
 from tandem.bench.engine.timing import (
@@ -40,7 +39,7 @@ from tandem.bench.engine.timing import (
     wait_until_quiet,
 )
 from tandem.bench.harness import ensure_model
-from tandem.bench.report import machine_facts, write_json, write_section
+from tandem.bench.report import machine_facts, publish, write_json
 from tandem.engine.config import ModelConfig
 
 DEFAULT_OUT = "docs/benchmarks.md"
@@ -177,20 +176,11 @@ def run(plan: BenchPlan, command: str) -> BenchReport:
     return report
 
 
-def _write_outputs(report: BenchReport, out: str | None, quick: bool) -> None:
-    json_path = RESULTS_DIR / ("engine-quick.json" if quick else "engine.json")
-    write_json(json_path, report)
-    _say(f"raw results: {json_path}")
-    if out:
-        write_section(Path(out), SECTION_HEADING, render_section(report))
-        _say(f"wrote {SECTION_HEADING!r} of {out}")
-
-
 def main(args: argparse.Namespace) -> int:
+    # A full run updates the doc unless told otherwise; a quick one only when told.
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
     ensure_model(args.model, "small")
     report = run(make_plan(args), args.command)
-    for result in report.results:
-        _say(f"\n{result.dtype}\n{format_table(result.rows)}")
-    _write_outputs(report, out, args.quick)
+    write_json(RESULTS_DIR / ("engine-quick.json" if args.quick else "engine.json"), report)
+    publish(out, SECTION_HEADING, render_section(report))
     return 0

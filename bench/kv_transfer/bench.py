@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from tandem.bench.report import render_table, write_section
+from tandem.bench.report import publish, render_table
 from tandem.engine.config import EngineConfig
 from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferClient, KvTransferService
 from tandem.kv_transfer.tcp_server import tune_socket
@@ -229,8 +229,5 @@ def main(args: argparse.Namespace) -> int:
             "tokens/s), which underestimates it (attention grows faster than linearly), so "
             "their transfer / prefill is an upper bound."
         )
-    section = render(args, rows, prefill)
-    print(f"{SECTION_HEADING}\n\n{section}")
-    if args.out:
-        write_section(Path(args.out), SECTION_HEADING, section)
+    publish(args.out, SECTION_HEADING, [render(args, rows, prefill)])
     return 0

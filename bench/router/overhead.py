@@ -10,7 +10,6 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -32,9 +31,10 @@ from tandem.bench.report import (
     format_ms,
     machine_facts,
     machine_sentence,
+    publish,
     render_table,
+    run_block,
     write_json,
-    write_section,
 )
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.server_options import GRPC_OPTIONS
@@ -345,11 +345,7 @@ def render_section(report: dict[str, Any]) -> list[str]:
         else "no pinning"
     )
     match = "the same" if o.outputs_match else "**different**"
-    run = [
-        "Command (full run, from the repository root):", "", "```", FULL_COMMAND, "```", "",
-        f"This run: `{report['command']}` ({report['wall_s'] / 60:.1f} min).", "",
-        machine_sentence(report["machine"], report["load_average_end"]),
-    ]
+    machine = machine_sentence(report["machine"], report["load_average_end"])
     overhead = [
         f"{o.num_requests} sequential requests per path, a {o.num_prompt_tokens}-token prompt, "
         f"`max_tokens={o.max_tokens}`; both paths produced {match} greedy tokens.", "",
@@ -361,7 +357,8 @@ def render_section(report: dict[str, Any]) -> list[str]:
         f"Concurrency {levels}; {WARMUP_S:g} s warm-up, {duration:g} s measured; {pin}.", "",
         render_throughput(throughput),
     ]
-    return ["\n".join(run), "\n".join(overhead), "\n".join(loaded)]
+    run = run_block(FULL_COMMAND, report["command"], report["wall_s"], machine)
+    return [run, "\n".join(overhead), "\n".join(loaded)]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -380,8 +377,5 @@ def main(args: argparse.Namespace) -> int:
     report["wall_s"] = time.monotonic() - started
     report["load_average_end"] = os.getloadavg()
     write_json(args.json, report)
-    section = render_section(report)
-    print(f"{SECTION_HEADING}\n\n" + "\n\n".join(section))
-    if args.out and not args.quick:
-        write_section(Path(args.out), SECTION_HEADING, section)
+    publish(args.out, SECTION_HEADING, render_section(report), write=not args.quick)
     return 0

@@ -12,7 +12,6 @@ import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from tandem.bench.harness import ServerSpec, cpu_pair_spec, ensure_model, running
@@ -25,9 +24,10 @@ from tandem.bench.report import (
     format_ms,
     machine_facts,
     machine_sentence,
+    publish,
     render_table,
+    run_block,
     write_json,
-    write_section,
 )
 
 logger = logging.getLogger(__name__)
@@ -303,11 +303,7 @@ def render_section(report: dict[str, Any]) -> list[str]:
         f"{r.setup.label} {r.load_average_start[0]:.2f} → {r.load_average_end[0]:.2f}"
         for r in runs
     ]
-    run = [
-        "Command (full run, from the repository root):", "", "```", FULL_COMMAND, "```", "",
-        f"This run: `{report['command']}` ({report['wall_s'] / 60:.1f} min).", "",
-        machine_sentence(report["machine"], report["load_average_end"]),
-    ]
+    machine = machine_sentence(report["machine"], report["load_average_end"])
     results = [
         f"- *Unloaded* (sequential, after warm-up): TTFT p50 {format_ms(c.unloaded_ttft.p50)}, "
         f"p99 {format_ms(c.unloaded_ttft.p99)}; end-to-end p50 "
@@ -326,7 +322,8 @@ def render_section(report: dict[str, Any]) -> list[str]:
         "Router counters after each run: " + "; ".join(_counters(r) for r in runs) + ".",
         "Load average (1 min) at the start → end of each trace: " + "; ".join(loads) + ".",
     ]
-    return ["\n".join(run), "\n".join(results)]
+    run = run_block(FULL_COMMAND, report["command"], report["wall_s"], machine)
+    return [run, "\n".join(results)]
 
 
 def main(args: argparse.Namespace) -> int:
@@ -361,8 +358,5 @@ def main(args: argparse.Namespace) -> int:
         "runs": runs,
     }
     write_json(args.json, report)
-    section = render_section(report)
-    print(f"{SECTION_HEADING}\n\n" + "\n\n".join(section))
-    if args.out and not args.quick:
-        write_section(Path(args.out), SECTION_HEADING, section)
+    publish(args.out, SECTION_HEADING, render_section(report), write=not args.quick)
     return 0
