@@ -52,13 +52,9 @@ def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
 
 
 def build_engine(
-    model_dir: str,
-    dtype: str,
-    num_threads: int,
-    prefill_len: int,
-    max_batch_size: int,
+    model_dir: str, dtype: str, num_threads: int, prefill_len: int, max_batch_size: int,
     decode_seq_len: int,
-) -> Engine:
+) -> Engine:  # fmt: skip
     """An engine sized for the benchmark: prefix caching off, one-step prefill of `prefill_len`."""
     blocks_per_seq = -(-decode_seq_len // _BLOCK_SIZE)
     num_blocks = max(max_batch_size * blocks_per_seq, -(-(prefill_len + 1) // _BLOCK_SIZE))
@@ -279,108 +275,63 @@ def decode_max_tokens(policy: RepeatPolicy) -> int:
     return policy.num_warmup + policy.max_runs + 2
 
 
-@dataclass(frozen=True)
-class _Samples:
-    """Seconds per run of each timer, and how busy other processes kept the machine."""
-
-    times: dict[str, list[float]]
-    foreign_cores: float
-
-
-def _timed(timers: dict[str, Callable[[], float]], policy: RepeatPolicy) -> _Samples:
+def _measure(
+    subjects: Subjects, timers: dict[str, Callable[[], float]], policy: RepeatPolicy,
+    name: str, kind: str, num_tokens: int, roofline: Callable[[float, int], tuple[Roofline, str]],
+) -> Row:  # fmt: skip
+    """Interleaved samples of the three timers, as a row held to the roofline and with the
+    context that `roofline(peak, timed runs)` gives."""
     start = snapshot()
     times = repeat_interleaved(timers, policy)
-    return _Samples(times, foreign_cores(start, snapshot()))
-
-
-def _peak_flops(subjects: Subjects, samples: _Samples, floor_flops: float) -> float:
-    """The measured GEMM peak, or the rate the model's own matmuls reached if higher.
-
-    A square GEMM is not always the fastest shape (bf16 on AVX2 especially); a roofline
-    must never ask for more than the hardware was seen to do.
-    """
-    return max(subjects.peak_flops, floor_flops / min(samples.times["floor"]))
-
-
-def _row(
-    name: str,
-    kind: str,
-    num_tokens: int,
-    samples: _Samples,
-    bound: Roofline,
-    context: str = "",
-) -> Row:
-    times = samples.times
+    load = foreign_cores(start, snapshot())
+    # The measured GEMM peak, or the rate the model's own matmuls reached if higher: a
+    # square GEMM is not always the fastest shape (bf16 on AVX2 especially).
+    floor_flops = subjects.shape.matmul_flops(num_tokens, 1 if kind == "prefill" else num_tokens)
+    peak = max(subjects.peak_flops, floor_flops / min(times["floor"]))
+    bound, context = roofline(peak, len(times["engine"]))
     return Row(
-        name=name,
-        kind=kind,
-        num_tokens=num_tokens,
-        engine_s=median(times["engine"]),
-        transformers_s=median(times["transformers"]),
-        floor_s=median(times["floor"]),
-        roofline_s=bound.time_s,
-        roofline_bound=bound.bound,
-        floor_target=floor_target(kind, num_tokens),
-        context=context,
-        foreign_cores=samples.foreign_cores,
-        samples=times,
-    )
+        name, kind, num_tokens, median(times["engine"]), median(times["transformers"]),
+        median(times["floor"]), bound.time_s, bound.bound, floor_target(kind, num_tokens),
+        context, load, times,
+    )  # fmt: skip
 
 
 def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> Row:
-    engine = subjects.engine
-    num_tokens = len(prompt)
+    engine, num_tokens = subjects.engine, len(prompt)
     timers = {
         "engine": prefill_timer(engine, prompt),
         "transformers": hf_prefill_timer(subjects.hf_model, prompt),
         "floor": matmul_floor_timer(engine.runner.model, num_tokens, 1),
     }
-    samples = _timed(timers, policy)
+    ceilings = (subjects.elem_size, subjects.bandwidth)
+    row = _measure(
+        subjects, timers, policy, f"prefill {num_tokens}", "prefill", num_tokens,
+        lambda peak, runs: (prefill_roofline(subjects.shape, num_tokens, *ceilings, peak), ""),
+    )  # fmt: skip
     expect_idle(engine)
-    peak = _peak_flops(subjects, samples, subjects.shape.matmul_flops(num_tokens, 1))
-    bound = prefill_roofline(
-        subjects.shape, num_tokens, subjects.elem_size, subjects.bandwidth, peak
-    )
-    return _row(f"prefill {num_tokens}", "prefill", num_tokens, samples, bound)
+    return row
 
 
 def decode_row(subjects: Subjects, batch_size: int, prompt_len: int, policy: RepeatPolicy) -> Row:
     engine = subjects.engine
-    max_tokens = decode_max_tokens(policy)
-    with decode_batch(engine, batch_size, prompt_len, max_tokens) as batch:
-        hf_batch = HfDecodeBatch(subjects.hf_model, batch_size, prompt_len)
+    with decode_batch(engine, batch_size, prompt_len, decode_max_tokens(policy)) as batch:
+
+        def roofline(peak: float, runs: int) -> tuple[Roofline, str]:
+            """Keys attended to per sequence, from the first timed step to the last."""
+            last = batch.next_context_len() - 1
+            first = last - runs + 1
+            context = (first + last) // 2
+            bound = decode_roofline(subjects.shape, batch_size, context, *ceilings, peak)
+            return bound, f"{first}–{last}"
+
+        ceilings = (subjects.elem_size, subjects.bandwidth)
         timers = {
             "engine": batch.step,
-            "transformers": hf_batch.step,
+            "transformers": HfDecodeBatch(subjects.hf_model, batch_size, prompt_len).step,
             "floor": matmul_floor_timer(engine.runner.model, batch_size, batch_size),
         }
-        samples = _timed(timers, policy)
-        last = batch.next_context_len() - 1
-    first = last - len(samples.times["engine"]) + 1
-    peak = _peak_flops(subjects, samples, subjects.shape.matmul_flops(batch_size, batch_size))
-    bound = decode_roofline(
-        subjects.shape,
-        batch_size,
-        (first + last) // 2,
-        subjects.elem_size,
-        subjects.bandwidth,
-        peak,
-    )
-    return _row(f"decode b{batch_size}", "decode", batch_size, samples, bound, f"{first}–{last}")
-
-
-def _to_profile(dtype: str, row: Row, measured: OpProfile, num_steps: int) -> Profile:
-    per_step_us = {op: us / num_steps for op, us in measured.self_times_us.items()}
-    matmul_us = sum(us for op, us in per_step_us.items() if op in MATMUL_OPS)
-    return Profile(
-        dtype=dtype,
-        row=row.name,
-        num_steps=num_steps,
-        wall_s=measured.wall_s / num_steps,
-        op_s=sum(per_step_us.values()) / 1e6,
-        matmul_s=matmul_us / 1e6,
-        ops=top_ops(per_step_us, NUM_PROFILE_OPS),
-    )
+        name = f"decode b{batch_size}"
+        return _measure(subjects, timers, policy, name, "decode", batch_size, roofline)
 
 
 def profile_missed(
@@ -392,9 +343,17 @@ def profile_missed(
         if row.floor_met and row.transformers_met:
             continue
         if row.kind == "prefill":
-            measured = profile_prefill(engine, prompt)
-            profiles.append(_to_profile(dtype, row, measured, 1))
+            num_steps, measured = 1, profile_prefill(engine, prompt)
         else:
-            measured = profile_decode(engine, row.num_tokens, prompt_len, NUM_PROFILE_STEPS)
-            profiles.append(_to_profile(dtype, row, measured, NUM_PROFILE_STEPS))
+            num_steps = NUM_PROFILE_STEPS
+            measured = profile_decode(engine, row.num_tokens, prompt_len, num_steps)
+        per_step_us = {op: us / num_steps for op, us in measured.self_times_us.items()}
+        matmul_us = sum(us for op, us in per_step_us.items() if op in MATMUL_OPS)
+        profiles.append(
+            Profile(
+                dtype, row.name, num_steps, measured.wall_s / num_steps,
+                sum(per_step_us.values()) / 1e6, matmul_us / 1e6,
+                top_ops(per_step_us, NUM_PROFILE_OPS),
+            )
+        )  # fmt: skip
     return profiles
