@@ -55,11 +55,6 @@ def _engine(parser: argparse.ArgumentParser) -> None:
     _model(parser, "models/tandem-small")
     _out(parser, None)  # a full run writes docs/benchmarks.md unless told otherwise
     _quick(parser)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument(
-        "--wait-quiet", type=float, default=None, metavar="S",
-        help="wait up to S s per row for other processes to go quiet [full 60, quick 0]",
-    )  # fmt: skip
 
 
 def _kv_transfer(parser: argparse.ArgumentParser) -> None:
@@ -123,7 +118,6 @@ def _load_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
         "--strict-openai", action="store_true",
         help="HTTP: send only OpenAI's own fields (no ignore_eos) for servers that refuse others",
     )  # fmt: skip
-    target.add_argument("--temperature", type=float, default=0.0, help="sampling temperature")
     target.add_argument("--request-timeout", type=float, default=600.0, help="per request, s")
 
     workload = parser.add_argument_group("workload")

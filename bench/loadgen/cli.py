@@ -40,7 +40,6 @@ def _bench_config(args: argparse.Namespace, concurrency: int | None, rate: float
             target=args.target,
             model=args.model,
             prompt_format=args.prompt_format,
-            temperature=args.temperature,
             request_timeout_s=args.request_timeout,
             http_logprobs=args.http_logprobs,
             strict_openai=args.strict_openai,
