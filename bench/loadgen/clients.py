@@ -159,19 +159,11 @@ class GrpcClient:
             error = f"{exc.code().name}: {exc.details()}"
         if not error and not finish_reason:
             error = "stream ended without a finish reason"
+        num_output = len(times) if num_output_tokens is None else num_output_tokens
         return RequestTrace(
-            req_id=spec.req_id,
-            tag=spec.tag,
-            prompt_len=num_prompt_tokens,
-            max_tokens=spec.max_tokens,
-            send_s=send_s,
-            end_s=time.perf_counter(),
-            token_times_s=times,
-            num_output_tokens=len(times) if num_output_tokens is None else num_output_tokens,
-            finish_reason=finish_reason,
-            error=error,
-            token_ids=token_ids,
-        )
+            spec.req_id, spec.tag, num_prompt_tokens, spec.max_tokens, send_s,
+            time.perf_counter(), times, num_output, finish_reason, error, token_ids,
+        )  # fmt: skip
 
     async def close(self) -> None:
         if self._channel is not None:

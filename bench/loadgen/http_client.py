@@ -87,18 +87,11 @@ class HttpClient:
             state.error = f"{type(exc).__name__}: {exc}"
         if not state.error and not state.finish_reason:
             state.error = "stream ended without a finish reason"
+        num_output = len(state.times) if state.usage is None else state.usage
         return RequestTrace(
-            req_id=spec.req_id,
-            tag=spec.tag,
-            prompt_len=state.prompt_usage or spec.prompt_len,
-            max_tokens=spec.max_tokens,
-            send_s=send_s,
-            end_s=time.perf_counter(),
-            token_times_s=state.times,
-            num_output_tokens=len(state.times) if state.usage is None else state.usage,
-            finish_reason=state.finish_reason,
-            error=state.error,
-        )
+            spec.req_id, spec.tag, state.prompt_usage or spec.prompt_len, spec.max_tokens,
+            send_s, time.perf_counter(), state.times, num_output, state.finish_reason, state.error,
+        )  # fmt: skip
 
     async def close(self) -> None:
         if self._session is not None:

@@ -213,12 +213,7 @@ class _Run:
 
 
 def _failed(spec: RequestSpec, send_s: float, error: str) -> RequestTrace:
+    end_s = time.perf_counter()
     return RequestTrace(
-        req_id=spec.req_id,
-        tag=spec.tag,
-        prompt_len=spec.prompt_len,
-        max_tokens=spec.max_tokens,
-        send_s=send_s,
-        end_s=time.perf_counter(),
-        error=error,
+        spec.req_id, spec.tag, spec.prompt_len, spec.max_tokens, send_s, end_s, error=error
     )

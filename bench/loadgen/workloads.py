@@ -170,14 +170,13 @@ class ChatMix:
 
     def sample(self, rng: np.random.Generator) -> tuple[int, int]:
         """One (input_len, output_len) pair, each at least `min_len`."""
-        lengths = []
-        for mean_len, sigma in (
-            (self.mean_input_len, self.input_sigma),
-            (self.mean_output_len, self.output_sigma),
-        ):
-            mu = np.log(mean_len) - sigma**2 / 2
-            lengths.append(max(self.min_len, round(float(rng.lognormal(mu, sigma)))))
-        return lengths[0], lengths[1]
+        def draw(mean_len: float, sigma: float) -> int:
+            mu = np.log(mean_len) - sigma**2 / 2  # a log-normal's mean is e^(mu + sigma²/2)
+            return max(self.min_len, round(float(rng.lognormal(mu, sigma))))
+
+        # Input first: the same seed gives the same pairs as ever.
+        input_len = draw(self.mean_input_len, self.input_sigma)
+        return input_len, draw(self.mean_output_len, self.output_sigma)
 
 
 @dataclass(frozen=True)
