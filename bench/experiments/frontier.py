@@ -6,8 +6,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tandem.bench.experiments.setup import ExperimentSetup, bench_config, workload
-from tandem.bench.experiments.sweep import interleaved_sweep, series
+from tandem.bench.experiments.setup import (
+    ExperimentSetup,
+    bench_config,
+    interleaved_sweep,
+    series,
+    workload,
+)
 from tandem.bench.loadgen.clients import ClientConfig
 from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.plots import plot_frontier

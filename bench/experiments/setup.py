@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tandem.bench.harness import ServerSpec, tandem_spec, transformers_spec
 from tandem.bench.loadgen.clients import ClientConfig
 from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.metrics import SloTargets
-from tandem.bench.loadgen.runner import BenchConfig, LongPromptConfig, WorkloadConfig
+from tandem.bench.loadgen.runner import (
+    BenchConfig,
+    BenchResult,
+    LongPromptConfig,
+    WorkloadConfig,
+    run_benchmark,
+    sweep_points,
+)
+from tandem.bench.loadgen.tables import SweepPoint
 from tandem.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 # One limit for every Tandem layout: room for the longest prompt any experiment sends.
 MAX_MODEL_LEN = 2560
@@ -123,3 +135,25 @@ def bench_config(
         long_prompt=long_prompt,
         warmup_requests=2,
     )
+
+
+async def interleaved_sweep(
+    configs: Mapping[str, BenchConfig], loads: Sequence[LoadConfig]
+) -> dict[str, list[BenchResult]]:
+    """`configs`: system label → its bench config (its `load` is ignored); one run per
+    (load, system) in load-major order, so slow drift of a shared machine (other processes,
+    heat) falls on all systems alike instead of on whichever ran last."""
+    results: dict[str, list[BenchResult]] = {label: [] for label in configs}
+    for index, load in enumerate(loads):
+        for label, config in configs.items():
+            level = load.concurrency if load.concurrency is not None else f"{load.rate_rps} req/s"
+            logger.info("%s at %s", label, level)
+            workload = replace(config.workload, seed=config.workload.seed + index)
+            result = await run_benchmark(replace(config, load=load, workload=workload))
+            results[label].append(result)
+    return results
+
+
+def series(results: Mapping[str, Sequence[BenchResult]]) -> dict[str, list[SweepPoint]]:
+    """Plot series: system label → its points."""
+    return {label: sweep_points(runs) for label, runs in results.items()}
