@@ -55,7 +55,8 @@ def tandem_spec(
     label: str, model_dir: str, grpc_port: int, http_port: int, flags: Sequence[str] = ()
 ) -> ServerSpec:
     """`tandem serve` on these ports with more `flags` (e.g. `--prefill 1 --decode 1`)."""
-    argv = (sys.executable, "-m", "tandem.cluster.cli", "serve", "--model", model_dir)
+    argv: tuple[str, ...] = (sys.executable, "-m", "tandem.cluster.cli", "serve")
+    argv += ("--model", model_dir)
     argv += ("--grpc-port", str(grpc_port), "--http-port", str(http_port), *flags)
     http_url = f"http://127.0.0.1:{http_port}"
     # Unbuffered: the worker endpoints it prints must reach the log at once.

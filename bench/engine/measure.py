@@ -321,10 +321,11 @@ def decode_row(subjects: Subjects, batch_size: int, prompt_len: int, policy: Rep
             last = batch.next_context_len() - 1
             first = last - runs + 1
             context = (first + last) // 2
-            bound = decode_roofline(subjects.shape, batch_size, context, *ceilings, peak)
+            bound = decode_roofline(
+                subjects.shape, batch_size, context, subjects.elem_size, subjects.bandwidth, peak
+            )
             return bound, f"{first}–{last}"
 
-        ceilings = (subjects.elem_size, subjects.bandwidth)
         timers = {
             "engine": batch.step,
             "transformers": HfDecodeBatch(subjects.hf_model, batch_size, prompt_len).step,
