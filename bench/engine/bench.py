@@ -15,11 +15,16 @@ import torch
 
 from tandem.bench.engine import measure
 from tandem.bench.engine.measure import (
+    RepeatPolicy,
     Subjects,
     decode_max_tokens,
     decode_row,
+    measure_bandwidth,
+    measure_peak_flops,
     prefill_row,
     profile_missed,
+    torch_facts,
+    wait_until_quiet,
 )
 from tandem.bench.engine.report import (
     QUIET_MAX_CORES,
@@ -30,13 +35,6 @@ from tandem.bench.engine.report import (
     Profile,
     Row,
     render_section,
-)
-from tandem.bench.engine.timing import (
-    RepeatPolicy,
-    measure_bandwidth,
-    measure_peak_flops,
-    torch_facts,
-    wait_until_quiet,
 )
 from tandem.bench.harness import ensure_model
 from tandem.bench.report import machine_facts, publish, write_json

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from tandem.bench.engine.timing import OpTime
 from tandem.bench.report import render_table
 from tandem.engine.config import ModelConfig
 
@@ -71,6 +70,15 @@ class Row:
 
 
 @dataclass(frozen=True)
+class OpTime:
+    """One row of a CPU profile: an operator's own time (children excluded)."""
+
+    op: str
+    self_s: float
+    percent: float
+
+
+@dataclass(frozen=True)
 class Profile:
     """Where one missed row's engine step spends its time (all times per step)."""
 
@@ -96,7 +104,7 @@ class DtypeResult:
 class BenchReport:
     command: str
     quick: bool
-    # `bench.report.machine_facts()` plus the torch facts `engine.timing.torch_facts` adds.
+    # `bench.report.machine_facts()` plus the torch facts `engine.measure.torch_facts` adds.
     machine: dict[str, Any]
     bandwidth: float  # bytes/s
     hf_attention: str

@@ -6,11 +6,21 @@ import pytest
 
 from tandem.bench.cli import parse_args
 from tandem.bench.engine.bench import make_plan
+from tandem.bench.engine.measure import (
+    CpuSnapshot,
+    RepeatPolicy,
+    busy_seconds,
+    foreign_cores,
+    median,
+    repeat_interleaved,
+    top_ops,
+)
 from tandem.bench.engine.report import (
     SECTION_HEADING,
     BenchReport,
     DtypeResult,
     ModelShape,
+    OpTime,
     Profile,
     Row,
     decode_roofline,
@@ -20,16 +30,6 @@ from tandem.bench.engine.report import (
     prefill_roofline,
     render_section,
     roofline,
-)
-from tandem.bench.engine.timing import (
-    CpuSnapshot,
-    OpTime,
-    RepeatPolicy,
-    busy_seconds,
-    foreign_cores,
-    median,
-    repeat_interleaved,
-    top_ops,
 )
 from tandem.bench.report import replace_section
 from tandem.engine.config import ModelConfig
