@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from tandem.bench.loadgen.clients import ClientConfig
+from tandem.bench.loadgen.load import LoadConfig
+from tandem.bench.loadgen.metrics import SloTargets
+from tandem.bench.loadgen.plots import plot_frontier, plot_goodput
+from tandem.bench.loadgen.runner import (
+    BenchConfig,
+    LongPromptConfig,
+    WorkloadConfig,
+    run_benchmark,
+    run_sweep,
+    sweep_points,
+    sweep_to_json,
+)
+from tandem.bench.loadgen.tables import format_summary, format_sweep
 from tandem.bench.report import write_json
 
 logger = logging.getLogger(__name__)
@@ -21,12 +37,9 @@ def main(args: argparse.Namespace) -> int:
     return run_command(args) if args.suite == "run" else sweep_command(args)
 
 
-def _bench_config(args: argparse.Namespace, concurrency: int | None, rate: float | None) -> Any:
-    from tandem.bench.loadgen.clients import ClientConfig
-    from tandem.bench.loadgen.load import LoadConfig
-    from tandem.bench.loadgen.metrics import SloTargets
-    from tandem.bench.loadgen.runner import BenchConfig, LongPromptConfig, WorkloadConfig
-
+def _bench_config(
+    args: argparse.Namespace, concurrency: int | None, rate: float | None
+) -> BenchConfig:
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:
         num_requests = DEFAULT_NUM_REQUESTS
@@ -76,11 +89,6 @@ def _fail(command: str, exc: Exception, code: int) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from tandem.bench.loadgen.runner import run_benchmark
-    from tandem.bench.loadgen.tables import format_summary
-
     try:
         config = _bench_config(args, args.concurrency, args.rate)
     except ValueError as exc:
@@ -107,12 +115,6 @@ def _levels(text: str, kind: type) -> list[Any]:
 
 
 def sweep_command(args: argparse.Namespace) -> int:
-    import asyncio
-    from dataclasses import replace
-
-    from tandem.bench.loadgen.runner import run_sweep, sweep_points, sweep_to_json
-    from tandem.bench.loadgen.tables import format_sweep
-
     try:
         closed_loop = bool(args.concurrency)
         if closed_loop:
@@ -136,8 +138,6 @@ def sweep_command(args: argparse.Namespace) -> int:
     if args.out:
         write_json(Path(args.out), sweep_to_json(results))
     if args.plot:
-        from tandem.bench.loadgen.plots import plot_frontier, plot_goodput
-
         plot = plot_frontier if closed_loop else plot_goodput
         plot({args.label or args.target: points}, args.plot)
     return 0 if any(r.summary.num_succeeded for r in results) else 1
