@@ -1,14 +1,4 @@
-"""The process harness: every server a benchmark measures is a real process of its own.
-
-A `ServerSpec` names a system (`tandem serve` in some layout, `transformers serve`, the
-router benchmark's fake workers or router) and the command line that starts it;
-`running(specs, log_dir)` starts them one after another, waits until each answers,
-yields the started `ServerProcess`es, and stops them (SIGINT, then SIGTERM, then SIGKILL
-of the whole process group) on exit, error or Ctrl-C. Each server's output goes to a
-log file next to the results, so a failed start can be read afterwards. A spec may pin
-its process to some cores (`taskset`), so a router measured "on one core" does not
-share it with its load.
-"""
+"""The process harness: every server a benchmark measures is a real process of its own."""
 
 from __future__ import annotations
 
@@ -65,14 +55,8 @@ def tandem_spec(
     label: str, model_dir: str, grpc_port: int, http_port: int, flags: Sequence[str] = ()
 ) -> ServerSpec:
     """`tandem serve` on these ports with more `flags` (e.g. `--prefill 1 --decode 1`)."""
-    argv: tuple[str, ...] = (
-        sys.executable,
-        "-m",
-        "tandem.cluster.cli",
-        "serve",
-        "--model",
-        model_dir,
-    )
+    argv: tuple[str, ...] = (sys.executable, "-m", "tandem.cluster.cli", "serve")
+    argv += ("--model", model_dir)
     argv += ("--grpc-port", str(grpc_port), "--http-port", str(http_port), *flags)
     http_url = f"http://127.0.0.1:{http_port}"
     # Unbuffered: the worker endpoints it prints must reach the log at once.
@@ -80,6 +64,14 @@ def tandem_spec(
     return ServerSpec(
         label, argv, f"{http_url}/v1/models", http_url, f"grpc://127.0.0.1:{grpc_port}", env
     )
+
+
+def cpu_pair_spec(label: str, model_dir: Path, flags: Sequence[str] = ()) -> ServerSpec:
+    """`tandem serve` with one prefill and one decode worker on the CPU, KV over TCP (the
+    router benchmarks' cluster), on free ports."""
+    pair = ("--prefill", "1", "--decode", "1", "--device", "cpu", "--kv-backend", "tcp")
+    flags = (*pair, "--max-model-len", "1024", *flags)
+    return tandem_spec(label, str(model_dir), free_port(), free_port(), flags)
 
 
 def transformers_spec(

@@ -1,10 +1,4 @@
-"""The one report writer: tables, numbers, machine facts, results JSON, doc sections.
-
-Every suite renders its tables with `render_table` and writes its own `## ` section of
-docs/benchmarks.md with `write_section`, keeping the other sections byte for byte
-(several benchmarks, run at different times, share the document). Nothing here times
-anything, so the tests check every function on synthetic numbers.
-"""
+"""The one report writer: tables, numbers, machine facts, results JSON, doc sections."""
 
 from __future__ import annotations
 
@@ -48,43 +42,82 @@ def format_ms(seconds: float, digits: int = 2) -> str:
     return "—" if math.isnan(seconds) else f"{seconds * 1e3:.{digits}f} ms"
 
 
-def replace_section(doc: str, heading: str, body: str) -> str:
-    """`doc` with the section under `heading` (up to the next `## `) set to `body`;
-    appended when absent; a missing document gets the title first."""
+GENERATED = "<!-- generated -->"
+END_GENERATED = "<!-- /generated -->"
+
+
+def replace_section(doc: str, heading: str, body: str | Sequence[str]) -> str:
+    """`doc` with the generated blocks of the section under `heading` set to `body` (one
+    text per block), keeping the hand-written text between the blocks; when the section
+    has no such blocks (or another number of them) the whole section becomes `body`.
+    A missing section is appended; a missing document gets the title first."""
     if not heading.startswith("## "):
         raise ValueError(f"heading must start with '## ', got {heading!r}")
-    if not doc.strip():
-        doc = f"{DOC_TITLE}\n"
-    lines = doc.splitlines()
-    section = [heading, "", *body.strip("\n").splitlines(), ""]
-    try:
-        start = lines.index(heading)
-    except ValueError:
+    blocks = [body] if isinstance(body, str) else list(body)
+    generated = [
+        line
+        for block in blocks
+        for line in (GENERATED, *block.strip("\n").splitlines(), END_GENERATED, "")
+    ]
+    lines = (doc if doc.strip() else f"{DOC_TITLE}\n").splitlines()
+    if heading not in lines:
+        section = [heading, "", *generated]
         return "\n".join([*lines, "", *section]).rstrip("\n") + "\n"
+    start = lines.index(heading)
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-    return "\n".join([*lines[:start], *section, *lines[end:]]).rstrip("\n") + "\n"
+    old = lines[start + 1 : end]
+    starts = [i for i, line in enumerate(old) if line == GENERATED]
+    ends = [i for i, line in enumerate(old) if line == END_GENERATED]
+    if len(starts) != len(blocks) or len(ends) != len(blocks):
+        new = ["", *generated]
+    else:  # keep what lies outside the blocks
+        new, kept_from = [], 0
+        for number, (block_start, block_end) in enumerate(zip(starts, ends, strict=True)):
+            block = [GENERATED, *blocks[number].strip("\n").splitlines(), END_GENERATED]
+            new += [*old[kept_from:block_start], *block]
+            kept_from = block_end + 1
+        new += old[kept_from:]
+    return "\n".join([*lines[: start + 1], *new, *lines[end:]]).rstrip("\n") + "\n"
 
 
-def write_section(path: Path, heading: str, body: str) -> None:
+def write_section(path: Path, heading: str, body: str | Sequence[str]) -> None:
     """Read-modify-write one section right away (other runs write other sections)."""
     doc = path.read_text() if path.is_file() else ""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(replace_section(doc, heading, body))
 
 
+def publish(out: str | None, heading: str, blocks: Sequence[str], write: bool = True) -> None:
+    """Print a section's generated blocks and, unless `out` is empty or `write` false,
+    write them into the document `out`."""
+    print(f"{heading}\n\n" + "\n\n".join(blocks), flush=True)
+    if out and write:
+        write_section(Path(out), heading, blocks)
+
+
+def run_block(full_command: str, command: str, wall_s: float, machine: str) -> str:
+    """A section's first generated block: the command that reproduces it, this run, the
+    machine."""
+    return (
+        f"Command (full run, from the repository root):\n\n```\n{full_command}\n```\n\n"
+        f"This run: `{command}` ({wall_s / 60:.1f} min).\n\n{machine}"
+    )
+
+
 def write_json(path: Path, data: Any) -> None:
     """Raw results (dataclasses become dicts; NaN and infinities are written as null)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_plain(data), indent=1, sort_keys=True) + "\n")
+    path.write_text(json.dumps(plain(data), indent=1, sort_keys=True) + "\n")
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
+    """`value` as JSON data: dataclasses become dicts, NaN and infinities None."""
     if hasattr(value, "__dataclass_fields__"):
-        return _plain(asdict(value))
+        return plain(asdict(value))
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

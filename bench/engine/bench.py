@@ -1,21 +1,11 @@
-"""`tandem-bench engine`: the engine against its matmul floor, the roofline and HF.
-
-One process, the `small` preset, float32 and bfloat16 side by side: prefill of a
-512-token prompt and decode steps at batch 1, 8 and 32, each timed on the engine, on
-`transformers`, as the model's bare weight matmuls, and against the hardware roofline.
-Writes the `## Engine` section of docs/benchmarks.md and raw JSON under bench/results/.
-`--quick` is a smoke run (float32, batch 1 and 8, few repeats) for development; it
-touches the docs only when `--out` is given. On a shared machine a full run waits for
-quiet moments and re-measures a row once if other processes disturbed it.
-"""
+"""`tandem-bench engine`: the engine against its matmul floor, the roofline and HF."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
-import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,11 +15,16 @@ import torch
 
 from tandem.bench.engine import measure
 from tandem.bench.engine.measure import (
+    RepeatPolicy,
     Subjects,
     decode_max_tokens,
     decode_row,
+    measure_bandwidth,
+    measure_peak_flops,
     prefill_row,
     profile_missed,
+    torch_facts,
+    wait_until_quiet,
 )
 from tandem.bench.engine.report import (
     QUIET_MAX_CORES,
@@ -39,24 +34,14 @@ from tandem.bench.engine.report import (
     ModelShape,
     Profile,
     Row,
-    format_table,
     render_section,
 )
-from tandem.bench.engine.timing import (
-    RepeatPolicy,
-    machine_facts,
-    measure_bandwidth,
-    measure_peak_flops,
-    wait_until_quiet,
-)
 from tandem.bench.harness import ensure_model
-from tandem.bench.report import write_section
+from tandem.bench.report import machine_facts, publish, write_json
 from tandem.engine.config import ModelConfig
 
-DEFAULT_MODEL = "models/tandem-small"
 DEFAULT_OUT = "docs/benchmarks.md"
 RESULTS_DIR = Path("bench/results")
-DEFAULT_QUIET_WAIT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -84,30 +69,20 @@ class BenchPlan:
 
 
 def make_plan(args: argparse.Namespace) -> BenchPlan:
-    if args.quick:
-        return BenchPlan(
-            model_dir=args.model,
-            dtypes=("float32",),
-            batch_sizes=(1, 8),
-            num_threads=args.threads,
-            prefill=RepeatPolicy(num_warmup=1, min_runs=2, max_runs=3, budget_s=3.0),
-            decode=RepeatPolicy(num_warmup=2, min_runs=5, max_runs=8, budget_s=2.0),
-            num_hardware_runs=2,
-            quick=True,
-            quiet_wait_s=args.wait_quiet if args.wait_quiet is not None else 0.0,
-            max_attempts=1,
-        )
+    """`--quick`: float32 only, batch 1 and 8, few repeats, no waiting for quiet. Two
+    torch threads (the published machine's cores)."""
+    quick = bool(args.quick)
     return BenchPlan(
-        model_dir=args.model,
-        dtypes=("float32", "bfloat16"),
-        batch_sizes=(1, 8, 32),
-        num_threads=args.threads,
-        prefill=RepeatPolicy(num_warmup=1, min_runs=3, max_runs=5, budget_s=15.0),
-        decode=RepeatPolicy(num_warmup=2, min_runs=5, max_runs=20, budget_s=8.0),
-        num_hardware_runs=5,
-        quick=False,
-        quiet_wait_s=args.wait_quiet if args.wait_quiet is not None else DEFAULT_QUIET_WAIT_S,
-        max_attempts=2,
+        model_dir=str(args.model),
+        dtypes=("float32",) if quick else ("float32", "bfloat16"),
+        batch_sizes=(1, 8) if quick else (1, 8, 32),
+        num_threads=2,
+        prefill=RepeatPolicy(1, 2, 3, budget_s=3.0) if quick else RepeatPolicy(1, 3, 5, 15.0),
+        decode=RepeatPolicy(2, 5, 8, budget_s=2.0) if quick else RepeatPolicy(2, 5, 20, 8.0),
+        num_hardware_runs=2 if quick else 5,
+        quick=quick,
+        quiet_wait_s=0.0 if quick else 60.0,
+        max_attempts=1 if quick else 2,
     )
 
 
@@ -145,12 +120,9 @@ def _measure_row(plan: BenchPlan, measure: Callable[[], Row]) -> Row:
 
 def _measure_rows(plan: BenchPlan, subjects: Subjects, prompt: list[int]) -> list[Row]:
     rows = [_measure_row(plan, lambda: prefill_row(subjects, prompt, plan.prefill))]
-    for batch_size in plan.batch_sizes:
-
-        def measure(b: int = batch_size) -> Row:
-            return decode_row(subjects, b, plan.prompt_len, plan.decode)
-
-        rows.append(_measure_row(plan, measure))
+    for batch in plan.batch_sizes:
+        decode = functools.partial(decode_row, subjects, batch, plan.prompt_len, plan.decode)
+        rows.append(_measure_row(plan, decode))
     return rows
 
 
@@ -161,15 +133,12 @@ def _run_dtype(
     _wait_quiet(plan)
     peak = measure_peak_flops(torch_dtype, num_runs=plan.num_hardware_runs)
     _say(f"{dtype}: peak GEMM {peak / 1e9:.1f} GFLOP/s")
+    engine = measure.build_engine(
+        plan.model_dir, dtype, plan.num_threads, plan.prefill_len, max(plan.batch_sizes),
+        plan.decode_seq_len,
+    )  # fmt: skip
     subjects = Subjects(
-        engine=measure.build_engine(
-            plan.model_dir,
-            dtype,
-            plan.num_threads,
-            plan.prefill_len,
-            max(plan.batch_sizes),
-            plan.decode_seq_len,
-        ),
+        engine=engine,
         hf_model=measure.load_hf_model(plan.model_dir, torch_dtype),
         shape=shape,
         elem_size=torch.empty((), dtype=torch_dtype).element_size(),
@@ -178,8 +147,7 @@ def _run_dtype(
     )
     prompt = measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
     rows = _measure_rows(plan, subjects, prompt)
-    engine = subjects.engine
-    del subjects
+    del subjects  # frees the transformers model before profiling
     gc.collect()
     _wait_quiet(plan)
     profiles = profile_missed(engine, dtype, rows, prompt, plan.prompt_len)
@@ -188,13 +156,13 @@ def _run_dtype(
     return DtypeResult(dtype, peak, rows), profiles
 
 
-def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
+def run(plan: BenchPlan, command: str) -> BenchReport:
     torch.set_num_threads(plan.num_threads)
     start = time.perf_counter()
-    machine = machine_facts(plan.num_threads)
+    machine = {**machine_facts(), **torch_facts(plan.num_threads)}
     _wait_quiet(plan)
     bandwidth = measure_bandwidth(num_runs=plan.num_hardware_runs)
-    _say(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (load avg {machine.load_average:.2f})")
+    _say(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (load avg {os.getloadavg()[0]:.2f})")
     shape = ModelShape.from_model_config(ModelConfig.from_model_dir(plan.model_dir))
     report = BenchReport(command, plan.quick, machine, bandwidth, measure.ATTN_IMPLEMENTATION)
     for dtype in plan.dtypes:
@@ -203,47 +171,14 @@ def run(plan: BenchPlan, command: str) -> tuple[BenchReport, ModelShape]:
         report.profiles.extend(profiles)
     report.wall_s = time.perf_counter() - start
     report.load_average_end = os.getloadavg()[0]
-    return report, shape
+    return report
 
 
-def _write_outputs(report: BenchReport, shape: ModelShape, out: str | None, quick: bool) -> None:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    json_path = RESULTS_DIR / ("engine-quick.json" if quick else "engine.json")
-    json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
-    _say(f"raw results: {json_path}")
-    if out is None:
-        return
-    write_section(Path(out), SECTION_HEADING, render_section(report, shape))
-    _say(f"wrote {SECTION_HEADING!r} of {out}")
-
-
-def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog or "tandem-bench engine", description=__doc__)
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model dir (made if absent)")
-    parser.add_argument(
-        "--out", default=None, help=f"markdown file to update (full run default: {DEFAULT_OUT})"
-    )
-    parser.add_argument("--quick", action="store_true", help="smoke run: fp32, batch 1 and 8")
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
-    parser.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=None,
-        metavar="S",
-        help="before each row wait up to S seconds for other processes to go quiet "
-        f"(default {DEFAULT_QUIET_WAIT_S:.0f} for a full run, 0 with --quick)",
-    )
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
+def main(args: argparse.Namespace) -> int:
+    # A full run updates the doc unless told otherwise; a quick one only when told.
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
-    ensure_model(Path(args.model), "small")
-    shown = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["tandem-bench engine", *shown]).strip()
-    report, shape = run(make_plan(args), command)
-    for result in report.results:
-        _say(f"\n{result.dtype}\n{format_table(result.rows)}")
-    _write_outputs(report, shape, out, args.quick)
+    ensure_model(args.model, "small")
+    report = run(make_plan(args), args.command)
+    write_json(RESULTS_DIR / ("engine-quick.json" if args.quick else "engine.json"), report)
+    publish(out, SECTION_HEADING, render_section(report))
     return 0

@@ -1,46 +1,35 @@
-"""What the engine benchmark times: the engine, `transformers` and the bare matmuls.
-
-- engine subjects: `build_engine`, `prefill_timer`, `DecodeBatch` (steps of a batch of
-  running requests), op profiles of both phases, `matmul_floor_timer` (the model's
-  weight matmuls alone: the floor no engine can beat);
-- `transformers` subjects: `load_hf_model`, `hf_prefill_timer`, `HfDecodeBatch`;
-- rows: `prefill_row` / `decode_row` time every subject of one phase interleaved and
-  hold the result against the roofline.
-"""
+"""What the engine benchmark times (the engine, `transformers`, the bare matmuls) and how:
+interleaved repeats, other processes' load, the profiler, the hardware ceilings."""
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import os
 import random
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from tandem.bench.engine.report import (
     MATMUL_OPS,
     ModelShape,
+    OpTime,
     Profile,
     Roofline,
     Row,
     decode_roofline,
     floor_target,
     prefill_roofline,
-)
-from tandem.bench.engine.timing import (
-    OpProfile,
-    RepeatPolicy,
-    foreign_cores,
-    median,
-    profile_self_times,
-    repeat_interleaved,
-    snapshot,
-    time_call,
-    top_ops,
 )
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import Engine
@@ -53,19 +42,186 @@ _FIRST_PLAIN_TOKEN = 5
 _BLOCK_SIZE = 16
 
 
+@dataclass(frozen=True)
+class RepeatPolicy:
+    """How often one measurement repeats (warm-up runs are not recorded)."""
+
+    num_warmup: int
+    min_runs: int
+    max_runs: int
+    # Stop after `min_runs` once this much wall time (set-up included) has passed.
+    budget_s: float
+
+    def __post_init__(self) -> None:
+        if self.num_warmup < 0 or not 1 <= self.min_runs <= self.max_runs:
+            raise ValueError(f"bad repeat policy {self}")
+        if self.budget_s <= 0:
+            raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
+
+
+def median(values: list[float]) -> float:
+    if not values:
+        raise ValueError("median of no values")
+    return float(statistics.median(values))
+
+
+def repeat_interleaved(
+    timers: dict[str, Callable[[], float]], policy: RepeatPolicy
+) -> dict[str, list[float]]:
+    """Samples of every timer, taken in rounds (one call of each per round).
+
+    Each timer returns the seconds it measured. Interleaving keeps the samples being
+    compared close in time, so load from other processes skews them alike.
+    """
+    for _ in range(policy.num_warmup):
+        for timer in timers.values():
+            timer()
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    start = time.perf_counter()
+    for num_rounds in range(1, policy.max_runs + 1):
+        for name, timer in timers.items():
+            samples[name].append(timer())
+        spent = time.perf_counter() - start
+        if num_rounds >= policy.min_runs and spent >= policy.budget_s:
+            break
+    return samples
+
+
+def time_call(fn: Callable[[], object]) -> float:
+    """Seconds one call of `fn` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def top_ops(self_times_us: dict[str, float], num_ops: int) -> list[OpTime]:
+    """The `num_ops` largest self times, with their share of the total."""
+    total = sum(self_times_us.values())
+    ranked = sorted(self_times_us.items(), key=lambda item: item[1], reverse=True)
+    return [
+        OpTime(op, us / 1e6, 100.0 * us / total if total else 0.0) for op, us in ranked[:num_ops]
+    ]
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """What one profiled call spent, per op and in total."""
+
+    # Self CPU microseconds per op name (children excluded, so they add up).
+    self_times_us: dict[str, float]
+    # Wall time of the whole call under the profiler.
+    wall_s: float
+
+
+def profile_self_times(fn: Callable[[], object]) -> OpProfile:
+    """Run `fn` once under the CPU profiler."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall_s = time_call(fn)
+    self_times = {evt.key: float(evt.self_cpu_time_total) for evt in prof.key_averages()}
+    return OpProfile(self_times, wall_s)
+
+
+_PROC_STAT = Path("/proc/stat")
+# /proc/stat "cpu" columns counted as busy: user nice system (idle iowait) irq softirq steal.
+_BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """Machine-wide busy CPU seconds, this process's CPU seconds, and when."""
+
+    busy_s: float
+    own_s: float
+    wall_s: float
+
+
+def busy_seconds(proc_stat_text: str, ticks_per_s: float) -> float:
+    """Busy CPU seconds of all cores from the aggregate `cpu` line of /proc/stat."""
+    for line in proc_stat_text.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "cpu":
+            values = [int(v) for v in fields[1:]]
+            return sum(values[i] for i in _BUSY_COLUMNS if i < len(values)) / ticks_per_s
+    raise ValueError("no aggregate 'cpu' line in /proc/stat text")
+
+
+def snapshot() -> CpuSnapshot:
+    times = os.times()
+    own_s = times.user + times.system
+    if not _PROC_STAT.is_file():
+        return CpuSnapshot(own_s, own_s, time.monotonic())
+    busy_s = busy_seconds(_PROC_STAT.read_text(), os.sysconf("SC_CLK_TCK"))
+    return CpuSnapshot(busy_s, own_s, time.monotonic())
+
+
+def foreign_cores(start: CpuSnapshot, end: CpuSnapshot) -> float:
+    """Average cores other processes kept busy between two snapshots."""
+    elapsed = end.wall_s - start.wall_s
+    if elapsed <= 0:
+        return 0.0
+    foreign = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
+    return max(0.0, foreign / elapsed)
+
+
+def wait_until_quiet(max_cores: float, timeout_s: float, probe_s: float = 1.0) -> float:
+    """Probe until others use at most `max_cores` (or `timeout_s` passes); the last reading."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        start = snapshot()
+        time.sleep(probe_s)
+        load = foreign_cores(start, snapshot())
+        if load <= max_cores or time.monotonic() >= deadline:
+            return load
+
+
+def torch_facts(num_threads: int) -> dict[str, Any]:
+    """What the engine's times depend on beyond `bench.report.machine_facts()`."""
+    import transformers
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    bf16 = {"avx512_bf16", "amx_bf16", "avx_ne_convert"}
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_instructions": bool(set(flags.split()) & bf16),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": num_threads,
+    }
+
+
+def measure_bandwidth(num_bytes: int = 1 << 30, num_runs: int = 5) -> float:
+    """Bytes/s of summing a `num_bytes` float32 tensor (best of `num_runs`)."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    data.sum()  # fault the pages in before timing
+    best = min(time_call(data.sum) for _ in range(num_runs))
+    return num_bytes / best
+
+
+def measure_peak_flops(dtype: torch.dtype, size: int = 2048, num_runs: int = 3) -> float:
+    """FLOP/s of a square `size` GEMM in `dtype` (best of `num_runs`).
+
+    Uses `F.linear` (x @ W^T), the layout every model projection has; on CPUs without
+    bf16 instructions torch's plain `a @ b` takes a far slower bf16 path.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(size, size, generator=gen).to(dtype)
+    weight = torch.randn(size, size, generator=gen).to(dtype)
+    with torch.inference_mode():
+        F.linear(x, weight)
+        best = min(time_call(lambda: F.linear(x, weight)) for _ in range(num_runs))
+    return 2.0 * size**3 / best
+
+
 def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(_FIRST_PLAIN_TOKEN, vocab_size) for _ in range(num_tokens)]
 
 
 def build_engine(
-    model_dir: str,
-    dtype: str,
-    num_threads: int,
-    prefill_len: int,
-    max_batch_size: int,
+    model_dir: str, dtype: str, num_threads: int, prefill_len: int, max_batch_size: int,
     decode_seq_len: int,
-) -> Engine:
+) -> Engine:  # fmt: skip
     """An engine sized for the benchmark: prefix caching off, one-step prefill of `prefill_len`."""
     blocks_per_seq = -(-decode_seq_len // _BLOCK_SIZE)
     num_blocks = max(max_batch_size * blocks_per_seq, -(-(prefill_len + 1) // _BLOCK_SIZE))
@@ -168,9 +324,10 @@ def profile_decode(engine: Engine, batch_size: int, prompt_len: int, num_steps: 
 
 def model_weights(model: LlamaForCausalLM) -> tuple[list[torch.Tensor], torch.Tensor]:
     """(every layer's qkv, o, gate_up, down weight in model order, lm_head weight)."""
+    layers: list[Any] = list(model.layers)  # nn.ModuleList items are typed as plain Modules
     layer_weights = [
         weight
-        for layer in model.layers
+        for layer in layers
         for weight in (
             layer.self_attn.qkv_proj.weight,
             layer.self_attn.o_proj.weight,
@@ -285,108 +442,64 @@ def decode_max_tokens(policy: RepeatPolicy) -> int:
     return policy.num_warmup + policy.max_runs + 2
 
 
-@dataclass(frozen=True)
-class _Samples:
-    """Seconds per run of each timer, and how busy other processes kept the machine."""
-
-    times: dict[str, list[float]]
-    foreign_cores: float
-
-
-def _timed(timers: dict[str, Callable[[], float]], policy: RepeatPolicy) -> _Samples:
+def _measure(
+    subjects: Subjects, timers: dict[str, Callable[[], float]], policy: RepeatPolicy,
+    name: str, kind: str, num_tokens: int, roofline: Callable[[float, int], tuple[Roofline, str]],
+) -> Row:  # fmt: skip
+    """Interleaved samples of the three timers, as a row held to the roofline and with the
+    context that `roofline(peak, timed runs)` gives."""
     start = snapshot()
     times = repeat_interleaved(timers, policy)
-    return _Samples(times, foreign_cores(start, snapshot()))
-
-
-def _peak_flops(subjects: Subjects, samples: _Samples, floor_flops: float) -> float:
-    """The measured GEMM peak, or the rate the model's own matmuls reached if higher.
-
-    A square GEMM is not always the fastest shape (bf16 on AVX2 especially); a roofline
-    must never ask for more than the hardware was seen to do.
-    """
-    return max(subjects.peak_flops, floor_flops / min(samples.times["floor"]))
-
-
-def _row(
-    name: str,
-    kind: str,
-    num_tokens: int,
-    samples: _Samples,
-    bound: Roofline,
-    context: str = "",
-) -> Row:
-    times = samples.times
+    load = foreign_cores(start, snapshot())
+    # The measured GEMM peak, or the rate the model's own matmuls reached if higher: a
+    # square GEMM is not always the fastest shape (bf16 on AVX2 especially).
+    floor_flops = subjects.shape.matmul_flops(num_tokens, 1 if kind == "prefill" else num_tokens)
+    peak = max(subjects.peak_flops, floor_flops / min(times["floor"]))
+    bound, context = roofline(peak, len(times["engine"]))
     return Row(
-        name=name,
-        kind=kind,
-        num_tokens=num_tokens,
-        engine_s=median(times["engine"]),
-        transformers_s=median(times["transformers"]),
-        floor_s=median(times["floor"]),
-        roofline_s=bound.time_s,
-        roofline_bound=bound.bound,
-        floor_target=floor_target(kind, num_tokens),
-        context=context,
-        foreign_cores=samples.foreign_cores,
-        samples=times,
-    )
+        name, kind, num_tokens, median(times["engine"]), median(times["transformers"]),
+        median(times["floor"]), bound.time_s, bound.bound, floor_target(kind, num_tokens),
+        context, load, times,
+    )  # fmt: skip
 
 
 def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> Row:
-    engine = subjects.engine
-    num_tokens = len(prompt)
+    engine, num_tokens = subjects.engine, len(prompt)
     timers = {
         "engine": prefill_timer(engine, prompt),
         "transformers": hf_prefill_timer(subjects.hf_model, prompt),
         "floor": matmul_floor_timer(engine.runner.model, num_tokens, 1),
     }
-    samples = _timed(timers, policy)
+    ceilings = (subjects.elem_size, subjects.bandwidth)
+    row = _measure(
+        subjects, timers, policy, f"prefill {num_tokens}", "prefill", num_tokens,
+        lambda peak, runs: (prefill_roofline(subjects.shape, num_tokens, *ceilings, peak), ""),
+    )  # fmt: skip
     expect_idle(engine)
-    peak = _peak_flops(subjects, samples, subjects.shape.matmul_flops(num_tokens, 1))
-    bound = prefill_roofline(
-        subjects.shape, num_tokens, subjects.elem_size, subjects.bandwidth, peak
-    )
-    return _row(f"prefill {num_tokens}", "prefill", num_tokens, samples, bound)
+    return row
 
 
 def decode_row(subjects: Subjects, batch_size: int, prompt_len: int, policy: RepeatPolicy) -> Row:
     engine = subjects.engine
-    max_tokens = decode_max_tokens(policy)
-    with decode_batch(engine, batch_size, prompt_len, max_tokens) as batch:
-        hf_batch = HfDecodeBatch(subjects.hf_model, batch_size, prompt_len)
+    with decode_batch(engine, batch_size, prompt_len, decode_max_tokens(policy)) as batch:
+
+        def roofline(peak: float, runs: int) -> tuple[Roofline, str]:
+            """Keys attended to per sequence, from the first timed step to the last."""
+            last = batch.next_context_len() - 1
+            first = last - runs + 1
+            context = (first + last) // 2
+            bound = decode_roofline(
+                subjects.shape, batch_size, context, subjects.elem_size, subjects.bandwidth, peak
+            )
+            return bound, f"{first}–{last}"
+
         timers = {
             "engine": batch.step,
-            "transformers": hf_batch.step,
+            "transformers": HfDecodeBatch(subjects.hf_model, batch_size, prompt_len).step,
             "floor": matmul_floor_timer(engine.runner.model, batch_size, batch_size),
         }
-        samples = _timed(timers, policy)
-        last = batch.next_context_len() - 1
-    first = last - len(samples.times["engine"]) + 1
-    peak = _peak_flops(subjects, samples, subjects.shape.matmul_flops(batch_size, batch_size))
-    bound = decode_roofline(
-        subjects.shape,
-        batch_size,
-        (first + last) // 2,
-        subjects.elem_size,
-        subjects.bandwidth,
-        peak,
-    )
-    return _row(f"decode b{batch_size}", "decode", batch_size, samples, bound, f"{first}–{last}")
-
-
-def _to_profile(dtype: str, row: Row, measured: OpProfile, num_steps: int) -> Profile:
-    per_step_us = {op: us / num_steps for op, us in measured.self_times_us.items()}
-    matmul_us = sum(us for op, us in per_step_us.items() if op in MATMUL_OPS)
-    return Profile(
-        dtype=dtype,
-        row=row.name,
-        num_steps=num_steps,
-        wall_s=measured.wall_s / num_steps,
-        op_s=sum(per_step_us.values()) / 1e6,
-        matmul_s=matmul_us / 1e6,
-        ops=top_ops(per_step_us, NUM_PROFILE_OPS),
-    )
+        name = f"decode b{batch_size}"
+        return _measure(subjects, timers, policy, name, "decode", batch_size, roofline)
 
 
 def profile_missed(
@@ -398,9 +511,17 @@ def profile_missed(
         if row.floor_met and row.transformers_met:
             continue
         if row.kind == "prefill":
-            measured = profile_prefill(engine, prompt)
-            profiles.append(_to_profile(dtype, row, measured, 1))
+            num_steps, measured = 1, profile_prefill(engine, prompt)
         else:
-            measured = profile_decode(engine, row.num_tokens, prompt_len, NUM_PROFILE_STEPS)
-            profiles.append(_to_profile(dtype, row, measured, NUM_PROFILE_STEPS))
+            num_steps = NUM_PROFILE_STEPS
+            measured = profile_decode(engine, row.num_tokens, prompt_len, num_steps)
+        per_step_us = {op: us / num_steps for op, us in measured.self_times_us.items()}
+        matmul_us = sum(us for op, us in per_step_us.items() if op in MATMUL_OPS)
+        profiles.append(
+            Profile(
+                dtype, row.name, num_steps, measured.wall_s / num_steps,
+                sum(per_step_us.values()) / 1e6, matmul_us / 1e6,
+                top_ops(per_step_us, NUM_PROFILE_OPS),
+            )
+        )  # fmt: skip
     return profiles

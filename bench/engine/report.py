@@ -1,17 +1,10 @@
-"""The engine benchmark's results, roofline and its `## Engine` section of docs/benchmarks.md.
-
-Pure functions of the measured numbers (the tests check them on synthetic ones):
-`ModelShape` and the roofline, the result types (`Row`, `Profile`, `DtypeResult`,
-`BenchReport`), tables, the generated reading and the whole section.
-"""
+"""The engine benchmark's results, roofline and tables: pure functions of the numbers."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-import torch
-
-from tandem.bench.engine.timing import MachineFacts, OpTime
 from tandem.bench.report import render_table
 from tandem.engine.config import ModelConfig
 
@@ -75,15 +68,14 @@ class Row:
     def transformers_met(self) -> bool:
         return self.engine_over_transformers <= TRANSFORMERS_TARGET
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            **self.__dict__,
-            "engine_over_floor": self.engine_over_floor,
-            "engine_over_roofline": self.engine_over_roofline,
-            "engine_over_transformers": self.engine_over_transformers,
-            "floor_met": self.floor_met,
-            "transformers_met": self.transformers_met,
-        }
+
+@dataclass(frozen=True)
+class OpTime:
+    """One row of a CPU profile: an operator's own time (children excluded)."""
+
+    op: str
+    self_s: float
+    percent: float
 
 
 @dataclass(frozen=True)
@@ -112,7 +104,8 @@ class DtypeResult:
 class BenchReport:
     command: str
     quick: bool
-    machine: MachineFacts
+    # `bench.report.machine_facts()` plus the torch facts `engine.measure.torch_facts` adds.
+    machine: dict[str, Any]
     bandwidth: float  # bytes/s
     hf_attention: str
     results: list[DtypeResult] = field(default_factory=list)
@@ -120,26 +113,6 @@ class BenchReport:
     wall_s: float = 0.0
     # 1-minute load average when the run ended (the start is in `machine`).
     load_average_end: float = 0.0
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "command": self.command,
-            "quick": self.quick,
-            "machine": self.machine.__dict__,
-            "bandwidth_bytes_s": self.bandwidth,
-            "hf_attention": self.hf_attention,
-            "wall_s": self.wall_s,
-            "load_average_end": self.load_average_end,
-            "results": [
-                {
-                    "dtype": r.dtype,
-                    "peak_flops": r.peak_flops,
-                    "rows": [x.to_json() for x in r.rows],
-                }
-                for r in self.results
-            ],
-            "profiles": [{**p.__dict__, "ops": [o.__dict__ for o in p.ops]} for p in self.profiles],
-        }
 
 
 def format_time(seconds: float) -> str:
@@ -210,15 +183,7 @@ class ModelShape:
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig) -> ModelShape:
-        return cls(
-            num_layers=cfg.num_layers,
-            hidden_size=cfg.hidden_size,
-            num_heads=cfg.num_heads,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            intermediate_size=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size,
-        )
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
     @property
     def layer_matmul_params(self) -> int:
@@ -318,125 +283,6 @@ def decode_roofline(
     return roofline(weights + kv, flops, bandwidth, peak_flops)
 
 
-def _row(result: DtypeResult, name: str) -> Row | None:
-    return next((r for r in result.rows if r.name == name), None)
-
-
-def _elem_size(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
-
-
-def _decode_sentence(result: DtypeResult) -> str:
-    decodes = [r for r in result.rows if r.kind == "decode"]
-    if not decodes:
-        return ""
-    first, last = decodes[0], decodes[-1]
-    return (
-        f"In {result.dtype}, a batch-{first.num_tokens} decode step takes "
-        f"{format_time(first.engine_s)}, {first.engine_over_floor:.2f}× the model's own "
-        f"weight matmuls and {first.engine_over_roofline:.2f}× the {first.roofline_bound}-"
-        f"bound roofline; at batch {last.num_tokens} it is {last.engine_over_floor:.2f}× "
-        f"the floor ({last.num_tokens / last.engine_s:,.0f} tok/s)."
-    )
-
-
-def _floor_sentence(result: DtypeResult, shape: ModelShape) -> str:
-    """How far the bare batch-1 matmuls already are from streaming at full bandwidth."""
-    b1 = _row(result, "decode b1")
-    if b1 is None or b1.roofline_bound != "memory":
-        return ""
-    weights_gb_s = shape.matmul_params * _elem_size(result.dtype) / b1.floor_s / 1e9
-    return (
-        f"The batch-1 matmul floor is itself {b1.floor_s / b1.roofline_s:.1f}× the roofline: "
-        f"the GEMV kernels stream weights at {weights_gb_s:.1f} GB/s, below the plain-sum "
-        "bandwidth, so the floor is the reachable target."
-    )
-
-
-def _dtype_reading(result: DtypeResult, shape: ModelShape) -> str:
-    parts = [_decode_sentence(result), _floor_sentence(result, shape)]
-    prefill = next((r for r in result.rows if r.kind == "prefill"), None)
-    if prefill is not None:
-        parts.append(
-            f"Prefill of {prefill.num_tokens} tokens runs at "
-            f"{prefill.num_tokens / prefill.engine_s:,.0f} tok/s, "
-            f"{prefill.engine_over_floor:.2f}× the floor."
-        )
-    met = sum(r.transformers_met for r in result.rows)
-    ratios = [r.engine_over_transformers for r in result.rows]
-    parts.append(
-        f"The engine is at least as fast as transformers on {met} of {len(result.rows)} "
-        f"rows (time ratios {min(ratios):.2f}–{max(ratios):.2f})."
-    )
-    return " ".join(p for p in parts if p)
-
-
-def _profiles_reading(profiles: list[Profile]) -> str:
-    """The costliest non-GEMM op of each profiled row, grouped by op."""
-    by_op: dict[str, list[str]] = {}
-    for profile in profiles:
-        other = [op for op in profile.ops if op.op not in MATMUL_OPS]
-        if other:
-            where = f"{profile.dtype} {profile.row} {format_time(other[0].self_s)}"
-            by_op.setdefault(other[0].op, []).append(where)
-    text = (
-        "In the profiles of missed rows the GEMM kernels are the floor itself; the rest is "
-        "the engine's overhead"
-    )
-    if by_op:
-        groups = [f"`{op}` ({'; '.join(rows)} per step)" for op, rows in by_op.items()]
-        text += ", led by " + ", ".join(groups)
-    return text + "."
-
-
-def _dtype_comparison(report: BenchReport) -> str:
-    """bf16 against fp32 engine times, row by row, with the GEMM peaks that explain it."""
-    results = {r.dtype: r for r in report.results}
-    if "float32" not in results or "bfloat16" not in results:
-        return ""
-    fp32, bf16 = results["float32"], results["bfloat16"]
-    ratios = []
-    for row in bf16.rows:
-        base = _row(fp32, row.name)
-        if base is not None:
-            ratios.append(f"{row.name} {row.engine_s / base.engine_s:.2f}×")
-    return (
-        f"bfloat16 against float32 (engine time ratio): {', '.join(ratios)}. Without native "
-        f"bf16 instructions bf16 GEMMs reach {bf16.peak_flops / 1e9:.1f} GFLOP/s against "
-        f"{fp32.peak_flops / 1e9:.1f} for float32, so bf16 only pays off where halving the "
-        "weight bytes matters more than the arithmetic, i.e. small-batch decode."
-    )
-
-
-def _noise_reading(report: BenchReport) -> str:
-    noisy = [
-        f"{result.dtype} {row.name} ({row.foreign_cores:.2f})"
-        for result in report.results
-        for row in result.rows
-        if row.foreign_cores > QUIET_MAX_CORES
-    ]
-    if not noisy:
-        return (
-            f"Other processes used at most {QUIET_MAX_CORES} cores while any row was measured, "
-            "so the numbers are clean."
-        )
-    return (
-        f"Other processes kept cores busy during {', '.join(noisy)} (cores, the last "
-        "column): with 2 threads on 2 cores each parallel op then waits for a descheduled "
-        "peer, so those rows' absolute times are inflated and noisy; their ratios, from "
-        "samples interleaved round by round, are the steadier reading."
-    )
-
-
-def plain_reading(report: BenchReport, shape: ModelShape) -> str:
-    parts = [_dtype_reading(r, shape) for r in report.results]
-    if report.profiles:
-        parts.append(_profiles_reading(report.profiles))
-    parts.append(_dtype_comparison(report))
-    parts.append(_noise_reading(report))
-    return " ".join(p for p in parts if p)
-
-
 FULL_COMMAND = ".venv/bin/tandem-bench engine"
 
 
@@ -446,13 +292,12 @@ def _gb(value: float) -> str:
 
 def _machine_paragraph(report: BenchReport) -> str:
     m = report.machine
-    bf16 = "native bf16 instructions" if m.has_bf16_instructions else "no native bf16 instructions"
+    bf16 = "native" if m["bf16_instructions"] else "no native"
     return (
-        f"**Machine.** {m.cpu_model}, {m.num_cores} cores ({m.cpu_capability}, {bf16}); "
-        f"torch {m.torch_version}, transformers {m.transformers_version}, "
-        f"Python {m.python_version}; torch threads: {m.num_threads}; {m.date_utc}; "
-        f"1-minute load average {m.load_average:.2f} at start, "
-        f"{report.load_average_end:.2f} at end."
+        f"**Machine.** {m['cpu']}, {m['cores']} cores ({m['cpu_capability']}, {bf16} bf16 "
+        f"instructions); torch {m['torch']}, transformers {m['transformers']}, Python "
+        f"{m['python']}; torch threads: {m['threads']}; {m['started']}; 1-minute load average "
+        f"{m['load_avg_1m_at_start']:.2f} at start, {report.load_average_end:.2f} at end."
     )
 
 
@@ -465,51 +310,18 @@ def _ceilings_paragraph(report: BenchReport) -> str:
     )
 
 
-def _method(shape: ModelShape, report: BenchReport) -> str:
-    params = shape.matmul_params
-    return "\n".join(
-        [
-            f"**Method.** `small` preset ({shape.num_layers} layers, hidden {shape.hidden_size}, "
-            f"{shape.num_heads} heads / {shape.num_kv_heads} KV heads, intermediate "
-            f"{shape.intermediate_size}, vocab {shape.vocab_size}); {params / 1e6:.1f}M "
-            "parameters in matmuls (embeddings excluded: a lookup). Times are medians.",
-            "",
-            "- *prefill 512*: one 512-token request, prefix caching off, the `step()` that "
-            "prefills it and samples its first token; fresh request per run, after a warm-up.",
-            "- *decode bB*: B sequences with 128-token prompts enter through the decode-side "
-            "KV import (`reserve_import`/`commit_import`, as a decode worker does), so every "
-            "step yields B tokens; per-step time, context as shown (keys per sequence).",
-            f"- *transformers*: `AutoModelForCausalLM`, `attn_implementation="
-            f'"{report.hf_attention}"` (its default), same weights, dtype and threads; '
-            "prefill = forward of 1×512 with `logits_to_keep=1`; decode = forward of [B, 1] "
-            "with a `DynamicCache` already holding 128 tokens.",
-            "- *matmul floor*: `F.linear(x, W)` over the engine model's own weight tensors in "
-            "model order (per layer qkv, o, gate_up, down; then lm_head on 1 row for prefill, "
-            "B rows for decode), x of 512 / B rows, timed as one pass.",
-            "- *roofline*: max(bytes ÷ bandwidth, FLOPs ÷ peak); bytes = matmul weights "
-            "+ KV cache read; FLOPs = 2 × matmul params × rows + attention; peak = the square "
-            "GEMM's, or the rate the row's own matmul floor reached when that is higher "
-            "(a square GEMM is not always the fastest shape).",
-            "- *targets*: decode ≤ 1.2× matmul floor at batch 1, ≤ 1.3× at larger batches; "
-            "prefill ≤ 1.3×; never slower than transformers (engine/transformers ≤ 1).",
-        ]
-    )
-
-
-def render_section(report: BenchReport, shape: ModelShape) -> str:
-    """The body of `## Engine` (without the heading)."""
+def render_section(report: BenchReport) -> list[str]:
+    """The generated blocks of `## Engine`: the run and its machine, then the tables (the
+    method and the reading are hand-written between and after them)."""
     kind = "quick smoke run — not the reference numbers" if report.quick else "full run"
-    blocks = [
+    run = [
         f"Command (full run, from the repository root):\n\n```\n{FULL_COMMAND}\n```",
         f"This run: `{report.command}` ({kind}, {report.wall_s / 60:.1f} min).",
         _machine_paragraph(report),
         _ceilings_paragraph(report),
-        _method(shape, report),
     ]
-    for result in report.results:
-        blocks.append(f"### {result.dtype}\n\n{format_table(result.rows)}")
+    tables = [f"### {result.dtype}\n\n{format_table(result.rows)}" for result in report.results]
     if report.profiles:
-        blocks.append("### Profiles of missed targets")
-        blocks += [format_profile(p) for p in report.profiles]
-    blocks.append(f"### Reading\n\n{plain_reading(report, shape)}")
-    return "\n\n".join(blocks)
+        tables.append("### Profiles of missed targets")
+        tables += [format_profile(p) for p in report.profiles]
+    return ["\n\n".join(run), "\n\n".join(tables)]

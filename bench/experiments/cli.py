@@ -1,26 +1,19 @@
-"""`tandem-bench experiment NAME`: run an experiment end to end and publish it.
-
-    tandem-bench experiment all            # the four experiments, one run, ~50 min
-    tandem-bench experiment head-of-line   # or frontier, goodput; --quick for a smoke run
-
-Starts the servers it needs (real processes: `tandem serve`, `transformers serve`), runs
-the load, stops them, writes results JSON (bench/results/experiments/), plots
-(docs/img/) and its section of docs/benchmarks.md. Experiment 4 (peer) is not separate:
-`transformers serve` is one of the systems of the frontier and goodput runs.
-"""
+"""`tandem-bench experiment NAME`: run an experiment end to end and publish it."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from tandem.bench.experiments.setup import ExperimentSetup
+from tandem.bench.experiments import frontier, goodput, head_of_line
+from tandem.bench.experiments.setup import ExperimentSetup, grpc_client, http_client
+from tandem.bench.harness import running
+from tandem.bench.loadgen.runner import sweep_to_json
+from tandem.bench.report import machine_facts, write_json, write_section
 
 EXPERIMENTS = ("head-of-line", "frontier", "goodput")
 HEADINGS = {
@@ -32,40 +25,23 @@ HEADINGS = {
 logger = logging.getLogger(__name__)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="run a published experiment: servers, load, plots, docs section"
-    )
-    parser.add_argument("name", choices=(*EXPERIMENTS, "all"), help="which experiment")
-    parser.add_argument("--model", default="models/tandem-small", help="HF model directory")
-    parser.add_argument("--quick", action="store_true", help="few short levels (smoke run)")
-    parser.add_argument("--doc", default="docs/benchmarks.md", help="report to update; '' = none")
-    parser.add_argument("--img-dir", default="docs/img", help="where the plots go")
-    parser.add_argument(
-        "--results-dir", default="bench/results/experiments", help="results JSON and logs"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from tandem.bench.experiments.setup import ExperimentSetup
-
+def main(args: argparse.Namespace) -> int:
+    if not (args.model / "config.json").is_file():
+        print(f"tandem-bench experiment: no model at {args.model} (tandem model make)")
+        return 2
     setup = ExperimentSetup(
-        model_dir=args.model,
-        results_dir=Path(args.results_dir),
-        img_dir=Path(args.img_dir),
+        model_dir=str(args.model),
+        results_dir=args.results_dir,
+        img_dir=args.img_dir,
         doc_path=Path(args.doc) if args.doc else None,
         quick=args.quick,
     )
-    if not Path(args.model, "config.json").is_file():
-        print(f"tandem-bench experiment: no model at {args.model} (tandem model make)")
-        return 2
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     asyncio.run(run_experiments(setup, names))
     return 0
 
 
 async def run_experiments(setup: ExperimentSetup, names: Sequence[str]) -> None:
-    from tandem.bench.report import machine_facts
-
     facts = machine_facts()
     if "head-of-line" in names:
         await _head_of_line(setup, facts)
@@ -75,42 +51,23 @@ async def run_experiments(setup: ExperimentSetup, names: Sequence[str]) -> None:
 
 
 async def _head_of_line(setup: ExperimentSetup, facts: dict[str, Any]) -> None:
-    from tandem.bench.experiments import head_of_line
-    from tandem.bench.experiments.setup import grpc_client
-    from tandem.bench.harness import running
-
     results = {}
     for system in head_of_line.SYSTEMS:
         spec = setup.server(system)
         with running([spec], setup.results_dir / "logs"):
             results[spec.label] = await head_of_line.run_one(setup, grpc_client(spec))
-    stats = {
-        label: head_of_line.head_of_line_stats(r.load.traces).to_json()
-        for label, r in results.items()
-    }
-    _save(
-        setup,
-        "head-of-line",
-        facts,
-        {
-            "stats": stats,
-            "runs": {label: r.to_json() for label, r in results.items()},
-        },
-    )
+    stats = {label: head_of_line.head_of_line_stats(r.load.traces) for label, r in results.items()}
+    runs = {label: r.to_json() for label, r in results.items()}
+    _save(setup, "head-of-line", facts, {"stats": stats, "runs": runs})
     image = _image(setup, "head-of-line")
     head_of_line.plot(results, str(image))
-    _publish(setup, "head-of-line", facts, head_of_line.render(results, setup, _link(setup, image)))
+    _publish(setup, "head-of-line", facts, head_of_line.render(results, _link(setup, image)))
 
 
 async def _frontier_and_goodput(
     setup: ExperimentSetup, names: Sequence[str], facts: dict[str, Any]
 ) -> None:
     """Both use the same servers: started once, every level interleaved across them."""
-    from tandem.bench.experiments import frontier, goodput
-    from tandem.bench.experiments.setup import http_client
-    from tandem.bench.harness import running
-    from tandem.bench.loadgen.runner import sweep_to_json
-
     specs = [setup.server(system) for system in frontier.SYSTEMS]
     with running(specs, setup.results_dir / "logs"):
         clients = {spec.label: http_client(spec) for spec in specs}
@@ -120,11 +77,8 @@ async def _frontier_and_goodput(
             results = await run(setup, clients)
             _save(setup, name, facts, {label: sweep_to_json(r) for label, r in results.items()})
             image = _image(setup, name)
-            if name == "goodput":
-                goodput.plot(results, str(image), goodput.plan_for(setup).slo)
-            else:
-                frontier.plot(results, str(image))
-            _publish(setup, name, facts, module.render(results, setup, _link(setup, image)))
+            module.plot(results, str(image))
+            _publish(setup, name, facts, module.render(results, _link(setup, image)))
 
 
 def _image(setup: ExperimentSetup, name: str) -> Path:
@@ -145,15 +99,14 @@ def _link(setup: ExperimentSetup, image: Path) -> str:
 
 
 def _save(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], data: Any) -> None:
-    setup.results_dir.mkdir(parents=True, exist_ok=True)
     path = setup.results_dir / f"{name}{'-quick' if setup.quick else ''}.json"
-    path.write_text(json.dumps({"machine": facts, "results": data}, indent=1) + "\n")
+    write_json(path, {"machine": facts, "results": data})
     logger.info("results: %s", path)
 
 
 def _publish(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], body: str) -> None:
-    from tandem.bench.report import write_section
-
+    """The section's generated blocks: the run and its machine, then the plot and tables
+    (the method between them is hand-written in the doc)."""
     command = f"tandem-bench experiment {name}{' --quick' if setup.quick else ''}"
     head = (
         f"Command: `{command}` (or `all`). Machine: {facts['cores']} cores, {facts['cpu']}; "
@@ -161,6 +114,5 @@ def _publish(setup: ExperimentSetup, name: str, facts: Mapping[str, Any], body: 
         f"{facts['started']}. Model: `{setup.model_dir}` (fp32)."
     )
     print(f"\n{HEADINGS[name]}\n\n{head}\n\n{body}")
-    if setup.doc_path is None or setup.quick:
-        return
-    write_section(setup.doc_path, HEADINGS[name], f"{head}\n\n{body}")
+    if setup.doc_path is not None and not setup.quick:
+        write_section(setup.doc_path, HEADINGS[name], [head, body])

@@ -1,9 +1,4 @@
-"""Experiment 1 (and the frontier half of 4): the throughput/latency frontier.
-
-Closed loop at concurrency 1, 2, 4, …; fixed prompt and output lengths; every server
-gets the same OpenAI request bodies (text prompts, no extra fields) and each level is
-run against every server before the next (`interleaved_sweep`).
-"""
+"""Experiment 1 (and the frontier half of 4): the throughput/latency frontier."""
 
 from __future__ import annotations
 
@@ -11,8 +6,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tandem.bench.experiments.setup import ExperimentSetup, bench_config, workload
-from tandem.bench.experiments.sweep import interleaved_sweep, series
+from tandem.bench.experiments.setup import (
+    ExperimentSetup,
+    bench_config,
+    interleaved_sweep,
+    series,
+    workload,
+)
 from tandem.bench.loadgen.clients import ClientConfig
 from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.plots import plot_frontier
@@ -21,7 +21,6 @@ from tandem.bench.loadgen.tables import SweepPoint, format_sweep
 from tandem.bench.report import render_table
 
 SYSTEMS = ("disaggregated", "colocated-2", "colocated-1", "transformers")
-PEER = "transformers"
 
 
 @dataclass(frozen=True)
@@ -96,29 +95,17 @@ def peer_rows(points: Mapping[str, Sequence[SweepPoint]], peer_label: str) -> li
     return rows
 
 
-def render(results: Mapping[str, Sequence[BenchResult]], setup: ExperimentSetup, image: str) -> str:
-    plan = plan_for(setup)
+def render(results: Mapping[str, Sequence[BenchResult]], image: str) -> str:
+    """The plot, one table per system, the ratios to the peer (the method is hand-written)."""
     points = series(results)
-    lines = [
-        f"Closed loop, concurrency {', '.join(map(str, plan.concurrencies))}; every request "
-        f"{plan.input_len} prompt words (≈ tokens) → {plan.output_len} output tokens, greedy; "
-        f"max(8, 3·c) requests per level. Same OpenAI `/v1/completions` bodies for every "
-        "server (text prompts, no `ignore_eos`: `transformers serve` refuses both token-id "
-        "prompts and unknown fields), levels interleaved across servers, fresh prompts at "
-        "each level (no prefix-cache hits from an earlier level).",
-        "",
-        f"![frontier]({image})",
-        "",
-    ]
+    blocks = [f"![frontier]({image})"]
     for label, runs in points.items():
-        lines += [f"**{label}**", "", format_sweep(runs, markdown=True), ""]
+        blocks.append(f"**{label}**\n\n{format_sweep(runs, markdown=True)}")
     peer_label = next((label for label in points if label.startswith("transformers")), None)
     if peer_label:
         header = ["Tandem ÷ transformers serve", "out tok/s", "TTFT p50", "ITL p50", "TPOT p50"]
-        lines += [
+        blocks += [
             "Ratios at equal concurrency (throughput: higher is better; latencies: lower):",
-            "",
-            render_table(header, peer_rows(points, peer_label), markdown=True),
-            "",
+            render_table(header, peer_rows(points, peer_label)),
         ]
-    return "\n".join(lines)
+    return "\n\n".join(blocks)

@@ -1,28 +1,11 @@
-"""Experiment 2: head-of-line blocking.
-
-A steady closed loop of short requests; after `inject_at_s` one request with a very long
-prompt arrives. Each layout runs alone on the machine (one server at a time), through
-Tandem's gRPC API (token ids, one message per token: exact arrival times). What the
-short requests' inter-token gaps do while the long prompt is prefilled tells the three
-layouts apart:
-- one colocated worker without chunked prefill runs the whole prompt in one step, so
-  every decode waits about the full prefill;
-- with chunked prefill each step carries one chunk and the decodes, so gaps grow to
-  about one chunk's time, for as long as the prefill lasts;
-- disaggregated, the prompt goes to the prefill worker and the decode worker's steps do
-  not change; what it pays is importing the finished KV (after the prefill). Short
-  requests that arrive while the prefill worker is busy either wait for it (every
-  prefill remote: their TTFT pays) or are prefilled by the decode worker (Tandem's
-  default conditional disaggregation: the running requests' gaps pay one step each);
-  the TTFT of those arrivals is measured next to the gaps.
-"""
+"""Experiment 2: head-of-line blocking."""
 
 from __future__ import annotations
 
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from matplotlib.figure import Figure
 
@@ -100,9 +83,6 @@ class HeadOfLineStats:
     def during_over_baseline(self) -> float:
         return self.during_p99_s / self.baseline_p99_s if self.baseline_p99_s > 0 else math.nan
 
-    def to_json(self) -> dict[str, float]:
-        return {**asdict(self), "during_over_baseline": self.during_over_baseline}
-
 
 def _gaps(traces: Sequence[RequestTrace]) -> list[tuple[float, float]]:
     """(start, end) of every inter-token gap of the successful short requests."""
@@ -176,52 +156,19 @@ def _ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{seconds * 1000:.0f}"
 
 
-def render(results: Mapping[str, BenchResult], setup: ExperimentSetup, image: str) -> str:
-    plan = plan_for(setup)
-    stats = {label: head_of_line_stats(r.load.traces) for label, r in results.items()}
-    rows = [
-        [
-            label,
-            f"{s.long_prefill_s:.2f}",
-            _ms(s.baseline_p99_s),
-            _ms(s.during_p99_s),
-            _ms(s.during_max_s),
-            f"{s.during_over_baseline:.2f}×",
-            _ms(s.join_p99_s),
-            _ms(s.join_max_s),
-            f"{s.arrivals_during}",
-            "-" if math.isnan(s.arrivals_ttft_max_s) else f"{s.arrivals_ttft_max_s:.2f}",
-        ]
-        for label, s in stats.items()
-    ]
-    header = [
-        "layout",
-        "long prefill (s)",
-        "ITL p99 before (ms)",
-        "ITL p99 during (ms)",
-        "max during (ms)",
-        "during ÷ before",
-        "p99 join (ms)",
-        "max join (ms)",
-        "shorts sent during",
-        "their max TTFT (s)",
-    ]
-    return "\n".join(
-        [
-            f"{plan.concurrency} short requests in a closed loop ({plan.short_input_len} prompt "
-            f"→ {plan.short_output_len} output tokens) for {plan.duration_s:g} s; at "
-            f"{plan.inject_at_s:g} s one request with a {plan.long_input_len}-token prompt "
-            f"({plan.long_output_len} output tokens). gRPC, token-id prompts; each layout "
-            'alone on the machine. "Before": short-request gaps that ended before the long '
-            f'prompt was sent (after {RAMP_S:g} s of ramp-up); "during": gaps overlapping '
-            'its prefill (sent → first token); "join": gaps overlapping the '
-            f"{JOIN_WINDOW_S:g} s after its first token (KV import, joining the batch); "
-            "last columns: short requests sent during the long prefill and their slowest "
-            "first token.",
-            "",
-            f"![head-of-line]({image})",
-            "",
-            render_table(header, rows, markdown=True),
-            "",
-        ]
+def render(results: Mapping[str, BenchResult], image: str) -> str:
+    """The plot and the table (the method is hand-written in the doc)."""
+    rows = []
+    for label, result in results.items():
+        s = head_of_line_stats(result.load.traces)
+        ttft = "-" if math.isnan(s.arrivals_ttft_max_s) else f"{s.arrivals_ttft_max_s:.2f}"
+        rows.append(
+            [label, f"{s.long_prefill_s:.2f}", _ms(s.baseline_p99_s), _ms(s.during_p99_s),
+             _ms(s.during_max_s), f"{s.during_over_baseline:.2f}×", _ms(s.join_p99_s),
+             _ms(s.join_max_s), str(s.arrivals_during), ttft]
+        )  # fmt: skip
+    header = (
+        "layout|long prefill (s)|ITL p99 before (ms)|ITL p99 during (ms)|max during (ms)|"
+        "during ÷ before|p99 join (ms)|max join (ms)|shorts sent during|their max TTFT (s)"
     )
+    return f"![head-of-line]({image})\n\n{render_table(header.split('|'), rows)}"

@@ -1,29 +1,28 @@
-"""What every experiment shares: where things go, which systems exist, how to reach them.
-
-Systems (all on the same model directory and the same cores):
-- `disaggregated`: `tandem serve --prefill 1 --decode 1` (router defaults: prompts up to
-  512 tokens may be prefilled by the decode worker itself, longer ones by the prefill
-  pool); `disaggregated-remote-prefill` adds `--max-local-prefill-tokens 0` (every
-  prompt to the prefill pool, as a plain disaggregated server does);
-- `colocated-2`: `tandem serve --colocated 2`, two workers each doing both phases;
-- `colocated-1` / `colocated-1-no-chunking`: one colocated worker (all cores), chunked
-  prefill on/off;
-- `transformers`: `transformers serve --continuous-batching` (the peer).
-Tandem workers get cores ÷ workers torch threads each (`tandem serve`'s default), so
-every layout uses the whole machine; `transformers serve` uses torch's default (all cores).
-"""
+"""What every experiment shares: where things go, which systems exist, how to reach them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tandem.bench.harness import ServerSpec, tandem_spec, transformers_spec
 from tandem.bench.loadgen.clients import ClientConfig
 from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.metrics import SloTargets
-from tandem.bench.loadgen.runner import BenchConfig, LongPromptConfig, WorkloadConfig
+from tandem.bench.loadgen.runner import (
+    BenchConfig,
+    BenchResult,
+    LongPromptConfig,
+    WorkloadConfig,
+    run_benchmark,
+    sweep_points,
+)
+from tandem.bench.loadgen.tables import SweepPoint
 from tandem.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
 
 # One limit for every Tandem layout: room for the longest prompt any experiment sends.
 MAX_MODEL_LEN = 2560
@@ -77,7 +76,10 @@ class ExperimentSetup:
 
     def worker_kv_blocks(self) -> int:
         """KV blocks (16 tokens) of one Tandem worker's default pool: the peer gets as many."""
-        return EngineConfig(model=self.model_dir).num_blocks
+        blocks = EngineConfig(model=self.model_dir).num_blocks
+        if blocks is None:  # `EngineConfig` sizes the pool when it is built
+            raise RuntimeError(f"no KV pool size for {self.model_dir}")
+        return blocks
 
     def server(self, system: str) -> ServerSpec:
         if system not in SYSTEMS:
@@ -133,3 +135,25 @@ def bench_config(
         long_prompt=long_prompt,
         warmup_requests=2,
     )
+
+
+async def interleaved_sweep(
+    configs: Mapping[str, BenchConfig], loads: Sequence[LoadConfig]
+) -> dict[str, list[BenchResult]]:
+    """`configs`: system label → its bench config (its `load` is ignored); one run per
+    (load, system) in load-major order, so slow drift of a shared machine (other processes,
+    heat) falls on all systems alike instead of on whichever ran last."""
+    results: dict[str, list[BenchResult]] = {label: [] for label in configs}
+    for index, load in enumerate(loads):
+        for label, config in configs.items():
+            level = load.concurrency if load.concurrency is not None else f"{load.rate_rps} req/s"
+            logger.info("%s at %s", label, level)
+            workload = replace(config.workload, seed=config.workload.seed + index)
+            result = await run_benchmark(replace(config, load=load, workload=workload))
+            results[label].append(result)
+    return results
+
+
+def series(results: Mapping[str, Sequence[BenchResult]]) -> dict[str, list[SweepPoint]]:
+    """Plot series: system label → its points."""
+    return {label: sweep_points(runs) for label, runs in results.items()}

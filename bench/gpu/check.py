@@ -1,14 +1,4 @@
-"""GPU check: run on a CUDA machine (`python -m tandem.bench.gpu.check --model DIR`).
-
-1. The engine on CUDA (fp32) equals `transformers` greedy on CUDA, token for token.
-2. NCCL KV transfer between two worker processes: needs two GPUs, because NCCL
-   refuses two ranks of one communicator on the same device; with one GPU this part
-   reports that and is skipped.
-3. The full 1 prefill + 1 decode cluster on CUDA through Ray (bundles of half a GPU
-   when only one GPU exists; KV over NCCL with two GPUs, else TCP staging through
-   host memory), 8 concurrent streams token-equal to `transformers`.
-Exits non-zero on any mismatch. Prints one line per check.
-"""
+"""GPU check: run on a CUDA machine (`python -m tandem.bench.gpu.check --model DIR`)."""
 
 from __future__ import annotations
 
@@ -16,6 +6,7 @@ import argparse
 import asyncio
 import random
 import sys
+from pathlib import Path
 
 import torch
 
@@ -30,7 +21,8 @@ def _prompts(vocab: int, lens: tuple[int, ...], seed: int = 7) -> list[list[int]
 def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to("cuda").eval()  # type: ignore[arg-type]  # transformers wraps to()
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -45,7 +37,7 @@ def _hf_greedy(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
-def check_engine(model_dir: str, prompts, expected) -> bool:
+def check_engine(model_dir: str, prompts: list[list[int]], expected: list[list[int]]) -> bool:
     from tandem.engine.config import EngineConfig
     from tandem.engine.generate import generate
     from tandem.engine.llm_engine import Engine
@@ -59,35 +51,39 @@ def check_engine(model_dir: str, prompts, expected) -> bool:
     return ok
 
 
-def check_cluster(model_dir: str, prompts, expected) -> bool:
-    from tandem.cluster.launcher import ClusterConfig, LocalCluster
-    from tests.cluster.client import assert_workers_idle, generate_tokens
+def check_cluster(model_dir: str, prompts: list[list[int]], expected: list[list[int]]) -> bool:
+    """`tandem serve --device cuda` (1P+1D) through the harness; greedy tokens over gRPC.
+    `tandem serve` has no dtype flag: the engine's "auto" is the checkpoint's (float32)."""
+    from tandem.bench.harness import free_port, running, tandem_spec
+    from tandem.bench.loadgen.clients import ClientConfig, GrpcClient
+    from tandem.bench.loadgen.workloads import RequestSpec
 
-    two_gpus = torch.cuda.device_count() >= 2
-    config = ClusterConfig(
-        model_dir=model_dir,
-        device="cuda",
-        kv_backend="nccl" if two_gpus else "tcp",
-        gpus_per_worker=1.0 if two_gpus else 0.5,
-        grpc_port=0,
-        http_port=0,
-        engine_overrides={"dtype": "float32", "max_model_len": 2048},
-    )
+    kv_backend = "nccl" if torch.cuda.device_count() >= 2 else "tcp"
+    flags: tuple[str, ...] = ("--prefill", "1", "--decode", "1", "--device", "cuda")
+    flags += ("--kv-backend", kv_backend)
+    flags += ("--max-model-len", "2048")
+    spec = tandem_spec("gpu-check", model_dir, free_port(), free_port(), flags)
 
-    async def run() -> bool:
-        cluster = LocalCluster(config)
+    async def generate() -> list[list[int]]:
+        client = GrpcClient(ClientConfig(spec.grpc_target or "", request_timeout_s=120.0))
+        await client.start()
         try:
-            await cluster.start()
-            got = await generate_tokens(cluster.router.grpc_endpoint, prompts, MAX_TOKENS)
-            workers = [(w.endpoint, w.role) for w in cluster.workers]
-            await assert_workers_idle(workers, max_channels=1)
-            return got == expected
+            # EOS ends a request as it ends `transformers`' generate.
+            specs = [RequestSpec(f"gpu-{i}", tuple(p), MAX_TOKENS, ignore_eos=False)
+                     for i, p in enumerate(prompts)]  # fmt: skip
+            traces = await asyncio.gather(*(client.stream(s) for s in specs))
         finally:
-            await cluster.stop()
+            await client.close()
+        failed = [t.error for t in traces if t.error]
+        if failed:
+            raise RuntimeError(f"requests failed: {failed}")
+        return [t.token_ids for t in traces]
 
-    ok = asyncio.run(run())
-    print(f"1P+1D cluster on CUDA (kv backend {config.kv_backend}) equals transformers: {ok}")
-    if not two_gpus:
+    with running([spec], Path("bench/results/gpu-logs")):
+        got = asyncio.run(asyncio.wait_for(generate(), timeout=600))
+    ok = got == expected
+    print(f"1P+1D tandem serve on CUDA (kv backend {kv_backend}) equals transformers: {ok}")
+    if kv_backend == "tcp":
         print("NCCL transfer: skipped (one GPU; NCCL needs a device per rank)")
     return ok
 

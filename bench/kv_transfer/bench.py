@@ -1,11 +1,4 @@
-"""KV transfer benchmark: tcp pulls on loopback against raw socket throughput.
-
-    tandem-bench kv-transfer [--model models/tandem-small] [--out docs/benchmarks.md]
-
-Prefill side (`KvTransferService` + a raw socket server) in a child process, decode side
-here, so the GIL does not serialise both ends; KV layout from the model dir (fp32, block
-16), else the small preset's numbers. Writes only the report's `## KV transfer` section.
-"""
+"""KV transfer benchmark: tcp pulls on loopback against raw socket throughput."""
 
 from __future__ import annotations
 
@@ -20,7 +13,6 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -29,7 +21,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from tandem.bench.report import render_table, write_section
+from tandem.bench.report import publish, render_table
 from tandem.engine.config import EngineConfig
 from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferClient, KvTransferService
 from tandem.kv_transfer.tcp_server import tune_socket
@@ -167,7 +159,8 @@ def measure_prefill(model_dir: Path) -> dict[int, float]:
     from tandem.engine.sampling_params import SamplingParams
 
     engine = Engine(EngineConfig(model=str(model_dir), dtype="float32"))
-    max_len, vocab = min(8192, engine.config.max_model_len - 1), engine.model_config.vocab_size
+    max_len = min(8192, (engine.config.max_model_len or 8193) - 1)
+    vocab = engine.model_config.vocab_size
     times: dict[int, float] = {}
     for n in sorted({1024, max_len}):
         for seed in range(2):  # best of two distinct prompts: the machine is shared
@@ -194,13 +187,7 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
         "",
         f"Layout `{args.layout.fingerprint()}`; {os.cpu_count()} CPU cores, load average "
         f"{os.getloadavg()[0]:.1f} at the end (shared machine); torch {torch.__version__}. "
-        "Two processes on loopback (so the GIL does not serialise both ends): prefill side "
-        "`KvTransferService` serving `CacheBlocks` of a paged cache (block ids fully "
-        "shuffled: the worst case for vectored I/O), decode side `KvTransferClient` (tcp). "
-        "Raw = plain `sendall`/`recv_into` of the same bytes between the same processes "
-        f"into a reused buffer. {args.repeats} rounds after a "
-        "warm-up, all variants back to back per round; GB/s from median times; (vs raw) = "
-        'median over rounds of raw time / variant time. Transfer / prefill uses "pull".',
+        f"{args.repeats} rounds after a warm-up; GB/s from median times.",
         "",
     ]
     cells = []
@@ -216,39 +203,11 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
     lines.append(
         render_table([*header.split("|"), "export copy", "prefill s", "transfer / prefill"], cells)
     )
-    pulls, freshs, intos = ([r.vs_raw(n) for r in rows] for n in ("pull", "fresh", "into"))
-    lines += [
-        "",
-        f"Prefill time (* = extrapolated): {args.prefill_note}",
-        "",
-        f'Reading: "pull" (`await client.pull(handle)`, the default) reaches '
-        f"{min(pulls):.0%}-{max(pulls):.0%} of raw (target >= 70%; medians on a shared "
-        "machine, so a few points either way are noise). The prefill side sends "
-        "straight from its cache (`sendmsg`, one iovec per run of adjacent blocks); the "
-        "decode side receives into recycled memory (a result's buffer is reused once "
-        'nothing references it). Without recycling ("fresh memory", '
-        f"`max_pooled_bytes=0`) it reaches {min(freshs):.0%}-{max(freshs):.0%}: the kernel "
-        "faults in and zeroes every page of a new tensor as the socket fills it. "
-        '"Into cache blocks" (`out=CacheBlocks(kv_cache, reserved_ids)`) writes straight '
-        "into the decode engine's shuffled blocks by `recvmsg_into`, saving the later "
-        f"`write_kv` copy ({min(intos):.0%}-{max(intos):.0%}: 16-token blocks cost "
-        'per-iovec work). "Export copy" serves a full-size copy per pull (what '
-        "`Engine.export_kv` returns) and pays the fresh-memory cost on the prefill side.",
-        "",
-    ]
+    lines += ["", f"Prefill time (* = extrapolated): {args.prefill_note}"]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("models/tandem-small"))
-    parser.add_argument("--out", default="docs/benchmarks.md", help="'' = print only")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--prefill-tokens-per-s", type=float, help="else measured")
-    args = parser.parse_args(argv)
-    given = argv if argv is not None else sys.argv[1:]
-    args.command = " ".join(["tandem-bench kv-transfer", *given])
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def main(args: argparse.Namespace) -> int:
     args.layout = KvLayout("tandem-small", "float32", 16, 12, 4, 64)
     if (args.model / "config.json").is_file():
         config = EngineConfig(model=str(args.model), dtype="float32")
@@ -270,8 +229,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             "tokens/s), which underestimates it (attention grows faster than linearly), so "
             "their transfer / prefill is an upper bound."
         )
-    section = render(args, rows, prefill)
-    print(f"{SECTION_HEADING}\n\n{section}")
-    if args.out:
-        write_section(Path(args.out), SECTION_HEADING, section)
+    publish(args.out, SECTION_HEADING, [render(args, rows, prefill)])
     return 0

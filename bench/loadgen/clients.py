@@ -1,13 +1,4 @@
-"""Streaming clients, one per target kind, behind one interface.
-
-`make_client(config)` picks by the target's scheme: `grpc://HOST:PORT` streams Tandem's
-`tandem.v1.Generation/Generate`; `http://` or `https://` streams any OpenAI-compatible
-`/v1/completions` (SSE) — vLLM, SGLang, TGI's OpenAI layer, Tandem's own — so several
-servers are measured by the same code. `start()` connects and learns the model
-(`ConnectionError` when the server cannot be reached or asked);
-`stream(spec)` sends one request and returns its `RequestTrace` (it never raises for a
-failed request: the failure is the trace's `error`); `close()` frees the connection.
-"""
+"""Streaming clients, one per target kind, behind one interface."""
 
 from __future__ import annotations
 
@@ -20,14 +11,14 @@ from typing import Protocol
 import grpc
 
 from tandem.bench.loadgen.traces import RequestTrace
-from tandem.bench.loadgen.workloads import FIRST_TOKEN_ID, RequestSpec
+from tandem.bench.loadgen.workloads import RequestSpec
 from tandem.proto.server_options import GRPC_OPTIONS
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-PROMPT_FORMATS = ("ids", "text", "auto")
+PROMPT_FORMATS = ("ids", "text")
 
 _GRPC_FINISH = {
     gen_pb.FINISH_REASON_STOP: "stop",
@@ -42,8 +33,7 @@ class ClientConfig:
     target: str
     # Served model name; "" = the first model the server lists.
     model: str = ""
-    # How prompts travel: "ids" (token ids), "text" (`RequestSpec.prompt_text`) or "auto"
-    # (ids, unless a probe request shows the server refuses them).
+    # How prompts travel: "ids" (token ids) or "text" (`RequestSpec.prompt_text`).
     prompt_format: str = "ids"
     temperature: float = 0.0
     # Per-request deadline; a request past it fails with error "timeout"/DEADLINE_EXCEEDED.
@@ -54,8 +44,6 @@ class ClientConfig:
     # HTTP only: send only OpenAI's own request fields (no `ignore_eos`), for servers that
     # refuse unknown ones (`transformers serve`); outputs may then end early at EOS.
     strict_openai: bool = False
-    # HTTP only: sent as `Authorization: Bearer ...`.
-    api_key: str | None = None
 
     def __post_init__(self) -> None:
         if not self.target.startswith(("grpc://", "http://", "https://")):
@@ -81,7 +69,6 @@ class ServerInfo:
     # None when the server does not say.
     max_model_len: int | None
     vocab_size: int | None
-    # The prompt format actually used ("ids" or "text"; "auto" resolved).
     prompt_format: str
 
 
@@ -101,11 +88,6 @@ def make_client(config: ClientConfig) -> Client:
     return HttpClient(config)
 
 
-def probe_spec() -> RequestSpec:
-    """A tiny request used to check the server takes token-id prompts."""
-    return RequestSpec("probe", (FIRST_TOKEN_ID,) * 4, max_tokens=1)
-
-
 class GrpcClient:
     """Tandem's public gRPC API; token ids come per message, so arrivals are exact."""
 
@@ -114,7 +96,7 @@ class GrpcClient:
         self.endpoint = config.target.removeprefix("grpc://").rstrip("/")
         self._channel: grpc.aio.Channel | None = None
         self._stub: generation_pb2_grpc.GenerationStub | None = None
-        self._prompt_format = "ids" if config.prompt_format == "auto" else config.prompt_format
+        self._prompt_format = config.prompt_format
         self._model = config.model
 
     async def start(self) -> ServerInfo:
@@ -177,19 +159,11 @@ class GrpcClient:
             error = f"{exc.code().name}: {exc.details()}"
         if not error and not finish_reason:
             error = "stream ended without a finish reason"
+        num_output = len(times) if num_output_tokens is None else num_output_tokens
         return RequestTrace(
-            req_id=spec.req_id,
-            tag=spec.tag,
-            prompt_len=num_prompt_tokens,
-            max_tokens=spec.max_tokens,
-            send_s=send_s,
-            end_s=time.perf_counter(),
-            token_times_s=times,
-            num_output_tokens=len(times) if num_output_tokens is None else num_output_tokens,
-            finish_reason=finish_reason,
-            error=error,
-            token_ids=token_ids,
-        )
+            spec.req_id, spec.tag, num_prompt_tokens, spec.max_tokens, send_s,
+            time.perf_counter(), times, num_output, finish_reason, error, token_ids,
+        )  # fmt: skip
 
     async def close(self) -> None:
         if self._channel is not None:

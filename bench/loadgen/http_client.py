@@ -1,17 +1,4 @@
-"""OpenAI-compatible `/v1/completions` over SSE, timed per chunk.
-
-Body: `stream: true`, `stream_options.include_usage` (the final usage chunk gives the
-server's own output-token count), `ignore_eos` as an extra field (vLLM, SGLang and
-Tandem honour it; a server that does not may stop early, which the trace shows; with
-`strict_openai` it is left out for servers that refuse unknown fields), and
-the prompt as a list of token ids (OpenAI's `prompt: [int, ...]` form) or as text.
-
-Tokens per chunk: the chunk's `logprobs.tokens` when present (`http_logprobs`), else its
-`token_ids` when the server adds them, else 1 per chunk with text. A server may merge
-several tokens into one chunk (a detokenizer holding back an incomplete character does),
-so without logprobs the arrivals can be fewer than `num_output_tokens`; TPOT uses the
-usage count and stays exact, the ITL gaps are then gaps between chunks.
-"""
+"""OpenAI-compatible `/v1/completions` over SSE, timed per chunk."""
 
 from __future__ import annotations
 
@@ -22,14 +9,11 @@ from typing import Any
 
 import aiohttp
 
-from tandem.bench.loadgen.clients import ClientConfig, ServerInfo, probe_spec
+from tandem.bench.loadgen.clients import ClientConfig, ServerInfo
 from tandem.bench.loadgen.traces import RequestTrace
 from tandem.bench.loadgen.workloads import RequestSpec
 
 logger = logging.getLogger(__name__)
-
-# HTTP statuses that mean "this body is not acceptable" (a probe with token ids got one).
-_REFUSED = (400, 422)
 
 
 class HttpClient:
@@ -41,11 +25,8 @@ class HttpClient:
         self._model = config.model
 
     async def start(self) -> ServerInfo:
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         # No connection limit: the load driver, not the pool, decides the concurrency.
-        self._session = aiohttp.ClientSession(
-            headers=headers, connector=aiohttp.TCPConnector(limit=0)
-        )
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         timeout = aiohttp.ClientTimeout(total=30)
         try:
             async with self._session.get(f"{self.base_url}/v1/models", timeout=timeout) as resp:
@@ -61,12 +42,6 @@ class HttpClient:
         if self._model and card.get("id") != self._model:
             raise RuntimeError(f"{self.base_url} does not serve {self._model!r}")
         self._model = str(card["id"])
-        if self._prompt_format == "auto":
-            self._prompt_format = "ids"
-            trace = await self.stream(probe_spec())
-            if trace.error.startswith(tuple(f"HTTP {s}" for s in _REFUSED)):
-                logger.info("%s refuses token-id prompts (%s): sending text", self.base_url, trace)
-                self._prompt_format = "text"
         return ServerInfo(
             model=self._model,
             max_model_len=card.get("max_model_len"),
@@ -112,18 +87,11 @@ class HttpClient:
             state.error = f"{type(exc).__name__}: {exc}"
         if not state.error and not state.finish_reason:
             state.error = "stream ended without a finish reason"
+        num_output = len(state.times) if state.usage is None else state.usage
         return RequestTrace(
-            req_id=spec.req_id,
-            tag=spec.tag,
-            prompt_len=state.prompt_usage or spec.prompt_len,
-            max_tokens=spec.max_tokens,
-            send_s=send_s,
-            end_s=time.perf_counter(),
-            token_times_s=state.times,
-            num_output_tokens=len(state.times) if state.usage is None else state.usage,
-            finish_reason=state.finish_reason,
-            error=state.error,
-        )
+            spec.req_id, spec.tag, state.prompt_usage or spec.prompt_len, spec.max_tokens,
+            send_s, time.perf_counter(), state.times, num_output, state.finish_reason, state.error,
+        )  # fmt: skip
 
     async def close(self) -> None:
         if self._session is not None:

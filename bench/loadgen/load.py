@@ -1,17 +1,4 @@
-"""Load drivers: who sends which request when.
-
-- Closed loop: `concurrency` workers, each sending its next request when its last one
-  ends (throughput/latency frontier at a fixed load).
-- Open loop: requests leave on a seeded Poisson schedule at `rate_rps` whatever the
-  server does (goodput against offered load); `poisson_schedule` is that schedule,
-  computed up front so it can be checked without a clock.
-- Injections: extra requests (a long prompt) sent at fixed offsets from the start, on
-  top of either loop; they do not count towards `num_requests`.
-
-The run stops sending after `num_requests` or `duration_s` (whichever comes first) and
-waits for what is in flight; `timeout_s` bounds the whole run, and requests still open
-then are cancelled and recorded as failed ("cancelled: run timeout").
-"""
+"""Load drivers: who sends which request when."""
 
 from __future__ import annotations
 
@@ -26,7 +13,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from tandem.bench.loadgen.clients import Client
+from tandem.bench.loadgen.clients import Client, ClientConfig, GrpcClient
 from tandem.bench.loadgen.traces import RequestTrace
 from tandem.bench.loadgen.workloads import RequestSpec, Workload
 
@@ -139,6 +126,19 @@ async def run_load(
     return LoadResult(traces=traces, duration_s=max(duration_s, 1e-9))
 
 
+async def grpc_load(
+    target: str, workload: Workload, config: LoadConfig, request_timeout_s: float = 120.0
+) -> LoadResult:
+    """`run_load` with a gRPC client of its own (text prompts), closed afterwards."""
+    client_config = ClientConfig(target, prompt_format="text", request_timeout_s=request_timeout_s)
+    client = GrpcClient(client_config)
+    await client.start()
+    try:
+        return await run_load(client, workload, config)
+    finally:
+        await client.close()
+
+
 class _Run:
     """One run's state: the request tasks it started and the traces they left."""
 
@@ -213,12 +213,7 @@ class _Run:
 
 
 def _failed(spec: RequestSpec, send_s: float, error: str) -> RequestTrace:
+    end_s = time.perf_counter()
     return RequestTrace(
-        req_id=spec.req_id,
-        tag=spec.tag,
-        prompt_len=spec.prompt_len,
-        max_tokens=spec.max_tokens,
-        send_s=send_s,
-        end_s=time.perf_counter(),
-        error=error,
+        spec.req_id, spec.tag, spec.prompt_len, spec.max_tokens, send_s, end_s, error=error
     )

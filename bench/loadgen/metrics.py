@@ -1,17 +1,4 @@
-"""Latency and throughput metrics: pure functions over `RequestTrace`s.
-
-Definitions (per request, from its token arrival times t₁ ≤ … ≤ tₙ and send time s):
-- TTFT = t₁ − s;  ITL = every gap tᵢ₊₁ − tᵢ (pooled over requests for percentiles);
-- TPOT = (tₙ − t₁) / (n − 1) with n the server's output-token count (undefined for n < 2);
-- e2e = end − s.
-Throughput counts successful requests and their output tokens over the run's duration.
-A request meets the SLO when it succeeded, TTFT ≤ its TTFT target (requests tagged
-"long" — documents of a mixed workload — may have a target of their own) and TPOT ≤ the ITL
-target (its mean inter-token latency, as DistServe and Tandem's router define it; a
-request with one output token has no TPOT and is judged on TTFT alone). Failed requests
-are misses. Goodput = requests meeting the SLO per second of the run.
-Percentiles interpolate linearly between order statistics (numpy's default "linear").
-"""
+"""Latency and throughput metrics: pure functions over `RequestTrace`s."""
 
 from __future__ import annotations
 
@@ -19,11 +6,12 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.bench.loadgen.traces import RequestTrace
 from tandem.bench.loadgen.workloads import LONG_TAG
+from tandem.bench.report import plain
 
 PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -151,19 +139,7 @@ class RunSummary:
     goodput_rps: float = math.nan
 
     def to_json(self) -> dict[str, Any]:
-        return _finite_or_none(asdict(self))
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RunSummary:
-        """Inverse of `to_json` (null back to NaN), to replot a saved results file."""
-        values: dict[str, Any] = {k: math.nan if v is None else v for k, v in data.items()}
-        for name in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
-            fields: dict[str, Any] = {
-                k: math.nan if v is None else v for k, v in data[name].items()
-            }
-            values[name] = Distribution(**fields)
-        values["slo"] = SloTargets(**data["slo"])
-        return cls(**values)
+        return dict(plain(self))
 
 
 def summarize(
@@ -194,14 +170,3 @@ def summarize(
         slo_attainment=slo_attainment(traces, slo),
         goodput_rps=goodput_rps(traces, slo, duration_s),
     )
-
-
-def _finite_or_none(value: Any) -> Any:
-    """JSON has no NaN: NaN and ±inf become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite_or_none(v) for v in value]
-    return value

@@ -1,12 +1,5 @@
 """Plots of benchmark results, written to PNG (matplotlib `Figure`s rendered by Agg:
-no pyplot, no display, no global figure state).
-
-- `plot_frontier`: output throughput against TTFT and ITL, one curve per server,
-  one point per concurrency (the latency/throughput frontier);
-- `plot_itl_timeline`: every inter-token gap of the short requests against time, with
-  each long prompt's prefill shaded (head-of-line blocking shows as a spike there);
-- `plot_goodput`: goodput and SLO attainment against offered request rate.
-"""
+no pyplot, no display, no global figure state)."""
 
 from __future__ import annotations
 
@@ -15,9 +8,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from tandem.bench.loadgen.metrics import itl_gaps_s, ttft_s
 from tandem.bench.loadgen.tables import SweepPoint
-from tandem.bench.loadgen.traces import RequestTrace
 
 Series = Mapping[str, Sequence[SweepPoint]]
 
@@ -54,48 +45,6 @@ def plot_frontier(series: Series, path: str | Path, title: str = "") -> Path:
     return save_png(fig, path)
 
 
-def plot_itl_timeline(
-    traces: Sequence[RequestTrace], path: str | Path, long_tag: str = "long", title: str = ""
-) -> Path:
-    """ITL gaps of the non-long requests at their arrival times; long prefills shaded.
-
-    `traces` should share one time origin (a `LoadResult`'s traces do: the run start).
-    """
-    fig = Figure(figsize=(11, 4.2))
-    ax = fig.subplots()
-    times: list[float] = []
-    gaps: list[float] = []
-    for trace in traces:
-        if trace.tag == long_tag or not trace.ok:
-            continue
-        times += trace.token_times_s[1:]
-        gaps += [g * 1000 for g in itl_gaps_s(trace)]
-    ax.scatter(times, gaps, s=4, alpha=0.5, label="short requests: ITL gaps")
-    for i, trace in enumerate(t for t in traces if t.tag == long_tag):
-        first = ttft_s(trace)
-        prefill_end = trace.send_s + first if first is not None else trace.end_s
-        ax.axvspan(
-            trace.send_s,
-            prefill_end,
-            color="tab:red",
-            alpha=0.15,
-            label="long prompt: send → first token" if i == 0 else None,
-        )
-        ax.axvline(
-            trace.end_s,
-            color="tab:red",
-            alpha=0.4,
-            linestyle=":",
-            label="long prompt: end" if i == 0 else None,
-        )
-    ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("inter-token gap (ms)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title or "ITL of short requests around long-prompt injections")
-    return save_png(fig, path)
-
-
 def plot_goodput(series: Series, path: str | Path, title: str = "") -> Path:
     """Goodput (left) and SLO attainment (right) against the offered request rate."""
     fig = Figure(figsize=(11, 4.2))
@@ -120,5 +69,5 @@ def plot_goodput(series: Series, path: str | Path, title: str = "") -> Path:
     return save_png(fig, path)
 
 
-def _colors() -> list[str]:
+def _colors() -> list[str]:  # matplotlib's default color cycle, by name
     return [f"C{i}" for i in range(10)]

@@ -1,20 +1,10 @@
-"""One benchmark run, or a sweep of runs, from a `BenchConfig`: the API experiments use.
-
-    config = BenchConfig(ClientConfig("grpc://127.0.0.1:50051"), WorkloadConfig("chat"),
-                         LoadConfig(rate_rps=4, num_requests=200), slo=SloTargets(1.0, 0.1))
-    result = asyncio.run(run_benchmark(config))   # result.summary, result.to_json()
-
-A run: start the client (learn the model, its limits and vocabulary), build the
-workload, send `warmup_requests` unrecorded requests one by one, drive the load (with
-any long-prompt injections), summarise. A sweep reuses one client for every point and
-sends the same requests (same seed) at each load level.
-"""
+"""One benchmark run, or a sweep of runs, from a `BenchConfig`: the API experiments use."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.bench.loadgen.clients import Client, ClientConfig, ServerInfo, make_client
@@ -27,15 +17,13 @@ from tandem.bench.loadgen.workloads import (
     ChatWorkload,
     FixedWorkload,
     MixedWorkload,
-    RandomWorkload,
-    SharedPrefixWorkload,
     Vocab,
-    Workload,
 )
+from tandem.bench.report import plain
 
 logger = logging.getLogger(__name__)
 
-WORKLOAD_KINDS = ("fixed", "random", "shared-prefix", "chat", "mixed")
+WORKLOAD_KINDS = ("fixed", "chat", "mixed")
 # Bumped when the results JSON changes shape.
 RESULTS_VERSION = 1
 # Used to clip the chat mix when the server does not say its limit.
@@ -45,16 +33,10 @@ DEFAULT_MAX_MODEL_LEN = 4096
 @dataclass(frozen=True)
 class WorkloadConfig:
     kind: str = "fixed"
-    # fixed/random: prompt length; shared-prefix: suffix length; chat: mean (None = ChatMix's).
+    # Prompt tokens (chat: the mean; None = 128, chat: ChatMix's).
     input_len: int | None = None
-    # Output tokens (chat: the mean; None = ChatMix's).
+    # Output tokens (chat: the mean; None = 128, chat: ChatMix's).
     output_len: int | None = None
-    # random: lengths uniform in len·(1 ± range_ratio).
-    range_ratio: float = 0.5
-    # shared-prefix: K prefixes of prefix_len ids × M suffixes.
-    num_prefixes: int = 4
-    num_suffixes: int = 8
-    prefix_len: int = 256
     # Token ids are drawn below this; None = the server's vocabulary (gRPC reports it).
     vocab_size: int | None = None
     # chat/mixed: clip prompt + output to this; None = the server's limit.
@@ -90,13 +72,11 @@ class BenchConfig:
     # Sent one at a time before the run and not recorded (connections, first-call costs).
     warmup_requests: int = 1
 
-    def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["client"].pop("api_key", None)  # never write a secret into a results file
-        return data
 
 
-def build_workload(config: WorkloadConfig, server: ServerInfo) -> Workload:
+def build_workload(
+    config: WorkloadConfig, server: ServerInfo
+) -> FixedWorkload | ChatWorkload | MixedWorkload:
     vocab_size = config.vocab_size or server.vocab_size
     if vocab_size is None:
         if server.prompt_format == "ids":
@@ -109,17 +89,6 @@ def build_workload(config: WorkloadConfig, server: ServerInfo) -> Workload:
     input_len, output_len = config.input_len or 128, config.output_len or 128
     if config.kind == "fixed":
         return FixedWorkload(vocab, input_len, output_len)
-    if config.kind == "random":
-        return RandomWorkload(vocab, input_len, output_len, config.range_ratio)
-    if config.kind == "shared-prefix":
-        return SharedPrefixWorkload(
-            vocab,
-            config.num_prefixes,
-            config.num_suffixes,
-            config.prefix_len,
-            input_len,
-            output_len,
-        )
     defaults = ChatMix()
     mix = ChatMix(
         mean_input_len=config.input_len or defaults.mean_input_len,
@@ -150,17 +119,10 @@ class BenchResult:
     # Per tag ("short", "long"), when the run had more than one.
     by_tag: dict[str, RunSummary]
 
-    def to_json(self, include_traces: bool = True) -> dict[str, Any]:
-        data: dict[str, Any] = {
-            "version": RESULTS_VERSION,
-            "config": self.config.to_json(),
-            "server": asdict(self.server),
-            "summary": self.summary.to_json(),
-            "by_tag": {tag: s.to_json() for tag, s in self.by_tag.items()},
-        }
-        if include_traces:
-            data["traces"] = [t.to_json() for t in self.load.traces]
-        return data
+    def to_json(self) -> dict[str, Any]:
+        fields = ("config", "server", "summary", "by_tag")
+        data = {name: plain(getattr(self, name)) for name in fields}
+        return {"version": RESULTS_VERSION, **data, "traces": plain(self.load.traces)}
 
 
 def summarize_run(load: LoadResult, slo: SloTargets) -> tuple[RunSummary, dict[str, RunSummary]]:
@@ -229,27 +191,14 @@ def sweep_to_json(results: Sequence[BenchResult]) -> dict[str, Any]:
     (no traces)."""
     if not results:
         raise ValueError("a sweep needs at least one result")
-    config = results[0].config.to_json()
-    config["load"] = [asdict(r.config.load) for r in results]
+    config = plain(results[0].config)
+    config["load"] = plain([r.config.load for r in results])
+    points = [
+        {"concurrency": r.config.load.concurrency, "rate_rps": r.config.load.rate_rps,
+         "summary": plain(r.summary), "by_tag": plain(r.by_tag)}
+        for r in results
+    ]  # fmt: skip
     return {
-        "version": RESULTS_VERSION,
-        "config": config,
-        "server": asdict(results[0].server),
-        "points": [
-            {
-                "concurrency": r.config.load.concurrency,
-                "rate_rps": r.config.load.rate_rps,
-                "summary": r.summary.to_json(),
-                "by_tag": {tag: s.to_json() for tag, s in r.by_tag.items()},
-            }
-            for r in results
-        ],
-    }
-
-
-def sweep_points_from_json(data: dict[str, Any]) -> list[SweepPoint]:
-    """The points of a `sweep_to_json` document (to replot or compare saved sweeps)."""
-    return [
-        SweepPoint(RunSummary.from_json(p["summary"]), p["concurrency"], p["rate_rps"])
-        for p in data["points"]
-    ]
+        "version": RESULTS_VERSION, "config": config, "server": plain(results[0].server),
+        "points": points,
+    }  # fmt: skip

@@ -1,7 +1,4 @@
-"""Readable tables of load generator run summaries: plain text for a terminal, markdown for docs.
-
-Latencies are shown in milliseconds; NaN (no samples) as "-".
-"""
+"""Tables of load generator summaries: plain text for a terminal, markdown for docs."""
 
 from __future__ import annotations
 

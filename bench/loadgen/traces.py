@@ -1,14 +1,8 @@
-"""`RequestTrace`: what one request did, as the load generator saw it.
-
-Clients fill one per request; the metrics are pure functions of a list of them, and the
-results JSON stores them (times relative to the run's start), so any plot can be redrawn
-from a results file without rerunning.
-"""
+"""`RequestTrace`: what one request did, as the load generator saw it."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -53,10 +47,3 @@ class RequestTrace:
             token_times_s=[t - origin_s for t in self.token_times_s],
             scheduled_s=None if self.scheduled_s is None else self.scheduled_s - origin_s,
         )
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> RequestTrace:
-        return cls(**data)

@@ -1,15 +1,9 @@
-"""Request specs for a benchmark run, generated (never downloaded) from a seed.
-
-Every workload is a pure function of its parameters, its seed and the request's index
-(`workload.request(i)`), so the first n requests of a long run equal an n-request run,
-and two servers measured side by side get the same prompts. Prompts are token ids in
-`[FIRST_TOKEN_ID, vocab_size)`; `prompt_text` renders the same ids as words for servers
-that only take text (one word per id, so a shared id prefix stays a shared text prefix;
-the server's token count of that text is only close to `prompt_len`).
-"""
+"""Request specs for a benchmark run, generated (never downloaded) from a seed."""
 
 from __future__ import annotations
 
+import random
+import uuid
 import zlib
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,9 +39,8 @@ SHORT_TAG = "short"
 LONG_TAG = "long"
 
 # Seed streams: requests of different workloads (and long prompts) never share a stream.
-_STREAM_FIXED, _STREAM_RANDOM, _STREAM_PREFIX, _STREAM_SUFFIX, _STREAM_CHAT, _STREAM_MIX = range(
-    1, 7
-)
+# The numbers are part of the published runs' prompts: keep them.
+_STREAM_FIXED, _STREAM_CHAT, _STREAM_MIX = 1, 5, 6
 
 
 @dataclass(frozen=True)
@@ -77,8 +70,8 @@ class RequestSpec:
 class Workload(Protocol):
     """A deterministic, unbounded sequence of request specs."""
 
-    name: str
-    vocab: Vocab
+    @property
+    def name(self) -> str: ...
 
     def request(self, index: int) -> RequestSpec: ...
 
@@ -133,69 +126,26 @@ class FixedWorkload:
 
 
 @dataclass(frozen=True)
-class RandomWorkload:
-    """Lengths uniform in [len·(1 − range_ratio), len·(1 + range_ratio)] (as vLLM's
-    `random` dataset), at least 1."""
+class TextPrompts:
+    """Text prompts of `num_words` words that share no prefix block (each starts with its
+    own number), so the prefix cache cannot turn their prefill into a lookup; request i is
+    a pure function of (seed, i). With `text` every request sends that text instead."""
 
-    vocab: Vocab
-    input_len: int
-    output_len: int
-    range_ratio: float = 0.5
-    name: str = "random"
-
-    def __post_init__(self) -> None:
-        _check_positive(input_len=self.input_len, output_len=self.output_len)
-        if not 0 <= self.range_ratio < 1:
-            raise ValueError(f"range_ratio must be in [0, 1), got {self.range_ratio}")
-
-    def _length(self, rng: np.random.Generator, mean_len: int) -> int:
-        low = max(1, int(mean_len * (1 - self.range_ratio)))
-        high = max(low, int(mean_len * (1 + self.range_ratio)))
-        return int(rng.integers(low, high + 1))
+    seed: int
+    max_tokens: int
+    text: str = ""
+    # About 45 tokens with the presets' tokenizer.
+    num_words: int = 40
+    name: str = "text"
 
     def request(self, index: int) -> RequestSpec:
-        rng = self.vocab.rng(_STREAM_RANDOM, index)
-        input_len = self._length(rng, self.input_len)
-        output_len = self._length(rng, self.output_len)
-        return RequestSpec(f"random-{index}", self.vocab.token_ids(rng, input_len), output_len)
-
-
-@dataclass(frozen=True)
-class SharedPrefixWorkload:
-    """K system prompts (`prefix_len` ids) × M user suffixes (`suffix_len` ids).
-
-    Request i uses prefix i mod K (round robin, so all K stay live in the prefix cache)
-    and that prefix's suffix ⌊i / K⌋ mod M; K·M requests cover every pair once.
-    """
-
-    vocab: Vocab
-    num_prefixes: int
-    num_suffixes: int
-    prefix_len: int
-    suffix_len: int
-    output_len: int
-    name: str = "shared-prefix"
-
-    def __post_init__(self) -> None:
-        _check_positive(
-            num_prefixes=self.num_prefixes,
-            num_suffixes=self.num_suffixes,
-            prefix_len=self.prefix_len,
-            suffix_len=self.suffix_len,
-            output_len=self.output_len,
-        )
-
-    @property
-    def num_pairs(self) -> int:
-        return self.num_prefixes * self.num_suffixes
-
-    def request(self, index: int) -> RequestSpec:
-        prefix_index = index % self.num_prefixes
-        suffix_index = (index // self.num_prefixes) % self.num_suffixes
-        prefix = self.vocab.token_ids(self.vocab.rng(_STREAM_PREFIX, prefix_index), self.prefix_len)
-        suffix_rng = self.vocab.rng(_STREAM_SUFFIX, prefix_index, suffix_index)
-        suffix = self.vocab.token_ids(suffix_rng, self.suffix_len)
-        return RequestSpec(f"prefix{prefix_index}-{index}", prefix + suffix, self.output_len)
+        if self.text:  # the same prompt each time: ids must still be unique
+            req_id = f"{self.seed}-{index}-{uuid.uuid4().hex[:8]}"
+            return RequestSpec(req_id, (), self.max_tokens, text=self.text)
+        rng = random.Random(self.seed * 1_000_003 + index)
+        words = " ".join(rng.choice(WORDS) for _ in range(self.num_words))
+        req_id = f"{self.seed}-{index}"
+        return RequestSpec(req_id, (), self.max_tokens, text=f"{req_id}: {words}")
 
 
 @dataclass(frozen=True)
@@ -220,14 +170,13 @@ class ChatMix:
 
     def sample(self, rng: np.random.Generator) -> tuple[int, int]:
         """One (input_len, output_len) pair, each at least `min_len`."""
-        lengths = []
-        for mean_len, sigma in (
-            (self.mean_input_len, self.input_sigma),
-            (self.mean_output_len, self.output_sigma),
-        ):
-            mu = np.log(mean_len) - sigma**2 / 2
-            lengths.append(max(self.min_len, round(float(rng.lognormal(mu, sigma)))))
-        return lengths[0], lengths[1]
+        def draw(mean_len: float, sigma: float) -> int:
+            mu = np.log(mean_len) - sigma**2 / 2  # a log-normal's mean is e^(mu + sigma²/2)
+            return max(self.min_len, round(float(rng.lognormal(mu, sigma))))
+
+        # Input first: the same seed gives the same pairs as ever.
+        input_len = draw(self.mean_input_len, self.input_sigma)
+        return input_len, draw(self.mean_output_len, self.output_sigma)
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,4 @@
-"""Instant fake workers and a router over them, for measuring the router's own cost.
-
-`... workers` serves a `PrefillWorker` and a `DecodeWorker` gRPC server (plus
-gRPC health) that answer at once: `Prefill` returns a first token and a dummy
-`KvHandle`, `Decode` streams the remaining `max_tokens - 1` tokens in one message and
-finishes; nothing is computed and no KV is pulled (there is none). `Stats` reports an
-idle worker with a large, free block pool, so the policy never runs out of room.
-`... router` runs a real `Router` over them. Each runs as its own process started by the
-harness, so the router's core is not shared with its workers:
-
-    python -m tandem.bench.router.fake_workers workers --prefill-port A --decode-port B
-    python -m tandem.bench.router.fake_workers router --prefill-port A --decode-port B \\
-        --model models/tandem-tiny --grpc-port G --http-port H
-"""
+"""Instant fake workers and a router over them, for measuring the router's own cost."""
 
 from __future__ import annotations
 

@@ -1,16 +1,4 @@
-"""Router overhead: added latency per request, and requests/s one router core sustains.
-
-    tandem-bench router [--model models/tandem-tiny] [--out docs/benchmarks.md] [--quick]
-
-Part 1, *added latency*: `tandem serve --prefill 1 --decode 1` (tiny model, always
-disaggregating) as a process and, from this process, N sequential requests alternately
-via the router's `Generate` (the load generator's gRPC client) and straight to the
-workers: `Prefill`, then `Decode` with the returned `KvHandle`, as `RequestFlow` does.
-Part 2, *throughput*: instant fake workers and a real router over them, each a process
-of its own (`bench.router.fake_workers`; the router pinned to one core), and the load
-generator's closed loop from this process on the other cores. Writes
-`## Router overhead` of docs/benchmarks.md and raw numbers to bench/results/router.json.
-"""
+"""Router overhead: added latency per request, and requests/s one router core sustains."""
 
 from __future__ import annotations
 
@@ -22,32 +10,31 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
 
 from tandem.bench.harness import (
     ServerSpec,
+    cpu_pair_spec,
     ensure_model,
-    exit_on_sigterm,
     free_port,
     process_cpu_s,
     running,
-    tandem_spec,
 )
 from tandem.bench.loadgen.clients import ClientConfig, GrpcClient
 from tandem.bench.loadgen.load import LoadConfig, run_load
 from tandem.bench.loadgen.metrics import Distribution, e2e_s, ttft_s
 from tandem.bench.loadgen.traces import RequestTrace
-from tandem.bench.loadgen.workloads import RequestSpec
+from tandem.bench.loadgen.workloads import TextPrompts
 from tandem.bench.report import (
     format_ms,
     machine_facts,
     machine_sentence,
+    publish,
     render_table,
+    run_block,
     write_json,
-    write_section,
 )
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.server_options import GRPC_OPTIONS
@@ -62,24 +49,8 @@ logger = logging.getLogger(__name__)
 SECTION_HEADING = "## Router overhead"
 FULL_COMMAND = ".venv/bin/tandem-bench router"
 PROMPT = "The router picks a prefill worker and a decode worker for every request."
-# Below this share of its core the router was not what limited throughput.
-SATURATED_CPU = 0.9
 WARMUP_S = 2.0
 _TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class TextWorkload:
-    """The same text prompt every time (both paths then hit the prefix cache alike)."""
-
-    prompt: str
-    max_tokens: int
-    name: str = "router-overhead"
-
-    def request(self, index: int) -> RequestSpec:
-        return RequestSpec(
-            f"r{index}-{uuid.uuid4().hex[:8]}", (), self.max_tokens, text=self.prompt
-        )
 
 
 @dataclass(frozen=True)
@@ -173,7 +144,7 @@ async def measure_overhead(
         params = sampling_params_to_proto(
             SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         )
-        workload = TextWorkload(PROMPT, max_tokens)
+        workload = TextPrompts(0, max_tokens, text=PROMPT)
         routed: list[RequestTrace] = []
         straight: list[RequestTrace] = []
         try:
@@ -269,7 +240,7 @@ async def closed_loop(
             timeout_s=WARMUP_S + duration_s + 60,
             progress=False,
         )
-        result = await run_load(client, TextWorkload(PROMPT, max_tokens), config)
+        result = await run_load(client, TextPrompts(0, max_tokens, text=PROMPT), config)
         cpu = (await cpu_start, await cpu_end)
     finally:
         await client.close()
@@ -283,11 +254,8 @@ def cores_split() -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def measure_added_latency(args: argparse.Namespace) -> OverheadResult:
-    flags: tuple[str, ...] = ("--prefill", "1", "--decode", "1", "--device", "cpu")
-    flags += ("--kv-backend", "tcp")
     # Always disaggregate: the direct path is Prefill then Decode, so must the router be.
-    flags += ("--max-model-len", "1024", "--max-local-prefill-tokens", "0")
-    spec = tandem_spec("router-bench-cluster", str(args.model), free_port(), free_port(), flags)
+    spec = cpu_pair_spec("router-bench-cluster", args.model, ("--max-local-prefill-tokens", "0"))
     with running([spec], args.json.parent / "logs") as (cluster,):
         workers = cluster.worker_endpoints()
         target = spec.grpc_target or ""
@@ -364,147 +332,43 @@ def render_throughput(results: tuple[ThroughputResult, ...]) -> str:
     return render_table([*header.split("|"), "load generator CPU", "errors"], rows)
 
 
-def overhead_reading(result: OverheadResult) -> str:
-    share = result.added_e2e.p50 / result.direct_e2e.p50
-    match = (
-        "Both paths produced the same greedy tokens for every request."
-        if result.outputs_match
-        else "**The two paths produced different tokens for some requests.**"
-    )
-    return (
-        f"Going through the router adds {format_ms(result.added_e2e.p50)} to the median "
-        f"request ({share:.0%} of the direct path's {format_ms(result.direct_e2e.p50)}) and "
-        f"{format_ms(result.added_ttft.p50)} to the median TTFT; the p99 of the paired "
-        f"differences is {format_ms(result.added_e2e.p99)} end to end. That is one more "
-        "gRPC hop each way (client → router → worker) plus the router's own work: "
-        "validation and tokenization, the policy's placement, and re-streaming every "
-        f"message. {match}"
-    )
-
-
-def throughput_reading(results: tuple[ThroughputResult, ...], router_cores: tuple[int, ...]) -> str:
-    best = max(results, key=lambda r: r.requests_per_s)
-    router_cpu = best.cpu_utilization.get("router")
-    where = (
-        f"pinned to core {router_cores[0]}"
-        if router_cores
-        else "unpinned (sched_setaffinity unavailable or one core)"
-    )
-    text = (
-        f"One router process ({where}) served up to {best.requests_per_s:,.0f} requests/s "
-        f"(concurrency {best.concurrency}, p50 {format_ms(best.latency.p50)}, p99 "
-        f"{format_ms(best.latency.p99)}); each request is a `Generate` stream in, a "
-        "`Prefill` call and a `Decode` stream out."
-    )
-    if router_cpu is None:
-        return text + " The router's CPU use could not be read."
-    cost = f"{router_cpu / best.requests_per_s * 1e3:.1f} ms"
-    if router_cpu >= SATURATED_CPU:
-        return (
-            text + f" The router used {router_cpu:.0%} of its core ({cost} of CPU per "
-            "request), so this is the router's own limit on this machine."
-        )
-    return (
-        text + f" The router used only {router_cpu:.0%} of its core: the fake workers and "
-        "the load generator, which share the other core(s), limited the rate, so the "
-        f"router's own ceiling is higher; about {best.requests_per_s / router_cpu:,.0f} "
-        f"requests/s per fully busy core at its measured {cost} of CPU per request."
-    )
-
-
-# From one cProfile run of the router process (concurrency 64, fake workers, 2026-11-29).
-PROFILE_NOTE = (
-    "**Where the router's CPU goes** (one `cProfile` run of the router process at "
-    "concurrency 64, not regenerated by the command above): placement "
-    "(`GoodputPolicy.place`) ≈ 10% of the router's time, half of it the prefill latency "
-    "model's refit (`LinearLatencyModel._fit_window`, small numpy solves, redone after "
-    "every observation, i.e. once per request); tokenization ≈ 4%; Prometheus label "
-    "lookups ≈ 2%; the rest is grpc.aio and asyncio machinery for the three RPCs of each "
-    "request (`Generate` in, `Prefill` and `Decode` out). Cheaper per-request Python in "
-    "the policy would buy little; fewer RPC messages (or more router processes) would."
-)
-
-
-def render_section(report: dict[str, Any]) -> str:
+def render_section(report: dict[str, Any]) -> list[str]:
+    """The generated blocks: the run and its machine; the added-latency table; the
+    throughput table (each method and reading is hand-written around them)."""
     o: OverheadResult = report["overhead"]
     throughput: tuple[ThroughputResult, ...] = report["throughput"]
     router_cores, other_cores = report["cores"]
     pin = (
-        f"router pinned to core {', '.join(map(str, router_cores))}; fake workers and "
-        f"load generator on core(s) {', '.join(map(str, other_cores))}"
+        f"router on core {', '.join(map(str, router_cores))}, fake workers and load generator "
+        f"on core(s) {', '.join(map(str, other_cores))}"
         if router_cores
-        else "no pinning (fewer than 2 cores or no sched_setaffinity)"
+        else "no pinning"
     )
-    concurrency = ", ".join(str(r.concurrency) for r in throughput)
+    match = "the same" if o.outputs_match else "**different**"
+    machine = machine_sentence(report["machine"], report["load_average_end"])
+    overhead = [
+        f"{o.num_requests} sequential requests per path, a {o.num_prompt_tokens}-token prompt, "
+        f"`max_tokens={o.max_tokens}`; both paths produced {match} greedy tokens.", "",
+        render_overhead(o),
+    ]
+    levels = ", ".join(str(r.concurrency) for r in throughput)
     duration = throughput[0].duration_s if throughput else 0.0
-    return "\n".join([
-        "Command (full run, from the repository root):", "", "```", FULL_COMMAND, "```", "",
-        f"This run: `{report['command']}` ({report['wall_s'] / 60:.1f} min).", "",
-        machine_sentence(report["machine"], report["load_average_end"]), "",
-        "### Added latency per request", "",
-        "**Method.** `tiny` preset, `tandem serve --prefill 1 --decode 1` as its own process "
-        "(a Ray `LocalCluster`: the prefill and the decode worker are Ray actors, each its "
-        "own process with 1 torch thread, KV over TCP; the router runs in the serve "
-        "process), the client in the benchmark process. "
-        f"{o.num_requests} sequential requests per path (after a "
-        f"warm-up), one prompt of {o.num_prompt_tokens} tokens (the same each time, so "
-        "both paths hit the workers' prefix cache alike), "
-        f"`max_tokens={o.max_tokens}`, greedy, `ignore_eos`. *Via router*: `Generate` "
-        "with the text prompt (so the router tokenizes it). *Direct*: the same token ids, "
-        "`PrefillWorker.Prefill` then `DecodeWorker.Decode` with the returned `KvHandle`, "
-        "issued by the client exactly as `RequestFlow` issues them. The router runs with "
-        "`--max-local-prefill-tokens 0`, so it always disaggregates onto the same worker "
-        "pair. The paths alternate (and swap which goes first) so load drift hits both; "
-        "*added* = per-pair difference router − direct. TTFT = until the first token; "
-        "end-to-end = until the last message.", "",
-        render_overhead(o), "", overhead_reading(o), "",
-        "### Router throughput with instant fake workers", "",
-        "**Method.** Fake `PrefillWorker` / `DecodeWorker` gRPC servers "
-        "(`bench/router/fake_workers.py`, one process) answer at once: `Prefill` returns "
-        "a first token and a dummy `KvHandle`, `Decode` streams the other "
-        f"{o.max_tokens - 1} tokens in one message (no KV is pulled), `Stats`/health "
-        "report an idle worker. A real router (default settings but "
-        "`max_local_prefill_tokens=0`, admission `none`, Stats polled every 0.25 s) runs "
-        f"in its own process; {pin}. A closed-loop load generator (the benchmark process, "
-        "one gRPC channel) keeps *concurrency* `Generate` streams in flight (text prompt, "
-        f"`max_tokens={o.max_tokens}`) for {WARMUP_S:g} s of warm-up and {duration:g} s "
-        "measured; requests/s and latencies count the requests that finished in the "
-        "measured window. CPU = CPU seconds each process used per second of that window "
-        f"(100% = one core). Levels: {concurrency}.", "",
-        render_throughput(throughput), "", throughput_reading(throughput, router_cores), "",
-        PROFILE_NOTE,
-    ])  # fmt: skip
+    loaded = [
+        f"Concurrency {levels}; {WARMUP_S:g} s warm-up, {duration:g} s measured; {pin}.", "",
+        render_throughput(throughput),
+    ]
+    run = run_block(FULL_COMMAND, report["command"], report["wall_s"], machine)
+    return [run, "\n".join(overhead), "\n".join(loaded)]
 
 
-def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--model", type=Path, default=Path("models/tandem-tiny"))
-    parser.add_argument("--out", default="docs/benchmarks.md", help="'' = print only")
-    parser.add_argument("--json", type=Path, default=Path("bench/results/router.json"))
-    parser.add_argument("--requests", type=int, default=200, help="sequential requests per path")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
-    parser.add_argument("--quick", action="store_true", help="tiny run to check the plumbing")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.requests, args.warmup, args.duration = 20, 2, 3.0
-    return args
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
-    shown = argv if argv is not None else sys.argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    exit_on_sigterm()
+def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     facts = machine_facts()
     ensure_model(args.model, "tiny")
     overhead = measure_added_latency(args)
     logger.info("added latency p50 %s", format_ms(overhead.added_e2e.p50))
     report = {
-        "command": " ".join(["tandem-bench router", *shown]),
+        "command": args.command,
         "machine": facts,
         "overhead": overhead,
         "cores": cores_split(),
@@ -513,8 +377,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     report["wall_s"] = time.monotonic() - started
     report["load_average_end"] = os.getloadavg()
     write_json(args.json, report)
-    section = render_section(report)
-    print(f"{SECTION_HEADING}\n\n{section}")
-    if args.out and not args.quick:
-        write_section(Path(args.out), SECTION_HEADING, section)
+    publish(args.out, SECTION_HEADING, render_section(report), write=not args.quick)
     return 0

@@ -1,21 +1,4 @@
-"""SLO admission under overload: shedding vs admitting everything, on a real cluster.
-
-    tandem-bench slo [--preset small] [--out docs/benchmarks.md] [--quick]
-
-1. Calibrate on a fresh `tandem serve --prefill 1 --decode 1` (admission `none`):
-   unloaded TTFT of a short-prompt request (sequential calls), the TTFT target (a
-   multiple of it), then Poisson probes at rising rates; *capacity* = the highest rate
-   whose requests still met the target ≥ 90% of the time.
-2. Offer `--overload` × capacity as one open-loop Poisson trace (fixed seed) for a
-   fixed duration, once on a fresh cluster with `--admission shed` and once with `none`,
-   same trace, same warm-up (both with `--max-local-prefill-tokens 0`); then both again
-   with the router's default conditional disaggregation.
-
-The load is the load generator's (gRPC client, closed loop of 1 for sequential calls,
-open loop for the traces); each cluster is a `tandem serve` process. Writes
-`## SLO admission under overload` of docs/benchmarks.md and raw numbers to
-bench/results/slo.json.
-"""
+"""SLO admission under overload: shedding vs admitting everything, on a real cluster."""
 
 from __future__ import annotations
 
@@ -24,30 +7,27 @@ import asyncio
 import logging
 import math
 import os
-import random
 import re
-import sys
 import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from tandem.bench.harness import ensure_model, exit_on_sigterm, free_port, running, tandem_spec
-from tandem.bench.loadgen.clients import ClientConfig, GrpcClient
-from tandem.bench.loadgen.load import LoadConfig, run_load
+from tandem.bench.harness import ServerSpec, cpu_pair_spec, ensure_model, running
+from tandem.bench.loadgen.load import LoadConfig, grpc_load
 from tandem.bench.loadgen.metrics import Distribution, RunSummary, SloTargets, e2e_s, tpot_s, ttft_s
 from tandem.bench.loadgen.metrics import summarize as loadgen_summarize
 from tandem.bench.loadgen.traces import RequestTrace
-from tandem.bench.loadgen.workloads import WORDS, RequestSpec
+from tandem.bench.loadgen.workloads import TextPrompts
 from tandem.bench.report import (
     format_ms,
     machine_facts,
     machine_sentence,
+    publish,
     render_table,
+    run_block,
     write_json,
-    write_section,
 )
 
 logger = logging.getLogger(__name__)
@@ -59,32 +39,12 @@ NUM_WARMUP = 12
 # The router always has an ITL target; this one never binds (the SLO here is TTFT).
 ITL_OFF_S = 60.0
 MIN_ATTAINMENT = 0.9
-# Words per prompt: about 45 tokens with the presets' tokenizer.
-PROMPT_WORDS = 40
 # Prompt seeds: every phase gets its own prompts (no cross-phase prefix-cache hits).
 _WARMUP_SEED, _UNLOADED_SEED, _PROBE_SEED, _TRACE_SEED = 1, 2, 100, 10_000
 # `tandem serve`'s default `--max-local-prefill-tokens` (conditional disaggregation on).
 DEFAULT_LOCAL_PREFILL = 512
-_REQUEST_TIMEOUT_S = 120.0
-_START_TIMEOUT_S = 600.0
 # name{labels} value, one Prometheus sample per line
 _SAMPLE = re.compile(r"^(?P<name>[^{\s]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
-
-
-@dataclass(frozen=True)
-class TextPrompts:
-    """Short text prompts that share no prefix block (each starts with its own number),
-    so the prefix cache cannot turn their prefill into a lookup; request i is a pure
-    function of (seed, i)."""
-
-    seed: int
-    max_tokens: int
-    name: str = "distinct-text"
-
-    def request(self, index: int) -> RequestSpec:
-        rng = random.Random(self.seed * 1_000_003 + index)
-        text = f"{self.seed}-{index}: " + " ".join(rng.choice(WORDS) for _ in range(PROMPT_WORDS))
-        return RequestSpec(f"{self.seed}-{index}", (), self.max_tokens, text=text)
 
 
 def is_shed(trace: RequestTrace) -> bool:
@@ -201,64 +161,44 @@ class PolicyRun:
     load_average_end: tuple[float, float, float]
 
 
-class Cluster:
-    """A `tandem serve` process for one run, and the load generator's client of it."""
+def _spec(args: argparse.Namespace, setup: RunSetup, target_s: float) -> ServerSpec:
+    flags: tuple[str, ...] = ("--admission", setup.policy, "--ttft-slo", f"{target_s:g}")
+    flags += ("--itl-slo", f"{ITL_OFF_S:g}")
+    flags += ("--max-local-prefill-tokens", str(setup.local_prefill_tokens))
+    return cpu_pair_spec(f"slo-{setup.label}", args.model, flags)
 
-    def __init__(self, args: argparse.Namespace, setup: RunSetup, target_s: float) -> None:
-        flags: tuple[str, ...] = ("--prefill", "1", "--decode", "1", "--device", "cpu")
-        flags += ("--kv-backend", "tcp")
-        flags += ("--max-model-len", "1024", "--admission", setup.policy)
-        flags += ("--ttft-slo", f"{target_s:g}", "--itl-slo", f"{ITL_OFF_S:g}")
-        flags += ("--max-local-prefill-tokens", str(setup.local_prefill_tokens))
-        self.spec = tandem_spec(
-            f"slo-{setup.label}", str(args.model), free_port(), free_port(), flags
-        )
-        self.log_dir = args.json.parent / "logs"
-        self.max_tokens = args.max_tokens
 
-    def load(
-        self, workload: TextPrompts, concurrency: int | None, rate: float | None = None,
-        num_requests: int | None = None, duration_s: float | None = None, seed: int = 0,
-    ) -> list[RequestTrace]:  # fmt: skip
-        """One run of the load generator: sequential calls (concurrency 1) or a trace."""
-        config = LoadConfig(
-            concurrency=concurrency, rate_rps=rate, num_requests=num_requests,
-            duration_s=duration_s, timeout_s=(duration_s or 0) + 3600, seed=seed, progress=False,
-        )  # fmt: skip
+def _load(spec: ServerSpec, prompts: TextPrompts, config: LoadConfig) -> list[RequestTrace]:
+    return asyncio.run(grpc_load(spec.grpc_target or "", prompts, config)).traces
 
-        async def go() -> list[RequestTrace]:
-            client = GrpcClient(
-                ClientConfig(self.spec.grpc_target or "", prompt_format="text",
-                             request_timeout_s=_REQUEST_TIMEOUT_S)
-            )  # fmt: skip
-            await client.start()
-            try:
-                return (await run_load(client, workload, config)).traces
-            finally:
-                await client.close()
 
-        return asyncio.run(go())
+def _sequential(spec: ServerSpec, seed: int, count: int, max_tokens: int) -> list[RequestTrace]:
+    """One request at a time: warm-up (code paths, the router's latency models) or the
+    unloaded baseline."""
+    config = LoadConfig(concurrency=1, num_requests=count, progress=False)
+    traces = _load(spec, TextPrompts(seed, max_tokens), config)
+    failed = [t.error for t in traces if t.error]
+    if failed:
+        raise RuntimeError(f"sequential requests failed: {failed}")
+    return sorted(traces, key=lambda t: t.send_s)
 
-    def sequential(self, seed: int, count: int) -> list[RequestTrace]:
-        """One request at a time: warm-up (code paths, the router's latency models) or
-        the unloaded baseline."""
-        traces = self.load(TextPrompts(seed, self.max_tokens), 1, num_requests=count)
-        failed = [t.error for t in traces if t.error]
-        if failed:
-            raise RuntimeError(f"sequential requests failed: {failed}")
-        return sorted(traces, key=lambda t: t.send_s)
 
-    def trace(self, rate: float, duration_s: float, seed: int, prompt_seed: int) -> list:
-        workload = TextPrompts(prompt_seed, self.max_tokens)
-        return self.load(workload, None, rate, duration_s=duration_s, seed=seed)
+def _trace(spec: ServerSpec, args: argparse.Namespace, rate: float, duration_s: float, seed: int,
+           prompt_seed: int) -> list[RequestTrace]:  # fmt: skip
+    """An open-loop Poisson trace at `rate` for `duration_s` seconds of arrivals."""
+    config = LoadConfig(
+        rate_rps=rate, duration_s=duration_s, timeout_s=duration_s + 3600, seed=seed,
+        progress=False,
+    )  # fmt: skip
+    return _load(spec, TextPrompts(prompt_seed, args.max_tokens), config)
 
 
 def calibrate(args: argparse.Namespace) -> Calibration:
     # Admission `none`: the target only labels the router's metrics here.
-    cluster = Cluster(args, RunSetup("calibration", "none"), ITL_OFF_S)
-    with running([cluster.spec], cluster.log_dir):
-        cluster.sequential(_WARMUP_SEED, NUM_WARMUP)
-        timings = cluster.sequential(_UNLOADED_SEED, 16)
+    spec = _spec(args, RunSetup("calibration", "none"), ITL_OFF_S)
+    with running([spec], args.json.parent / "logs"):
+        _sequential(spec, _WARMUP_SEED, NUM_WARMUP, args.max_tokens)
+        timings = _sequential(spec, _UNLOADED_SEED, 16, args.max_tokens)
         ttft = Distribution.of([x for x in map(ttft_s, timings) if x is not None])
         itl = Distribution.of([x for x in map(tpot_s, timings) if x is not None])
         # Rounded up to 10 ms so the target reads as a round number.
@@ -269,7 +209,7 @@ def calibrate(args: argparse.Namespace) -> Calibration:
         probes: list[Probe] = []
         for i in range(args.max_probes):
             duration = max(args.probe_duration, args.probe_requests / rate)
-            traces = cluster.trace(rate, duration, _PROBE_SEED + i, _PROBE_SEED + i)
+            traces = _trace(spec, args, rate, duration, _PROBE_SEED + i, _PROBE_SEED + i)
             probes.append(Probe(rate, summarize(traces, duration, target)))
             attainment = probes[-1].summary.admitted.slo_attainment
             logger.info("probe %.2f req/s: attainment %.0f%%", rate, attainment * 100)
@@ -290,14 +230,14 @@ def calibrate(args: argparse.Namespace) -> Calibration:
 def run_policy(
     args: argparse.Namespace, setup: RunSetup, target_s: float, rate: float
 ) -> PolicyRun:
-    cluster = Cluster(args, setup, target_s)
-    with running([cluster.spec], cluster.log_dir):
-        cluster.sequential(_WARMUP_SEED, NUM_WARMUP)
+    spec = _spec(args, setup, target_s)
+    with running([spec], args.json.parent / "logs"):
+        _sequential(spec, _WARMUP_SEED, NUM_WARMUP, args.max_tokens)
         load_start = os.getloadavg()
-        traces = cluster.trace(rate, args.duration, args.seed, _TRACE_SEED + args.seed)
+        traces = _trace(spec, args, rate, args.duration, args.seed, _TRACE_SEED + args.seed)
         load_end = os.getloadavg()
         counters = scrape_counters(
-            cluster.spec.http_url,
+            spec.http_url,
             ("tandem:requests_rejected_total", "tandem:disagg_decisions_total"),
         )
     summary = summarize(traces, args.duration, target_s)
@@ -351,162 +291,42 @@ def _counters(run: PolicyRun) -> str:
     return f"{run.setup.label}: {shown or 'none'}"
 
 
-def reading(runs: Sequence[PolicyRun]) -> str:
-    by_label = {run.setup.label: run.summary for run in runs}
-    shed, none = by_label.get("shed"), by_label.get("none")
-    if shed is None or none is None:
-        return "The `shed` and `none` runs did not both run; nothing to compare."
-    kept, fell = shed.admitted.slo_attainment, none.admitted.slo_attainment
-    met = kept >= MIN_ATTAINMENT and not fell >= MIN_ATTAINMENT
-    verdict = (
-        f"**Target met**: shedding kept {_pct(kept)} of admitted requests within "
-        f"the TTFT target where admitting everything fell to {_pct(fell)}."
-        if met
-        else f"**Target missed**: `shed` {_pct(kept)}, `none` {_pct(fell)} "
-        f"(the aim: `shed` ≥ {MIN_ATTAINMENT:.0%}, `none` below it)."
-    )
-    return (
-        f"{verdict} Shedding turned away {shed.num_shed} of {shed.num_offered} requests "
-        f"(admitted {_pct(shed.admitted_fraction)}), each rejection answered in "
-        f"{format_ms(shed.shed_latency.p50)} (p50), so a client can retry elsewhere at "
-        f"once. Goodput: {shed.admitted.goodput_rps:.2f} req/s with shedding vs "
-        f"{none.admitted.goodput_rps:.2f} without; p99 TTFT of admitted requests "
-        f"{format_ms(shed.admitted.ttft_s.p99)} vs {format_ms(none.admitted.ttft_s.p99)}. "
-        "Without admission control every request joins the prefill worker's queue, which "
-        "grows for as long as arrivals outpace it, so TTFT climbs with the backlog."
-    )
-
-
-# Why admitted requests can still miss under `shed` (code reading and an instrumented run
-# that logged each placement's predicted TTFT next to the worker's reported time).
-_PREDICTION_NOTES = (
-    "**What the prediction leaves out.** `shed` admits a request when the placement's "
-    "predicted TTFT (prefill queue wait + prefill time, from latency models fitted online "
-    "to the prefill worker's reported times) is within the target. What the client sees "
-    "is the worker's actual time plus two gRPC hops. In an instrumented run at this load "
-    "(3.7 req/s, 440 ms target; max_tokens 4) the worker's own time for a 45-token "
-    "prefill ranged from 0.15 s to 0.77 s *with an empty prefill queue*; over five such "
-    "runs (max_tokens 2 and 4) the p90 of actual − predicted TTFT was +0.27 to +0.46 s, "
-    "as large as the target's headroom. On this "
-    "machine two worker processes, the router, the client, Ray's daemons and other "
-    "sessions' jobs share 2 cores (Ray also starts its workers at nice 15, so they lose "
-    "the CPU to everything else), and prefill slows whenever something else runs: no "
-    "queue-based prediction sees that. Two router-side causes add to it: the prefill "
-    "engine batches every waiting prompt into one step (token budget 512), so a request "
-    "admitted on an empty queue also waits for prompts admitted *after* it, which the "
-    "FCFS queue estimate does not count; and the prefill worker reports "
-    "`Timings.compute_s` from RPC arrival (engine queue included), so under load the "
-    "router's prefill model learns queueing as compute."
-)
-
-_LOCAL_PREFILL_NOTE = (
-    "**Conditional disaggregation (third row).** With the router's default "
-    "`max_local_prefill_tokens=512`, almost every short prompt is prefilled on the "
-    "*decode* worker (see the `local_prefill` counter), and `shed` admits nearly all of "
-    "them. The decode worker's prefill latency model never learns: for a local prefill "
-    "`RequestFlow` reports `on_prefill_done` without `compute_s` (the Decode stream has "
-    "no prefill timing), so that model keeps its GPU-scale prior (~5 ms + 0.1 ms/token) "
-    "while the prefill worker's model learns the real CPU cost; local prefill then "
-    "always looks faster and its predicted TTFT is far too low. The first two rows set "
-    "`max_local_prefill_tokens=0` so that TTFT admission is measured on the path it "
-    "models."
-)
-
-
-def render_section(report: dict[str, Any]) -> str:
+def render_section(report: dict[str, Any]) -> list[str]:
+    """The generated blocks: the run and its machine; calibration, probes and the runs
+    (the method and the reading are hand-written around them)."""
     c: Calibration = report["calibration"]
     runs: Sequence[PolicyRun] = report["runs"]
-    capacity = (
-        "none (even the first probe missed)"
-        if c.capacity_per_s is None
-        else f"{c.capacity_per_s:.2f} req/s"
-    )
+    capacity = "none" if c.capacity_per_s is None else f"{c.capacity_per_s:.2f} req/s"
     ratio = c.ttft_target_s / c.unloaded_ttft.p50
     offered = report["offered_rate_per_s"]
-    return "\n".join([
-        "Command (full run, from the repository root):", "", "```", FULL_COMMAND, "```", "",
-        f"This run: `{report['command']}` ({report['wall_s'] / 60:.1f} min).", "",
-        machine_sentence(report["machine"], report["load_average_end"]), "",
-        f"**Method.** `{report['model']}` preset (~125M parameters; `tiny` is so fast that "
-        "Python and gRPC overheads, not prefill, would set capacity) served by "
-        "`tandem serve --prefill 1 --decode 1` (a Ray `LocalCluster`: 1 prefill + 1 decode "
-        "worker, each a Ray actor with 1 torch thread, KV over TCP; the router in the serve "
-        "process), the client (the load generator) in the benchmark process. Every request "
-        f"has its own text prompt (mean {c.num_prompt_tokens:.0f} tokens, no shared prefix, "
-        f"so prefill is real work), `max_tokens={report['max_tokens']}`, greedy, "
-        "`ignore_eos`. Output is kept short because here the decode worker shares the 2 "
-        "cores with the prefill worker. SLO: TTFT ≤ target, measured by the client from "
-        f"sending to the first token; the router's ITL target is set to {ITL_OFF_S:g} s so "
-        "it never binds (TTFT admission is under test). *Attainment* = admitted requests "
-        "that finished within the target / admitted; *goodput* = requests that met the SLO "
-        "per second of the arrival window; *shed* = `RESOURCE_EXHAUSTED` before any token.",
-        "",
+    loads = [
+        f"{r.setup.label} {r.load_average_start[0]:.2f} → {r.load_average_end[0]:.2f}"
+        for r in runs
+    ]
+    machine = machine_sentence(report["machine"], report["load_average_end"])
+    results = [
         f"- *Unloaded* (sequential, after warm-up): TTFT p50 {format_ms(c.unloaded_ttft.p50)}, "
         f"p99 {format_ms(c.unloaded_ttft.p99)}; end-to-end p50 "
         f"{format_ms(c.unloaded_e2e.p50)}; mean ITL p50 {format_ms(c.unloaded_itl.p50)}.",
         f"- *TTFT target*: {format_ms(c.ttft_target_s, 0)} = unloaded p50 × {ratio:.1f} "
         "(`--ttft-multiple`, rounded up to 10 ms).",
-        "- *Capacity* (same cluster, admission `none`, `--max-local-prefill-tokens 0`): "
-        "open-loop Poisson probes at rising rates (each ≥ 10 s and ≥ 30 expected requests) "
-        f"until fewer than {MIN_ATTAINMENT:.0%} of requests met the target; capacity = "
-        f"the last rate that passed: **{capacity}**.", "",
+        f"- *Capacity* (mean prompt {c.num_prompt_tokens:.0f} tokens, admission `none`, "
+        "`--max-local-prefill-tokens 0`): the last rising Poisson rate at which "
+        f"{MIN_ATTAINMENT:.0%} of requests met the target: **{capacity}**.", "",
         render_probes(c), "",
         f"**Overload.** One Poisson trace at {offered:.2f} req/s (the capacity × "
         f"{offered / (c.capacity_per_s or math.nan):.1f}; seed {report['seed']}) for "
         f"{report['duration_s']:g} s, replayed on a fresh cluster per run after {NUM_WARMUP} "
-        "sequential warm-up requests (the router's latency models learn from them; there "
-        "is no start-up profile). Requests may finish after the window; each has a 120 s "
-        "deadline.", "",
+        f"sequential warm-up requests; `max_tokens={report['max_tokens']}`.", "",
         render_runs(runs), "",
         "Router counters after each run: " + "; ".join(_counters(r) for r in runs) + ".",
-        "Load average (1 min) at the start → end of each trace: " + "; ".join(
-            f"{r.setup.label} {r.load_average_start[0]:.2f} → {r.load_average_end[0]:.2f}"
-            for r in runs
-        ) + ".", "",
-        reading(runs), "", _PREDICTION_NOTES, "", _LOCAL_PREFILL_NOTE,
-    ])  # fmt: skip
+        "Load average (1 min) at the start → end of each trace: " + "; ".join(loads) + ".",
+    ]
+    run = run_block(FULL_COMMAND, report["command"], report["wall_s"], machine)
+    return [run, "\n".join(results)]
 
 
-def parse_args(argv: list[str] | None, prog: str | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", default="small", choices=["tiny", "small"])
-    parser.add_argument("--model", type=Path, help="default: models/tandem-<preset>")
-    parser.add_argument("--out", default="docs/benchmarks.md", help="'' = print only")
-    parser.add_argument("--json", type=Path, default=Path("bench/results/slo.json"))
-    # Short outputs: here the decode worker shares the 2 cores with the prefill worker, and
-    # long decodes would slow prefill down in a way no router can see (GPUs are not shared).
-    parser.add_argument("--max-tokens", type=int, default=2)
-    parser.add_argument("--ttft-multiple", type=float, default=3.0, help="target / unloaded p50")
-    parser.add_argument("--overload", type=float, default=2.0, help="offered / capacity")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
-    parser.add_argument("--probe-duration", type=float, default=10.0, help="at least")
-    parser.add_argument(
-        "--probe-requests", type=int, default=30, help="probes last long enough for this many"
-    )
-    parser.add_argument("--max-probes", type=int, default=7)
-    parser.add_argument("--probe-step", type=float, default=1.3, help="rate factor per probe")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--local-prefill-run",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="two more runs with the router's default conditional disaggregation",
-    )
-    parser.add_argument("--quick", action="store_true", help="short run to check the plumbing")
-    args = parser.parse_args(argv)
-    if args.model is None:
-        args.model = Path(f"models/tandem-{args.preset}")
-    if args.quick:
-        args.duration, args.probe_duration, args.max_probes = 8.0, 4.0, 3
-        args.probe_requests = 5
-    return args
-
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    args = parse_args(argv, prog)
-    shown = argv if argv is not None else sys.argv[1:]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    exit_on_sigterm()
+def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     facts = machine_facts()
     ensure_model(args.model, args.preset)
@@ -517,13 +337,15 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         capacity = calibration.probes[0].rate_per_s / args.probe_step
         logger.warning("no probe met the target; using %.2f req/s as capacity", capacity)
     offered = args.overload * capacity
-    setups = [RunSetup("shed", "shed"), RunSetup("none", "none")]
-    if args.local_prefill_run:
-        setups.append(RunSetup("shed, default local prefill", "shed", DEFAULT_LOCAL_PREFILL))
-        setups.append(RunSetup("none, default local prefill", "none", DEFAULT_LOCAL_PREFILL))
+    setups = [
+        RunSetup("shed", "shed"),
+        RunSetup("none", "none"),
+        RunSetup("shed, default local prefill", "shed", DEFAULT_LOCAL_PREFILL),
+        RunSetup("none, default local prefill", "none", DEFAULT_LOCAL_PREFILL),
+    ]
     runs = [run_policy(args, s, calibration.ttft_target_s, offered) for s in setups]
     report = {
-        "command": " ".join(["tandem-bench slo", *shown]),
+        "command": args.command,
         "wall_s": time.monotonic() - started,
         "machine": facts,
         "load_average_end": os.getloadavg(),
@@ -536,8 +358,5 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         "runs": runs,
     }
     write_json(args.json, report)
-    section = render_section(report)
-    print(f"{SECTION_HEADING}\n\n{section}")
-    if args.out and not args.quick:
-        write_section(Path(args.out), SECTION_HEADING, section)
+    publish(args.out, SECTION_HEADING, render_section(report), write=not args.quick)
     return 0

@@ -61,12 +61,24 @@ def test_replace_section_keeps_other_sections():
 
 def test_replace_section_appends_or_starts_a_document():
     out = replace_section(DOC, "## SLO admission under overload", "slo text")
-    assert out.rstrip().endswith("slo text")
+    assert out.rstrip().endswith("slo text\n<!-- /generated -->")
     assert "kv text" in out
     fresh = replace_section("", "## Router overhead", "body")
     assert fresh.startswith("# Benchmarks\n")
     with pytest.raises(ValueError):
         replace_section(DOC, "Router overhead", "body")
+
+
+def test_replace_section_keeps_hand_written_text_between_generated_blocks():
+    out = replace_section(DOC, "## Router overhead", ["table one", "table two"])
+    between = "<!-- /generated -->\n\n<!-- generated -->"
+    doc = out.replace(between, "<!-- /generated -->\nhand note\n<!-- generated -->")
+    again = replace_section(doc, "## Router overhead", ["new one", "new two"])
+    assert "hand note" in again and "table one" not in again and "table two" not in again
+    assert again.index("new one") < again.index("hand note") < again.index("new two")
+    assert "kv text" in again
+    # Another number of blocks: the whole section is rewritten.
+    assert "hand note" not in replace_section(doc, "## Router overhead", "only")
 
 
 def test_write_section_creates_then_rewrites_one_section(tmp_path):

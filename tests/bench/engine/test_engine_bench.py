@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.bench.engine.bench import make_plan, parse_args
+from tandem.bench.cli import parse_args
+from tandem.bench.engine.bench import make_plan
+from tandem.bench.engine.measure import (
+    CpuSnapshot,
+    RepeatPolicy,
+    busy_seconds,
+    foreign_cores,
+    median,
+    repeat_interleaved,
+    top_ops,
+)
 from tandem.bench.engine.report import (
     SECTION_HEADING,
     BenchReport,
     DtypeResult,
     ModelShape,
+    OpTime,
     Profile,
     Row,
     decode_roofline,
@@ -19,17 +30,6 @@ from tandem.bench.engine.report import (
     prefill_roofline,
     render_section,
     roofline,
-)
-from tandem.bench.engine.timing import (
-    CpuSnapshot,
-    MachineFacts,
-    OpTime,
-    RepeatPolicy,
-    busy_seconds,
-    foreign_cores,
-    median,
-    repeat_interleaved,
-    top_ops,
 )
 from tandem.bench.report import replace_section
 from tandem.engine.config import ModelConfig
@@ -67,18 +67,11 @@ def make_row(engine_s: float, floor_s: float, hf_s: float, kind: str = "decode")
 
 
 def make_report(rows: list[Row], quick: bool = False) -> BenchReport:
-    machine = MachineFacts(
-        cpu_model="Test CPU",
-        num_cores=2,
-        cpu_capability="AVX2",
-        has_bf16_instructions=False,
-        torch_version="2.x",
-        transformers_version="5.x",
-        python_version="3.11",
-        num_threads=2,
-        date_utc="2025-01-01 00:00 UTC",
-        load_average=3.0,
-    )
+    machine = {
+        "cpu": "Test CPU", "cores": 2, "cpu_capability": "AVX2", "bf16_instructions": False,
+        "torch": "2.x", "transformers": "5.x", "python": "3.11", "threads": 2,
+        "started": "2025-01-01 00:00 UTC", "load_avg_1m_at_start": 3.0,
+    }  # fmt: skip
     report = BenchReport("tandem-bench engine", quick, machine, 15e9, "sdpa")
     report.results = [DtypeResult("float32", 80e9, rows), DtypeResult("bfloat16", 10e9, rows)]
     report.profiles = [
@@ -178,7 +171,7 @@ def test_table_has_one_line_per_row_and_marks_misses():
 def test_replace_section_creates_replaces_and_keeps_other_sections():
     created = replace_section("", SECTION_HEADING, "first")
     assert created.startswith("# Benchmarks\n")
-    assert "## Engine\n\nfirst\n" in created
+    assert "## Engine\n\n<!-- generated -->\nfirst\n<!-- /generated -->\n" in created
     doc = "# Benchmarks\n\n## Router\n\nrouter text\n\n## Engine\n\nold\n\n## KV\n\nkv text\n"
     updated = replace_section(doc, SECTION_HEADING, "new\n\n### float32\n\ntable")
     assert "old" not in updated
@@ -225,25 +218,19 @@ def test_repeat_policy_rejects_bad_bounds():
         RepeatPolicy(0, 1, 2, 0.0)
 
 
-def test_rendered_section_has_tables_profiles_and_reading():
+def test_rendered_section_has_run_machine_tables_and_profiles():
     report = make_report([make_row(0.020, 0.010, 0.015)], quick=True)
-    body = render_section(report, ModelShape.from_model_config(ModelConfig.from_dict(SMALL_CONFIG)))
-    assert "quick smoke run" in body
-    assert "### float32" in body and "### bfloat16" in body
-    assert "### Profiles of missed targets" in body and "`aten::mm`" in body
-    assert "10.0 ms outside ops" in body  # 50 ms wall - 40 ms in ops
-    assert "led by `aten::index` (float32 decode b1 6.0 ms per step)" in body
-    assert "### Reading" in body
-    assert "Test CPU" in body and "15.0 GB/s" in body
-    assert "bfloat16 against float32 (engine time ratio): decode b1 1.00×" in body
-    # The GEMV floor of the row (10 ms) is 1.0× its 10 ms roofline.
-    assert "batch-1 matmul floor is itself 1.0× the roofline" in body
-    assert "Other processes kept cores busy during float32 decode b1 (0.90)" in body
+    run, tables = render_section(report)
+    assert "quick smoke run" in run
+    assert "Test CPU" in run and "15.0 GB/s" in run
+    assert "### float32" in tables and "### bfloat16" in tables
+    assert "### Profiles of missed targets" in tables and "`aten::mm`" in tables
+    assert "10.0 ms outside ops" in tables  # 50 ms wall - 40 ms in ops
 
 
 def test_quick_plan_is_smaller_than_full():
-    quick = make_plan(parse_args(["--quick"]))
-    full = make_plan(parse_args([]))
+    quick = make_plan(parse_args(["engine", "--quick"]))
+    full = make_plan(parse_args(["engine"]))
     assert quick.dtypes == ("float32",) and quick.batch_sizes == (1, 8)
     assert full.dtypes == ("float32", "bfloat16") and full.batch_sizes == (1, 8, 32)
     assert quick.decode.max_runs <= full.decode.max_runs

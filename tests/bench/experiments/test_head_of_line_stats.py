@@ -43,7 +43,6 @@ def test_a_stall_during_the_long_prefill_is_measured_against_the_steady_gaps():
     assert stats.during_max_s == pytest.approx(3.0)
     assert stats.during_over_baseline == pytest.approx(30.0)
     assert stats.join_p99_s == pytest.approx(0.1)
-    assert stats.to_json()["during_over_baseline"] == pytest.approx(30.0)
     assert stats.arrivals_during == 0
 
 

@@ -78,7 +78,7 @@ def test_run_over_http_open_loop_with_exact_arrivals(cluster, tmp_path):
 def test_run_over_http_counts_tokens_from_usage(cluster, tmp_path):
     results = load_fixed(
         cluster, cluster.http_endpoint, ["--concurrency", "8"], tmp_path / "usage.json",
-        "--vocab-size", "2048", "--prompt-format", "auto",
+        "--vocab-size", "2048",
     )  # fmt: skip
     check_run(results, exact_arrivals=False)
 
@@ -105,9 +105,8 @@ def test_text_prompts_are_counted_by_the_server(cluster, tmp_path, kind):
 def test_sweep_writes_points_and_a_plot(cluster, tmp_path):
     out, plot = tmp_path / "sweep.json", tmp_path / "frontier.png"
     args = [
-        "sweep", "--target", f"grpc://{cluster.grpc_endpoint}", "--workload", "shared-prefix",
-        "--num-prefixes", "2", "--num-suffixes", "2", "--prefix-len", "32",
-        "--input-len", "4", "--output-len", "4", "--concurrency", "1,2",
+        "sweep", "--target", f"grpc://{cluster.grpc_endpoint}", "--workload", "fixed",
+        "--num-requests", "4", "--input-len", "36", "--output-len", "4", "--concurrency", "1,2",
         "--ttft-slo", "30", "--itl-slo", "30", "--out", str(out), "--plot", str(plot),
     ]  # fmt: skip
     assert bench(*args) == 0

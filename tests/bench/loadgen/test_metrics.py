@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -9,7 +10,6 @@ import pytest
 
 from tandem.bench.loadgen.metrics import (
     Distribution,
-    RunSummary,
     SloTargets,
     e2e_s,
     goodput_rps,
@@ -141,15 +141,13 @@ def test_summarize_a_run():
     assert summary.goodput_rps == pytest.approx(0.5)
 
 
-def test_summary_json_round_trip_turns_nan_into_null():
+def test_summary_json_turns_nan_into_null():
     summary = summarize([trace([], error="HTTP 429: busy")], duration_s=2.0)
     data = summary.to_json()
     assert data["ttft_s"]["mean"] is None and data["ttft_s"]["count"] == 0
     assert data["errors"] == {"HTTP 429": 1}
     assert data["slo_attainment"] == 0.0
-    again = RunSummary.from_json(data)
-    assert math.isnan(again.ttft_s.p99)
-    assert again.to_json() == data
+    assert json.loads(json.dumps(data)) == data  # plain JSON, no NaN
 
 
 def test_distribution_of_known_values():

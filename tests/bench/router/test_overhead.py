@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+from tandem.bench.cli import parse_args
 from tandem.bench.loadgen.metrics import Distribution
 from tandem.bench.loadgen.traces import RequestTrace
+from tandem.bench.loadgen.workloads import TextPrompts
 from tandem.bench.router.overhead import (
     OverheadResult,
-    TextWorkload,
     ThroughputResult,
     paired_differences,
-    parse_args,
     render_section,
     throughput_of,
-    throughput_reading,
 )
 
 
@@ -25,14 +24,14 @@ def test_paired_differences():
 
 
 def test_text_workload_sends_the_same_text_with_its_own_ids():
-    workload = TextWorkload("hello there", 4)
+    workload = TextPrompts(0, 4, text="hello there")
     first, second = workload.request(0), workload.request(1)
     assert first.prompt_text == second.prompt_text == "hello there"
     assert first.max_tokens == 4 and first.req_id != second.req_id
 
 
 def test_parse_args_quick():
-    args = parse_args(["--quick", "--concurrency", "8"])
+    args = parse_args(["router", "--quick", "--concurrency", "8"])
     assert args.requests == 20 and args.concurrency == [8] and args.duration == 3.0
 
 
@@ -105,17 +104,9 @@ def _report(router_cpu: float) -> dict:
 
 
 def test_render_section_has_both_tables_and_the_command():
-    text = render_section(_report(router_cpu=0.99))
-    assert "```\n.venv/bin/tandem-bench router\n```" in text
-    assert "### Added latency per request" in text
-    assert "### Router throughput with instant fake workers" in text
-    assert "| TTFT | 12.00 ms | 18.00 ms | 9.00 ms | 11.00 ms | 3.00 ms | 7.00 ms |" in text
-    assert "| 64 | 300 | 50.00 ms | 100.00 ms | 40.00 ms | 99% | 40% | 30% | 0 |" in text
-    assert "same greedy tokens" in text and "router pinned to core 0" in text
-
-
-def test_throughput_reading_says_whether_the_router_was_the_limit():
-    busy = throughput_reading(_report(0.99)["throughput"], (0,))
-    assert "router's own limit" in busy
-    idle = throughput_reading(_report(0.5)["throughput"], (0,))
-    assert "only 50%" in idle and "600" in idle  # 300 req/s at half a core
+    run, overhead, throughput = render_section(_report(router_cpu=0.99))
+    assert "```\n.venv/bin/tandem-bench router\n```" in run
+    assert "| TTFT | 12.00 ms | 18.00 ms | 9.00 ms | 11.00 ms | 3.00 ms | 7.00 ms |" in overhead
+    assert "same greedy tokens" in overhead
+    assert "| 64 | 300 | 50.00 ms | 100.00 ms | 40.00 ms | 99% | 40% | 30% | 0 |" in throughput
+    assert "router on core 0" in throughput
