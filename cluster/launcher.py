@@ -82,7 +82,14 @@ class LocalCluster:
         else:
             # Logical CPUs: one bundle per worker even when workers outnumber cores.
             num_cpus = max(os.cpu_count() or 1, num_workers)
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+            # "local" starts a fresh instance; no address would join whatever Ray
+            # instance `ray start` left on this machine (and refuse num_cpus there).
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                log_to_driver=False,
+            )
             self._started_ray = True
 
     def _worker_config(self, worker_id: str, role: WorkerRole, threads: int) -> WorkerConfig:
