@@ -129,6 +129,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     # Defaults shown in help come from the config classes (argparse default None means
     # "the config's default"), so each is defined once.
     from tandem.cluster.config import PoolsConfig
+    from tandem.cluster.security_flags import add_security_flags
     from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DeviceKind
     from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
     from tandem.router.policy import AdmissionPolicy
@@ -211,6 +212,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="longest prompt a decode worker may prefill itself (0: always disaggregate) "
         f"[{router['max_local_prefill_tokens'].default}]",
     )
+    add_security_flags(serve, generates_token=True)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
 
@@ -239,6 +241,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     import torch
 
     from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig
+    from tandem.cluster.security_flags import cluster_auth_from_args
     from tandem.engine.config import DeviceKind, EngineConfig, default_device
     from tandem.router.config import RouterConfig
     from tandem.worker.config import WorkerSettings
@@ -268,11 +271,16 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 max_num_batched_tokens="max_num_batched_tokens",
             ),
         )
+        # One token for the whole cluster: the workers check it, the router presents it.
+        auth = cluster_auth_from_args(args, os.environ, generate=True)
         shared = _given(args, host="host", trace_exporter="trace_exporter")
-        worker = WorkerSettings(**shared, **_given(args, kv_backend="kv_backend"))
+        worker = WorkerSettings(
+            **shared, **_given(args, kv_backend="kv_backend"), cluster_auth=auth
+        )
         router = RouterConfig(
             model_dir=args.model,
             api_key=api_key,
+            cluster_auth=auth,
             **shared,
             **_given(
                 args,

@@ -24,6 +24,7 @@ from tandem.kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, load_nccl
 from tandem.kv_transfer.nccl_channel import PREFILL_RANK, NcclServerChannel
 from tandem.kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
 from tandem.kv_transfer.tcp_server import TcpDataServer
+from tandem.proto.cluster_auth import ClusterAuth
 from tandem.proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -41,18 +42,21 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         timeout_s: float = 30.0,
         advertise_host: str | None = None,
         device: str | None = None,
+        auth: ClusterAuth | None = None,
     ) -> None:
         """`read_blocks(request_id)`: see `kv_transfer.blocks` (called from transfer
         threads, so it must be thread-safe; KeyError when nothing is held).
         `advertise_host`: the data server's address as decode workers reach it (default
-        `host`). `device`: CUDA device of NCCL channels (default the current one)."""
+        `host`). `device`: CUDA device of NCCL channels (default the current one).
+        `auth`: the cluster token every TCP data connection must prove (the gRPC calls
+        are checked by the server's interceptor, see `tandem.proto.cluster_auth`)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.layout = layout
         self.read_blocks = read_blocks
         self.timeout_s = timeout_s
         self._device = device
-        self._tcp = TcpDataServer(layout, read_blocks, host, timeout_s, advertise_host)
+        self._tcp = TcpDataServer(layout, read_blocks, host, timeout_s, advertise_host, auth)
         self._nccl: dict[str, NcclServerChannel] = {}
         self._thread_prefix = f"kv-service-{id(self):x}"
         # NCCL init and GPU gathers only; created on the first NCCL channel.

@@ -48,6 +48,7 @@ class PrefillWorker:
             layout,
             read_blocks=lambda req_id: loop.call_threadsafe(lambda e: e.export_kv(req_id).blocks),
             host=config.host,
+            auth=config.cluster_auth,
         )
         service = PrefillService(
             config, loop, layout, self.host.endpoint, self._transfer.stats, self.host.tracing
