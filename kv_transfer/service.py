@@ -79,6 +79,11 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
             if await wait_threads_gone(self._thread_prefix, self.timeout_s):
                 logger.warning("NCCL init threads still running after stop")
 
+    @property
+    def num_refused_connections(self) -> int:
+        """TCP data connections refused for a missing or wrong cluster token proof."""
+        return self._tcp.refusals.num_refused
+
     def stats(self) -> TransferStats:
         return TransferStats(
             num_open_channels=self._tcp.num_channels + len(self._nccl),
