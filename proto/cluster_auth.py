@@ -244,13 +244,8 @@ def _refusal_handler(
     return make(refuse)
 
 
-class _TokenMetadata(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamUnaryClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the cluster token to the metadata of every call on a channel."""
+class _TokenMetadata:
+    """Adds the cluster token to the metadata of a call."""
 
     def __init__(self, token: str) -> None:
         self._token = token
@@ -263,16 +258,24 @@ class _TokenMetadata(
             details.wait_for_ready,
         )  # fmt: skip
 
+
+# grpc.aio files each interceptor under the first call kind it implements, so each
+# kind needs an object of its own.
+class _UnaryUnaryToken(_TokenMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
         return await continuation(self._with_token(client_call_details), request)
 
+
+class _UnaryStreamToken(_TokenMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
         return await continuation(self._with_token(client_call_details), request)
 
+
+class _StreamUnaryToken(_TokenMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self,
         continuation: Any,
@@ -281,6 +284,8 @@ class _TokenMetadata(
     ) -> Any:
         return await continuation(self._with_token(client_call_details), request_iterator)
 
+
+class _StreamStreamToken(_TokenMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
         self,
         continuation: Any,
@@ -290,11 +295,21 @@ class _TokenMetadata(
         return await continuation(self._with_token(client_call_details), request_iterator)
 
 
+def _token_interceptors(auth: ClusterAuth) -> list[grpc.aio.ClientInterceptor] | None:
+    if auth.token is None:
+        return None
+    kinds = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
+    return [kind(auth.token) for kind in kinds]
+
+
 def internal_channel(
     endpoint: str, auth: ClusterAuth, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS
 ) -> grpc.aio.Channel:
-    """A channel to a worker that carries the cluster token (and TLS when set)."""
-    interceptors = [_TokenMetadata(auth.token)] if auth.token is not None else None
+    """A channel to a worker that carries the cluster token (and TLS when set).
+
+    Create it on the event loop that will use it: with a token, grpc.aio runs the
+    token interceptors as tasks of the loop current at creation."""
+    interceptors = _token_interceptors(auth)
     if auth.tls is None:
         return grpc.aio.insecure_channel(endpoint, options=options, interceptors=interceptors)
     options = list(options)

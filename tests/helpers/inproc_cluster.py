@@ -17,11 +17,12 @@ from typing import Any
 from tandem.decode_worker.server import DecodeWorker
 from tandem.engine.config import EngineConfig
 from tandem.prefill_worker.server import PrefillWorker
+from tandem.proto.cluster_auth import ClusterAuth
 from tandem.router.config import RouterConfig
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 from tandem.telemetry.tracing import Tracing
-from tandem.worker.config import WorkerConfig, WorkerRole
+from tandem.worker.config import WorkerConfig, WorkerRole, WorkerSettings
 from tests.helpers.grpc_calls import assert_workers_idle
 
 # The session cluster's router: its OpenAI HTTP API needs this key and refuses bodies
@@ -38,6 +39,8 @@ class InprocCluster:
     engine_overrides: dict[str, Any] = field(default_factory=dict)
     # Shared by the router and both workers (e.g. to collect every span in memory).
     tracing: Tracing | None = None
+    # The cluster token (and TLS) the workers require and the router presents.
+    cluster_auth: ClusterAuth = field(default_factory=ClusterAuth)
     router: Router | None = None
     workers: list[WorkerEndpoint] = field(default_factory=list)
 
@@ -62,7 +65,12 @@ class InprocCluster:
         ):
             settings = {"num_threads": 1, "max_model_len": 1024, **self.engine_overrides}
             engine = EngineConfig(model=self.model_dir, mode=role.engine_mode, **settings)
-            config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
+            config = WorkerConfig(
+                worker_id=worker_id,
+                role=role,
+                engine=engine,
+                settings=WorkerSettings(cluster_auth=self.cluster_auth),
+            )
             server = cls(config, tracing=self.tracing)
             self._servers.append(server)
             endpoint = await server.start()
@@ -70,7 +78,13 @@ class InprocCluster:
         # No start-up profile by default: its probes would show in exact worker counts.
         # (Block size and max model length the router learns from the workers.)
         settings = {"warmup_profile": False, **self.router_overrides}
-        config = RouterConfig(model_dir=self.model_dir, grpc_port=0, http_port=0, **settings)
+        config = RouterConfig(
+            model_dir=self.model_dir,
+            grpc_port=0,
+            http_port=0,
+            cluster_auth=self.cluster_auth,
+            **settings,
+        )
         self.router = Router(config, self.workers, tracing=self.tracing)
         await self.router.start()
 
@@ -91,7 +105,11 @@ class InprocCluster:
         """Every worker back to idle (blocks free, nothing held, no stream open), and the
         router's policy charges no request."""
         workers = [(w.endpoint, w.role) for w in self.workers]
-        self.run(assert_workers_idle(workers, max_channels=1, timeout_s=timeout_s))
+        self.run(
+            assert_workers_idle(
+                workers, max_channels=1, timeout_s=timeout_s, auth=self.cluster_auth
+            )
+        )
         policy = self.router.policy_runtime.policy
         assert policy.is_idle(), f"router policy still charges {policy.num_in_flight} requests"
 
