@@ -192,7 +192,8 @@ class TcpDataServer:
             hello = recv_message(conn, self.timeout_s)
             if not isinstance(hello, Hello):
                 self.refusals.refused("", peer, f"expected a Hello, got a {type(hello).__name__}")
-                send_message(conn, DataReply("unauthenticated", "expected a Hello"))
+                status = "unauthenticated" if self.auth.requires_token else "error"
+                send_message(conn, DataReply(status, "expected a Hello"))
                 return
             if not self.auth.accepts_kv_hello(hello.channel_id, hello.proof):
                 reason = "no cluster token proof" if not hello.proof else "wrong cluster token"
