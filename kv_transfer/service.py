@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import uuid
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -43,20 +44,24 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         advertise_host: str | None = None,
         device: str | None = None,
         auth: ClusterAuth | None = None,
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         """`read_blocks(request_id)`: see `kv_transfer.blocks` (called from transfer
         threads, so it must be thread-safe; KeyError when nothing is held).
         `advertise_host`: the data server's address as decode workers reach it (default
         `host`). `device`: CUDA device of NCCL channels (default the current one).
         `auth`: the cluster token every TCP data connection must prove (the gRPC calls
-        are checked by the server's interceptor, see `tandem.proto.cluster_auth`)."""
+        are checked by the server's interceptor, see `tandem.proto.cluster_auth`);
+        `on_refused` is called (from a transfer thread) for each connection refused."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.layout = layout
         self.read_blocks = read_blocks
         self.timeout_s = timeout_s
         self._device = device
-        self._tcp = TcpDataServer(layout, read_blocks, host, timeout_s, advertise_host, auth)
+        self._tcp = TcpDataServer(
+            layout, read_blocks, host, timeout_s, advertise_host, auth, on_refused
+        )
         self._nccl: dict[str, NcclServerChannel] = {}
         self._thread_prefix = f"kv-service-{id(self):x}"
         # NCCL init and GPU gathers only; created on the first NCCL channel.

@@ -16,6 +16,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from tandem.kv_transfer.blocks import PayloadReader, ReadBlocks, SendPayload
 from tandem.kv_transfer.layout import KvLayout
@@ -62,11 +63,12 @@ class TcpDataServer:
         timeout_s: float,
         advertise_host: str | None = None,
         auth: ClusterAuth | None = None,
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         self.layout = layout
         # Checks each connection's Hello; open (no token) by default.
         self.auth = auth or ClusterAuth()
-        self.refusals = RefusalLog("KV data connection")
+        self.refusals = RefusalLog("KV data connection", on_refused=on_refused)
         self.read_blocks = read_blocks
         self.host = host
         self.advertise_host = advertise_host or host

@@ -167,17 +167,26 @@ class ClusterAuth:
 
 
 class RefusalLog:
-    """Logs refused connections without prompt data, at most once per interval."""
+    """Logs refused connections without prompt data, at most once per interval, and
+    tells `on_refused` (a metric) of every one (from any thread)."""
 
-    def __init__(self, what: str, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+    def __init__(
+        self,
+        what: str,
+        interval_s: float = REFUSAL_LOG_INTERVAL_S,
+        on_refused: Callable[[], None] | None = None,
+    ) -> None:
         self.what = what
         self.interval_s = interval_s
+        self.on_refused = on_refused
         self.num_refused = 0
         self._lock = threading.Lock()
         self._last_logged = -float("inf")
         self._suppressed = 0
 
     def refused(self, target: str, peer: str, reason: str) -> None:
+        if self.on_refused is not None:
+            self.on_refused()
         with self._lock:
             self.num_refused += 1
             now = time.monotonic()
@@ -194,9 +203,9 @@ class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
     """Aborts every call but health probes with UNAUTHENTICATED unless its metadata
     carries the cluster token. The request is never read (nor logged)."""
 
-    def __init__(self, auth: ClusterAuth) -> None:
+    def __init__(self, auth: ClusterAuth, on_refused: Callable[[], None] | None = None) -> None:
         self.auth = auth
-        self.log = RefusalLog("internal call")
+        self.log = RefusalLog("internal call", on_refused=on_refused)
 
     async def intercept_service(
         self,
@@ -321,10 +330,15 @@ def internal_channel(
 
 
 def internal_server(
-    auth: ClusterAuth, options: Sequence[tuple[str, Any]] = GRPC_OPTIONS
+    auth: ClusterAuth,
+    options: Sequence[tuple[str, Any]] = GRPC_OPTIONS,
+    on_refused: Callable[[], None] | None = None,
 ) -> grpc.aio.Server:
-    """A worker's gRPC server: checks the token on every call but health probes."""
-    interceptors = [ClusterTokenInterceptor(auth)] if auth.requires_token else None
+    """A worker's gRPC server: checks the token on every call but health probes
+    (`on_refused` is called for each call it refuses)."""
+    interceptors = (
+        [ClusterTokenInterceptor(auth, on_refused)] if auth.requires_token else None
+    )
     return grpc.aio.server(options=options, interceptors=interceptors)
 
 

@@ -51,7 +51,9 @@ class WorkerHost:
         self.loop = EngineLoop(engine, name=f"engine-{config.worker_id}")
         self.loop.start()
         # Every call but health probes must carry the cluster token (when one is set).
-        self.server = internal_server(config.cluster_auth)
+        self.server = internal_server(
+            config.cluster_auth, on_refused=functools.partial(self.metrics.refused, "grpc")
+        )
         port = add_internal_port(self.server, f"{config.host}:{config.port}", config.cluster_auth)
         self.endpoint = f"{config.host}:{port}"
         self._health = health.aio.HealthServicer()

@@ -7,12 +7,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.engine.config import EngineConfig
+from tandem.kv_transfer.layout import KvLayout
+from tandem.kv_transfer.tcp_channel import split_endpoint
+from tandem.kv_transfer.wire import DataReply, Hello, recv_message, send_message
 from tandem.proto.cluster_auth import ClusterAuth, generate_token, internal_channel
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
@@ -107,16 +114,36 @@ async def _internal_calls(endpoint_p: str, endpoint_d: str, auth: ClusterAuth | 
     return codes
 
 
+def refusal_count(cluster: InprocCluster, worker_id: str, kind: str) -> float:
+    """The worker's `tandem:unauthenticated_requests_total` of `kind`."""
+    url = f"{cluster.worker_metrics_endpoints[worker_id]}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if (
+                sample.name == "tandem:unauthenticated_requests_total"
+                and sample.labels.get("kind") == kind
+            ):
+                return sample.value
+    return 0.0
+
+
 def test_internal_calls_without_the_token_are_refused_and_logged_without_data(
     cluster, caplog: pytest.LogCaptureFixture
 ):
     p_endpoint = _worker(cluster, WorkerRole.PREFILL)
     d_endpoint = _worker(cluster, WorkerRole.DECODE)
     wrong = ClusterAuth(token=generate_token())
+    before = {w: refusal_count(cluster, w, "grpc") for w in ("prefill-0", "decode-0")}
     with caplog.at_level(logging.WARNING):
         for auth in (None, wrong):
             codes = cluster.run(_internal_calls(p_endpoint, d_endpoint, auth))
             assert codes == [grpc.StatusCode.UNAUTHENTICATED] * len(codes), (auth, codes)
+    # Each refusal counted: Prefill, Release, Stats, OpenChannel on the prefill worker,
+    # Abort, Stats, Decode on the decode worker; twice (no token, wrong token).
+    assert refusal_count(cluster, "prefill-0", "grpc") - before["prefill-0"] == 8
+    assert refusal_count(cluster, "decode-0", "grpc") - before["decode-0"] == 6
     refusals = [r.getMessage() for r in caplog.records if "refused internal call" in r.message]
     # At least the first refusal of each worker (later ones fall in the rate limit).
     assert len(refusals) >= 2, caplog.text
@@ -124,6 +151,44 @@ def test_internal_calls_without_the_token_are_refused_and_logged_without_data(
         assert REFUSAL_LINE.fullmatch(line), line
     assert "r-secret" not in caplog.text
     assert AUTH.token not in caplog.text and wrong.token not in caplog.text
+
+
+def test_kv_data_connection_without_the_proof_is_refused_and_counted(cluster):
+    p_endpoint = _worker(cluster, WorkerRole.PREFILL)
+    before = refusal_count(cluster, "prefill-0", "kv_data")
+
+    async def attack() -> DataReply:
+        async with internal_channel(p_endpoint, AUTH) as channel:
+            stub = worker_pb2_grpc.KvTransferStub(channel)
+            opened = await stub.OpenChannel(
+                pb.OpenChannelRequest(
+                    decode_worker_id="intruder",
+                    layout_fingerprint=KvLayout.from_engine_config(
+                        EngineConfig(model=cluster.model_dir, max_model_len=1024)
+                    ).fingerprint(),
+                    backend=pb.KV_BACKEND_TCP,
+                ),
+                timeout=10,
+            )
+            try:
+                return await asyncio.to_thread(_hello_without_proof, opened)
+            finally:
+                await stub.CloseChannel(
+                    pb.CloseChannelRequest(channel_id=opened.channel_id), timeout=10
+                )
+
+    reply = cluster.run(attack())
+    assert reply.status == "unauthenticated" and reply.nbytes == 0
+    assert refusal_count(cluster, "prefill-0", "kv_data") - before == 1
+
+
+def _hello_without_proof(opened: pb.OpenChannelResponse) -> DataReply:
+    with socket.create_connection(split_endpoint(opened.tcp_endpoint), timeout=10) as sock:
+        send_message(sock, Hello(opened.channel_id))
+        reply = recv_message(sock, 10)
+        assert isinstance(reply, DataReply)
+        assert sock.recv(1) == b""  # closed by the worker
+        return reply
 
 
 def test_the_token_opens_every_internal_call(cluster):
