@@ -130,6 +130,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     # Defaults shown in help come from the config classes (argparse default None means
     # "the config's default"), so each is defined once.
     from tandem.cluster.config import PoolsConfig
+    from tandem.cluster.security_flags import add_security_flags
     from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DeviceKind
     from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
     from tandem.router.policy import AdmissionPolicy
@@ -212,6 +213,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="longest prompt a decode worker may prefill itself (0: always disaggregate) "
         f"[{router['max_local_prefill_tokens'].default}]",
     )
+    add_security_flags(serve, generates_token=True)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
 
@@ -240,6 +242,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     import torch
 
     from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig
+    from tandem.cluster.security_flags import cluster_auth_from_args
     from tandem.engine.config import DeviceKind, EngineConfig, default_device
     from tandem.router.config import RouterConfig
     from tandem.worker.config import WorkerSettings
@@ -271,15 +274,19 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
+        # One token for the whole cluster: the workers check it, the router presents it.
+        auth = cluster_auth_from_args(args, os.environ, generate=True)
         # --host and --trace-exporter apply to the workers and the router alike.
         worker = WorkerSettings(
             host=_flag(args.host, WorkerSettings.host),
             trace_exporter=_flag(args.trace_exporter, WorkerSettings.trace_exporter),
             kv_backend=args.kv_backend,
+            cluster_auth=auth,
         )
         router = RouterConfig(
             model_dir=args.model,
             api_key=api_key,
+            cluster_auth=auth,
             host=_flag(args.host, RouterConfig.host),
             trace_exporter=_flag(args.trace_exporter, RouterConfig.trace_exporter),
             grpc_port=_flag(args.grpc_port, RouterConfig.grpc_port),

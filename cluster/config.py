@@ -121,12 +121,21 @@ class ClusterConfig:
             raise ValueError(
                 f"engine.model ({self.engine.model}) must be model_dir ({self.model_dir})"
             )
-        self.router = RouterConfig(model_dir=model_dir) if router is None else router
+        self.router = (
+            RouterConfig(model_dir=model_dir, cluster_auth=self.worker.cluster_auth)
+            if router is None
+            else router
+        )
         if Path(self.router.model_dir).resolve() != model:
             raise ValueError(
                 f"router.model_dir ({self.router.model_dir}) must be model_dir ({self.model_dir})"
             )
         check_kv_backend(self.worker.kv_backend, self.engine.device)
+        if self.router.cluster_auth != self.worker.cluster_auth:
+            # The router calls the workers with its own; a different one is refused.
+            raise ValueError(
+                "router.cluster_auth must equal worker.cluster_auth (same token and TLS)"
+            )
 
     @property
     def use_gpu(self) -> bool:

@@ -39,7 +39,11 @@ class DecodeWorker:
         loop = await self.host.open()
         layout = KvLayout.from_engine_config(config.engine)
         self._kv_client = KvTransferClient(
-            layout, config.worker_id, backend=config.kv_backend, timeout_s=config.pull_timeout_s
+            layout,
+            config.worker_id,
+            backend=config.kv_backend,
+            timeout_s=config.pull_timeout_s,
+            auth=config.cluster_auth,
         )
         self._service = DecodeService(
             config, loop, self._kv_client, self.host.tracing, self.host.metrics

@@ -23,6 +23,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.client import KvTransferClient
 from tandem.kv_transfer.errors import KvTransferError
 from tandem.kv_transfer.handle import KvHandle
+from tandem.proto.cluster_auth import internal_channel
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.telemetry.tracing import Tracing
@@ -202,7 +203,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def _release(self, handle: KvHandle) -> None:
         channel = self._peers.get(handle.endpoint)
         if channel is None:
-            channel = self._peers[handle.endpoint] = grpc.aio.insecure_channel(handle.endpoint)
+            channel = internal_channel(handle.endpoint, self.config.cluster_auth, options=())
+            self._peers[handle.endpoint] = channel
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
         try:
             await stub.Release(

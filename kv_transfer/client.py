@@ -26,6 +26,7 @@ from tandem.kv_transfer.local import LocalChannel, LocalRegistry
 from tandem.kv_transfer.nccl_channel import NcclClientChannel
 from tandem.kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
 from tandem.kv_transfer.tcp_channel import TcpChannel
+from tandem.proto.cluster_auth import ClusterAuth, internal_channel
 from tandem.proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -53,11 +54,13 @@ class KvTransferClient:
         device: str | None = None,
         max_num_threads: int = 4,
         max_pooled_bytes: int = 1 << 30,
+        auth: ClusterAuth | None = None,
     ) -> None:
         """`local_registry`: required by the local backend. `device`: CUDA device of NCCL
         receive buffers (default the current one). `max_pooled_bytes`: idle receive
         memory kept for reuse (see `kv_transfer.buffers`; 0 = none). Every socket and
-        RPC wait is bounded by `timeout_s`."""
+        RPC wait is bounded by `timeout_s`. `auth`: the cluster token (and TLS) of every
+        call and data connection to prefill workers (default: none)."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         if backend == "local" and local_registry is None:
@@ -69,6 +72,7 @@ class KvTransferClient:
         self.backend = backend
         self.timeout_s = timeout_s
         self._registry = local_registry
+        self._auth = auth or ClusterAuth()
         self._device = device
         self._thread_prefix = f"kv-client-{id(self):x}"
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -182,6 +186,7 @@ class KvTransferClient:
                 self.layout,
                 self.timeout_s,
                 self._buffers,
+                self._auth,
             )
         except KvPullError:
             await self._close_rpc(handle.endpoint, response.channel_id)
@@ -198,6 +203,12 @@ class KvTransferClient:
                 raise LayoutMismatchError(details) from None
             if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT):
                 raise KvTransferError(f"OpenChannel to {endpoint}: {details}") from None
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                # Retrying with the same token cannot help: the workers' configs differ.
+                raise KvTransferError(
+                    f"OpenChannel to {endpoint} refused: {details} (do both workers have "
+                    "the same cluster token?)"
+                ) from None
             await self._forget_grpc(endpoint)  # reconnect afresh next time
             raise KvPullError(f"OpenChannel to {endpoint} failed: {code.name} {details}") from e
 
@@ -250,7 +261,7 @@ class KvTransferClient:
 
     def _stub(self, endpoint: str) -> worker_pb2_grpc.KvTransferStub:
         if endpoint not in self._grpc:
-            self._grpc[endpoint] = grpc.aio.insecure_channel(endpoint)
+            self._grpc[endpoint] = internal_channel(endpoint, self._auth, options=())
         return worker_pb2_grpc.KvTransferStub(self._grpc[endpoint])
 
     async def _forget_grpc(self, endpoint: str) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import uuid
+from collections.abc import Callable
 
 import grpc
 import torch
@@ -24,6 +25,7 @@ from tandem.kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, load_nccl
 from tandem.kv_transfer.nccl_channel import PREFILL_RANK, NcclServerChannel
 from tandem.kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
 from tandem.kv_transfer.tcp_server import TcpDataServer
+from tandem.proto.cluster_auth import ClusterAuth
 from tandem.proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -41,18 +43,25 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         timeout_s: float = 30.0,
         advertise_host: str | None = None,
         device: str | None = None,
+        auth: ClusterAuth | None = None,
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         """`read_blocks(request_id)`: see `kv_transfer.blocks` (called from transfer
         threads, so it must be thread-safe; KeyError when nothing is held).
         `advertise_host`: the data server's address as decode workers reach it (default
-        `host`). `device`: CUDA device of NCCL channels (default the current one)."""
+        `host`). `device`: CUDA device of NCCL channels (default the current one).
+        `auth`: the cluster token every TCP data connection must prove (the gRPC calls
+        are checked by the server's interceptor, see `tandem.proto.cluster_auth`);
+        `on_refused` is called (from a transfer thread) for each connection refused."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.layout = layout
         self.read_blocks = read_blocks
         self.timeout_s = timeout_s
         self._device = device
-        self._tcp = TcpDataServer(layout, read_blocks, host, timeout_s, advertise_host)
+        self._tcp = TcpDataServer(
+            layout, read_blocks, host, timeout_s, advertise_host, auth, on_refused
+        )
         self._nccl: dict[str, NcclServerChannel] = {}
         self._thread_prefix = f"kv-service-{id(self):x}"
         # NCCL init and GPU gathers only; created on the first NCCL channel.
@@ -74,6 +83,11 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
             self._executor.shutdown(wait=False, cancel_futures=True)
             if await wait_threads_gone(self._thread_prefix, self.timeout_s):
                 logger.warning("NCCL init threads still running after stop")
+
+    @property
+    def num_refused_connections(self) -> int:
+        """TCP data connections refused for a missing or wrong cluster token proof."""
+        return self._tcp.refusals.num_refused
 
     def stats(self) -> TransferStats:
         return TransferStats(

@@ -31,6 +31,7 @@ from tandem.kv_transfer.wire import (
     recv_message,
     send_message,
 )
+from tandem.proto.cluster_auth import ClusterAuth
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +71,18 @@ class TcpChannel:
         layout: KvLayout,
         timeout_s: float,
         buffers: BufferPool | None = None,
+        auth: ClusterAuth | None = None,
     ) -> TcpChannel:
-        """Connect and bind the socket to the opened channel; KvPullError on failure."""
+        """Connect and bind the socket to the opened channel, proving the cluster token
+        of `auth`; KvPullError on failure (a refused proof included)."""
         try:
             sock = socket.create_connection(split_endpoint(endpoint), timeout=timeout_s)
         except OSError as e:
             raise KvPullError(f"cannot connect to KV data server {endpoint}: {e}") from e
         try:
             tune_socket(sock, timeout_s)
-            send_message(sock, Hello(channel_id))
+            proof = auth.kv_hello_proof(channel_id) if auth is not None else ""
+            send_message(sock, Hello(channel_id, proof))
             ack = recv_message(sock, timeout_s)
             if not isinstance(ack, DataReply) or ack.status != "ok":
                 raise ProtocolError(f"channel refused: {ack}")

@@ -1,8 +1,10 @@
 """Prefill side of the TCP data plane: a listening socket owned by `KvTransferService`.
 
 `OpenChannel` registers a channel id; the decode side then connects and names it in a
-`Hello`, and that one socket serves every pull of the channel, each in turn, from a
-thread of its own (blocking sends release the GIL). Accepting runs on the event loop.
+`Hello` that proves the cluster token (else the socket is refused and closed before
+anything else is read or sent), and that one socket serves every pull of the channel,
+each in turn, from a thread of its own (blocking sends release the GIL). Accepting runs
+on the event loop.
 Threads and sockets end on EOF, on `close_channel`, or on `stop()`.
 """
 
@@ -14,6 +16,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from tandem.kv_transfer.blocks import PayloadReader, ReadBlocks, SendPayload
 from tandem.kv_transfer.layout import KvLayout
@@ -26,6 +29,7 @@ from tandem.kv_transfer.wire import (
     recv_message,
     send_message,
 )
+from tandem.proto.cluster_auth import ClusterAuth, RefusalLog
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +62,13 @@ class TcpDataServer:
         host: str,
         timeout_s: float,
         advertise_host: str | None = None,
+        auth: ClusterAuth | None = None,
+        on_refused: Callable[[], None] | None = None,
     ) -> None:
         self.layout = layout
+        # Checks each connection's Hello; open (no token) by default.
+        self.auth = auth or ClusterAuth()
+        self.refusals = RefusalLog("KV data connection", on_refused=on_refused)
         self.read_blocks = read_blocks
         self.host = host
         self.advertise_host = advertise_host or host
@@ -164,7 +173,10 @@ class TcpDataServer:
                 continue
             tune_socket(conn, self.timeout_s)
             thread = threading.Thread(
-                target=self._serve, args=(conn,), name=f"kv-tcp-serve-{addr[1]}", daemon=True
+                target=self._serve,
+                args=(conn, format_endpoint(addr[0], addr[1])),
+                name=f"kv-tcp-serve-{addr[1]}",
+                daemon=True,
             )
             with self._lock:
                 if self._stopped:
@@ -176,12 +188,23 @@ class TcpDataServer:
 
     # ----- one connection (its own thread) -------------------------------------
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: str) -> None:
         channel_id = ""
         try:
             hello = recv_message(conn, self.timeout_s)
-            if not isinstance(hello, Hello) or not self._attach(hello.channel_id, conn):
-                send_message(conn, DataReply("error", f"unknown KV channel in {hello}"))
+            if not isinstance(hello, Hello):
+                self.refusals.refused("", peer, f"expected a Hello, got a {type(hello).__name__}")
+                status = "unauthenticated" if self.auth.requires_token else "error"
+                send_message(conn, DataReply(status, "expected a Hello"))
+                return
+            if not self.auth.accepts_kv_hello(hello.channel_id, hello.proof):
+                reason = "no cluster token proof" if not hello.proof else "wrong cluster token"
+                self.refusals.refused("", peer, reason)
+                send_message(conn, DataReply("unauthenticated", f"{reason}: KV data "
+                                             "connections need the cluster token"))  # fmt: skip
+                return
+            if not self._attach(hello.channel_id, conn):
+                send_message(conn, DataReply("error", f"unknown KV channel {hello.channel_id!r}"))
                 return
             channel_id = hello.channel_id
             send_message(conn, DataReply("ok"))

@@ -1,9 +1,11 @@
 """Framing of the TCP data plane: small JSON headers, then raw tensor bytes.
 
 Every header is `!I` length + UTF-8 JSON with a "type". A channel's socket carries:
-decode → prefill `Hello` once, then per pull `DataRequest`; prefill → decode
-`DataReply` (status, shape, dtype, nbytes or an error message) and, when ok, exactly
-`nbytes` bytes of the contiguous [layers, 2, blocks, block_size, heads, dim] tensor.
+decode → prefill `Hello` once (channel id + proof of the cluster token; the prefill side
+answers `DataReply("ok")`, or "unauthenticated" and closes before any KV is read), then
+per pull `DataRequest`; prefill → decode `DataReply` (status, shape, dtype, nbytes or an
+error message) and, when ok, exactly `nbytes` bytes of the contiguous
+[layers, 2, blocks, block_size, heads, dim] tensor.
 No pickle, no per-block round trips.
 """
 
@@ -13,7 +15,7 @@ import json
 import socket
 import struct
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -46,6 +48,8 @@ class Hello:
     """First message on a new data socket: binds it to an opened channel."""
 
     channel_id: str
+    # `ClusterAuth.kv_hello_proof(channel_id)` ("" when the cluster has no token).
+    proof: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,8 @@ class DataRequest:
 
 @dataclass(frozen=True)
 class DataReply:
-    # "ok" (payload follows), "not_found" (no KV held: expired, released, unknown) or
+    # "ok" (payload follows), "not_found" (no KV held: expired, released, unknown),
+    # "unauthenticated" (a Hello without a valid token proof; the socket closes) or
     # "error" (the channel or the read failed; see message).
     status: str
     message: str = ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -48,6 +49,8 @@ class PrefillWorker:
             layout,
             read_blocks=lambda req_id: loop.call_threadsafe(lambda e: e.export_kv(req_id).blocks),
             host=config.host,
+            auth=config.cluster_auth,
+            on_refused=functools.partial(self.host.metrics.refused, "kv_data"),
         )
         service = PrefillService(
             config, loop, layout, self.host.endpoint, self._transfer.stats, self.host.tracing

@@ -6,10 +6,11 @@ prompt + output come from their `Stats` answers at start (see `PolicyRuntime`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.engine.config import parse_enum
+from tandem.proto.cluster_auth import ClusterAuth
 from tandem.router.policy import (
     DEFAULT_ADMISSION_POLICY,
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
@@ -57,8 +58,13 @@ class RouterConfig:
     api_key: str | None = None
     # Largest HTTP request body accepted; bigger ones get 413.
     max_body_bytes: int = 8 * 1024 * 1024
+    # Cluster token (and optional TLS) the router presents on its calls to workers: the
+    # workers' `WorkerSettings.cluster_auth`. (The public APIs use `api_key`.)
+    cluster_auth: ClusterAuth = field(default_factory=ClusterAuth)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cluster_auth, ClusterAuth):
+            raise ValueError(f"cluster_auth must be a ClusterAuth, got {self.cluster_auth!r}")
         self.admission_policy = parse_enum(
             AdmissionPolicy, self.admission_policy, "admission_policy"
         )

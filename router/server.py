@@ -36,7 +36,7 @@ class Router:
     ) -> None:
         self.config = config
         self.tracing = tracing or Tracing("tandem-router", config.trace_exporter)
-        self.pool = WorkerPool(workers)
+        self.pool = WorkerPool(workers, config.cluster_auth)
         self.grpc_endpoint = ""
         self.http_endpoint = ""
         self._server: grpc.aio.Server | None = None

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.engine.config import parse_enum
+from tandem.proto.cluster_auth import ClusterAuth, internal_channel
 from tandem.proto.server_options import GRPC_OPTIONS
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
@@ -51,17 +52,20 @@ class WorkerPair:
 class WorkerPool:
     """Owns one gRPC channel per worker; closed by `close()`."""
 
-    def __init__(self, workers: list[WorkerEndpoint]) -> None:
+    def __init__(self, workers: list[WorkerEndpoint], auth: ClusterAuth | None = None) -> None:
+        """`auth`: the cluster token (and TLS) every call to a worker carries."""
+        self.auth = auth or ClusterAuth()
         self.prefill = [w for w in workers if w.role is WorkerRole.PREFILL]
         self.decode = [w for w in workers if w.role is not WorkerRole.PREFILL]
         if not self.decode:
             raise ValueError("the cluster needs at least one decode or colocated worker")
         if self.prefill and any(w.role is WorkerRole.COLOCATED for w in self.decode):
             raise ValueError("prefill workers pair with decode workers, not colocated ones")
-        self._channels = {
-            w.worker_id: grpc.aio.insecure_channel(w.endpoint, options=GRPC_OPTIONS)
-            for w in workers
-        }
+        self._channels = {w.worker_id: self._open_channel(w) for w in workers}
+
+    def _open_channel(self, worker: WorkerEndpoint) -> grpc.aio.Channel:
+        """A channel to one worker (with the cluster token): the one way to open them."""
+        return internal_channel(worker.endpoint, self.auth, options=GRPC_OPTIONS)
 
     @property
     def workers(self) -> list[WorkerEndpoint]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tandem.engine.model_maker import make_model
+from tandem.proto.cluster_auth import ClusterAuth, generate_token
 from tests.helpers.inproc_cluster import InprocCluster, shared_router_config
 
 # CI machines are small; more intra-op threads than cores only adds contention.
@@ -27,12 +28,18 @@ def cluster(tiny_model_dir: Path) -> Iterator[InprocCluster]:
     """One in-process cluster (1 prefill + 1 decode worker, router; `tiny` model) that
     every API test without special settings shares, started on first use.
 
-    Its HTTP API wants `SHARED_API_KEY`. Each test leaves it idle (checked after every
-    test), so tests stay independent; a module that needs other router or engine
-    settings defines its own `cluster` fixture (which overrides this one) or starts one.
+    Its HTTP API wants `SHARED_API_KEY`, its workers `cluster.cluster_auth`. Each test
+    leaves it idle (checked after every test), so tests stay independent; a module that
+    needs other router or engine settings defines its own `cluster` fixture (which
+    overrides this one) or starts one.
     """
     model_dir = str(tiny_model_dir)
-    cluster = InprocCluster(model_dir, router_config=shared_router_config(model_dir))
+    # Behind a cluster token, like a served cluster: every API test goes through it.
+    cluster = InprocCluster(
+        model_dir,
+        router_config=shared_router_config(model_dir),
+        cluster_auth=ClusterAuth(token=generate_token()),
+    )
     cluster.start()
     yield cluster
     cluster.stop()

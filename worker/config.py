@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass, field
 
 from tandem.engine.config import EngineConfig, EngineMode, parse_enum
+from tandem.proto.cluster_auth import ClusterAuth
 from tandem.telemetry.tracing import DEFAULT_TRACE_EXPORTER, TraceExporter
 
 
@@ -69,8 +70,14 @@ class WorkerSettings:
     # Longest a graceful stop waits for in-flight requests.
     drain_timeout_s: float = 10.0
     trace_exporter: TraceExporter = DEFAULT_TRACE_EXPORTER
+    # Cluster token (and optional TLS) that internal gRPC calls and KV data connections
+    # to this worker must carry, and that it presents to other workers; the default
+    # leaves them open (in-process tests). `tandem serve` always sets a token.
+    cluster_auth: ClusterAuth = field(default_factory=ClusterAuth)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.cluster_auth, ClusterAuth):
+            raise ValueError(f"cluster_auth must be a ClusterAuth, got {self.cluster_auth!r}")
         if self.kv_backend is not None:
             self.kv_backend = parse_enum(KvBackend, self.kv_backend, "kv_backend")
         if self.kv_backend is KvBackend.LOCAL:
@@ -137,3 +144,7 @@ class WorkerConfig:
     @property
     def trace_exporter(self) -> TraceExporter:
         return self.settings.trace_exporter
+
+    @property
+    def cluster_auth(self) -> ClusterAuth:
+        return self.settings.cluster_auth

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.engine.llm_engine import Engine
-from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.cluster_auth import add_internal_port, internal_server
 from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerConfig
 from tandem.worker.engine_loop import EngineLoop
@@ -50,8 +50,11 @@ class WorkerHost:
         engine = await asyncio.to_thread(functools.partial(Engine, config.engine, clock=self.clock))
         self.loop = EngineLoop(engine, name=f"engine-{config.worker_id}")
         self.loop.start()
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
-        port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        # Every call but health probes must carry the cluster token (when one is set).
+        self.server = internal_server(
+            config.cluster_auth, on_refused=functools.partial(self.metrics.refused, "grpc")
+        )
+        port = add_internal_port(self.server, f"{config.host}:{config.port}", config.cluster_auth)
         self.endpoint = f"{config.host}:{port}"
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self.server)

@@ -93,8 +93,21 @@ class WorkerMetrics:
             names,
             registry=self.registry,
         ).labels(**labels)
+        # "grpc" (an internal call) or "kv_data" (a TCP KV data connection).
+        self._unauthenticated = Counter(
+            "tandem:unauthenticated_requests",
+            "Internal calls and KV data connections refused for a missing or wrong "
+            "cluster token.",
+            [*names, "kind"],
+            registry=self.registry,
+        )
+        self._labels = labels
         self._runner: web.AppRunner | None = None
         self.endpoint = ""
+
+    def refused(self, kind: str) -> None:
+        """Count one refused call or connection (thread-safe)."""
+        self._unauthenticated.labels(**self._labels, kind=kind).inc()
 
     async def start(self, loop: EngineLoop, host: str, port: int) -> str:
         """Serve GET /metrics; returns http://host:port."""

@@ -42,7 +42,10 @@ def test_defaults_come_from_the_config_classes(tiny_model_dir):
         defaults.grpc_port,
         defaults.http_port,
     )
-    assert config.worker == WorkerSettings()
+    # Every setting at its default but the cluster token, which serve always sets
+    # (tests/cluster/test_security_flags.py covers where it comes from).
+    assert config.worker == WorkerSettings(cluster_auth=config.worker.cluster_auth)
+    assert config.worker.cluster_auth.requires_token
     assert config.ray == RayConfig()
     # No backend named: TCP on CPU engines.
     assert config.worker.kv_backend is None

@@ -6,6 +6,7 @@ import asyncio
 
 import grpc
 
+from tandem.proto.cluster_auth import ClusterAuth, internal_channel
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
@@ -37,8 +38,11 @@ async def generate_tokens(
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
-async def worker_stats(endpoint: str, role: str) -> pb.StatsResponse:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+async def worker_stats(
+    endpoint: str, role: str, auth: ClusterAuth | None = None
+) -> pb.StatsResponse:
+    """A worker's `Stats` (with the cluster token of `auth`, when the workers want one)."""
+    async with internal_channel(endpoint, auth or ClusterAuth(), options=()) as channel:
         if role == "prefill":
             stub = worker_pb2_grpc.PrefillWorkerStub(channel)
         else:
@@ -47,7 +51,10 @@ async def worker_stats(endpoint: str, role: str) -> pb.StatsResponse:
 
 
 async def assert_workers_idle(
-    workers: list[tuple[str, str]], max_channels: int, timeout_s: float = 5.0
+    workers: list[tuple[str, str]],
+    max_channels: int,
+    timeout_s: float = 5.0,
+    auth: ClusterAuth | None = None,
 ) -> None:
     """Every (endpoint, role) back to idle: all blocks free, nothing held or streaming.
 
@@ -56,7 +63,7 @@ async def assert_workers_idle(
     """
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        stats = [await worker_stats(endpoint, role) for endpoint, role in workers]
+        stats = [await worker_stats(endpoint, role, auth) for endpoint, role in workers]
         problems = [_busy(s, max_channels) for s in stats]
         if not any(problems):
             return

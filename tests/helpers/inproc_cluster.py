@@ -18,11 +18,12 @@ from typing import Any
 from tandem.decode_worker.server import DecodeWorker
 from tandem.engine.config import EngineConfig
 from tandem.prefill_worker.server import PrefillWorker
+from tandem.proto.cluster_auth import ClusterAuth
 from tandem.router.config import RouterConfig
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 from tandem.telemetry.tracing import Tracing
-from tandem.worker.config import WorkerConfig, WorkerRole
+from tandem.worker.config import WorkerConfig, WorkerRole, WorkerSettings
 from tests.helpers.grpc_calls import assert_workers_idle
 
 # The session cluster's router: its OpenAI HTTP API needs this key and refuses bodies
@@ -61,6 +62,8 @@ class InprocCluster:
     engine_config: EngineConfig | None = None
     # Shared by the router and both workers (e.g. to collect every span in memory).
     tracing: Tracing | None = None
+    # The cluster token (and TLS) the workers require and the router presents.
+    cluster_auth: ClusterAuth = field(default_factory=ClusterAuth)
     router: Router | None = None
     workers: list[WorkerEndpoint] = field(default_factory=list)
 
@@ -85,12 +88,19 @@ class InprocCluster:
             ("decode-0", WorkerRole.DECODE, DecodeWorker),
         ):
             engine = replace(template, mode=role.engine_mode)
-            config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
+            config = WorkerConfig(
+                worker_id=worker_id,
+                role=role,
+                engine=engine,
+                settings=WorkerSettings(cluster_auth=self.cluster_auth),
+            )
             server = cls(config, tracing=self.tracing)
             self._servers.append(server)
             endpoint = await server.start()
             self.workers.append(WorkerEndpoint(worker_id, role, endpoint))
         router_config = self.router_config or inproc_router_config(self.model_dir)
+        # The router presents the token the workers require.
+        router_config = replace(router_config, cluster_auth=self.cluster_auth)
         self.router = Router(router_config, self.workers, tracing=self.tracing)
         await self.router.start()
 
@@ -111,7 +121,11 @@ class InprocCluster:
         """Every worker back to idle (blocks free, nothing held, no stream open), and the
         router's policy charges no request."""
         workers = [(w.endpoint, w.role) for w in self.workers]
-        self.run(assert_workers_idle(workers, max_channels=1, timeout_s=timeout_s))
+        self.run(
+            assert_workers_idle(
+                workers, max_channels=1, timeout_s=timeout_s, auth=self.cluster_auth
+            )
+        )
         policy = self.router.policy_runtime.policy
         assert policy.is_idle(), f"router policy still charges {policy.num_in_flight} requests"
 

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferService, ReadBlocks
+from tandem.proto.cluster_auth import ClusterAuth, add_internal_port, internal_server
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 
 TINY = KvLayout("tiny-0123abcd", "float32", 4, 2, 2, 8)
@@ -75,12 +76,19 @@ class Prefill:
 
 @contextlib.asynccontextmanager
 async def prefill_server(
-    layout: KvLayout, read_blocks: ReadBlocks, timeout_s: float = 10.0, device: str | None = None
+    layout: KvLayout,
+    read_blocks: ReadBlocks,
+    timeout_s: float = 10.0,
+    device: str | None = None,
+    auth: ClusterAuth | None = None,
 ) -> AsyncIterator[Prefill]:
-    service = KvTransferService(layout, read_blocks, timeout_s=timeout_s, device=device)
-    server = grpc.aio.server()
+    """A KvTransfer server; with `auth`, guarded like a worker's (token interceptor on
+    gRPC, token proof on TCP data connections)."""
+    auth = auth or ClusterAuth()
+    service = KvTransferService(layout, read_blocks, timeout_s=timeout_s, device=device, auth=auth)
+    server = internal_server(auth, options=())
     worker_pb2_grpc.add_KvTransferServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = add_internal_port(server, "127.0.0.1:0", auth)
     await server.start()
     prefill = Prefill(service, server, f"127.0.0.1:{port}")
     try:

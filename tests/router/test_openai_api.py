@@ -262,7 +262,8 @@ def test_client_disconnect_during_non_streamed_completion_frees_the_workers(clus
     decode = next(w for w in cluster.workers if w.role == "decode")
     try:
         deadline = time.monotonic() + 30
-        while not cluster.run(worker_stats(decode.endpoint, decode.role)).num_running:
+        auth = cluster.cluster_auth
+        while not cluster.run(worker_stats(decode.endpoint, decode.role, auth)).num_running:
             assert time.monotonic() < deadline, "the decode worker never started the request"
             time.sleep(0.05)
     finally:
