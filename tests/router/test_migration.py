@@ -18,6 +18,7 @@ from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.membership import WorkerLifecycle
 from tandem.worker.config import WorkerRole
+from tests.helpers.grpc_calls import assert_workers_idle
 from tests.helpers.process_cluster import ProcessCluster
 from tests.helpers.prompts import make_prompts
 
@@ -215,3 +216,69 @@ def test_only_decode_worker_killed_gets_503_then_heals(tiny_model_dir):
         cluster.assert_idle()
     finally:
         cluster.stop()
+
+
+def test_worker_declared_dead_migrates_its_streams_and_stop_strings_still_cut(decode_pair):
+    """The controller declares a live decode worker DEAD (e.g. a drain past its timeout):
+    the router ends its streams there and continues them elsewhere; the worker frees
+    everything. A stop string met after the switch cuts the text exactly where an
+    uninterrupted run does (the router detokenizes the continuation itself)."""
+    cluster = decode_pair
+    prompts = make_prompts(2048, (50, 70, 90, 110), seed=75)
+    plain = cluster.run(run_all(cluster, "plain", prompts))
+    # A stop string from late in each output (found after the switch, not before).
+    stops = []
+    for _, text in plain:
+        start = len(text) * 3 // 4
+        stop = text[start : start + 3]
+        stops.append(stop if stop.strip() and text.find(stop) >= len(text) // 2 else "")
+
+    async def run_with_stops(prefix: str, progress: dict[str, int] | None):
+        async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(i: int) -> tuple[list[int], str, int]:
+                request = gen_pb.GenerateRequest(
+                    request_id=f"{prefix}-{i}",
+                    prompt_token_ids=prompts[i],
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    stop=[stops[i]] if stops[i] else [],
+                )
+                tokens, text, reason = [], "", 0
+                async for msg in stub.Generate(request, timeout=180):
+                    tokens += msg.token_ids
+                    text += msg.text
+                    reason = msg.finish_reason or reason
+                    if progress is not None:
+                        progress[request.request_id] = len(tokens)
+                return tokens, text, reason
+
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+    expected = cluster.run(run_with_stops("exp", None))
+    assert any(r[2] == gen_pb.FINISH_REASON_STOP for r in expected)
+
+    async def scenario() -> tuple[list, str]:
+        progress: dict[str, int] = {}
+        task = asyncio.ensure_future(run_with_stops("req", progress))
+        ids = [f"req-{i}" for i in range(len(prompts))]
+        deadline = time.monotonic() + 60
+        while not all(progress.get(rid, 0) >= 4 for rid in ids):
+            assert time.monotonic() < deadline, f"streams did not start: {progress}"
+            await asyncio.sleep(0.005)
+        policy = cluster.router.policy_runtime.policy
+        on = [policy.placement_of(rid).decode_worker_id for rid in ids]
+        victim = max(("decode-0", "decode-1"), key=on.count)
+        cluster.states[victim] = WorkerLifecycle.DEAD
+        await cluster.router.update_membership(cluster.membership())
+        return await task, victim
+
+    results, victim = cluster.run(scenario(), timeout_s=300)
+    assert results == expected
+    assert migrations(cluster).get("worker_lost", 0) >= 1
+    # The worker is alive: the cancelled streams must have freed everything there too.
+    proc = cluster.procs[victim]
+    cluster.run(assert_workers_idle([(proc.endpoint, "decode")], max_channels=4, timeout_s=10))
+    cluster.assert_idle()
