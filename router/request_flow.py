@@ -350,7 +350,7 @@ class RequestFlow:
         usage: Usage,
         attempt: _Attempt,
         first: bool,
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         """One attempt: `prompt_ids` is the prompt plus what earlier attempts streamed.
         A worker failure leaves as `_AttemptFailed`."""
         pair = self.pool.pair(placement.prefill_worker_id, placement.decode_worker_id)
