@@ -10,6 +10,7 @@ migrate (see `request_flow`), and closes their channels.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -48,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 # Worker states that keep a worker in the router's pool (DRAINING: requests finish there).
 _IN_POOL = frozenset({WorkerLifecycle.SERVING, WorkerLifecycle.DRAINING})
+# How often the router retries adding a wanted worker it could not reach.
+JOIN_RETRY_INTERVAL_S = 1.0
 
 
 class Router:
@@ -65,6 +68,10 @@ class Router:
         self.admin_backend = admin
         self.membership: Membership | None = None
         self._membership_lock = asyncio.Lock()
+        # Wanted workers that could not be reached when they joined: retried every
+        # JOIN_RETRY_INTERVAL_S until they answer or a new membership replaces them.
+        self._pending: dict[str, WorkerInfo] = {}
+        self._join_retry: asyncio.Task | None = None
         self.flow: RequestFlow | None = None
         self.tracing = tracing or Tracing("tandem-router", config.trace_exporter)
         self.pool = WorkerPool(workers)
@@ -129,6 +136,7 @@ class Router:
         await site.start()
         http_port = self._http.addresses[0][1]
         self.http_endpoint = f"http://{config.host}:{http_port}"
+        self._join_retry = asyncio.get_running_loop().create_task(self._retry_joins())
         logger.info("router: gRPC %s, HTTP %s", self.grpc_endpoint, self.http_endpoint)
 
     async def update_membership(self, membership: Membership) -> None:
@@ -148,6 +156,7 @@ class Router:
                              membership.version, self.membership.version)  # fmt: skip
                 return
             self.membership = membership
+            self._pending.clear()
             wanted = {
                 w.worker_id: w
                 for w in membership.workers
@@ -161,11 +170,27 @@ class Router:
                                 current.worker_id, num_lost)  # fmt: skip
                     runtime.remove_worker(current.worker_id)
                     self.pool.remove(current.worker_id)
-            for worker_id, info in wanted.items():
-                if self.pool.get(worker_id) is None:
-                    await self._add_worker(info)
-                if self.pool.get(worker_id) is not None:
-                    runtime.set_placeable(worker_id, info.state is WorkerLifecycle.SERVING)
+            for info in wanted.values():
+                await self._join(info)
+
+    async def _join(self, info: WorkerInfo) -> None:
+        runtime = self.policy_runtime
+        assert runtime is not None
+        if self.pool.get(info.worker_id) is None:
+            await self._add_worker(info)
+        if self.pool.get(info.worker_id) is not None:
+            runtime.set_placeable(info.worker_id, info.state is WorkerLifecycle.SERVING)
+
+    async def _retry_joins(self) -> None:
+        while True:
+            await asyncio.sleep(JOIN_RETRY_INTERVAL_S)
+            if not self._pending:
+                continue
+            async with self._membership_lock:
+                pending = list(self._pending.values())
+                self._pending.clear()
+                for info in pending:
+                    await self._join(info)
 
     async def _add_worker(self, info: WorkerInfo) -> None:
         runtime = self.policy_runtime
@@ -175,11 +200,17 @@ class Router:
             self.pool.add(endpoint)
             await runtime.add_worker(endpoint)
         except (ValueError, grpc.aio.AioRpcError) as exc:
-            detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            logger.error("worker %s cannot join the pools: %s", info.worker_id, detail)
             if self.pool.get(info.worker_id) is not None:
                 runtime.remove_worker(info.worker_id)
                 self.pool.remove(info.worker_id)
+            if isinstance(exc, grpc.aio.AioRpcError):
+                # Not reachable yet (or a blip): try again shortly.
+                logger.warning("worker %s not reachable (%s); retrying its join",
+                               info.worker_id, exc.code().name)  # fmt: skip
+                self._pending[info.worker_id] = info
+            else:
+                # Disagrees with the pools (block size, model length, role): never joins.
+                logger.error("worker %s cannot join the pools: %s", info.worker_id, exc)
             return
         logger.info("worker %s (%s) joined the pools at %s", info.worker_id, info.role.value,
                     info.endpoint)  # fmt: skip
@@ -204,6 +235,10 @@ class Router:
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:
+        if self._join_retry is not None:
+            self._join_retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._join_retry
         if self._http is not None:
             await self._http.cleanup()
         if self._server is not None:
