@@ -353,7 +353,11 @@ class RequestFlow:
     ) -> AsyncGenerator[GenerationChunk, None]:
         """One attempt: `prompt_ids` is the prompt plus what earlier attempts streamed.
         A worker failure leaves as `_AttemptFailed`."""
-        pair = self.pool.pair(placement.prefill_worker_id, placement.decode_worker_id)
+        try:
+            pair = self.pool.pair(placement.prefill_worker_id, placement.decode_worker_id)
+        except KeyError as exc:
+            # A worker of the placement left the pools before the first call.
+            raise _lost(str(exc.args[0])) from None
         wire_params = sampling_params_to_proto(params)
         # Without a prefill worker the decode worker must be told it may prefill itself.
         decode_request = pb.DecodeRequest(

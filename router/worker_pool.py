@@ -132,7 +132,10 @@ class WorkerPool:
         return worker_pb2_grpc.DecodeWorkerStub(self._channels[worker.worker_id])
 
     async def is_ready(self, timeout_s: float) -> bool:
-        """True when every worker's gRPC health check answers SERVING."""
+        """True when every worker's gRPC health check answers SERVING (and there is a
+        decode-capable one: without it no request can be served)."""
+        if not self.decode:
+            return False
         checks = [self._serving(w, timeout_s) for w in self.workers]
         return all(await asyncio.gather(*checks))
 
