@@ -4,15 +4,18 @@ changes, against an in-process pools owner with real workers (`InprocPools`)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import grpc
 import pytest
 
+from tandem.decode_worker.server import DecodeWorker
+from tandem.engine.config import EngineConfig
 from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
 from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
-from tandem.router.membership import PoolTargets, WorkerLifecycle
-from tandem.worker.config import WorkerRole
+from tandem.router.membership import PoolTargets, WorkerInfo, WorkerLifecycle
+from tandem.worker.config import WorkerConfig, WorkerRole
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
 from tests.helpers.inproc_cluster import SHARED_API_KEY
 from tests.helpers.inproc_pools import InprocPools
@@ -251,3 +254,37 @@ def test_router_without_pool_controller_answers_unimplemented(cluster):
     status, body, code = cluster.run(scenario())
     assert status == 501 and "pool controller" in body["error"]["message"]
     assert code is grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_worker_that_disagrees_with_the_pools_is_refused(pools, tiny_model_dir, caplog):
+    """A serving worker with another max model length never joins the router's pools
+    (its requests could not be served alike); the others keep serving."""
+
+    async def scenario() -> set[str]:
+        engine = EngineConfig(
+            model=str(tiny_model_dir), mode=WorkerRole.DECODE.engine_mode, num_threads=1,
+            max_model_len=512,
+        )  # fmt: skip
+        server = DecodeWorker(WorkerConfig(worker_id="odd-0", role=WorkerRole.DECODE,
+                                           engine=engine))  # fmt: skip
+        endpoint = await server.start()
+        try:
+            pools.infos["odd-0"] = WorkerInfo(
+                "odd-0", WorkerRole.DECODE, WorkerLifecycle.SERVING, endpoint=endpoint
+            )
+            await pools._publish()
+            joined = {w.worker_id for w in pools.router.pool.workers}
+            del pools.infos["odd-0"]
+            await pools._publish()
+        finally:
+            await server.stop()
+        return joined
+
+    with caplog.at_level(logging.ERROR, logger="tandem.router.server"):
+        joined = pools.run(scenario())
+    assert any("odd-0 cannot join" in r.getMessage() and "max_model_len" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert "odd-0" not in joined and set(pools.infos) <= joined
+    prompt = make_prompts(2048, (12,), seed=84)
+    assert len(pools.run(generate_tokens(pools.router.grpc_endpoint, prompt, 8))[0]) == 8
+    assert_pools_idle(pools)
