@@ -1,8 +1,8 @@
 """HTTP `/admin/*` on the router (behind the API key when one is set; see `router.admin`).
 
-    GET  /admin/pools   -> {"workers": [...], "targets": {"prefill": N, "decode": M}, "version"}
-    POST /admin/scale   {"prefill": N, "decode": M} -> the pools after the change
-    POST /admin/drain   {"worker_id": "..."} -> the pools after the change
+GET  /admin/pools   -> {"workers": [...], "targets": {"prefill": N, "decode": M}, "version"}
+POST /admin/scale   {"prefill": N, "decode": M} -> the pools after the change
+POST /admin/drain   {"worker_id": "..."} -> the pools after the change
 """
 
 from __future__ import annotations

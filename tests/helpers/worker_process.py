@@ -98,9 +98,7 @@ async def _serve(role: WorkerRole, worker_id: str, model_dir: str) -> None:
     from tandem.prefill_worker.server import PrefillWorker
     from tandem.worker.config import WorkerConfig
 
-    engine = EngineConfig(
-        model=model_dir, mode=role.engine_mode, num_threads=1, max_model_len=1024
-    )
+    engine = EngineConfig(model=model_dir, mode=role.engine_mode, num_threads=1, max_model_len=1024)
     config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
     cls = PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker
     server = cls(config)

@@ -18,7 +18,7 @@ from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.membership import WorkerLifecycle
 from tandem.worker.config import WorkerRole
-from tests.helpers.grpc_calls import assert_workers_idle
+from tests.helpers.grpc_calls import assert_workers_idle, stream_tokens
 from tests.helpers.process_cluster import ProcessCluster
 from tests.helpers.prompts import make_prompts
 
@@ -27,46 +27,13 @@ pytestmark = pytest.mark.timeout(600)
 MAX_TOKENS = 160
 
 
-async def stream(
-    endpoint: str,
-    req_id: str,
-    prompt: list[int],
-    progress: dict[str, int] | None = None,
-    max_tokens: int = MAX_TOKENS,
-) -> tuple[list[int], str]:
-    """Greedy-generate over `Generate`; (token ids, text). `progress` counts tokens."""
-    async with grpc.aio.insecure_channel(endpoint) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        request = gen_pb.GenerateRequest(
-            request_id=req_id,
-            prompt_token_ids=prompt,
-            max_tokens=max_tokens,
-            temperature=0.0,
-            ignore_eos=True,
-        )
-        tokens: list[int] = []
-        text = ""
-        finished = False
-        async for msg in stub.Generate(request, timeout=180):
-            tokens += msg.token_ids
-            text += msg.text
-            if progress is not None:
-                progress[req_id] = len(tokens)
-            if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
-                finished = True
-                assert msg.usage.completion_tokens == len(tokens)
-                assert msg.usage.prompt_tokens == len(prompt)
-        assert finished, "stream ended without a finish reason"
-        return tokens, text
-
-
 async def run_all(
     cluster: ProcessCluster, prefix: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
 ) -> list[tuple[list[int], str]]:
     return list(
         await asyncio.gather(
             *(
-                stream(cluster.grpc_endpoint, f"{prefix}-{i}", p, max_tokens=max_tokens)
+                stream_tokens(cluster.grpc_endpoint, f"{prefix}-{i}", p, max_tokens=max_tokens)
                 for i, p in enumerate(prompts)
             )
         )
@@ -103,7 +70,7 @@ def test_kill_decode_worker_mid_stream_continues_every_request(decode_pair):
         progress: dict[str, int] = {}
         ids = [f"req-{i}" for i in range(len(prompts))]
         tasks = [
-            asyncio.ensure_future(stream(cluster.grpc_endpoint, rid, p, progress))
+            asyncio.ensure_future(stream_tokens(cluster.grpc_endpoint, rid, p, progress))
             for rid, p in zip(ids, prompts, strict=True)
         ]
         deadline = time.monotonic() + 60
@@ -138,7 +105,7 @@ def test_kill_prefill_worker_with_queued_prompts(tiny_model_dir):
         async def scenario() -> list[tuple[list[int], str]]:
             tasks = [
                 asyncio.ensure_future(
-                    stream(cluster.grpc_endpoint, f"req-{i}", p, max_tokens=24)
+                    stream_tokens(cluster.grpc_endpoint, f"req-{i}", p, max_tokens=24)
                 )
                 for i, p in enumerate(new_prompts)
             ]
@@ -171,7 +138,7 @@ def test_only_decode_worker_killed_gets_503_then_heals(tiny_model_dir):
     cluster = ProcessCluster(str(tiny_model_dir), roles).start()
     try:
         prompt = make_prompts(2048, (30,), seed=74)[0]
-        before, _ = cluster.run(stream(cluster.grpc_endpoint, "before", prompt))
+        before, _ = cluster.run(stream_tokens(cluster.grpc_endpoint, "before", prompt))
         cluster.kill("decode-0")
 
         async def http_completion() -> tuple[int, dict[str, str], float]:
@@ -201,7 +168,7 @@ def test_only_decode_worker_killed_gets_503_then_heals(tiny_model_dir):
 
         async def grpc_status() -> tuple[grpc.StatusCode, str | None]:
             try:
-                await stream(cluster.grpc_endpoint, "down", prompt)
+                await stream_tokens(cluster.grpc_endpoint, "down", prompt)
             except grpc.aio.AioRpcError as exc:
                 trailers = dict(exc.trailing_metadata() or ())
                 return exc.code(), trailers.get("retry-after")
@@ -211,7 +178,7 @@ def test_only_decode_worker_killed_gets_503_then_heals(tiny_model_dir):
         assert code is grpc.StatusCode.UNAVAILABLE and retry_after is not None
 
         cluster.add("decode-1", WorkerRole.DECODE)
-        after, _ = cluster.run(stream(cluster.grpc_endpoint, "after", prompt))
+        after, _ = cluster.run(stream_tokens(cluster.grpc_endpoint, "after", prompt))
         assert after == before
         cluster.assert_idle()
     finally:

@@ -16,11 +16,10 @@ from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
 from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
 from tandem.router.membership import PoolTargets, WorkerInfo, WorkerLifecycle
 from tandem.worker.config import WorkerConfig, WorkerRole
-from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
+from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens, stream_tokens
 from tests.helpers.inproc_cluster import SHARED_API_KEY
 from tests.helpers.inproc_pools import InprocPools
 from tests.helpers.prompts import make_prompts
-from tests.router.test_migration import stream
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -157,7 +156,9 @@ def test_scale_up_then_down_under_load_fails_nothing(pools):
         # Long streams so both decode workers hold some at once.
         policy = pools.router.policy_runtime.policy
         tasks = [
-            asyncio.ensure_future(stream(pools.router.grpc_endpoint, f"up-{i}", p, max_tokens=120))
+            asyncio.ensure_future(
+                stream_tokens(pools.router.grpc_endpoint, f"up-{i}", p, max_tokens=120)
+            )
             for i, p in enumerate(make_prompts(2048, (30, 31, 32, 33, 34, 35), seed=82))
         ]
         used: set[str] = set()
@@ -193,12 +194,14 @@ def test_drain_worker_finishes_its_streams_then_it_is_replaced(pools):
     leaves, and the owner starts a replacement to hold the target."""
     [victim] = pools.serving(WorkerRole.DECODE)
     prompt = make_prompts(2048, (25,), seed=83)[0]
-    expected, _ = pools.run(stream(pools.router.grpc_endpoint, "drain-ref", prompt, max_tokens=150))
+    expected, _ = pools.run(
+        stream_tokens(pools.router.grpc_endpoint, "drain-ref", prompt, max_tokens=150)
+    )
 
     async def scenario() -> list[int]:
         progress: dict[str, int] = {}
         task = asyncio.ensure_future(
-            stream(pools.router.grpc_endpoint, "drain-1", prompt, progress, max_tokens=150)
+            stream_tokens(pools.router.grpc_endpoint, "drain-1", prompt, progress, max_tokens=150)
         )
         while progress.get("drain-1", 0) < 3:
             await asyncio.sleep(0.002)
@@ -244,8 +247,11 @@ def test_router_without_pool_controller_answers_unimplemented(cluster):
         async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
             stub = admin_pb2_grpc.AdminStub(channel)
             try:
-                await stub.GetPools(admin_pb.GetPoolsRequest(), timeout=10,
-                                    metadata=(("authorization", f"Bearer {SHARED_API_KEY}"),))
+                await stub.GetPools(
+                    admin_pb.GetPoolsRequest(),
+                    timeout=10,
+                    metadata=(("authorization", f"Bearer {SHARED_API_KEY}"),),
+                )
                 code = grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 code = exc.code()
