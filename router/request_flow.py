@@ -215,7 +215,9 @@ class RequestFlow:
         try:
             while True:
                 attempt = self._begin(placement)
-                run_params = params if detok is None else _rest(params, len(output_ids))
+                run_params = params
+                if output_ids:
+                    run_params = _rest(params, len(output_ids), router_stops=detok is not None)
                 chunks = self._generate(
                     req_id,
                     [*prompt_ids, *output_ids],
@@ -516,17 +518,17 @@ def _failed(worker_id: str, reason: MigrationReason, exc: grpc.aio.AioRpcError) 
     )
 
 
-def _rest(params: SamplingParams, num_streamed: int) -> SamplingParams:
+def _rest(params: SamplingParams, num_streamed: int, router_stops: bool) -> SamplingParams:
     """The sampling params of a continuation after `num_streamed` tokens.
 
-    Stop strings are left to the router's detokenizer, which sees the whole output (the
-    new worker would see only the part it generates).
+    With `router_stops`, stop strings are left to the router's detokenizer, which sees
+    the whole output (the new worker would see only the part it generates).
     """
     return dataclasses.replace(
         params,
         max_tokens=params.max_tokens - num_streamed,
         min_tokens=max(0, params.min_tokens - num_streamed),
-        stop=[],
+        stop=[] if router_stops else list(params.stop),
     )
 
 
