@@ -249,3 +249,45 @@ def test_worker_declared_dead_migrates_its_streams_and_stop_strings_still_cut(de
     proc = cluster.procs[victim]
     cluster.run(assert_workers_idle([(proc.endpoint, "decode")], max_channels=4, timeout_s=10))
     cluster.assert_idle()
+
+
+def test_past_max_migrations_the_client_gets_one_retriable_error(tiny_model_dir):
+    """With migrations off (`max_migrations=0`), a stream whose decode worker dies ends
+    with one UNAVAILABLE naming the cause; streams elsewhere are untouched."""
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE,
+             "decode-1": WorkerRole.DECODE}  # fmt: skip
+    cluster = ProcessCluster(str(tiny_model_dir), roles, max_migrations=0).start()
+    try:
+        prompts = make_prompts(2048, (40, 41, 42, 43), seed=76)
+
+        async def scenario() -> tuple[list, str]:
+            progress: dict[str, int] = {}
+            ids = [f"req-{i}" for i in range(len(prompts))]
+            tasks = [
+                asyncio.ensure_future(stream_tokens(cluster.grpc_endpoint, rid, p, progress))
+                for rid, p in zip(ids, prompts, strict=True)
+            ]
+            deadline = time.monotonic() + 60
+            while not all(progress.get(rid, 0) >= 4 for rid in ids):
+                assert time.monotonic() < deadline, f"streams did not start: {progress}"
+                await asyncio.sleep(0.005)
+            policy = cluster.router.policy_runtime.policy
+            on = [policy.placement_of(rid).decode_worker_id for rid in ids]
+            victim = "decode-0" if "decode-0" in on else "decode-1"
+            await asyncio.get_running_loop().run_in_executor(None, cluster.kill, victim)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return [(w == victim, r) for w, r in zip(on, results, strict=True)], victim
+
+        outcomes, victim = cluster.run(scenario(), timeout_s=300)
+        for on_victim, result in outcomes:
+            if on_victim:
+                assert isinstance(result, grpc.aio.AioRpcError), result
+                assert result.code() is grpc.StatusCode.UNAVAILABLE
+                assert "after 0 migrations" in result.details()
+            else:
+                assert len(result[0]) == MAX_TOKENS
+        assert migrations(cluster) == {}
+        cluster.set_state(victim, WorkerLifecycle.DEAD)
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
