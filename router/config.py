@@ -61,6 +61,9 @@ class RouterConfig:
     # Cluster token (and optional TLS) the router presents on its calls to workers: the
     # workers' `WorkerSettings.cluster_auth`. (The public APIs use `api_key`.)
     cluster_auth: ClusterAuth = field(default_factory=ClusterAuth)
+    # Times one request may move to another worker after its worker failed (0: never);
+    # past them the client gets one retriable UNAVAILABLE / 503.
+    max_migrations: int = 3
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster_auth, ClusterAuth):
@@ -92,5 +95,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
+        if isinstance(self.max_migrations, bool) or not isinstance(self.max_migrations, int) \
+                or self.max_migrations < 0:  # fmt: skip
+            raise ValueError(f"max_migrations must be an integer >= 0, got {self.max_migrations!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

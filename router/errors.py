@@ -5,6 +5,8 @@ gRPC APIs use `grpc_code`; the OpenAI HTTP API uses `http_status` and `openai_ty
 
 from __future__ import annotations
 
+import math
+
 import grpc
 
 
@@ -45,11 +47,28 @@ class Overloaded(RouterError):
 
 
 class WorkerUnavailable(RouterError):
-    """A worker failed or could not be reached, and no other could take over."""
+    """A worker failed or could not be reached, and no other could take over.
+
+    Retriable: the pools heal (a dead worker is replaced), so the client should retry.
+    `retry_after_s` (HTTP `Retry-After`, gRPC trailer `retry-after`) is set when the
+    router knows a whole role is down and answers at once instead of waiting.
+    """
 
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
     openai_type = "server_error"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def retry_after_header(exc: RouterError) -> str | None:
+    """The `Retry-After` value (whole seconds, at least 1) an error asks for, if any."""
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if retry_after_s is None:
+        return None
+    return str(max(1, math.ceil(retry_after_s)))
 
 
 def from_worker_error(exc: grpc.aio.AioRpcError) -> RouterError:
@@ -65,3 +84,11 @@ def from_worker_error(exc: grpc.aio.AioRpcError) -> RouterError:
         error.grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
         error.http_status = 504
     return error
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
+    """End a gRPC call with the error's status (and a `retry-after` trailer if it has one)."""
+    retry_after = retry_after_header(exc)
+    if retry_after is not None:
+        context.set_trailing_metadata((("retry-after", retry_after),))
+    await context.abort(exc.grpc_code, str(exc))

@@ -12,7 +12,13 @@ from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
-from tandem.router.errors import InvalidRequest, ModelNotFound, Overloaded, RouterError
+from tandem.router.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    RouterError,
+    abort_with,
+)
 from tandem.router.request_flow import RequestFlow
 from tandem.router.tokenization import PromptTokenizer
 
@@ -43,7 +49,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 itl_s=request.itl_slo_s if request.HasField("itl_slo_s") else None,
             )
         except RouterError as exc:
-            await context.abort(exc.grpc_code, str(exc))
+            await abort_with(context, exc)
         req_id = request.request_id or uuid.uuid4().hex
         stream = self.flow.generate(req_id, prompt_ids, params, slo)
         # Client cancel or deadline: the RPC ends while we may be parked at a yield.
@@ -68,10 +74,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 yield msg
         except Overloaded as exc:
             logger.info("request %s shed: %s", req_id, exc)
-            await context.abort(exc.grpc_code, str(exc))
+            await abort_with(context, exc)
         except RouterError as exc:
             logger.warning("request %s failed: %s", req_id, exc)
-            await context.abort(exc.grpc_code, str(exc))
+            await abort_with(context, exc)
         finally:
             await stream.aclose()
 
@@ -80,7 +86,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._check_model(request.model)
             ids = self.tokenizer.encode(request.prompt)
         except RouterError as exc:
-            await context.abort(exc.grpc_code, str(exc))
+            await abort_with(context, exc)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return gen_pb.TokenizeResponse(token_ids=ids, max_model_len=self.tokenizer.max_model_len)

@@ -24,7 +24,7 @@ from importlib import metadata
 from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.proto.inference import grpc_service_pb2_grpc
 from tandem.router.chunk_stream import public_finish_reason
-from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError
+from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError, abort_with
 from tandem.router.kserve_request import MODEL_INPUTS, MODEL_OUTPUTS, KserveRequest, parse_request
 from tandem.router.kserve_tensors import encode_bytes
 from tandem.router.request_flow import RequestFlow, Usage
@@ -84,7 +84,7 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         try:
             self._check_model(request.name, request.version)
         except ModelNotFound as exc:
-            await context.abort(exc.grpc_code, str(exc))
+            await abort_with(context, exc)
         Tensor = kserve_pb.ModelMetadataResponse.TensorMetadata
         return kserve_pb.ModelMetadataResponse(
             name=self.model_name,
@@ -103,12 +103,12 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             parsed = self._parse(request)
         except InvalidRequest as exc:
             logger.debug("ModelInfer %r rejected: %s", request.id, exc)
-            await context.abort(exc.grpc_code, str(exc))
+            await abort_with(context, exc)
         try:
             output = await self._generate_all(parsed)
         except RouterError as exc:
             logger.warning("ModelInfer %r failed: %s", request.id, exc)
-            await context.abort(exc.grpc_code, str(exc))
+            await abort_with(context, exc)
         return self._response(request, parsed, output, final=None)
 
     async def ModelStreamInfer(self, request_iterator, context) -> None:

@@ -90,6 +90,13 @@ class RouterMetrics:
         self.rejected = Counter(
             "tandem:requests_rejected", "Requests shed or refused.", [*labels, "reason"], registry=r
         )
+        self.migrations = Counter(
+            "tandem:request_migrations",
+            "Requests moved to another worker after theirs failed, by reason "
+            "(prefill_failed, decode_failed, worker_lost).",
+            [*labels, "reason"],
+            registry=r,
+        )
         self.slo_attainment = Gauge(
             "tandem:slo_attainment",
             f"Fraction of the last {SLO_WINDOW} finished requests that met their SLO.",

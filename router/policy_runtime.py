@@ -4,12 +4,18 @@
 health) every `stats_interval_s`, feeding snapshots to the policy and marking
 unreachable workers unavailable so no new request is placed on them. The first poll
 also tells the router the workers' KV block size and max model length.
+
+Membership changes arrive through `add_worker` / `remove_worker` / `set_placeable`
+(the router's `update_membership`). A worker takes new requests while it is both
+placeable (membership says SERVING) and reachable (its last poll answered, and no
+request saw it fail since).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -98,6 +104,10 @@ class PolicyRuntime:
         # Learned from the workers in `start`.
         self._limits: WorkerLimits | None = None
         self._poller: asyncio.Task | None = None
+        # Workers the membership owner does not want new requests on (draining, ...).
+        self._unplaceable: set[str] = set()
+        # Workers whose last poll or call failed; cleared by the next answered poll.
+        self._unreachable: set[str] = set()
 
     @property
     def limits(self) -> WorkerLimits:
@@ -163,10 +173,66 @@ class PolicyRuntime:
         logger.info("seeded latency models of %d workers from a start-up profile",
                     len(prefill_states) + len(decode_states))  # fmt: skip
 
+    async def add_worker(self, worker: WorkerEndpoint) -> None:
+        """Put a worker that joined the pool (already in `self.pool`) under the policy.
+
+        Its Stats must agree with the pools' limits (ValueError otherwise; gRPC errors
+        pass through). Its latency models start as a copy of a same-role peer's, so its
+        first placements are predicted like its peers' until it has its own samples.
+        """
+        policy, limits = self.policy, self.limits
+        if policy is None or limits is None:
+            raise RuntimeError("the policy runtime has not started")
+        taken_at = time.monotonic()
+        reply = await self.pool.worker_stats(worker, self.config.probe_timeout_s)
+        joined = worker_limits({worker.worker_id: reply}, {worker.worker_id: worker.role})
+        if joined != limits:
+            raise ValueError(
+                f"worker {worker.worker_id} reports {joined}, the pools serve {limits}"
+            )
+        state = WorkerState(
+            worker.worker_id,
+            worker.role,
+            block_size=limits.block_size,
+            num_blocks=max(1, reply.num_blocks),
+        )
+        state.update_stats(WorkerStats.from_proto(reply), taken_at)
+        peer = next((w for w in policy.workers.values() if w.role is worker.role), None)
+        if peer is not None:
+            state.prefill_model = copy.deepcopy(peer.prefill_model)
+            state.decode_model = copy.deepcopy(peer.decode_model)
+        policy.add_worker(state)
+        self._unreachable.discard(worker.worker_id)
+        self._apply(worker.worker_id)
+
+    def remove_worker(self, worker_id: str) -> None:
+        if self.policy is not None:
+            self.policy.remove_worker(worker_id)
+        self._unplaceable.discard(worker_id)
+        self._unreachable.discard(worker_id)
+
+    def set_placeable(self, worker_id: str, placeable: bool) -> None:
+        """Membership says whether the worker takes new requests (SERVING) or not."""
+        if placeable:
+            self._unplaceable.discard(worker_id)
+        else:
+            self._unplaceable.add(worker_id)
+        self._apply(worker_id)
+
+    def mark_unreachable(self, worker_id: str) -> None:
+        """A call to the worker failed: place nothing there until a poll answers again."""
+        self._unreachable.add(worker_id)
+        self._apply(worker_id)
+
+    def _apply(self, worker_id: str) -> None:
+        if self.policy is not None:
+            available = worker_id not in self._unplaceable and worker_id not in self._unreachable
+            self.policy.set_available(worker_id, available)
+
     async def _poll(self, policy: GoodputPolicy) -> None:
         while True:
             await asyncio.sleep(self.config.stats_interval_s)
-            for worker in self.pool.workers:
+            for worker in self.pool.workers:  # a copy: membership may change meanwhile
                 await self._poll_one(policy, worker)
 
     async def _poll_one(self, policy: GoodputPolicy, worker: WorkerEndpoint) -> None:
@@ -174,11 +240,15 @@ class PolicyRuntime:
         try:
             reply = await self.pool.worker_stats(worker, self.config.probe_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            logger.warning("worker %s unreachable (%s); not placing on it", worker.worker_id,
-                           exc.code().name)  # fmt: skip
-            policy.set_available(worker.worker_id, False)
+            if worker.worker_id not in self._unreachable:
+                logger.warning("worker %s unreachable (%s); not placing on it",
+                               worker.worker_id, exc.code().name)  # fmt: skip
+            self.mark_unreachable(worker.worker_id)
             return
-        policy.set_available(worker.worker_id, True)
+        except KeyError:
+            return  # removed from the pool while we waited
+        self._unreachable.discard(worker.worker_id)
+        self._apply(worker.worker_id)
         policy.update_stats(worker.worker_id, WorkerStats.from_proto(reply), taken_at)
 
     async def stop(self) -> None:

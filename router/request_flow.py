@@ -4,23 +4,43 @@ The first token is yielded as soon as the prefill worker returns it (TTFT never 
 for the KV transfer). Cancelling the consumer cancels the worker calls, and the
 workers free what they hold; a prefill whose handle is never used is released here
 (its lease is the backstop if even that fails).
+
+Migration: when a worker call fails because the worker (or the connection to it) did,
+or the membership owner declares the worker lost (`worker_lost`), the request is
+placed again without admission and continues from where the client is: the new pair
+prefills prompt + every token already streamed and generates the rest. The client's
+stream goes on with no duplicated or missing token (with greedy sampling, the text of
+an uninterrupted run). After a migration the router detokenizes the output itself
+(replaying what was sent), so text held back by the old worker (a partial UTF-8
+character, a possible stop string) is not lost and stop strings spanning the switch are
+found. At most `max_migrations` per request; past them, one `WorkerUnavailable`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
+import enum
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 import grpc
 from opentelemetry.trace import Span
 
+from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.router.chunk_stream import ChunkStream, GenerationChunk, Usage
-from tandem.router.errors import Overloaded, from_worker_error
+from tandem.router.errors import (
+    Overloaded,
+    RouterError,
+    WorkerUnavailable,
+    from_worker_error,
+)
 from tandem.router.metrics import RequestRecord, RouterMetrics
 from tandem.router.policy import GoodputPolicy, Placement, RequestSlo, SloConfig
 from tandem.router.worker_pool import WorkerPair, WorkerPool
@@ -30,9 +50,84 @@ from tandem.worker.convert import finish_reason_from_proto, sampling_params_to_p
 logger = logging.getLogger(__name__)
 
 _RELEASE_TIMEOUT_S = 5.0
+# Migrations one request may make before the client gets an error.
+DEFAULT_MAX_MIGRATIONS = 3
+# Retry-After of the error a request gets when it ran out of migrations.
+_EXHAUSTED_RETRY_AFTER_S = 1.0
+
+# Status codes of a worker call that mean the worker or the connection failed (not the
+# request): the request may continue elsewhere. Our own cancellation is not among them
+# (it surfaces as asyncio.CancelledError); CANCELLED here is the server's doing.
+_MIGRATABLE_CODES = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.INTERNAL,
+    }
+)
 
 
-__all__ = ["ChunkStream", "GenerationChunk", "RequestFlow", "Usage"]
+__all__ = ["ChunkStream", "GenerationChunk", "MigrationReason", "RequestFlow", "Usage"]
+
+
+class MigrationReason(enum.StrEnum):
+    """The `reason` label of `tandem:request_migrations_total`."""
+
+    # The prefill call failed (the worker died with the prompt queued or running).
+    PREFILL_FAILED = "prefill_failed"
+    # The decode stream broke (worker died, connection lost).
+    DECODE_FAILED = "decode_failed"
+    # The membership owner declared the worker dead or removed it (a drain that timed out).
+    WORKER_LOST = "worker_lost"
+
+
+class _AttemptFailed(Exception):
+    """A worker call of one attempt failed; internal to the flow, never leaves it."""
+
+    def __init__(
+        self, worker_id: str, reason: MigrationReason, error: RouterError, migratable: bool
+    ) -> None:
+        super().__init__(str(error))
+        self.worker_id = worker_id
+        self.reason = reason
+        self.error = error
+        self.migratable = migratable
+
+
+@dataclasses.dataclass(eq=False)
+class _Attempt:
+    """One placement of a request: the worker call in flight, so a lost worker can end it."""
+
+    worker_ids: tuple[str, ...]
+    # The call in flight and the worker it runs on.
+    call: Any = None
+    call_worker_id: str = ""
+    # Workers the membership owner declared lost while this attempt used them.
+    lost: set[str] = dataclasses.field(default_factory=set)
+
+    def lose(self, worker_id: str) -> None:
+        self.lost.add(worker_id)
+        if self.call is not None and self.call_worker_id == worker_id:
+            self.call.cancel()
+
+    def start_call(self, worker_id: str, call: Any) -> None:
+        if worker_id in self.lost:
+            call.cancel()
+            raise _lost(worker_id)
+        self.call, self.call_worker_id = call, worker_id
+
+
+def _lost(worker_id: str) -> _AttemptFailed:
+    error = WorkerUnavailable(f"worker {worker_id} was lost")
+    return _AttemptFailed(worker_id, MigrationReason.WORKER_LOST, error, migratable=True)
+
+
+def _really_cancelled() -> bool:
+    """Whether our own task is being cancelled (client gone), not just a worker call."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class RequestFlow:
@@ -47,6 +142,10 @@ class RequestFlow:
         tracing: Tracing,
         prefill_timeout_s: float,
         request_timeout_s: float,
+        *,
+        tokenizer: Any = None,
+        max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        on_worker_failed: Callable[[str], None] | None = None,
     ) -> None:
         self.pool = pool
         self.policy = policy
@@ -55,6 +154,26 @@ class RequestFlow:
         self.tracing = tracing
         self.prefill_timeout_s = prefill_timeout_s
         self.request_timeout_s = request_timeout_s
+        # The served model's tokenizer (router-side detokenizing after a migration);
+        # None: migrated requests keep the new worker's text.
+        self.tokenizer = tokenizer
+        self.max_migrations = max_migrations
+        # Told the id of a worker whose call failed (so nothing new is placed there).
+        self.on_worker_failed = on_worker_failed
+        # Attempts in flight per worker id, for `worker_lost`.
+        self._attempts: dict[str, set[_Attempt]] = {}
+
+    def worker_lost(self, worker_id: str) -> int:
+        """The membership owner says the worker is dead or gone: end its calls, so their
+        requests migrate. Returns how many attempts used it."""
+        attempts = list(self._attempts.get(worker_id, ()))
+        for attempt in attempts:
+            attempt.lose(worker_id)
+        return len(attempts)
+
+    def num_attempts_on(self, worker_id: str) -> int:
+        """Requests in flight on the worker (what a drain waits for)."""
+        return len(self._attempts.get(worker_id, ()))
 
     def generate(
         self,
@@ -88,17 +207,74 @@ class RequestFlow:
         self.metrics.disagg_decisions.labels(self.metrics.model_name, placement.decision).inc()
         reason = FinishReason.ABORT.value
         output_ids: list[int] = []
+        usage = Usage(prompt_tokens=len(prompt_ids))
+        # Set at the first migration that follows streamed tokens (see the module doc).
+        detok: IncrementalDetokenizer | None = None
+        num_migrations = 0
         placed_at = time.monotonic()
         try:
-            chunks = self._generate(req_id, prompt_ids, params, placement, record, span)
-            async for chunk in chunks:
-                if not output_ids and chunk.token_ids:
-                    self.policy.observe_ttft(req_id, time.monotonic() - placed_at)
-                record.on_tokens(len(chunk.token_ids))
-                output_ids += chunk.token_ids
-                if chunk.finish_reason is not None:
-                    reason = chunk.finish_reason.value  # a metrics / span label
-                yield chunk
+            while True:
+                attempt = self._begin(placement)
+                run_params = params
+                if output_ids:
+                    run_params = _rest(params, len(output_ids), router_stops=detok is not None)
+                chunks = self._generate(
+                    req_id,
+                    [*prompt_ids, *output_ids],
+                    run_params,
+                    placement,
+                    record,
+                    span,
+                    usage,
+                    attempt,
+                    first=num_migrations == 0,
+                )
+                try:
+                    async with contextlib.aclosing(chunks):
+                        async for chunk in chunks:
+                            if detok is not None:
+                                chunk = _redetokenize(chunk, detok)
+                                if chunk.finish_reason is not None:
+                                    chunk.usage = usage
+                            if not output_ids and chunk.token_ids:
+                                self.policy.observe_ttft(req_id, time.monotonic() - placed_at)
+                            record.on_tokens(len(chunk.token_ids))
+                            output_ids += chunk.token_ids
+                            usage.completion_tokens = len(output_ids)
+                            if chunk.finish_reason is not None:
+                                reason = chunk.finish_reason.value  # a metrics / span label
+                            yield chunk
+                            if chunk.finish_reason is not None:
+                                return
+                    return
+                except _AttemptFailed as failure:
+                    if not failure.migratable:
+                        raise failure.error from failure.__cause__
+                    if num_migrations >= self.max_migrations:
+                        raise WorkerUnavailable(
+                            f"request failed after {num_migrations} migrations: {failure.error}",
+                            retry_after_s=_EXHAUSTED_RETRY_AFTER_S,
+                        ) from failure.__cause__
+                    num_migrations += 1
+                    self._note_failure(req_id, failure, span, len(output_ids))
+                    if output_ids and detok is None and self.tokenizer is not None:
+                        detok = _replay(self.tokenizer, prompt_ids, params, output_ids)
+                    if len(output_ids) >= params.max_tokens:
+                        # Every token was streamed; only the finish message was lost.
+                        reason = FinishReason.LENGTH.value
+                        yield _final(detok, FinishReason.LENGTH, usage)
+                        return
+                    placement = self.policy.place_migrated(
+                        req_id,
+                        [*prompt_ids, *output_ids],
+                        params.max_tokens - len(output_ids),
+                        slo,
+                    )
+                finally:
+                    self._end(attempt)
+        except RouterError:
+            reason = "error"
+            raise
         except grpc.aio.AioRpcError as exc:
             reason = "error"
             raise from_worker_error(exc) from exc
@@ -107,7 +283,41 @@ class RequestFlow:
             record.finish(reason)
             span.set_attribute("gen_ai.response.finish_reasons", [reason])
             span.set_attribute("gen_ai.usage.output_tokens", record.num_tokens)
+            span.set_attribute("tandem.migrations", num_migrations)
             span.end()
+
+    def _begin(self, placement: Placement) -> _Attempt:
+        ids = tuple(w for w in (placement.prefill_worker_id, placement.decode_worker_id) if w)
+        attempt = _Attempt(ids)
+        for worker_id in ids:
+            self._attempts.setdefault(worker_id, set()).add(attempt)
+        return attempt
+
+    def _end(self, attempt: _Attempt) -> None:
+        for worker_id in attempt.worker_ids:
+            attempts = self._attempts.get(worker_id)
+            if attempts is not None:
+                attempts.discard(attempt)
+                if not attempts:
+                    del self._attempts[worker_id]
+
+    def _note_failure(
+        self, req_id: str, failure: _AttemptFailed, span: Span, num_streamed: int
+    ) -> None:
+        """Count the migration, keep new requests off the failed worker, free the old
+        placement's accounting (the next placement charges the new pair)."""
+        logger.warning(
+            "request %s: worker %s failed (%s: %s); migrating after %d tokens",
+            req_id, failure.worker_id, failure.reason.value, failure.error, num_streamed,
+        )  # fmt: skip
+        self.metrics.migrations.labels(self.metrics.model_name, failure.reason.value).inc()
+        span.add_event(
+            "tandem.migration",
+            {"tandem.worker": failure.worker_id, "tandem.reason": failure.reason.value},
+        )
+        if self.on_worker_failed is not None and failure.reason is not MigrationReason.WORKER_LOST:
+            self.on_worker_failed(failure.worker_id)
+        self.policy.on_finish(req_id)
 
     async def _place(
         self,
@@ -139,9 +349,17 @@ class RequestFlow:
         placement: Placement,
         record: RequestRecord,
         span: Span,
-    ) -> AsyncIterator[GenerationChunk]:
-        pair = self.pool.pair(placement.prefill_worker_id, placement.decode_worker_id)
-        usage = Usage(prompt_tokens=len(prompt_ids))
+        usage: Usage,
+        attempt: _Attempt,
+        first: bool,
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """One attempt: `prompt_ids` is the prompt plus what earlier attempts streamed.
+        A worker failure leaves as `_AttemptFailed`."""
+        try:
+            pair = self.pool.pair(placement.prefill_worker_id, placement.decode_worker_id)
+        except KeyError as exc:
+            # A worker of the placement left the pools before the first call.
+            raise _lost(str(exc.args[0])) from None
         wire_params = sampling_params_to_proto(params)
         # Without a prefill worker the decode worker must be told it may prefill itself.
         decode_request = pb.DecodeRequest(
@@ -151,23 +369,23 @@ class RequestFlow:
             local_prefill=pair.prefill_stub is None,
         )
         if pair.prefill_stub is not None:
-            prefill = await self._prefill(pair, req_id, prompt_ids, wire_params, span)
+            prefill = await self._prefill(pair, req_id, prompt_ids, wire_params, span, attempt)
             self.policy.on_prefill_done(
                 req_id,
                 num_cached_tokens=prefill.num_cached_tokens,
                 compute_s=prefill.timings.compute_s,
             )
-            usage.completion_tokens = 1
-            usage.cached_prompt_tokens = prefill.num_cached_tokens
+            if first:
+                usage.cached_prompt_tokens = prefill.num_cached_tokens
             finish = finish_reason_from_proto(prefill.finish_reason)
-            first = GenerationChunk(
+            first_chunk = GenerationChunk(
                 [prefill.first_token_id],
                 prefill.first_token_text,
                 [prefill.first_token_logprob] if params.logprobs else [],
             )
             if finish is not None:
-                first.finish_reason, first.usage = finish, usage
-                yield first
+                first_chunk.finish_reason, first_chunk.usage = finish, usage
+                yield first_chunk
                 return
             decode_request.kv_handle.CopyFrom(prefill.kv_handle)
             decode_request.first_token_id = prefill.first_token_id
@@ -176,9 +394,9 @@ class RequestFlow:
         )
         try:
             if pair.prefill_stub is not None:
-                yield first
+                yield first_chunk
             async for chunk in self._decode(
-                pair, decode_request, usage, params.logprobs, record, decode_span
+                pair, decode_request, usage, params.logprobs, record, decode_span, attempt, first
             ):
                 yield chunk
         except BaseException:
@@ -196,15 +414,26 @@ class RequestFlow:
         prompt_ids: list[int],
         params: pb.SamplingParams,
         parent: Span,
+        attempt: _Attempt,
     ) -> pb.PrefillResponse:
         request = pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt_ids, params=params)
         worker, stub = pair.prefill_target()
         span = self.tracing.start_span("prefill", parent, **{"tandem.worker": worker.worker_id})
+        reason = MigrationReason.PREFILL_FAILED
         try:
-            return await stub.Prefill(
+            call = stub.Prefill(
                 request, timeout=self.prefill_timeout_s, metadata=self.tracing.metadata(span)
             )
+            attempt.start_call(worker.worker_id, call)
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(worker.worker_id, reason, exc) from exc
+        except asyncio.CancelledError:
+            if worker.worker_id in attempt.lost and not _really_cancelled():
+                raise _lost(worker.worker_id) from None
+            raise
         finally:
+            attempt.call = None
             span.end()
 
     async def _decode(
@@ -215,13 +444,18 @@ class RequestFlow:
         logprobs: bool,
         record: RequestRecord,
         span: Span,
+        attempt: _Attempt,
+        first: bool,
     ) -> AsyncIterator[GenerationChunk]:
+        worker_id = pair.decode.worker_id
+        reason = MigrationReason.DECODE_FAILED
         call = pair.decode_stub.Decode(
             request, timeout=self.request_timeout_s, metadata=self.tracing.metadata(span)
         )
         local = not request.HasField("kv_handle")
         last_at: float | None = None
         try:
+            attempt.start_call(worker_id, call)
             async for msg in call:
                 now = time.monotonic()
                 if last_at is None:
@@ -239,8 +473,7 @@ class RequestFlow:
                         request.request_id, (now - last_at) / len(msg.token_ids)
                     )
                 last_at = now
-                usage.completion_tokens += len(msg.token_ids)
-                if local:
+                if local and first:
                     usage.cached_prompt_tokens = msg.num_cached_tokens
                 finish = finish_reason_from_proto(msg.finish_reason)
                 if msg.timings.transfer_s > 0:
@@ -254,7 +487,14 @@ class RequestFlow:
                 )
                 if finish is not None:
                     return
+        except grpc.aio.AioRpcError as exc:
+            raise _failed(worker_id, reason, exc) from exc
+        except asyncio.CancelledError:
+            if worker_id in attempt.lost and not _really_cancelled():
+                raise _lost(worker_id) from None
+            raise
         finally:
+            attempt.call = None
             # Client gone or finished early: the decode worker aborts on cancellation.
             call.cancel()
 
@@ -267,5 +507,67 @@ class RequestFlow:
                     pb.ReleaseRequest(request_id=req_id), timeout=_RELEASE_TIMEOUT_S
                 )
             )
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
+            # (UsageError: the worker left the pool and its channel is closed.)
             logger.info("release of %s failed (%s); its lease will expire", req_id, exc)
+
+
+def _failed(worker_id: str, reason: MigrationReason, exc: grpc.aio.AioRpcError) -> _AttemptFailed:
+    return _AttemptFailed(
+        worker_id, reason, from_worker_error(exc), migratable=exc.code() in _MIGRATABLE_CODES
+    )
+
+
+def _rest(params: SamplingParams, num_streamed: int, router_stops: bool) -> SamplingParams:
+    """The sampling params of a continuation after `num_streamed` tokens.
+
+    With `router_stops`, stop strings are left to the router's detokenizer, which sees
+    the whole output (the new worker would see only the part it generates).
+    """
+    return dataclasses.replace(
+        params,
+        max_tokens=params.max_tokens - num_streamed,
+        min_tokens=max(0, params.min_tokens - num_streamed),
+        stop=[] if router_stops else list(params.stop),
+    )
+
+
+def _replay(
+    tokenizer: Any, prompt_ids: list[int], params: SamplingParams, output_ids: list[int]
+) -> IncrementalDetokenizer:
+    """A detokenizer in the state the first worker's was after `output_ids` (the same
+    algorithm on the same tokens releases the same text, so what it holds is what the
+    client has not seen yet)."""
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids, params)
+    for token_id in output_ids:
+        detok.add_token(token_id)
+    return detok
+
+
+def _redetokenize(chunk: GenerationChunk, detok: IncrementalDetokenizer) -> GenerationChunk:
+    """The chunk with the router's text; cut (and finished) at a completed stop string."""
+    text = ""
+    for i, token_id in enumerate(chunk.token_ids):
+        update = detok.add_token(token_id)
+        text += update.delta_text
+        if update.stop_string is not None:
+            return dataclasses.replace(
+                chunk,
+                token_ids=chunk.token_ids[: i + 1],
+                text=text,
+                logprobs=chunk.logprobs[: i + 1],
+                finish_reason=FinishReason.STOP,
+                usage=chunk.usage,
+            )
+    if chunk.finish_reason is not None:
+        text += detok.flush()
+        if detok.stop_string is not None:
+            return dataclasses.replace(chunk, text=text, finish_reason=FinishReason.STOP)
+    return dataclasses.replace(chunk, text=text)
+
+
+def _final(
+    detok: IncrementalDetokenizer | None, reason: FinishReason, usage: Usage
+) -> GenerationChunk:
+    """A token-less last chunk (the finish message was lost with the worker)."""
+    return GenerationChunk([], detok.flush() if detok is not None else "", [], reason, usage)

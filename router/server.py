@@ -1,7 +1,16 @@
-"""The router process: public gRPC server + HTTP server over one worker pool."""
+"""The router process: public gRPC server + HTTP server over one worker pool.
+
+The pools may change while the router serves: their owner (the pool controller, or a
+test) calls `update_membership` with each new snapshot. The router then opens channels
+to workers that became SERVING, stops placing on DRAINING ones (their requests finish),
+and for DEAD or vanished workers ends the calls still on them, so those requests
+migrate (see `request_flow`), and closes their channels.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import grpc
@@ -12,12 +21,23 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tandem.proto.inference.grpc_service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
 from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
 from tandem.proto.tandem.v1 import generation_pb2, generation_pb2_grpc
+from tandem.router.admin import PoolsAdmin, WorkerLoad
+from tandem.router.admin_http import add_admin_routes
+from tandem.router.admin_service import SERVICE_NAME as ADMIN_SERVICE_NAME
+from tandem.router.admin_service import AdminService
 from tandem.router.config import RouterConfig
 from tandem.router.generation_service import GenerationService
 from tandem.router.http_server import make_http_app
 from tandem.router.kserve_service import SERVICE_NAME as KSERVE_SERVICE_NAME
 from tandem.router.kserve_service import KserveService
+from tandem.router.membership import (
+    AdminBackend,
+    Membership,
+    WorkerInfo,
+    WorkerLifecycle,
+)
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy_runtime import PolicyRuntime
 from tandem.router.request_flow import RequestFlow
@@ -27,14 +47,32 @@ from tandem.telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
+# Worker states that keep a worker in the router's pool (DRAINING: requests finish there).
+_IN_POOL = frozenset({WorkerLifecycle.SERVING, WorkerLifecycle.DRAINING})
+# How often the router retries adding a wanted worker it could not reach.
+JOIN_RETRY_INTERVAL_S = 1.0
+
 
 class Router:
     """Owns the worker pool, the gRPC server and the HTTP runner."""
 
     def __init__(
-        self, config: RouterConfig, workers: list[WorkerEndpoint], tracing: Tracing | None = None
+        self,
+        config: RouterConfig,
+        workers: list[WorkerEndpoint],
+        tracing: Tracing | None = None,
+        admin: AdminBackend | None = None,
     ) -> None:
         self.config = config
+        # Where admin calls go (the pools' owner); None: they answer 501 / UNIMPLEMENTED.
+        self.admin_backend = admin
+        self.membership: Membership | None = None
+        self._membership_lock = asyncio.Lock()
+        # Wanted workers that could not be reached when they joined: retried every
+        # JOIN_RETRY_INTERVAL_S until they answer or a new membership replaces them.
+        self._pending: dict[str, WorkerInfo] = {}
+        self._join_retry: asyncio.Task | None = None
+        self.flow: RequestFlow | None = None
         self.tracing = tracing or Tracing("tandem-router", config.trace_exporter)
         self.pool = WorkerPool(workers, config.cluster_auth)
         self.grpc_endpoint = ""
@@ -50,7 +88,7 @@ class Router:
         policy = await self.policy_runtime.start()
         # Prompts are checked against the length the workers report, not a setting.
         tokenizer = PromptTokenizer(config.model_dir, self.policy_runtime.limits.max_model_len)
-        flow = RequestFlow(
+        self.flow = flow = RequestFlow(
             self.pool,
             policy,
             self.policy_runtime.slo,
@@ -58,7 +96,11 @@ class Router:
             self.tracing,
             config.prefill_timeout_s,
             config.request_timeout_s,
+            tokenizer=tokenizer.tokenizer,
+            max_migrations=config.max_migrations,
+            on_worker_failed=self.policy_runtime.mark_unreachable,
         )
+        admin = PoolsAdmin(self.admin_backend, self._worker_load)
         self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(flow, tokenizer, config.model_name), server
@@ -67,12 +109,14 @@ class Router:
             KserveService(flow, tokenizer, self.pool, config.model_name, config.probe_timeout_s),
             server,
         )
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(admin, config.api_key), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(
             (
                 generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
                 KSERVE_SERVICE_NAME,
+                ADMIN_SERVICE_NAME,
                 health.SERVICE_NAME,
                 reflection.SERVICE_NAME,
             ),
@@ -84,6 +128,7 @@ class Router:
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         app = make_http_app(self.pool, flow, tokenizer, config)
         app.router.add_get("/metrics", self._metrics_handler)
+        add_admin_routes(app, admin)
         # A client that disconnects cancels its handler, which cancels its worker calls.
         self._http = web.AppRunner(app, handler_cancellation=True)
         await self._http.setup()
@@ -91,7 +136,98 @@ class Router:
         await site.start()
         http_port = self._http.addresses[0][1]
         self.http_endpoint = f"http://{config.host}:{http_port}"
+        self._join_retry = asyncio.get_running_loop().create_task(self._retry_joins())
         logger.info("router: gRPC %s, HTTP %s", self.grpc_endpoint, self.http_endpoint)
+
+    async def update_membership(self, membership: Membership) -> None:
+        """Apply a new pools snapshot (older or repeated versions are ignored).
+
+        New SERVING / DRAINING workers get a channel and join the policy (a worker whose
+        limits disagree with the pools is refused and logged); only SERVING ones take
+        new requests. Workers that are DEAD, STARTING again or absent leave: the calls
+        still on them end, so their requests migrate.
+        """
+        runtime, flow = self.policy_runtime, self.flow
+        if runtime is None or flow is None:
+            raise RuntimeError("update_membership before Router.start")
+        async with self._membership_lock:
+            if self.membership is not None and membership.version <= self.membership.version:
+                logger.debug("membership version %d ignored (have %d)",
+                             membership.version, self.membership.version)  # fmt: skip
+                return
+            self.membership = membership
+            self._pending.clear()
+            wanted = {
+                w.worker_id: w
+                for w in membership.workers
+                if w.state in _IN_POOL and w.endpoint
+            }
+            for current in self.pool.workers:
+                info = wanted.get(current.worker_id)
+                if info is None or info.endpoint != current.endpoint or info.role != current.role:
+                    num_lost = flow.worker_lost(current.worker_id)
+                    logger.info("worker %s left the pools (%d requests migrate)",
+                                current.worker_id, num_lost)  # fmt: skip
+                    runtime.remove_worker(current.worker_id)
+                    self.pool.remove(current.worker_id)
+            for info in wanted.values():
+                await self._join(info)
+
+    async def _join(self, info: WorkerInfo) -> None:
+        runtime = self.policy_runtime
+        assert runtime is not None
+        if self.pool.get(info.worker_id) is None:
+            await self._add_worker(info)
+        if self.pool.get(info.worker_id) is not None:
+            runtime.set_placeable(info.worker_id, info.state is WorkerLifecycle.SERVING)
+
+    async def _retry_joins(self) -> None:
+        while True:
+            await asyncio.sleep(JOIN_RETRY_INTERVAL_S)
+            if not self._pending:
+                continue
+            async with self._membership_lock:
+                pending = list(self._pending.values())
+                self._pending.clear()
+                for info in pending:
+                    await self._join(info)
+
+    async def _add_worker(self, info: WorkerInfo) -> None:
+        runtime = self.policy_runtime
+        assert runtime is not None
+        endpoint = WorkerEndpoint(info.worker_id, info.role, info.endpoint)
+        try:
+            self.pool.add(endpoint)
+            await runtime.add_worker(endpoint)
+        except (ValueError, grpc.aio.AioRpcError) as exc:
+            if self.pool.get(info.worker_id) is not None:
+                runtime.remove_worker(info.worker_id)
+                self.pool.remove(info.worker_id)
+            if isinstance(exc, grpc.aio.AioRpcError):
+                # Not reachable yet (or a blip): try again shortly.
+                logger.warning("worker %s not reachable (%s); retrying its join",
+                               info.worker_id, exc.code().name)  # fmt: skip
+                self._pending[info.worker_id] = info
+            else:
+                # Disagrees with the pools (block size, model length, role): never joins.
+                logger.error("worker %s cannot join the pools: %s", info.worker_id, exc)
+            return
+        logger.info("worker %s (%s) joined the pools at %s", info.worker_id, info.role.value,
+                    info.endpoint)  # fmt: skip
+
+    def _worker_load(self, worker_id: str) -> WorkerLoad | None:
+        runtime = self.policy_runtime
+        policy = runtime.policy if runtime is not None else None
+        state = policy.workers.get(worker_id) if policy is not None else None
+        if state is None or state.stats_taken_at_s is None:
+            return None
+        stats = state.stats
+        used = stats.num_blocks - stats.num_free_blocks
+        return WorkerLoad(
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            kv_usage=used / stats.num_blocks if stats.num_blocks else 0.0,
+        )
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(
@@ -99,6 +235,10 @@ class Router:
         )
 
     async def stop(self, grace_s: float = 10.0) -> None:
+        if self._join_retry is not None:
+            self._join_retry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._join_retry
         if self._http is not None:
             await self._http.cleanup()
         if self._server is not None:

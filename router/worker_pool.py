@@ -21,6 +21,9 @@ from tandem.worker.config import WorkerRole
 
 logger = logging.getLogger(__name__)
 
+# How long a removed worker's channel stays open for the calls still ending on it.
+RETIRED_CHANNEL_GRACE_S = 10.0
+
 
 @dataclass(frozen=True)
 class WorkerEndpoint:
@@ -50,22 +53,67 @@ class WorkerPair:
 
 
 class WorkerPool:
-    """Owns one gRPC channel per worker; closed by `close()`."""
+    """Owns one gRPC channel per worker; closed by `close()`.
+
+    Membership may change while serving (`add` / `remove`). A removed worker's channel
+    stays open for `RETIRED_CHANNEL_GRACE_S` so the calls still ending on it (a release,
+    a cancelled stream) finish cleanly, then closes.
+    """
 
     def __init__(self, workers: list[WorkerEndpoint], auth: ClusterAuth | None = None) -> None:
         """`auth`: the cluster token (and TLS) every call to a worker carries."""
         self.auth = auth or ClusterAuth()
-        self.prefill = [w for w in workers if w.role is WorkerRole.PREFILL]
-        self.decode = [w for w in workers if w.role is not WorkerRole.PREFILL]
-        if not self.decode:
+        self._endpoints: dict[str, WorkerEndpoint] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closers: set[asyncio.Task] = set()
+        decode = [w for w in workers if w.role is not WorkerRole.PREFILL]
+        if not decode:
             raise ValueError("the cluster needs at least one decode or colocated worker")
-        if self.prefill and any(w.role is WorkerRole.COLOCATED for w in self.decode):
+        for worker in workers:
+            self.add(worker)
+
+    @property
+    def prefill(self) -> list[WorkerEndpoint]:
+        return [w for w in self._endpoints.values() if w.role is WorkerRole.PREFILL]
+
+    @property
+    def decode(self) -> list[WorkerEndpoint]:
+        return [w for w in self._endpoints.values() if w.role is not WorkerRole.PREFILL]
+
+    def get(self, worker_id: str) -> WorkerEndpoint | None:
+        return self._endpoints.get(worker_id)
+
+    def add(self, worker: WorkerEndpoint) -> None:
+        """Open a channel to a new worker; ValueError if it cannot join these pools."""
+        if worker.worker_id in self._endpoints:
+            raise ValueError(f"worker {worker.worker_id} is already in the pool")
+        roles = {w.role for w in self._endpoints.values()} | {worker.role}
+        if WorkerRole.PREFILL in roles and WorkerRole.COLOCATED in roles:
             raise ValueError("prefill workers pair with decode workers, not colocated ones")
-        self._channels = {w.worker_id: self._open_channel(w) for w in workers}
+        self._endpoints[worker.worker_id] = worker
+        self._channels[worker.worker_id] = self._open_channel(worker)
 
     def _open_channel(self, worker: WorkerEndpoint) -> grpc.aio.Channel:
-        """A channel to one worker (with the cluster token): the one way to open them."""
+        """A channel to one worker (with the cluster token): the one way to open them.
+        Called on the event loop that will use it (grpc.aio binds interceptors to it)."""
         return internal_channel(worker.endpoint, self.auth, options=GRPC_OPTIONS)
+
+    def remove(self, worker_id: str) -> None:
+        """Forget a worker; its channel closes after a grace period (no-op if unknown)."""
+        self._endpoints.pop(worker_id, None)
+        channel = self._channels.pop(worker_id, None)
+        if channel is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._close_later(channel))
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
+
+    @staticmethod
+    async def _close_later(channel: grpc.aio.Channel) -> None:
+        try:
+            await asyncio.sleep(RETIRED_CHANNEL_GRACE_S)
+        finally:
+            await channel.close()
 
     @property
     def workers(self) -> list[WorkerEndpoint]:
@@ -73,7 +121,7 @@ class WorkerPool:
 
     def pair(self, prefill_id: str | None, decode_id: str) -> WorkerPair:
         """The stubs of the workers a placement chose (prefill None = local prefill)."""
-        by_id = {w.worker_id: w for w in self.workers}
+        by_id = self._endpoints
         prefill = by_id[prefill_id] if prefill_id is not None else None
         decode = by_id[decode_id]
         return WorkerPair(
@@ -90,7 +138,10 @@ class WorkerPool:
         return worker_pb2_grpc.DecodeWorkerStub(self._channels[worker.worker_id])
 
     async def is_ready(self, timeout_s: float) -> bool:
-        """True when every worker's gRPC health check answers SERVING."""
+        """True when every worker's gRPC health check answers SERVING (and there is a
+        decode-capable one: without it no request can be served)."""
+        if not self.decode:
+            return False
         checks = [self._serving(w, timeout_s) for w in self.workers]
         return all(await asyncio.gather(*checks))
 
@@ -112,11 +163,15 @@ class WorkerPool:
 
     async def stats(self, timeout_s: float) -> dict[str, pb.StatsResponse]:
         """Every worker's `Stats`, keyed by worker id."""
-
-        replies = await asyncio.gather(*(self.worker_stats(w, timeout_s) for w in self.workers))
-        return {w.worker_id: r for w, r in zip(self.workers, replies, strict=True)}
+        workers = self.workers
+        replies = await asyncio.gather(*(self.worker_stats(w, timeout_s) for w in workers))
+        return {w.worker_id: r for w, r in zip(workers, replies, strict=True)}
 
     async def close(self) -> None:
+        for task in list(self._closers):
+            task.cancel()  # closes its channel now
+        if self._closers:
+            await asyncio.wait(self._closers, timeout=RETIRED_CHANNEL_GRACE_S)
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
-from tandem.router.errors import InvalidRequest, ModelNotFound, Overloaded, RouterError
+from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError, retry_after_header
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +74,9 @@ def dumps(obj: Any) -> str:
 
 def error_response(exc: RouterError) -> web.Response:
     headers = {}
-    if isinstance(exc, Overloaded):
-        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    retry_after = retry_after_header(exc)
+    if retry_after is not None:
+        headers["Retry-After"] = retry_after
     return web.json_response(error_body(exc), status=exc.http_status, headers=headers, dumps=dumps)
 
 

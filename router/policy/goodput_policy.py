@@ -74,6 +74,9 @@ class GoodputPolicy:
         if len(self.workers) != len(prefill) + len(decode):
             raise ValueError("worker ids must be unique")
         self._requests: dict[str, _Record] = {}
+        # Workers removed from the pools while requests were still charged to them: kept
+        # in `workers` until those requests end, so their accounting unwinds.
+        self._retiring: set[str] = set()
         # Placements per decision label (`tandem:disagg_decisions_total{decision}`).
         self.decisions: Counter[str] = Counter()
         # Requests not admitted at once, per reason ("ttft", "kv_blocks", ...); "queue":
@@ -118,6 +121,18 @@ class GoodputPolicy:
             # Admitted by a `notify` but cancelled before we resumed: undo the commit.
             self.on_finish(req_id)
             raise
+
+    def place_migrated(
+        self, req_id: str, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo
+    ) -> Placement:
+        """Place a request again after its worker failed (`prompt_ids`: prompt plus the
+        tokens already streamed). It was admitted once, so admission does not shed it;
+        `WorkerUnavailable` when no decode worker is available."""
+        if req_id in self._requests:
+            raise ValueError(f"request {req_id!r} is still placed; finish it first")
+        placement = self.selector.select(prompt_ids, max_tokens, slo)
+        self._commit(req_id, placement, prompt_ids, slo)
+        return placement
 
     def _attempt(
         self,
@@ -204,6 +219,7 @@ class GoodputPolicy:
         prefill = self.workers[p.prefill_worker_id]
         prefill.on_complete(req_id, self.clock())
         prefill.prefix.unlock(req_id)
+        self._drop_retired(p.prefill_worker_id)
         self.queue.notify()
 
     def observe_ttft(self, req_id: str, ttft_s: float) -> None:
@@ -232,21 +248,58 @@ class GoodputPolicy:
             prefill = self.workers[p.prefill_worker_id]
             prefill.on_complete(req_id, now)
             prefill.prefix.unlock(req_id)
+            self._drop_retired(p.prefill_worker_id)
         decode = self.workers[p.decode_worker_id]
         decode.on_complete(req_id, now)
         decode.prefix.unlock(req_id)
-        if output_ids:
+        if output_ids and p.decode_worker_id not in self._retiring:
             # Generated tokens' blocks are cached too: a follow-up turn can hit them.
             decode.prefix.insert([*record.prompt_ids, *output_ids])
+        self._drop_retired(p.decode_worker_id)
         self.queue.notify()
 
     def update_stats(self, worker_id: str, stats: WorkerStats, taken_at_s: float) -> None:
-        self.workers[worker_id].update_stats(stats, taken_at_s)
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return  # left the pools while its poll was in flight
+        worker.update_stats(stats, taken_at_s)
         self.queue.notify()
+
+    def add_worker(self, worker: WorkerState) -> None:
+        """A new worker joins the pools (placement starts at once if it is available)."""
+        if worker.worker_id in self._retiring:
+            # Back before its old requests ended: keep their accounting, place again.
+            worker = self.workers[worker.worker_id]
+            self._retiring.discard(worker.worker_id)
+        elif worker.worker_id in self.workers:
+            raise ValueError(f"worker {worker.worker_id} is already in the pools")
+        self.selector.add_worker(worker)
+        self.workers[worker.worker_id] = worker
+        self.queue.notify()
+
+    def remove_worker(self, worker_id: str) -> None:
+        """A worker leaves the pools: no new placements; the requests still charged to it
+        keep their accounting until `on_finish` (migration ends them there first)."""
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return
+        worker.available = False
+        self.selector.remove_worker(worker_id)
+        self._retiring.add(worker_id)
+        self._drop_retired(worker_id)
+
+    def _drop_retired(self, worker_id: str) -> None:
+        worker = self.workers.get(worker_id)
+        if worker_id in self._retiring and worker is not None and not worker.in_flight:
+            del self.workers[worker_id]
+            self._retiring.discard(worker_id)
 
     def set_available(self, worker_id: str, available: bool) -> None:
         """Mark a worker (un)usable: draining, failed health checks, back again."""
-        self.workers[worker_id].available = available
+        worker = self.workers.get(worker_id)
+        if worker is None or worker_id in self._retiring:
+            return
+        worker.available = available
         if available:
             self.queue.notify()
 

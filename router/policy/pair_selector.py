@@ -38,11 +38,16 @@ from tandem.router.errors import WorkerUnavailable
 from tandem.router.policy.prefix_tree import block_hashes
 from tandem.router.policy.slo import RequestSlo
 from tandem.router.policy.worker_state import WorkerState
+from tandem.worker.config import WorkerRole
 
 Decision = Literal["disaggregated", "local_prefill"]
 DISAGGREGATED: Decision = "disaggregated"
 LOCAL_PREFILL: Decision = "local_prefill"
 
+
+# Retry-After of the 503 a request gets at once while no decode worker serves (a
+# replacement takes seconds to start, so an earlier retry would fail the same way).
+NO_WORKER_RETRY_AFTER_S = 2.0
 
 # Conditional disaggregation's default bound on a decode worker's own prefills.
 DEFAULT_MAX_LOCAL_PREFILL_TOKENS = 512
@@ -137,6 +142,23 @@ class PairSelector:
         self.config = config or SelectorConfig()
         self.block_size = sizes.pop()
 
+    def add_worker(self, worker: WorkerState) -> None:
+        """A worker joined the pools (membership changed while serving)."""
+        if worker.block_size != self.block_size:
+            raise ValueError(
+                f"worker {worker.worker_id} has block size {worker.block_size}, "
+                f"the pools use {self.block_size}"
+            )
+        pool = self.prefill if worker.role is WorkerRole.PREFILL else self.decode
+        if any(w.worker_id == worker.worker_id for w in pool):
+            raise ValueError(f"worker {worker.worker_id} is already in the pools")
+        pool.append(worker)
+
+    def remove_worker(self, worker_id: str) -> None:
+        """A worker left the pools: never selected again (no-op if unknown)."""
+        self.prefill = [w for w in self.prefill if w.worker_id != worker_id]
+        self.decode = [w for w in self.decode if w.worker_id != worker_id]
+
     def select(self, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo) -> Placement:
         """The best pair for this request now; raises `WorkerUnavailable` (503 /
         UNAVAILABLE to the client) when no decode worker is up."""
@@ -195,7 +217,8 @@ class PairSelector:
         workers = [w for w in self.decode if w.available]
         if not workers:
             raise WorkerUnavailable(
-                "no decode worker is available (all are down or unreachable); retry later"
+                "no decode worker is available (all are down or unreachable); retry later",
+                retry_after_s=NO_WORKER_RETRY_AFTER_S,
             )
         fitting = [w for w in workers if w.num_free_blocks >= need]
         if not fitting:

@@ -38,6 +38,40 @@ async def generate_tokens(
         return list(await asyncio.gather(*(one(p) for p in prompts)))
 
 
+async def stream_tokens(
+    endpoint: str,
+    req_id: str,
+    prompt: list[int],
+    progress: dict[str, int] | None = None,
+    max_tokens: int = 160,
+) -> tuple[list[int], str]:
+    """Greedy-generate one stream over `Generate` (EOS ignored); (token ids, text).
+    `progress[req_id]` follows the tokens received so far."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = gen_pb.GenerateRequest(
+            request_id=req_id,
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+        )
+        tokens: list[int] = []
+        text = ""
+        finished = False
+        async for msg in stub.Generate(request, timeout=180):
+            tokens += msg.token_ids
+            text += msg.text
+            if progress is not None:
+                progress[req_id] = len(tokens)
+            if msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+                finished = True
+                assert msg.usage.completion_tokens == len(tokens)
+                assert msg.usage.prompt_tokens == len(prompt)
+        assert finished, "stream ended without a finish reason"
+        return tokens, text
+
+
 async def worker_stats(
     endpoint: str, role: str, auth: ClusterAuth | None = None
 ) -> pb.StatsResponse:

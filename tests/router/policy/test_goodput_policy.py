@@ -2,9 +2,12 @@
 
 import pytest
 
+from tandem.router.errors import Overloaded, WorkerUnavailable
 from tandem.router.policy import (
     DISAGGREGATED,
     LOCAL_PREFILL,
+    AdmissionConfig,
+    AdmissionPolicy,
     GoodputPolicy,
     SloConfig,
     WorkerState,
@@ -100,3 +103,42 @@ def test_prefix_prediction_accuracy_counters():
     policy.on_prefill_done("b", num_cached_tokens=992, compute_s=0.01)
     policy.on_finish("b")
     assert policy.num_predicted_cached_tokens == policy.num_reported_cached_tokens == 992
+
+
+def test_membership_add_and_remove_while_requests_run():
+    """A worker that leaves keeps its requests' accounting until they end (then it is
+    forgotten); a worker that joins takes new placements at once."""
+    policy = make()
+    policy.place_now("r1", list(range(40)), 16, INTERACTIVE)  # local prefill on d0
+    policy.remove_worker("d0")
+    assert "d0" in policy.workers and not policy.workers["d0"].available
+    with pytest.raises(WorkerUnavailable) as refused:
+        policy.place_now("r2", list(range(40)), 16, INTERACTIVE)
+    assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1
+    policy.add_worker(WorkerState("d1", "decode", block_size=BS, num_blocks=4096))
+    assert policy.place_now("r2", list(range(40)), 16, INTERACTIVE).decode_worker_id == "d1"
+    policy.on_finish("r1")
+    assert "d0" not in policy.workers
+    policy.on_finish("r2")
+    assert policy.is_idle()
+    with pytest.raises(ValueError, match="block size"):
+        policy.add_worker(WorkerState("d2", "decode", block_size=BS * 2, num_blocks=4096))
+
+
+def test_migrated_placement_skips_admission():
+    """A request that already streamed tokens is placed again even when admission would
+    shed a new one (it was admitted once)."""
+    prefill = [WorkerState("p0", "prefill", block_size=BS, num_blocks=4096)]
+    decode = [WorkerState("d0", "decode", block_size=BS, num_blocks=4096)]
+    policy = GoodputPolicy(
+        prefill, decode, admission_config=AdmissionConfig(policy=AdmissionPolicy.SHED)
+    )
+    tight = SloConfig().resolve("interactive", ttft_s=1e-9)
+    with pytest.raises(Overloaded):
+        policy.place_now("new", list(range(300)), 16, tight)
+    placement = policy.place_migrated("old", list(range(300)), 16, tight)
+    assert placement.decode_worker_id == "d0"
+    with pytest.raises(ValueError, match="still placed"):
+        policy.place_migrated("old", list(range(300)), 16, tight)
+    policy.on_finish("old")
+    assert policy.is_idle()

@@ -1,0 +1,141 @@
+"""The admin API's logic, shared by gRPC `tandem.admin.v1.Admin` and HTTP `/admin/*`.
+
+The router does not own the pools: every call goes to the `AdminBackend` the pools'
+owner gave the router (none: `AdminUnavailable`, 501 / UNIMPLEMENTED). Input is checked
+here first, so a bad request never reaches the owner; the owner's own refusals map to
+400 / INVALID_ARGUMENT (`ValueError`: bad input, e.g. a target beyond the budget or an
+unknown worker) and 409 / FAILED_PRECONDITION (`RuntimeError`: cannot be done now).
+Each worker's load (`running`, `waiting`, `kv_usage`) is this router's last view of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from tandem.router.errors import InvalidRequest, RouterError
+from tandem.router.membership import AdminBackend, Membership, PoolTargets, WorkerInfo
+
+ROLES = ("prefill", "decode")
+
+
+class AdminUnavailable(RouterError):
+    """This router has no pools' owner to forward admin calls to."""
+
+    grpc_code = grpc.StatusCode.UNIMPLEMENTED
+    http_status = 501
+    openai_type = "server_error"
+
+
+class AdminRefused(RouterError):
+    """The pools' owner cannot make the change now (e.g. a drain already running)."""
+
+    grpc_code = grpc.StatusCode.FAILED_PRECONDITION
+    http_status = 409
+    openai_type = "invalid_request_error"
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load from the router's last Stats poll."""
+
+    running: int = 0
+    waiting: int = 0
+    # Fraction of its KV blocks in use, [0, 1].
+    kv_usage: float = 0.0
+
+
+def parse_targets(body: Any) -> PoolTargets:
+    """`{"prefill": N, "decode": M}` -> PoolTargets; InvalidRequest naming the field."""
+    if not isinstance(body, Mapping):
+        raise InvalidRequest('the body must be a JSON object {"prefill": N, "decode": M}')
+    for key in body:
+        if key not in ROLES:
+            raise InvalidRequest(
+                f"unknown role {key!r}: the pools are {', '.join(ROLES)}", param=str(key)
+            )
+    for role in ROLES:
+        if role not in body:
+            raise InvalidRequest(f"{role} is required (target serving workers)", param=role)
+        value = body[role]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequest(f"{role} must be an integer >= 1, got {value!r}", param=role)
+    return PoolTargets(prefill=body["prefill"], decode=body["decode"])
+
+
+def _owner_error(exc: Exception) -> RouterError:
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, ValueError):
+        param = next((f for f in (*ROLES, "worker_id") if message.startswith(f)), None)
+        return InvalidRequest(message, param=param)
+    return AdminRefused(message)
+
+
+class PoolsAdmin:
+    """Checks admin calls and forwards them to the pools' owner."""
+
+    def __init__(
+        self, backend: AdminBackend | None, load: Callable[[str], WorkerLoad | None]
+    ) -> None:
+        self.backend = backend
+        # This router's view of a worker's load (None: not polled by this router).
+        self.load = load
+
+    def _owner(self) -> AdminBackend:
+        if self.backend is None:
+            raise AdminUnavailable(
+                "this router has no pool controller: admin calls need a router started "
+                "by `tandem serve` or `tandem router --ray-address`"
+            )
+        return self.backend
+
+    async def get_pools(self) -> Membership:
+        owner = self._owner()
+        try:
+            return await owner.get_pools()
+        except (ValueError, RuntimeError) as exc:
+            raise _owner_error(exc) from exc
+
+    async def scale(self, targets: PoolTargets) -> Membership:
+        owner = self._owner()
+        try:
+            return await owner.scale(targets)
+        except (ValueError, RuntimeError) as exc:
+            raise _owner_error(exc) from exc
+
+    async def drain(self, worker_id: Any) -> Membership:
+        if not isinstance(worker_id, str) or not worker_id:
+            raise InvalidRequest("worker_id must be a non-empty string", param="worker_id")
+        owner = self._owner()
+        try:
+            return await owner.drain(worker_id)
+        except (ValueError, RuntimeError) as exc:
+            raise _owner_error(exc) from exc
+
+    def worker_json(self, worker: WorkerInfo) -> dict[str, Any]:
+        load = self.load(worker.worker_id) or WorkerLoad()
+        return {
+            "id": worker.worker_id,
+            "role": worker.role.value,
+            "state": worker.state.value,
+            "node": worker.node,
+            "pid": worker.pid,
+            "endpoint": worker.endpoint,
+            "metrics_url": worker.metrics_url,
+            "running": load.running,
+            "waiting": load.waiting,
+            "kv_usage": load.kv_usage,
+        }
+
+    def to_json(self, membership: Membership) -> dict[str, Any]:
+        targets = membership.targets
+        return {
+            "workers": [self.worker_json(w) for w in membership.workers],
+            "targets": {"prefill": targets.prefill, "decode": targets.decode}
+            if targets is not None
+            else None,
+            "version": membership.version,
+        }

@@ -1,0 +1,48 @@
+"""HTTP `/admin/*` on the router (behind the API key when one is set; see `router.admin`).
+
+GET  /admin/pools   -> {"workers": [...], "targets": {"prefill": N, "decode": M}, "version"}
+POST /admin/scale   {"prefill": N, "decode": M} -> the pools after the change
+POST /admin/drain   {"worker_id": "..."} -> the pools after the change
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from aiohttp import web
+
+from tandem.router.admin import PoolsAdmin, parse_targets
+from tandem.router.errors import InvalidRequest
+from tandem.router.openai.errors import dumps
+
+logger = logging.getLogger(__name__)
+
+
+async def _json_body(request: web.Request) -> object:
+    try:
+        return json.loads(await request.read() or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+
+
+def add_admin_routes(app: web.Application, admin: PoolsAdmin) -> None:
+    async def pools(request: web.Request) -> web.Response:
+        return web.json_response(admin.to_json(await admin.get_pools()), dumps=dumps)
+
+    async def scale(request: web.Request) -> web.Response:
+        targets = parse_targets(await _json_body(request))
+        logger.info("admin: scale to %d prefill + %d decode", targets.prefill, targets.decode)
+        return web.json_response(admin.to_json(await admin.scale(targets)), dumps=dumps)
+
+    async def drain(request: web.Request) -> web.Response:
+        body = await _json_body(request)
+        if not isinstance(body, dict):
+            raise InvalidRequest('the body must be a JSON object {"worker_id": "..."}')
+        logger.info("admin: drain %s", body.get("worker_id"))
+        return web.json_response(admin.to_json(await admin.drain(body.get("worker_id"))),
+                                 dumps=dumps)  # fmt: skip
+
+    app.router.add_get("/admin/pools", pools)
+    app.router.add_post("/admin/scale", scale)
+    app.router.add_post("/admin/drain", drain)

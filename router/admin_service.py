@@ -1,0 +1,87 @@
+"""gRPC `tandem.admin.v1.Admin` on the router's public port (see `router.admin`)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+import grpc
+
+from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
+from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
+from tandem.router.admin import PoolsAdmin, parse_targets
+from tandem.router.errors import RouterError, abort_with
+from tandem.router.membership import Membership
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = admin_pb.DESCRIPTOR.services_by_name["Admin"].full_name
+
+
+class AdminService(admin_pb2_grpc.AdminServicer):
+    def __init__(self, admin: PoolsAdmin, api_key: str | None) -> None:
+        self.admin = admin
+        self._expected = api_key.encode() if api_key is not None else None
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self._expected is None:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        header = metadata.get("authorization", "")
+        scheme, _, token = str(header).partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self._expected
+        ):
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or incorrect API key: send metadata 'authorization: Bearer <key>'",
+            )
+
+    async def GetPools(self, request: admin_pb.GetPoolsRequest, context) -> admin_pb.PoolsResponse:
+        await self._authorize(context)
+        try:
+            return self._response(await self.admin.get_pools())
+        except RouterError as exc:
+            await abort_with(context, exc)
+            raise  # unreachable: abort raises
+
+    async def ScalePools(
+        self, request: admin_pb.ScalePoolsRequest, context
+    ) -> admin_pb.PoolsResponse:
+        await self._authorize(context)
+        try:
+            body = {
+                role: getattr(request, role)
+                for role in ("prefill", "decode")
+                if request.HasField(role)
+            }
+            targets = parse_targets(body)
+            logger.info("admin: scale to %d prefill + %d decode", targets.prefill, targets.decode)
+            return self._response(await self.admin.scale(targets))
+        except RouterError as exc:
+            await abort_with(context, exc)
+            raise
+
+    async def DrainWorker(
+        self, request: admin_pb.DrainWorkerRequest, context
+    ) -> admin_pb.PoolsResponse:
+        await self._authorize(context)
+        try:
+            logger.info("admin: drain %s", request.worker_id)
+            return self._response(await self.admin.drain(request.worker_id))
+        except RouterError as exc:
+            await abort_with(context, exc)
+            raise
+
+    def _response(self, membership: Membership) -> admin_pb.PoolsResponse:
+        reply = admin_pb.PoolsResponse(version=membership.version)
+        for worker in membership.workers:
+            fields = self.admin.worker_json(worker)
+            reply.workers.append(admin_pb.Worker(**fields))
+        if membership.targets is not None:
+            reply.targets.CopyFrom(
+                admin_pb.PoolTargets(
+                    prefill=membership.targets.prefill, decode=membership.targets.decode
+                )
+            )
+        return reply

@@ -1,0 +1,293 @@
+"""Request migration and healing against real worker processes killed with -9.
+
+The router is told nothing about a kill: it finds out from the broken streams and its
+own polls, as in production, and the test publishes DEAD / a replacement afterwards as
+the pool controller would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import grpc
+import pytest
+
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tandem.router.membership import WorkerLifecycle
+from tandem.worker.config import WorkerRole
+from tests.helpers.grpc_calls import assert_workers_idle, stream_tokens
+from tests.helpers.process_cluster import ProcessCluster
+from tests.helpers.prompts import make_prompts
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_TOKENS = 160
+
+
+async def run_all(
+    cluster: ProcessCluster, prefix: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+) -> list[tuple[list[int], str]]:
+    return list(
+        await asyncio.gather(
+            *(
+                stream_tokens(cluster.grpc_endpoint, f"{prefix}-{i}", p, max_tokens=max_tokens)
+                for i, p in enumerate(prompts)
+            )
+        )
+    )
+
+
+def migrations(cluster: ProcessCluster) -> dict[str, float]:
+    counts = {}
+    for metric in cluster.router.metrics.migrations.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total"):
+                counts[sample.labels["reason"]] = sample.value
+    return counts
+
+
+@pytest.fixture
+def decode_pair(tiny_model_dir):
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE,
+             "decode-1": WorkerRole.DECODE}  # fmt: skip
+    cluster = ProcessCluster(str(tiny_model_dir), roles).start()
+    yield cluster
+    cluster.stop()
+
+
+def test_kill_decode_worker_mid_stream_continues_every_request(decode_pair):
+    """kill -9 of a decode worker with 6 greedy streams in flight on 1P + 2D: every
+    stream completes with the tokens and text of an uninterrupted run."""
+    cluster = decode_pair
+    prompts = make_prompts(2048, (40, 90, 17, 150, 64, 120), seed=71)
+    reference = cluster.run(run_all(cluster, "ref", prompts))
+    cluster.assert_idle()
+
+    async def scenario() -> tuple[list[tuple[list[int], str]], str]:
+        progress: dict[str, int] = {}
+        ids = [f"req-{i}" for i in range(len(prompts))]
+        tasks = [
+            asyncio.ensure_future(stream_tokens(cluster.grpc_endpoint, rid, p, progress))
+            for rid, p in zip(ids, prompts, strict=True)
+        ]
+        deadline = time.monotonic() + 60
+        while not all(progress.get(rid, 0) >= 4 for rid in ids):
+            assert time.monotonic() < deadline, f"streams did not start: {progress}"
+            await asyncio.sleep(0.005)
+        policy = cluster.router.policy_runtime.policy
+        on = {rid: policy.placement_of(rid).decode_worker_id for rid in ids}
+        victim = max(("decode-0", "decode-1"), key=lambda w: list(on.values()).count(w))
+        await asyncio.get_running_loop().run_in_executor(None, cluster.kill, victim)
+        return list(await asyncio.gather(*tasks)), victim
+
+    results, victim = cluster.run(scenario(), timeout_s=300)
+    assert [r[0] for r in results] == [r[0] for r in reference]
+    assert [r[1] for r in results] == [r[1] for r in reference]
+    assert migrations(cluster).get("decode_failed", 0) >= 1
+    # The controller declares it dead: the router drops it; nothing is left charged.
+    cluster.set_state(victim, WorkerLifecycle.DEAD)
+    assert victim not in {w.worker_id for w in cluster.router.pool.workers}
+    cluster.assert_idle()
+
+
+def test_kill_prefill_worker_with_queued_prompts(tiny_model_dir):
+    """kill -9 of a prefill worker with prompts queued on it (2P + 1D): every request
+    completes, token-equal to a run without the kill."""
+    roles = {"prefill-0": WorkerRole.PREFILL, "prefill-1": WorkerRole.PREFILL,
+             "decode-0": WorkerRole.DECODE}  # fmt: skip
+    # Every prompt goes through a prefill worker.
+    cluster = ProcessCluster(str(tiny_model_dir), roles, max_local_prefill_tokens=0).start()
+    try:
+
+        async def scenario() -> list[tuple[list[int], str]]:
+            tasks = [
+                asyncio.ensure_future(
+                    stream_tokens(cluster.grpc_endpoint, f"req-{i}", p, max_tokens=24)
+                )
+                for i, p in enumerate(new_prompts)
+            ]
+            policy = cluster.router.policy_runtime.policy
+            deadline = time.monotonic() + 60
+            # Kill while at least two prompts wait for (or are in) prefill there.
+            while sum(not f.prefilled for f in policy.workers["prefill-0"].in_flight.values()) < 2:
+                assert time.monotonic() < deadline, "no prompts queued on prefill-0"
+                await asyncio.sleep(0.001)
+            await asyncio.get_running_loop().run_in_executor(None, cluster.kill, "prefill-0")
+            return list(await asyncio.gather(*tasks))
+
+        new_prompts = make_prompts(2048, (700, 650, 600, 720, 680, 610, 690, 640), seed=73)
+        expected = cluster.run(run_all(cluster, "exp", new_prompts, max_tokens=24))
+        cluster.assert_idle()
+        # (The prompts hit the prefix caches now; greedy output does not depend on it.)
+        results = cluster.run(scenario(), timeout_s=300)
+        assert [r[0] for r in results] == [r[0] for r in expected]
+        assert migrations(cluster).get("prefill_failed", 0) >= 1
+        cluster.set_state("prefill-0", WorkerLifecycle.DEAD)
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
+
+
+def test_only_decode_worker_killed_gets_503_then_heals(tiny_model_dir):
+    """The only decode worker dies: requests get 503 + Retry-After at once; once the
+    controller publishes a replacement, requests succeed again with no other action."""
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE}
+    cluster = ProcessCluster(str(tiny_model_dir), roles).start()
+    try:
+        prompt = make_prompts(2048, (30,), seed=74)[0]
+        before, _ = cluster.run(stream_tokens(cluster.grpc_endpoint, "before", prompt))
+        cluster.kill("decode-0")
+
+        async def http_completion() -> tuple[int, dict[str, str], float]:
+            body = {"model": cluster.router.config.model_name, "prompt": prompt,
+                    "max_tokens": 8, "temperature": 0}  # fmt: skip
+            started = time.monotonic()
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(
+                    f"{cluster.http_endpoint}/v1/completions",
+                    json=body,
+                    timeout=aiohttp.ClientTimeout(total=30),
+                ) as response,
+            ):
+                await response.read()
+                return response.status, dict(response.headers), time.monotonic() - started
+
+        # Before and after the controller notices (DEAD): 503 + Retry-After, at once.
+        for _ in range(2):
+            status, headers, elapsed_s = cluster.run(http_completion())
+            assert status == 503
+            assert int(headers["Retry-After"]) >= 1
+            assert elapsed_s < 5.0
+        cluster.set_state("decode-0", WorkerLifecycle.DEAD)
+        status, headers, _ = cluster.run(http_completion())
+        assert status == 503 and "Retry-After" in headers
+
+        async def grpc_status() -> tuple[grpc.StatusCode, str | None]:
+            try:
+                await stream_tokens(cluster.grpc_endpoint, "down", prompt)
+            except grpc.aio.AioRpcError as exc:
+                trailers = dict(exc.trailing_metadata() or ())
+                return exc.code(), trailers.get("retry-after")
+            return grpc.StatusCode.OK, None
+
+        code, retry_after = cluster.run(grpc_status())
+        assert code is grpc.StatusCode.UNAVAILABLE and retry_after is not None
+
+        cluster.add("decode-1", WorkerRole.DECODE)
+        after, _ = cluster.run(stream_tokens(cluster.grpc_endpoint, "after", prompt))
+        assert after == before
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
+
+
+def test_worker_declared_dead_migrates_its_streams_and_stop_strings_still_cut(decode_pair):
+    """The controller declares a live decode worker DEAD (e.g. a drain past its timeout):
+    the router ends its streams there and continues them elsewhere; the worker frees
+    everything. A stop string met after the switch cuts the text exactly where an
+    uninterrupted run does (the router detokenizes the continuation itself)."""
+    cluster = decode_pair
+    prompts = make_prompts(2048, (50, 70, 90, 110), seed=75)
+    plain = cluster.run(run_all(cluster, "plain", prompts))
+    # A stop string from late in each output (found after the switch, not before).
+    stops = []
+    for _, text in plain:
+        start = len(text) * 3 // 4
+        stop = text[start : start + 3]
+        stops.append(stop if stop.strip() and text.find(stop) >= len(text) // 2 else "")
+
+    async def run_with_stops(prefix: str, progress: dict[str, int] | None):
+        async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one(i: int) -> tuple[list[int], str, int]:
+                request = gen_pb.GenerateRequest(
+                    request_id=f"{prefix}-{i}",
+                    prompt_token_ids=prompts[i],
+                    max_tokens=MAX_TOKENS,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    stop=[stops[i]] if stops[i] else [],
+                )
+                tokens, text, reason = [], "", 0
+                async for msg in stub.Generate(request, timeout=180):
+                    tokens += msg.token_ids
+                    text += msg.text
+                    reason = msg.finish_reason or reason
+                    if progress is not None:
+                        progress[request.request_id] = len(tokens)
+                return tokens, text, reason
+
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+    expected = cluster.run(run_with_stops("exp", None))
+    assert any(r[2] == gen_pb.FINISH_REASON_STOP for r in expected)
+
+    async def scenario() -> tuple[list, str]:
+        progress: dict[str, int] = {}
+        task = asyncio.ensure_future(run_with_stops("req", progress))
+        ids = [f"req-{i}" for i in range(len(prompts))]
+        deadline = time.monotonic() + 60
+        while not all(progress.get(rid, 0) >= 4 for rid in ids):
+            assert time.monotonic() < deadline, f"streams did not start: {progress}"
+            await asyncio.sleep(0.005)
+        policy = cluster.router.policy_runtime.policy
+        on = [policy.placement_of(rid).decode_worker_id for rid in ids]
+        victim = max(("decode-0", "decode-1"), key=on.count)
+        cluster.states[victim] = WorkerLifecycle.DEAD
+        await cluster.router.update_membership(cluster.membership())
+        return await task, victim
+
+    results, victim = cluster.run(scenario(), timeout_s=300)
+    assert results == expected
+    assert migrations(cluster).get("worker_lost", 0) >= 1
+    # The worker is alive: the cancelled streams must have freed everything there too.
+    proc = cluster.procs[victim]
+    cluster.run(assert_workers_idle([(proc.endpoint, "decode")], max_channels=4, timeout_s=10))
+    cluster.assert_idle()
+
+
+def test_past_max_migrations_the_client_gets_one_retriable_error(tiny_model_dir):
+    """With migrations off (`max_migrations=0`), a stream whose decode worker dies ends
+    with one UNAVAILABLE naming the cause; streams elsewhere are untouched."""
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE,
+             "decode-1": WorkerRole.DECODE}  # fmt: skip
+    cluster = ProcessCluster(str(tiny_model_dir), roles, max_migrations=0).start()
+    try:
+        prompts = make_prompts(2048, (40, 41, 42, 43), seed=76)
+
+        async def scenario() -> tuple[list, str]:
+            progress: dict[str, int] = {}
+            ids = [f"req-{i}" for i in range(len(prompts))]
+            tasks = [
+                asyncio.ensure_future(stream_tokens(cluster.grpc_endpoint, rid, p, progress))
+                for rid, p in zip(ids, prompts, strict=True)
+            ]
+            deadline = time.monotonic() + 60
+            while not all(progress.get(rid, 0) >= 4 for rid in ids):
+                assert time.monotonic() < deadline, f"streams did not start: {progress}"
+                await asyncio.sleep(0.005)
+            policy = cluster.router.policy_runtime.policy
+            on = [policy.placement_of(rid).decode_worker_id for rid in ids]
+            victim = "decode-0" if "decode-0" in on else "decode-1"
+            await asyncio.get_running_loop().run_in_executor(None, cluster.kill, victim)
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            return [(w == victim, r) for w, r in zip(on, results, strict=True)], victim
+
+        outcomes, victim = cluster.run(scenario(), timeout_s=300)
+        for on_victim, result in outcomes:
+            if on_victim:
+                assert isinstance(result, grpc.aio.AioRpcError), result
+                assert result.code() is grpc.StatusCode.UNAVAILABLE
+                assert "after 0 migrations" in result.details()
+            else:
+                assert len(result[0]) == MAX_TOKENS
+        assert migrations(cluster) == {}
+        cluster.set_state(victim, WorkerLifecycle.DEAD)
+        cluster.assert_idle()
+    finally:
+        cluster.stop()

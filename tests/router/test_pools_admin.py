@@ -1,0 +1,296 @@
+"""Admin API (gRPC `tandem.admin.v1.Admin`, HTTP `/admin/*`) and live membership
+changes, against an in-process pools owner with real workers (`InprocPools`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import grpc
+import pytest
+
+from tandem.decode_worker.server import DecodeWorker
+from tandem.engine.config import EngineConfig
+from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
+from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
+from tandem.router.membership import PoolTargets, WorkerInfo, WorkerLifecycle
+from tandem.worker.config import WorkerConfig, WorkerRole
+from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens, stream_tokens
+from tests.helpers.inproc_cluster import SHARED_API_KEY
+from tests.helpers.inproc_pools import InprocPools
+from tests.helpers.prompts import make_prompts
+
+pytestmark = pytest.mark.timeout(600)
+
+API_KEY = "sk-admin-test"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
+
+
+@pytest.fixture(scope="module")
+def pools(tiny_model_dir):
+    pools = InprocPools(str(tiny_model_dir), PoolTargets(1, 1), api_key=API_KEY).start()
+    yield pools
+    pools.stop()
+
+
+async def http(pools: InprocPools, method: str, path: str, body=None, headers=AUTH):
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(
+            method,
+            f"{pools.router.http_endpoint}{path}",
+            json=body,
+            headers=headers,
+            timeout=aiohttp.ClientTimeout(total=30),
+        ) as response,
+    ):
+        return response.status, await response.json()
+
+
+def assert_pools_idle(pools: InprocPools) -> None:
+    workers = [(i.endpoint, i.role.value) for i in pools.infos.values()]
+    pools.run(assert_workers_idle(workers, max_channels=4, timeout_s=10))
+    policy = pools.router.policy_runtime.policy
+    assert policy.is_idle(), f"router policy still charges {policy.num_in_flight} requests"
+
+
+def test_get_pools_lists_workers_and_targets(pools):
+    status, body = pools.run(http(pools, "GET", "/admin/pools"))
+    assert status == 200
+    assert body["targets"] == {"prefill": 1, "decode": 1}
+    assert sorted(w["role"] for w in body["workers"]) == ["decode", "prefill"]
+    for worker in body["workers"]:
+        assert set(worker) >= {"id", "role", "state", "node", "pid", "endpoint", "metrics_url",
+                               "running", "waiting", "kv_usage"}  # fmt: skip
+        assert worker["state"] == "serving" and worker["endpoint"]
+        assert 0.0 <= worker["kv_usage"] <= 1.0
+
+    async def grpc_pools() -> admin_pb.PoolsResponse:
+        async with grpc.aio.insecure_channel(pools.router.grpc_endpoint) as channel:
+            stub = admin_pb2_grpc.AdminStub(channel)
+            return await stub.GetPools(admin_pb.GetPoolsRequest(), metadata=GRPC_AUTH, timeout=10)
+
+    reply = pools.run(grpc_pools())
+    assert {w.id for w in reply.workers} == {w["id"] for w in body["workers"]}
+    assert (reply.targets.prefill, reply.targets.decode) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prefill": 0, "decode": 1}, "prefill"),
+        ({"prefill": 1, "decode": -2}, "decode"),
+        ({"prefill": 1}, "decode"),
+        ({"prefill": 1, "decode": 1, "gpu": 1}, "gpu"),
+        ({"prefill": "2", "decode": 1}, "prefill"),
+        ({"prefill": True, "decode": 1}, "prefill"),
+        ({"prefill": 9, "decode": 1}, "prefill"),  # beyond the owner's budget
+        ([1, 1], None),
+    ],
+)
+def test_bad_scale_is_refused_and_changes_nothing(pools, body, param):
+    before = pools.version, pools.targets
+    status, reply = pools.run(http(pools, "POST", "/admin/scale", body))
+    assert status == 400, reply
+    assert reply["error"]["param"] == param
+    if param is not None:
+        assert param in reply["error"]["message"]
+    assert (pools.version, pools.targets) == before
+
+
+def test_admin_errors_over_grpc_and_auth(pools):
+    async def scenario() -> dict[str, grpc.StatusCode]:
+        codes = {}
+        async with grpc.aio.insecure_channel(pools.router.grpc_endpoint) as channel:
+            stub = admin_pb2_grpc.AdminStub(channel)
+            auth = {"metadata": GRPC_AUTH, "timeout": 10}
+            calls = {
+                "zero": stub.ScalePools(admin_pb.ScalePoolsRequest(prefill=0, decode=1), **auth),
+                "missing": stub.ScalePools(admin_pb.ScalePoolsRequest(prefill=1), **auth),
+                "unknown_worker": stub.DrainWorker(
+                    admin_pb.DrainWorkerRequest(worker_id="nope"), **auth
+                ),
+                "no_key": stub.GetPools(admin_pb.GetPoolsRequest(), timeout=10),
+            }
+            for name, call in calls.items():
+                try:
+                    await call
+                    codes[name] = grpc.StatusCode.OK
+                except grpc.aio.AioRpcError as exc:
+                    codes[name] = exc.code()
+                    if name == "missing":
+                        assert "decode" in exc.details()
+                    if name == "unknown_worker":
+                        assert "worker_id" in exc.details()
+        return codes
+
+    assert pools.run(scenario()) == {
+        "zero": grpc.StatusCode.INVALID_ARGUMENT,
+        "missing": grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown_worker": grpc.StatusCode.INVALID_ARGUMENT,
+        "no_key": grpc.StatusCode.UNAUTHENTICATED,
+    }
+    status, _ = pools.run(http(pools, "GET", "/admin/pools", headers={}))
+    assert status == 401
+    status, reply = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": "nope"}))
+    assert status == 400 and reply["error"]["param"] == "worker_id"
+
+
+def test_scale_up_then_down_under_load_fails_nothing(pools):
+    """Scale to 1P+2D: the new decode worker takes requests. Then back to 1P+1D while
+    streams run: the drained worker's streams finish, no request fails, it stops idle."""
+    prompts = make_prompts(2048, (20, 60, 33, 80), seed=81)
+    reference = pools.run(generate_tokens(pools.router.grpc_endpoint, prompts, 48))
+
+    status, _ = pools.run(http(pools, "POST", "/admin/scale", {"prefill": 1, "decode": 2}))
+    assert status == 200
+    pools.run(pools.wait_settled())
+    decode_ids = pools.serving(WorkerRole.DECODE)
+    assert len(decode_ids) == 2
+    router_view = {w.worker_id for w in pools.router.pool.workers}
+    assert set(decode_ids) <= router_view
+
+    async def land_on_each() -> set[str]:
+        # Long streams so both decode workers hold some at once.
+        policy = pools.router.policy_runtime.policy
+        tasks = [
+            asyncio.ensure_future(
+                stream_tokens(pools.router.grpc_endpoint, f"up-{i}", p, max_tokens=120)
+            )
+            for i, p in enumerate(make_prompts(2048, (30, 31, 32, 33, 34, 35), seed=82))
+        ]
+        used: set[str] = set()
+        while not all(t.done() for t in tasks):
+            for i in range(len(tasks)):
+                placement = policy.placement_of(f"up-{i}")
+                if placement is not None:
+                    used.add(placement.decode_worker_id)
+            await asyncio.sleep(0.002)
+        await asyncio.gather(*tasks)
+        return used
+
+    assert pools.run(land_on_each(), timeout_s=300) == set(decode_ids)
+
+    async def scale_down_under_load() -> list[list[int]]:
+        load = asyncio.ensure_future(
+            generate_tokens(pools.router.grpc_endpoint, prompts, 48, timeout_s=180)
+        )
+        await asyncio.sleep(0.05)
+        await pools.scale(PoolTargets(1, 1))
+        tokens = await load
+        await pools.wait_settled()
+        return tokens
+
+    assert pools.run(scale_down_under_load(), timeout_s=300) == reference
+    assert len(pools.serving(WorkerRole.DECODE)) == 1
+    assert {w.worker_id for w in pools.router.pool.workers} == set(pools.infos)
+    assert_pools_idle(pools)
+
+
+def test_drain_worker_finishes_its_streams_then_it_is_replaced(pools):
+    """DrainWorker: nothing new is placed on it, its streams finish (no error), it
+    leaves, and the owner starts a replacement to hold the target."""
+    [victim] = pools.serving(WorkerRole.DECODE)
+    prompt = make_prompts(2048, (25,), seed=83)[0]
+    expected, _ = pools.run(
+        stream_tokens(pools.router.grpc_endpoint, "drain-ref", prompt, max_tokens=150)
+    )
+
+    async def scenario() -> list[int]:
+        progress: dict[str, int] = {}
+        task = asyncio.ensure_future(
+            stream_tokens(pools.router.grpc_endpoint, "drain-1", prompt, progress, max_tokens=150)
+        )
+        while progress.get("drain-1", 0) < 3:
+            await asyncio.sleep(0.002)
+        async with grpc.aio.insecure_channel(pools.router.grpc_endpoint) as channel:
+            stub = admin_pb2_grpc.AdminStub(channel)
+            reply = await stub.DrainWorker(
+                admin_pb.DrainWorkerRequest(worker_id=victim), metadata=GRPC_AUTH, timeout=10
+            )
+        assert {w.id: w.state for w in reply.workers}[victim] == WorkerLifecycle.DRAINING.value
+        assert not pools.router.policy_runtime.policy.workers[victim].available
+        tokens, _ = await task
+        await pools.wait_settled()
+        return tokens
+
+    assert pools.run(scenario(), timeout_s=300) == expected
+    assert victim not in pools.infos
+    assert victim not in {w.worker_id for w in pools.router.pool.workers}
+    assert migrations_total(pools) == 0
+    assert_pools_idle(pools)
+
+
+def migrations_total(pools: InprocPools) -> float:
+    return sum(
+        s.value
+        for m in pools.router.metrics.migrations.collect()
+        for s in m.samples
+        if s.name.endswith("_total")
+    )
+
+
+def test_router_without_pool_controller_answers_unimplemented(cluster):
+    """The shared cluster's router was given no AdminBackend."""
+
+    async def scenario() -> tuple[int, dict, grpc.StatusCode]:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(
+                f"{cluster.http_endpoint}/admin/pools",
+                headers={"Authorization": f"Bearer {SHARED_API_KEY}"},
+            ) as response,
+        ):
+            status, body = response.status, await response.json()
+        async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
+            stub = admin_pb2_grpc.AdminStub(channel)
+            try:
+                await stub.GetPools(
+                    admin_pb.GetPoolsRequest(),
+                    timeout=10,
+                    metadata=(("authorization", f"Bearer {SHARED_API_KEY}"),),
+                )
+                code = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+        return status, body, code
+
+    status, body, code = cluster.run(scenario())
+    assert status == 501 and "pool controller" in body["error"]["message"]
+    assert code is grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_worker_that_disagrees_with_the_pools_is_refused(pools, tiny_model_dir, caplog):
+    """A serving worker with another max model length never joins the router's pools
+    (its requests could not be served alike); the others keep serving."""
+
+    async def scenario() -> set[str]:
+        engine = EngineConfig(
+            model=str(tiny_model_dir), mode=WorkerRole.DECODE.engine_mode, num_threads=1,
+            max_model_len=512,
+        )  # fmt: skip
+        server = DecodeWorker(WorkerConfig(worker_id="odd-0", role=WorkerRole.DECODE,
+                                           engine=engine))  # fmt: skip
+        endpoint = await server.start()
+        try:
+            pools.infos["odd-0"] = WorkerInfo(
+                "odd-0", WorkerRole.DECODE, WorkerLifecycle.SERVING, endpoint=endpoint
+            )
+            await pools._publish()
+            joined = {w.worker_id for w in pools.router.pool.workers}
+            del pools.infos["odd-0"]
+            await pools._publish()
+        finally:
+            await server.stop()
+        return joined
+
+    with caplog.at_level(logging.ERROR, logger="tandem.router.server"):
+        joined = pools.run(scenario())
+    assert any("odd-0 cannot join" in r.getMessage() and "max_model_len" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+    assert "odd-0" not in joined and set(pools.infos) <= joined
+    prompt = make_prompts(2048, (12,), seed=84)
+    assert len(pools.run(generate_tokens(pools.router.grpc_endpoint, prompt, 8))[0]) == 8
+    assert_pools_idle(pools)
