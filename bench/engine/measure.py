@@ -1,5 +1,5 @@
-"""What the engine benchmark times (the engine, `transformers`, the bare matmuls) and how:
-interleaved repeats, other processes' load, the profiler, the hardware ceilings."""
+"""What the engine benchmark times (engine, `transformers`, bare matmuls) and how: interleaved
+repeats, other processes' load, the profiler, the hardware ceilings."""
 
 from __future__ import annotations
 
@@ -53,26 +53,19 @@ class RepeatPolicy:
     budget_s: float
 
     def __post_init__(self) -> None:
-        if self.num_warmup < 0 or not 1 <= self.min_runs <= self.max_runs:
+        if self.num_warmup < 0 or not 1 <= self.min_runs <= self.max_runs or self.budget_s <= 0:
             raise ValueError(f"bad repeat policy {self}")
-        if self.budget_s <= 0:
-            raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
 
 
 def median(values: list[float]) -> float:
-    if not values:
-        raise ValueError("median of no values")
-    return float(statistics.median(values))
+    return float(statistics.median(values))  # StatisticsError (a ValueError) when empty
 
 
 def repeat_interleaved(
     timers: dict[str, Callable[[], float]], policy: RepeatPolicy
 ) -> dict[str, list[float]]:
-    """Samples of every timer, taken in rounds (one call of each per round).
-
-    Each timer returns the seconds it measured. Interleaving keeps the samples being
-    compared close in time, so load from other processes skews them alike.
-    """
+    """Seconds each timer returns, taken in rounds: interleaving keeps the samples compared
+    close in time, so load from other processes skews them alike."""
     for _ in range(policy.num_warmup):
         for timer in timers.values():
             timer()
@@ -103,22 +96,11 @@ def top_ops(self_times_us: dict[str, float], num_ops: int) -> list[OpTime]:
     ]
 
 
-@dataclass(frozen=True)
-class OpProfile:
-    """What one profiled call spent, per op and in total."""
-
-    # Self CPU microseconds per op name (children excluded, so they add up).
-    self_times_us: dict[str, float]
-    # Wall time of the whole call under the profiler.
-    wall_s: float
-
-
-def profile_self_times(fn: Callable[[], object]) -> OpProfile:
-    """Run `fn` once under the CPU profiler."""
+def profile_self_times(fn: Callable[[], object]) -> tuple[dict[str, float], float]:
+    """(self CPU microseconds per op, wall seconds) of one call of `fn` under the profiler."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         wall_s = time_call(fn)
-    self_times = {evt.key: float(evt.self_cpu_time_total) for evt in prof.key_averages()}
-    return OpProfile(self_times, wall_s)
+    return {evt.key: float(evt.self_cpu_time_total) for evt in prof.key_averages()}, wall_s
 
 
 _PROC_STAT = Path("/proc/stat")
@@ -146,8 +128,7 @@ def busy_seconds(proc_stat_text: str, ticks_per_s: float) -> float:
 
 
 def snapshot() -> CpuSnapshot:
-    times = os.times()
-    own_s = times.user + times.system
+    own_s = os.times().user + os.times().system
     if not _PROC_STAT.is_file():
         return CpuSnapshot(own_s, own_s, time.monotonic())
     busy_s = busy_seconds(_PROC_STAT.read_text(), os.sysconf("SC_CLK_TCK"))
@@ -157,10 +138,8 @@ def snapshot() -> CpuSnapshot:
 def foreign_cores(start: CpuSnapshot, end: CpuSnapshot) -> float:
     """Average cores other processes kept busy between two snapshots."""
     elapsed = end.wall_s - start.wall_s
-    if elapsed <= 0:
-        return 0.0
     foreign = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
-    return max(0.0, foreign / elapsed)
+    return max(0.0, foreign / elapsed) if elapsed > 0 else 0.0
 
 
 def wait_until_quiet(max_cores: float, timeout_s: float, probe_s: float = 1.0) -> float:
@@ -199,11 +178,8 @@ def measure_bandwidth(num_bytes: int = 1 << 30, num_runs: int = 5) -> float:
 
 
 def measure_peak_flops(dtype: torch.dtype, size: int = 2048, num_runs: int = 3) -> float:
-    """FLOP/s of a square `size` GEMM in `dtype` (best of `num_runs`).
-
-    Uses `F.linear` (x @ W^T), the layout every model projection has; on CPUs without
-    bf16 instructions torch's plain `a @ b` takes a far slower bf16 path.
-    """
+    """FLOP/s of a square `size` GEMM in `dtype` (best of `num_runs`); `F.linear`, the layout
+    of every model projection (without bf16 instructions `a @ b` takes a far slower path)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(size, size, generator=gen).to(dtype)
     weight = torch.randn(size, size, generator=gen).to(dtype)
@@ -250,10 +226,7 @@ def expect_idle(engine: Engine) -> None:
 
 
 def prefill_timer(engine: Engine, prompt: list[int]) -> Callable[[], float]:
-    """Times the one step that prefills `prompt` and samples its first token.
-
-    Every call adds a fresh request (max_tokens=1, so it finishes in that step).
-    """
+    """Times the step that prefills a fresh request of `prompt` and samples its one token."""
     counter = itertools.count()
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -306,7 +279,7 @@ def decode_batch(
     expect_idle(engine)
 
 
-def profile_prefill(engine: Engine, prompt: list[int]) -> OpProfile:
+def profile_prefill(engine: Engine, prompt: list[int]) -> tuple[dict[str, float], float]:
     """One prefill step under the profiler (after one unprofiled warm-up)."""
     run_once = prefill_timer(engine, prompt)
     run_once()
@@ -315,15 +288,19 @@ def profile_prefill(engine: Engine, prompt: list[int]) -> OpProfile:
     return result
 
 
-def profile_decode(engine: Engine, batch_size: int, prompt_len: int, num_steps: int) -> OpProfile:
+def profile_decode(
+    engine: Engine, batch_size: int, prompt_len: int, num_steps: int
+) -> tuple[dict[str, float], float]:
     """`num_steps` decode steps under the profiler (after one unprofiled warm-up step)."""
     with decode_batch(engine, batch_size, prompt_len, num_steps + 2) as batch:
         batch.step()
         return profile_self_times(lambda: [batch.step() for _ in range(num_steps)])
 
 
-def model_weights(model: LlamaForCausalLM) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(every layer's qkv, o, gate_up, down weight in model order, lm_head weight)."""
+def matmul_floor_timer(
+    model: LlamaForCausalLM, num_rows: int, num_logit_rows: int
+) -> Callable[[], float]:
+    """Times one pass of the model's weight matmuls alone, in model order."""
     layers: list[Any] = list(model.layers)  # nn.ModuleList items are typed as plain Modules
     layer_weights = [
         weight
@@ -335,14 +312,7 @@ def model_weights(model: LlamaForCausalLM) -> tuple[list[torch.Tensor], torch.Te
             layer.mlp.down_proj.weight,
         )
     ]
-    return layer_weights, model.lm_head.weight
-
-
-def matmul_floor_timer(
-    model: LlamaForCausalLM, num_rows: int, num_logit_rows: int
-) -> Callable[[], float]:
-    """Times one pass of the model's weight matmuls alone, in model order."""
-    layer_weights, lm_head = model_weights(model)
+    lm_head = model.lm_head.weight
     dtype = lm_head.dtype
     gen = torch.Generator().manual_seed(0)
     inputs = {
@@ -368,10 +338,8 @@ ATTN_IMPLEMENTATION = "sdpa"
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-    )
-    return model.eval()
+    kwargs = {"dtype": dtype, "attn_implementation": ATTN_IMPLEMENTATION}
+    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
 
 
 def hf_prefill_timer(model: PreTrainedModel, prompt: list[int]) -> Callable[[], float]:
@@ -446,8 +414,7 @@ def _measure(
     subjects: Subjects, timers: dict[str, Callable[[], float]], policy: RepeatPolicy,
     name: str, kind: str, num_tokens: int, roofline: Callable[[float, int], tuple[Roofline, str]],
 ) -> Row:  # fmt: skip
-    """Interleaved samples of the three timers, as a row held to the roofline and with the
-    context that `roofline(peak, timed runs)` gives."""
+    """Interleaved samples of the three timers, as a row held to `roofline(peak, runs)`."""
     start = snapshot()
     times = repeat_interleaved(timers, policy)
     load = foreign_cores(start, snapshot())
@@ -511,15 +478,15 @@ def profile_missed(
         if row.floor_met and row.transformers_met:
             continue
         if row.kind == "prefill":
-            num_steps, measured = 1, profile_prefill(engine, prompt)
+            num_steps, (self_times_us, wall_s) = 1, profile_prefill(engine, prompt)
         else:
             num_steps = NUM_PROFILE_STEPS
-            measured = profile_decode(engine, row.num_tokens, prompt_len, num_steps)
-        per_step_us = {op: us / num_steps for op, us in measured.self_times_us.items()}
+            self_times_us, wall_s = profile_decode(engine, row.num_tokens, prompt_len, num_steps)
+        per_step_us = {op: us / num_steps for op, us in self_times_us.items()}
         matmul_us = sum(us for op, us in per_step_us.items() if op in MATMUL_OPS)
         profiles.append(
             Profile(
-                dtype, row.name, num_steps, measured.wall_s / num_steps,
+                dtype, row.name, num_steps, wall_s / num_steps,
                 sum(per_step_us.values()) / 1e6, matmul_us / 1e6,
                 top_ops(per_step_us, NUM_PROFILE_OPS),
             )
