@@ -58,8 +58,7 @@ class BenchPlan:
     quick: bool
     # Before each row, wait up to this long for other processes to go quiet (0: never).
     quiet_wait_s: float
-    # Measurements of a row at most, while other processes keep disturbing it.
-    max_attempts: int
+    max_attempts: int  # measurements of a row at most, while other processes keep disturbing it
     prefill_len: int = 512
     prompt_len: int = 128
 

@@ -49,8 +49,7 @@ class RepeatPolicy:
     num_warmup: int
     min_runs: int
     max_runs: int
-    # Stop after `min_runs` once this much wall time (set-up included) has passed.
-    budget_s: float
+    budget_s: float  # stop after `min_runs` once this much wall time (set-up included) has passed
 
     def __post_init__(self) -> None:
         if self.num_warmup < 0 or not 1 <= self.min_runs <= self.max_runs or self.budget_s <= 0:

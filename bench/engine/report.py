@@ -28,16 +28,14 @@ class Row:
 
     name: str  # "prefill 512", "decode b8"
     kind: str  # "prefill" or "decode"
-    # Prompt tokens (prefill) or sequences (decode) the step handles.
-    num_tokens: int
+    num_tokens: int  # prompt tokens (prefill) or sequences (decode) the step handles
     engine_s: float
     transformers_s: float
     floor_s: float
     roofline_s: float
     roofline_bound: str  # "memory" or "compute"
     floor_target: float
-    # Keys each sequence attends to while timed, "first-last" ("" for prefill).
-    context: str = ""
+    context: str = ""  # keys each sequence attends to while timed, "first-last" ("" for prefill)
     # Average cores other processes kept busy while this row was measured.
     foreign_cores: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)

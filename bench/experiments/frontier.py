@@ -28,8 +28,7 @@ class FrontierPlan:
     input_len: int = 128
     output_len: int = 64
     concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16)
-    # Requests per level: enough that most of the run is at full concurrency.
-    min_requests: int = 8
+    min_requests: int = 8  # requests per level: enough that most of the run is at full concurrency
     requests_per_slot: int = 3
 
     def num_requests(self, concurrency: int) -> int:

@@ -28,8 +28,7 @@ ATTAINMENT_TARGET = 0.9
 
 @dataclass(frozen=True)
 class GoodputPlan:
-    # Chat part: log-normal lengths with these means.
-    chat_input_len: int = 192
+    chat_input_len: int = 192  # chat part: log-normal lengths with these means
     chat_output_len: int = 64
     # Long documents: this share of requests, prompt ≈ long_input_len ± 25%.
     long_fraction: float = 0.1

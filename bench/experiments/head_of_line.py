@@ -63,13 +63,10 @@ def plan_for(setup: ExperimentSetup) -> HeadOfLinePlan:
 class HeadOfLineStats:
     """Inter-token gaps of the short requests, seconds, in windows around the long one."""
 
-    # Long prompt: sent → first token (its prefill, queueing included).
-    long_prefill_s: float
-    # Gaps that ended before the long prompt was sent (after the ramp-up).
-    baseline_p99_s: float
+    long_prefill_s: float  # long prompt: sent → first token (its prefill, queueing included)
+    baseline_p99_s: float  # gaps that ended before the long prompt was sent (after the ramp-up)
     baseline_count: int
-    # Gaps overlapping [long sent, long first token].
-    during_p99_s: float
+    during_p99_s: float  # gaps overlapping [long sent, long first token]
     during_max_s: float
     during_count: int
     # Gaps overlapping [long first token, + JOIN_WINDOW_S]: KV import, joining the batch.

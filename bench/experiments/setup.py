@@ -59,16 +59,13 @@ _LAYOUTS = {
 @dataclass(frozen=True)
 class ExperimentSetup:
     model_dir: str = "models/tandem-small"
-    # Results JSON and server logs.
-    results_dir: Path = Path("bench/results/experiments")
-    # Plots (linked from the doc).
-    img_dir: Path = Path("docs/img")
+    results_dir: Path = Path("bench/results/experiments")  # results JSON and server logs
+    img_dir: Path = Path("docs/img")  # plots (linked from the doc)
     # The benchmark report whose sections the experiments write; None = do not write.
     doc_path: Path | None = Path("docs/benchmarks.md")
     # Fewer, shorter load levels: checks the pipeline end to end in a few minutes.
     quick: bool = False
-    # Ports: system i gets grpc base+i and http base+100+i.
-    base_port: int = 52100
+    base_port: int = 52100  # ports: system i gets grpc base+i and http base+100+i
     seed: int = 0
 
     def label(self, system: str) -> str:

@@ -31,8 +31,7 @@ _GRPC_FINISH = {
 class ClientConfig:
     # grpc://HOST:PORT (Tandem Generate) or http(s)://HOST:PORT (OpenAI /v1/completions).
     target: str
-    # Served model name; "" = the first model the server lists.
-    model: str = ""
+    model: str = ""  # served model name; "" = the first model the server lists
     # How prompts travel: "ids" (token ids) or "text" (`RequestSpec.prompt_text`).
     prompt_format: str = "ids"
     temperature: float = 0.0
@@ -66,8 +65,7 @@ class ServerInfo:
     """What `start()` learned about the server."""
 
     model: str
-    # None when the server does not say.
-    max_model_len: int | None
+    max_model_len: int | None  # None when the server does not say
     vocab_size: int | None
     prompt_format: str
 

@@ -33,10 +33,8 @@ DEFAULT_MAX_MODEL_LEN = 4096
 @dataclass(frozen=True)
 class WorkloadConfig:
     kind: str = "fixed"
-    # Prompt tokens (chat: the mean; None = 128, chat: ChatMix's).
-    input_len: int | None = None
-    # Output tokens (chat: the mean; None = 128, chat: ChatMix's).
-    output_len: int | None = None
+    input_len: int | None = None  # prompt tokens (chat: the mean; None = 128, chat: ChatMix's)
+    output_len: int | None = None  # output tokens (chat: the mean; None = 128, chat: ChatMix's)
     # Token ids are drawn below this; None = the server's vocabulary (gRPC reports it).
     vocab_size: int | None = None
     # chat/mixed: clip prompt + output to this; None = the server's limit.
@@ -56,8 +54,7 @@ class WorkloadConfig:
 class LongPromptConfig:
     """Long prompts injected over the main load (head-of-line blocking experiments)."""
 
-    # Send offsets, seconds from the run's start; one long request each.
-    at_s: tuple[float, ...]
+    at_s: tuple[float, ...]  # send offsets, seconds from the run's start; one long request each
     input_len: int = 2048
     output_len: int = 16
 
@@ -116,8 +113,7 @@ class BenchResult:
     server: ServerInfo
     load: LoadResult
     summary: RunSummary
-    # Per tag ("short", "long"), when the run had more than one.
-    by_tag: dict[str, RunSummary]
+    by_tag: dict[str, RunSummary]  # per tag ("short", "long"), when the run had more than one
 
     def to_json(self) -> dict[str, Any]:
         fields = ("config", "server", "summary", "by_tag")

@@ -14,17 +14,14 @@ class RequestTrace:
     # Prompt tokens: the server's count (usage) when it reports one, else the spec's.
     prompt_len: int
     max_tokens: int
-    # When the request left the client.
-    send_s: float
-    # When it ended: last byte, error, or cancellation.
-    end_s: float
+    send_s: float  # when the request left the client
+    end_s: float  # when it ended: last byte, error, or cancellation
     # Arrival time of each output token; a message carrying k tokens adds k equal times.
     # A server that merges tokens into one SSE chunk without saying how many shows here
     # as fewer arrivals than `num_output_tokens` (see `clients.HttpClient`).
     token_times_s: list[float] = field(default_factory=list)
     # Output tokens generated: the server's own count (usage) when it reports one, else
-    # the number of arrivals.
-    num_output_tokens: int = 0
+    num_output_tokens: int = 0  # the number of arrivals
     # "stop", "length" or "abort" as the server said; "" when it said nothing.
     finish_reason: str = ""
     # "" on success; else what failed: a gRPC status name, "HTTP 429: ...", "timeout", ...

@@ -130,8 +130,7 @@ class TextPrompts:
     seed: int
     max_tokens: int
     text: str = ""
-    # About 45 tokens with the presets' tokenizer.
-    num_words: int = 40
+    num_words: int = 40  # about 45 tokens with the presets' tokenizer
     name: str = "text"
 
     def request(self, index: int) -> RequestSpec:
