@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.experiments import frontier, goodput, head_of_line
-from tandem.bench.experiments.setup import ExperimentSetup, grpc_client, http_client
+from tandem.bench.experiments.setup import (
+    ExperimentSetup,
+    grpc_client,
+    http_client,
+    interleaved_sweep,
+)
 from tandem.bench.harness import running
 from tandem.bench.loadgen.runner import sweep_to_json
 from tandem.bench.report import machine_facts, write_json, write_section
@@ -73,8 +78,7 @@ async def _frontier_and_goodput(
         clients = {spec.label: http_client(spec) for spec in specs}
         for name in names:
             module = frontier if name == "frontier" else goodput
-            run = frontier.run_frontier if name == "frontier" else goodput.run_goodput
-            results = await run(setup, clients)
+            results = await interleaved_sweep(module.plan_for(setup), clients, setup.seed)
             _save(setup, name, facts, {label: sweep_to_json(r) for label, r in results.items()})
             image = _image(setup, name)
             module.plot(results, str(image))

@@ -64,12 +64,13 @@ def _loads(args: argparse.Namespace) -> list[LoadConfig]:
     num_requests = args.num_requests
     if num_requests is None and args.duration is None:
         num_requests = DEFAULT_NUM_REQUESTS
-    common = {
-        "num_requests": num_requests, "duration_s": args.duration, "timeout_s": args.timeout,
-        "seed": args.seed, "progress": not args.no_progress,
-    }  # fmt: skip
-    level_name = "concurrency" if closed_loop else "rate_rps"
-    return [LoadConfig(**{level_name: level}, **common) for level in levels]
+    return [
+        LoadConfig(
+            int(level) if closed_loop else None, None if closed_loop else float(level),
+            num_requests, args.duration, args.timeout, args.seed, not args.no_progress,
+        )
+        for level in levels
+    ]
 
 
 def _bench_config(args: argparse.Namespace, load: LoadConfig) -> BenchConfig:
