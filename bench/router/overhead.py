@@ -158,11 +158,12 @@ async def measure_overhead(
             await router.close()
     r_e2e, d_e2e = [e2e_s(t) for t in routed], [e2e_s(t) for t in straight]
     r_ttft, d_ttft = _ttfts(routed), _ttfts(straight)
-    paths = [Distribution.of(times) for times in (r_e2e, d_e2e, r_ttft, d_ttft)]
-    pairs = ((r_e2e, d_e2e), (r_ttft, d_ttft))
-    added = [Distribution.of(paired_differences(*pair)) for pair in pairs]
-    same = all(r.token_ids == d.token_ids for r, d in zip(routed, straight, strict=True))
-    return OverheadResult(num_requests, len(prompt_ids), max_tokens, *paths, *added, same)
+    of = Distribution.of
+    return OverheadResult(
+        num_requests, len(prompt_ids), max_tokens, of(r_e2e), of(d_e2e), of(r_ttft), of(d_ttft),
+        of(paired_differences(r_e2e, d_e2e)), of(paired_differences(r_ttft, d_ttft)),
+        all(r.token_ids == d.token_ids for r, d in zip(routed, straight, strict=True)),
+    )  # fmt: skip
 
 
 def _ttfts(traces: list[RequestTrace]) -> list[float]:
