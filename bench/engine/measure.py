@@ -20,17 +20,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from tandem.bench.engine.report import (
-    MATMUL_OPS,
-    ModelShape,
-    OpTime,
-    Profile,
-    Roofline,
-    Row,
-    decode_roofline,
-    floor_target,
-    prefill_roofline,
-)
+from tandem.bench.engine import report
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import Engine
 from tandem.engine.model.llama import LlamaForCausalLM
@@ -86,13 +76,12 @@ def time_call(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def top_ops(self_times_us: dict[str, float], num_ops: int) -> list[OpTime]:
+def top_ops(self_times_us: dict[str, float], num_ops: int) -> list[report.OpTime]:
     """The `num_ops` largest self times, with their share of the total."""
     total = sum(self_times_us.values())
     ranked = sorted(self_times_us.items(), key=lambda item: item[1], reverse=True)
-    return [
-        OpTime(op, us / 1e6, 100.0 * us / total if total else 0.0) for op, us in ranked[:num_ops]
-    ]
+    share = 100.0 / total if total else 0.0
+    return [report.OpTime(op, us / 1e6, us * share) for op, us in ranked[:num_ops]]
 
 
 def profile_self_times(fn: Callable[[], object]) -> tuple[dict[str, float], float]:
@@ -398,7 +387,7 @@ class Subjects:
 
     engine: Engine
     hf_model: PreTrainedModel
-    shape: ModelShape
+    shape: report.ModelShape
     elem_size: int
     bandwidth: float  # bytes/s
     peak_flops: float  # FLOP/s in this dtype
@@ -409,10 +398,14 @@ def decode_max_tokens(policy: RepeatPolicy) -> int:
     return policy.num_warmup + policy.max_runs + 2
 
 
+# A row's roofline and the context its timed steps attended to.
+Bound = tuple[report.Roofline, str]
+
+
 def _measure(
     subjects: Subjects, timers: dict[str, Callable[[], float]], policy: RepeatPolicy,
-    name: str, kind: str, num_tokens: int, roofline: Callable[[float, int], tuple[Roofline, str]],
-) -> Row:  # fmt: skip
+    name: str, kind: str, num_tokens: int, roofline: Callable[[float, int], Bound],
+) -> report.Row:  # fmt: skip
     """Interleaved samples of the three timers, as a row held to `roofline(peak, runs)`."""
     start = snapshot()
     times = repeat_interleaved(timers, policy)
@@ -422,14 +415,14 @@ def _measure(
     floor_flops = subjects.shape.matmul_flops(num_tokens, 1 if kind == "prefill" else num_tokens)
     peak = max(subjects.peak_flops, floor_flops / min(times["floor"]))
     bound, context = roofline(peak, len(times["engine"]))
-    return Row(
+    return report.Row(
         name, kind, num_tokens, median(times["engine"]), median(times["transformers"]),
-        median(times["floor"]), bound.time_s, bound.bound, floor_target(kind, num_tokens),
+        median(times["floor"]), bound.time_s, bound.bound, report.floor_target(kind, num_tokens),
         context, load, times,
     )  # fmt: skip
 
 
-def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> Row:
+def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> report.Row:
     engine, num_tokens = subjects.engine, len(prompt)
     timers = {
         "engine": prefill_timer(engine, prompt),
@@ -439,22 +432,24 @@ def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> 
     ceilings = (subjects.elem_size, subjects.bandwidth)
     row = _measure(
         subjects, timers, policy, f"prefill {num_tokens}", "prefill", num_tokens,
-        lambda peak, runs: (prefill_roofline(subjects.shape, num_tokens, *ceilings, peak), ""),
+        lambda peak, _: (report.prefill_roofline(subjects.shape, num_tokens, *ceilings, peak), ""),
     )  # fmt: skip
     expect_idle(engine)
     return row
 
 
-def decode_row(subjects: Subjects, batch_size: int, prompt_len: int, policy: RepeatPolicy) -> Row:
+def decode_row(
+    subjects: Subjects, batch_size: int, prompt_len: int, policy: RepeatPolicy
+) -> report.Row:
     engine = subjects.engine
     with decode_batch(engine, batch_size, prompt_len, decode_max_tokens(policy)) as batch:
 
-        def roofline(peak: float, runs: int) -> tuple[Roofline, str]:
+        def roofline(peak: float, runs: int) -> Bound:
             """Keys attended to per sequence, from the first timed step to the last."""
             last = batch.next_context_len() - 1
             first = last - runs + 1
             context = (first + last) // 2
-            bound = decode_roofline(
+            bound = report.decode_roofline(
                 subjects.shape, batch_size, context, subjects.elem_size, subjects.bandwidth, peak
             )
             return bound, f"{first}–{last}"
@@ -469,8 +464,8 @@ def decode_row(subjects: Subjects, batch_size: int, prompt_len: int, policy: Rep
 
 
 def profile_missed(
-    engine: Engine, dtype: str, rows: list[Row], prompt: list[int], prompt_len: int
-) -> list[Profile]:
+    engine: Engine, dtype: str, rows: list[report.Row], prompt: list[int], prompt_len: int
+) -> list[report.Profile]:
     """Engine profiles of every row that misses a target (`prompt` is the prefill's)."""
     profiles = []
     for row in rows:
@@ -482,9 +477,9 @@ def profile_missed(
             num_steps = NUM_PROFILE_STEPS
             self_times_us, wall_s = profile_decode(engine, row.num_tokens, prompt_len, num_steps)
         per_step_us = {op: us / num_steps for op, us in self_times_us.items()}
-        matmul_us = sum(us for op, us in per_step_us.items() if op in MATMUL_OPS)
+        matmul_us = sum(us for op, us in per_step_us.items() if op in report.MATMUL_OPS)
         profiles.append(
-            Profile(
+            report.Profile(
                 dtype, row.name, num_steps, wall_s / num_steps,
                 sum(per_step_us.values()) / 1e6, matmul_us / 1e6,
                 top_ops(per_step_us, NUM_PROFILE_OPS),
