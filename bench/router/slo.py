@@ -321,10 +321,9 @@ def main(args: argparse.Namespace) -> int:
         logger.warning("no probe met the target; using %.2f req/s as capacity", capacity)
     offered = args.overload * capacity
     setups = [
-        RunSetup("shed", "shed"),
-        RunSetup("none", "none"),
-        RunSetup("shed, default local prefill", "shed", DEFAULT_LOCAL_PREFILL),
-        RunSetup("none, default local prefill", "none", DEFAULT_LOCAL_PREFILL),
+        RunSetup(f"{policy}{label}", policy, local)
+        for label, local in (("", 0), (", default local prefill", DEFAULT_LOCAL_PREFILL))
+        for policy in ("shed", "none")
     ]
     runs = [run_policy(args, s, calibration.ttft_target_s, offered) for s in setups]
     report = {
