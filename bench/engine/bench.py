@@ -117,17 +117,12 @@ def _run_dtype(
         plan.model_dir, dtype, plan.num_threads, plan.prefill_len, max(plan.batch_sizes),
         plan.decode_seq_len,
     )  # fmt: skip
-    subjects = Subjects(
-        engine=engine,
-        hf_model=measure.load_hf_model(plan.model_dir, torch_dtype),
-        shape=shape,
-        elem_size=torch.empty((), dtype=torch_dtype).element_size(),
-        bandwidth=bandwidth,
-        peak_flops=peak,
-    )
+    hf_model = measure.load_hf_model(plan.model_dir, torch_dtype)
+    elem_size = torch.empty((), dtype=torch_dtype).element_size()
+    subjects = Subjects(engine, hf_model, shape, elem_size, bandwidth, peak)
     prompt = measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
     rows = _measure_rows(plan, subjects, prompt)
-    del subjects  # frees the transformers model before profiling
+    del subjects, hf_model  # frees the transformers model before profiling
     gc.collect()
     _wait_quiet(plan)
     profiles = measure.profile_missed(engine, dtype, rows, prompt, plan.prompt_len)

@@ -150,11 +150,9 @@ def torch_facts(num_threads: int) -> dict[str, Any]:
     bf16 = {"avx512_bf16", "amx_bf16", "avx_ne_convert"}
     return {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16_instructions": bool(set(flags.split()) & bf16),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": num_threads,
-    }
+        "bf16_instructions": bool(set(flags.split()) & bf16), "torch": torch.__version__,
+        "transformers": transformers.__version__, "threads": num_threads,
+    }  # fmt: skip
 
 
 def measure_bandwidth(num_bytes: int = 1 << 30, num_runs: int = 5) -> float:
@@ -190,16 +188,11 @@ def build_engine(
     blocks_per_seq = -(-decode_seq_len // _BLOCK_SIZE)
     num_blocks = max(max_batch_size * blocks_per_seq, -(-(prefill_len + 1) // _BLOCK_SIZE))
     config = EngineConfig(
-        model=model_dir,
-        dtype=dtype,
-        num_threads=num_threads,
-        block_size=_BLOCK_SIZE,
-        num_blocks=num_blocks,
-        max_num_seqs=max_batch_size,
+        model=model_dir, dtype=dtype, num_threads=num_threads, block_size=_BLOCK_SIZE,
+        num_blocks=num_blocks, max_num_seqs=max_batch_size,
         max_num_batched_tokens=max(prefill_len, max_batch_size),
-        max_model_len=max(prefill_len, decode_seq_len) + 1,
-        enable_prefix_caching=False,
-    )
+        max_model_len=max(prefill_len, decode_seq_len) + 1, enable_prefix_caching=False,
+    )  # fmt: skip
     return Engine(config)
 
 
@@ -293,13 +286,9 @@ def matmul_floor_timer(
     layer_weights = [
         weight
         for layer in layers
-        for weight in (
-            layer.self_attn.qkv_proj.weight,
-            layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up_proj.weight,
-            layer.mlp.down_proj.weight,
-        )
-    ]
+        for weight in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+                       layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+    ]  # fmt: skip
     lm_head = model.lm_head.weight
     dtype = lm_head.dtype
     gen = torch.Generator().manual_seed(0)
