@@ -239,19 +239,15 @@ def measure_added_latency(args: argparse.Namespace) -> OverheadResult:
 
 def measure_throughput(args: argparse.Namespace) -> tuple[ThroughputResult, ...]:
     router_cores, other_cores = cores_split()
-    prefill_port, decode_port, grpc_port = free_port(), free_port(), free_port()
-    http_port = free_port()
+    prefill_port, decode_port, grpc_port, http_port = (free_port() for _ in range(4))
     module = (sys.executable, "-m", "tandem.bench.router.fake_workers")
     ports = ("--prefill-port", str(prefill_port), "--decode-port", str(decode_port))
-    fakes = ServerSpec(
-        "fake-workers", (*module, "workers", *ports), f"tcp://127.0.0.1:{decode_port}",
-        cores=other_cores,
-    )  # fmt: skip
-    router_argv: tuple[str, ...] = (*module, "router", *ports, "--model", str(args.model))
-    router_argv += ("--grpc-port", str(grpc_port), "--http-port", str(http_port))
-    router = ServerSpec(
-        "fake-router", router_argv, f"http://127.0.0.1:{http_port}/v1/models", cores=router_cores
-    )
+    fakes = ServerSpec("fake-workers", (*module, "workers", *ports),
+                       f"tcp://127.0.0.1:{decode_port}", cores=other_cores)  # fmt: skip
+    router_argv = (*module, "router", *ports, "--model", str(args.model), "--grpc-port",
+                   str(grpc_port), "--http-port", str(http_port))  # fmt: skip
+    router = ServerSpec("fake-router", router_argv, f"http://127.0.0.1:{http_port}/v1/models",
+                        cores=router_cores)  # fmt: skip
     results = []
     affinity = os.sched_getaffinity(0) if other_cores else set()
     with running([fakes, router], args.json.parent / "logs") as (fake_proc, router_proc):
