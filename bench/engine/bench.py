@@ -31,8 +31,8 @@ class BenchPlan:
     dtypes: tuple[str, ...]
     batch_sizes: tuple[int, ...]
     num_threads: int
-    prefill: measure.RepeatPolicy
-    decode: measure.RepeatPolicy
+    prefill: RepeatPolicy
+    decode: RepeatPolicy
     num_hardware_runs: int
     quick: bool
     # Before each row, wait up to this long for other processes to go quiet (0: never).
