@@ -68,14 +68,6 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
-def _say_row(row: report.Row) -> None:
-    _say(
-        f"  {row.name}: engine {row.engine_s * 1e3:.1f} ms, transformers "
-        f"{row.transformers_s * 1e3:.1f} ms, floor {row.floor_s * 1e3:.1f} ms "
-        f"(other processes: {row.foreign_cores:.2f} cores)"
-    )
-
-
 def _wait_quiet(plan: BenchPlan) -> None:
     if plan.quiet_wait_s <= 0:
         return
@@ -89,21 +81,24 @@ def _measure_row(plan: BenchPlan, measure: Callable[[], report.Row]) -> report.R
     rows = []
     for _ in range(plan.max_attempts):
         _wait_quiet(plan)
-        rows.append(measure())
-        _say_row(rows[-1])
-        if rows[-1].foreign_cores <= report.QUIET_MAX_CORES:
+        rows.append(row := measure())
+        _say(
+            f"  {row.name}: engine {row.engine_s * 1e3:.1f} ms, transformers "
+            f"{row.transformers_s * 1e3:.1f} ms, floor {row.floor_s * 1e3:.1f} ms "
+            f"(other processes: {row.foreign_cores:.2f} cores)"
+        )
+        if row.foreign_cores <= report.QUIET_MAX_CORES:
             break
     return min(rows, key=lambda row: row.foreign_cores)
 
 
 def _measure_rows(plan: BenchPlan, subjects: Subjects, prompt: list[int]) -> list[report.Row]:
-    rows = [_measure_row(plan, lambda: measure.prefill_row(subjects, prompt, plan.prefill))]
-    for batch in plan.batch_sizes:
-        decode = functools.partial(
-            measure.decode_row, subjects, batch, plan.prompt_len, plan.decode
-        )
-        rows.append(_measure_row(plan, decode))
-    return rows
+    prefill = functools.partial(measure.prefill_row, subjects, prompt, plan.prefill)
+    decodes = [
+        functools.partial(measure.decode_row, subjects, batch, plan.prompt_len, plan.decode)
+        for batch in plan.batch_sizes
+    ]
+    return [_measure_row(plan, row) for row in (prefill, *decodes)]
 
 
 def _run_dtype(
