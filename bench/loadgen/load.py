@@ -31,7 +31,7 @@ class LoadConfig:
     duration_s: float | None = None  # stop sending new requests this long after the start
     timeout_s: float = 3600.0  # bound on the whole run, waiting for in-flight requests included
     seed: int = 0  # seed of the Poisson schedule
-    progress: bool = True  # A tqdm progress bar on stderr
+    progress: bool = True  # a tqdm progress bar on stderr
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate_rps is None):

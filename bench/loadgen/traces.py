@@ -11,8 +11,7 @@ class RequestTrace:
 
     req_id: str
     tag: str
-    # Prompt tokens: the server's count (usage) when it reports one, else the spec's.
-    prompt_len: int
+    prompt_len: int  # the server's count (usage) when it reports one, else the spec's
     max_tokens: int
     send_s: float  # when the request left the client
     end_s: float  # when it ended: last byte, error, or cancellation
@@ -21,13 +20,12 @@ class RequestTrace:
     # as fewer arrivals than `num_output_tokens` (see `clients.HttpClient`).
     token_times_s: list[float] = field(default_factory=list)
     # Output tokens generated: the server's own count (usage) when it reports one, else
-    num_output_tokens: int = 0  # the number of arrivals
-    # "stop", "length" or "abort" as the server said; "" when it said nothing.
-    finish_reason: str = ""
+    # the number of arrivals.
+    num_output_tokens: int = 0
+    finish_reason: str = ""  # "stop", "length" or "abort" as the server said; "" if it said none
     # "" on success; else what failed: a gRPC status name, "HTTP 429: ...", "timeout", ...
     error: str = ""
-    # Output token ids, where the client sees them (gRPC); empty otherwise.
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # output ids where seen (gRPC)
     # Open loop: when the schedule wanted it sent (send_s − scheduled_s is client lag).
     scheduled_s: float | None = None
 
