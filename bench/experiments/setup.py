@@ -51,15 +51,10 @@ class ExperimentSetup:
     model_dir: str = "models/tandem-small"
     results_dir: Path = Path("bench/results/experiments")  # results JSON and server logs
     img_dir: Path = Path("docs/img")  # plots (linked from the doc)
-    # The benchmark report whose sections the experiments write; None = do not write.
-    doc_path: Path | None = Path("docs/benchmarks.md")
-    # Fewer, shorter load levels: checks the pipeline end to end in a few minutes.
-    quick: bool = False
+    doc_path: Path | None = Path("docs/benchmarks.md")  # the report to write; None = none
+    quick: bool = False  # fewer, shorter load levels: checks the pipeline end to end
     base_port: int = 52100  # ports: system i gets grpc base+i and http base+100+i
     seed: int = 0
-
-    def label(self, system: str) -> str:
-        return SYSTEMS[system][0]
 
     def worker_kv_blocks(self) -> int:
         """KV blocks (16 tokens) of one Tandem worker's default pool: the peer gets as many."""
@@ -88,16 +83,14 @@ def workload(kind: str, input_len: int, output_len: int, seed: int, **extra: Any
 def http_client(server: ServerSpec) -> ClientConfig:
     """The same OpenAI request body for every server: text prompts (`transformers serve`
     takes no token ids) and only OpenAI's fields (it refuses `ignore_eos`)."""
-    return ClientConfig(
-        target=server.http_url, prompt_format="text", strict_openai=True, request_timeout_s=600
-    )
+    return ClientConfig(server.http_url, prompt_format="text", strict_openai=True)
 
 
 def grpc_client(server: ServerSpec) -> ClientConfig:
     """Tandem's gRPC API: token-id prompts, one message per token (exact arrival times)."""
     if server.grpc_target is None:
         raise ValueError(f"{server.label} has no gRPC API")
-    return ClientConfig(target=server.grpc_target, prompt_format="ids", request_timeout_s=600)
+    return ClientConfig(server.grpc_target, prompt_format="ids", request_timeout_s=600)
 
 
 def bench_config(
