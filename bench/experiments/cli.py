@@ -34,13 +34,8 @@ def main(args: argparse.Namespace) -> int:
     if not (args.model / "config.json").is_file():
         print(f"tandem-bench experiment: no model at {args.model} (tandem model make)")
         return 2
-    setup = ExperimentSetup(
-        model_dir=str(args.model),
-        results_dir=args.results_dir,
-        img_dir=args.img_dir,
-        doc_path=Path(args.doc) if args.doc else None,
-        quick=args.quick,
-    )
+    doc_path = Path(args.doc) if args.doc else None
+    setup = ExperimentSetup(str(args.model), args.results_dir, args.img_dir, doc_path, args.quick)
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     asyncio.run(run_experiments(setup, names))
     return 0
