@@ -330,26 +330,25 @@ def hf_prefill_timer(model: PreTrainedModel, prompt: list[int]) -> Callable[[], 
     return run_once
 
 
-class HfDecodeBatch:
-    """B sequences whose cache holds `prompt_len` tokens; `step()` times one [B, 1] forward."""
+def hf_decode_timer(
+    model: PreTrainedModel, batch_size: int, prompt_len: int
+) -> Callable[[], float]:
+    """Times one [B, 1] forward of B sequences whose cache holds `prompt_len` tokens (and
+    grows by one per call)."""
+    token_ids = random_prompt(batch_size, model.config.vocab_size, seed=1)
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
+    params = inspect.signature(model.forward).parameters
+    cache_kwarg = "cache" if "cache" in params else "past_key_values"
+    kwargs = {
+        "input_ids": torch.tensor(token_ids)[:, None], "use_cache": True,
+        cache_kwarg: _filled_cache(model, batch_size, prompt_len),
+    }  # fmt: skip
 
-    def __init__(self, model: PreTrainedModel, batch_size: int, prompt_len: int) -> None:
-        self.model = model
-        self.cache = _filled_cache(model, batch_size, prompt_len)
-        token_ids = random_prompt(batch_size, model.config.vocab_size, seed=1)
-        self.input_ids = torch.tensor(token_ids)[:, None]
-        # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
-        params = inspect.signature(model.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-
-    def step(self) -> float:
-        kwargs = {"input_ids": self.input_ids, self.cache_kwarg: self.cache, "use_cache": True}
+    def run_once() -> float:
         with torch.inference_mode():
-            return time_call(lambda: self.model(**kwargs))
+            return time_call(lambda: model(**kwargs))
 
-    def next_context_len(self) -> int:
-        """Keys the next step attends to per sequence (cached tokens plus the new one)."""
-        return self.cache.get_seq_length() + 1
+    return run_once
 
 
 def _filled_cache(model: PreTrainedModel, batch_size: int, prompt_len: int) -> DynamicCache:
@@ -445,7 +444,7 @@ def decode_row(
 
         timers = {
             "engine": batch.step,
-            "transformers": HfDecodeBatch(subjects.hf_model, batch_size, prompt_len).step,
+            "transformers": hf_decode_timer(subjects.hf_model, batch_size, prompt_len),
             "floor": matmul_floor_timer(engine.runner.model, batch_size, batch_size),
         }
         name = f"decode b{batch_size}"
