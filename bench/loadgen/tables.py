@@ -67,11 +67,14 @@ def format_summary(summary: RunSummary, title: str = "", markdown: bool = False)
 def format_sweep(points: Sequence[SweepPoint], markdown: bool = False) -> str:
     """One row per load level: throughput, TTFT/ITL percentiles, SLO attainment, goodput."""
     header = "load|req/s|out tok/s|TTFT p50|TTFT p99|ITL p50|ITL p99|TPOT p50|SLO|goodput|failed"
-    rows = [
-        [p.load_label, _num(s.request_throughput_rps), _num(s.output_throughput_tps, ".1f"),
-         *(_ms(t) for t in (s.ttft_s.p50, s.ttft_s.p99, s.itl_s.p50, s.itl_s.p99, s.tpot_s.p50)),
-         _pct(s.slo_attainment), _num(s.goodput_rps), str(s.num_failed)]
-        for p in points
-        for s in (p.summary,)
-    ]  # fmt: skip
+    rows = [_sweep_row(point) for point in points]
     return render_table(header.split("|"), rows, markdown)
+
+
+def _sweep_row(point: SweepPoint) -> list[str]:
+    s = point.summary
+    latencies = (s.ttft_s.p50, s.ttft_s.p99, s.itl_s.p50, s.itl_s.p99, s.tpot_s.p50)
+    return [
+        point.load_label, _num(s.request_throughput_rps), _num(s.output_throughput_tps, ".1f"),
+        *map(_ms, latencies), _pct(s.slo_attainment), _num(s.goodput_rps), str(s.num_failed),
+    ]  # fmt: skip

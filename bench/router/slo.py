@@ -238,29 +238,33 @@ def _pct(value: float) -> str:
     return "—" if math.isnan(value) else f"{value:.0%}"
 
 
-def render_probes(calibration: Calibration) -> str:
-    rows = [
-        [f"{p.rate_per_s:.2f}", f"{a.duration_s:.0f}", str(p.summary.num_offered),
-         _pct(a.slo_attainment), format_ms(a.ttft_s.p50), format_ms(a.ttft_s.p99),
-         "yes" if p.passed(MIN_ATTAINMENT) else "no"]
-        for p in calibration.probes
-        for a in (p.summary.admitted,)
+def _probe_row(p: Probe) -> list[str]:
+    a = p.summary.admitted
+    return [
+        f"{p.rate_per_s:.2f}", f"{a.duration_s:.0f}", str(p.summary.num_offered),
+        _pct(a.slo_attainment), format_ms(a.ttft_s.p50), format_ms(a.ttft_s.p99),
+        "yes" if p.passed(MIN_ATTAINMENT) else "no",
     ]  # fmt: skip
+
+
+def render_probes(calibration: Calibration) -> str:
+    rows = [_probe_row(p) for p in calibration.probes]
     header = "rate (req/s)|seconds|requests|TTFT ≤ target|p50 TTFT|p99 TTFT|passed"
     return render_table(header.split("|"), rows)
 
 
-def render_runs(runs: Sequence[PolicyRun]) -> str:
-    rows = [
-        [run.setup.label, f"`{run.setup.policy}`", str(run.setup.local_prefill_tokens),
-         f"{s.offered_rate:.2f} ({s.num_offered})", _pct(s.admitted_fraction), str(s.num_shed),
-         str(s.admitted.num_failed), f"**{_pct(s.admitted.slo_attainment)}**",
-         f"{s.admitted.goodput_rps:.2f}",
-         *(format_ms(d) for d in (s.admitted.ttft_s.p50, s.admitted.ttft_s.p99,
-                                  s.admitted.tpot_s.p50))]
-        for run in runs
-        for s in (run.summary,)
+def _run_row(run: PolicyRun) -> list[str]:
+    s, a = run.summary, run.summary.admitted
+    return [
+        run.setup.label, f"`{run.setup.policy}`", str(run.setup.local_prefill_tokens),
+        f"{s.offered_rate:.2f} ({s.num_offered})", _pct(s.admitted_fraction), str(s.num_shed),
+        str(a.num_failed), f"**{_pct(a.slo_attainment)}**", f"{a.goodput_rps:.2f}",
+        format_ms(a.ttft_s.p50), format_ms(a.ttft_s.p99), format_ms(a.tpot_s.p50),
     ]  # fmt: skip
+
+
+def render_runs(runs: Sequence[PolicyRun]) -> str:
+    rows = [_run_row(run) for run in runs]
     header = (
         "run|admission|local prefill ≤|offered req/s (requests)|admitted|shed (429)|failed|"
         "attainment of admitted|goodput req/s|p50 TTFT|p99 TTFT|p50 mean ITL"
