@@ -7,9 +7,8 @@
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
     tandem-bench run|sweep --target grpc://HOST:PORT|http://HOST:PORT [...]  # load generator
 
-`tandem-bench SUITE --help` lists a suite's options. The whole argument tree lives here;
-a suite's module (`main(args) -> int`) is imported only once it is chosen, so `--help`
-stays fast.
+`tandem-bench SUITE --help` lists a suite's options. A suite's module (`main(args) -> int`)
+is imported only once it is chosen, so `--help` stays fast.
 """
 
 from __future__ import annotations
@@ -20,16 +19,17 @@ import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-# suite -> module with `main(args: argparse.Namespace) -> int`
+# suite -> (module with `main(args: argparse.Namespace) -> int`, summary)
 SUITES = {
-    "engine": "tandem.bench.engine.bench",
-    "kv-transfer": "tandem.bench.kv_transfer.bench",
-    "router": "tandem.bench.router.overhead",
-    "slo": "tandem.bench.router.slo",
-    "experiment": "tandem.bench.experiments.cli",
-    "run": "tandem.bench.loadgen.cli",
-    "sweep": "tandem.bench.loadgen.cli",
+    "engine": ("engine.bench", "the engine against its matmul floor, the roofline and HF"),
+    "kv-transfer": ("kv_transfer.bench", "KV transfer pulls against raw TCP"),
+    "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
+    "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
+    "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
+    "run": ("loadgen.cli", "load generator: one load level"),
+    "sweep": ("loadgen.cli", "load generator: several levels"),
 }
 DOC = "docs/benchmarks.md"
 # What `--quick` shortens (the engine's quick plan is its own, see `engine.bench.make_plan`).
@@ -39,66 +39,57 @@ QUICK = {
 }
 
 
-def _model(parser: argparse.ArgumentParser, default: str) -> None:
-    parser.add_argument("--model", type=Path, default=Path(default), help="model directory")
+# Options per suite as (flags, `add_argument` keywords).
+Option = tuple[tuple[str, ...], dict[str, Any]]
+_MODEL = ("--model",)
+_OUT: Option = (("--out",), {"default": DOC, "help": "markdown file to update; '' = print only"})
+_QUICK: Option = (("--quick",), {"action": "store_true", "help": "smoke run: checks the plumbing"})
 
 
-def _out(parser: argparse.ArgumentParser, default: str | None = DOC) -> None:
-    parser.add_argument("--out", default=default, help="markdown file to update; '' = print only")
+def _model(default: str | None) -> Option:
+    return _MODEL, {"type": Path, "default": default and Path(default), "help": "model directory"}
 
 
-def _quick(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="smoke run: checks the plumbing")
-
-
-def _engine(parser: argparse.ArgumentParser) -> None:
-    _model(parser, "models/tandem-small")
-    _out(parser, None)  # a full run writes docs/benchmarks.md unless told otherwise
-    _quick(parser)
-
-
-def _kv_transfer(parser: argparse.ArgumentParser) -> None:
-    _model(parser, "models/tandem-small")
-    _out(parser)
-    parser.add_argument("--repeats", type=int, default=15, help="rounds of every variant")
-    parser.add_argument("--prefill-tokens-per-s", type=float, help="else measured")
-
-
-def _router(parser: argparse.ArgumentParser) -> None:
-    _model(parser, "models/tandem-tiny")
-    _out(parser)
-    _quick(parser)
-    parser.add_argument("--json", type=Path, default=Path("bench/results/router.json"))
-    parser.add_argument("--requests", type=int, default=200, help="sequential requests per path")
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
-
-
-def _slo(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--preset", default="small", choices=["tiny", "small"])
-    parser.add_argument("--model", type=Path, help="default: models/tandem-<preset>")
-    _out(parser)
-    _quick(parser)
-    parser.add_argument("--json", type=Path, default=Path("bench/results/slo.json"))
-    # Short outputs: here the decode worker shares the 2 cores with the prefill worker, and
-    # long decodes would slow prefill down in a way no router can see (GPUs are not shared).
-    parser.add_argument("--max-tokens", type=int, default=2)
-    parser.add_argument("--ttft-multiple", type=float, default=3.0, help="target / unloaded p50")
-    parser.add_argument("--overload", type=float, default=2.0, help="offered / capacity")
-    parser.add_argument("--duration", type=float, default=40.0, help="seconds of arrivals")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(probe_duration=10.0, probe_requests=30, max_probes=7, probe_step=1.3)
-
-
-def _experiment(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", choices=("head-of-line", "frontier", "goodput", "all"))
-    _model(parser, "models/tandem-small")
-    _quick(parser)
-    parser.add_argument("--doc", default=DOC, help="report to update; '' = none")
-    parser.add_argument("--img-dir", type=Path, default=Path("docs/img"), help="plots")
-    parser.add_argument("--results-dir", type=Path, default=Path("bench/results/experiments"))
+OPTIONS: dict[str, list[Option]] = {
+    # A full engine run writes docs/benchmarks.md unless told otherwise, so --out is None.
+    "engine": [_model("models/tandem-small"), (("--out",), {**_OUT[1], "default": None}), _QUICK],
+    "kv-transfer": [
+        _model("models/tandem-small"), _OUT,
+        (("--repeats",), {"type": int, "default": 15, "help": "rounds of every variant"}),
+        (("--prefill-tokens-per-s",), {"type": float, "help": "else measured"}),
+    ],
+    "router": [
+        _model("models/tandem-tiny"), _OUT, _QUICK,
+        (("--json",), {"type": Path, "default": Path("bench/results/router.json")}),
+        (("--requests",), {"type": int, "default": 200, "help": "sequential requests per path"}),
+        (("--warmup",), {"type": int, "default": 10}),
+        (("--max-tokens",), {"type": int, "default": 4}),
+        (("--concurrency",), {"type": int, "nargs": "+", "default": [16, 64]}),
+        (("--duration",), {"type": float, "default": 10.0, "help": "seconds per level"}),
+    ],
+    "slo": [
+        (("--preset",), {"default": "small", "choices": ["tiny", "small"]}),
+        (_MODEL, {"type": Path, "help": "default: models/tandem-<preset>"}), _OUT, _QUICK,
+        (("--json",), {"type": Path, "default": Path("bench/results/slo.json")}),
+        # Short outputs: here decode shares the 2 cores with prefill, and long decodes
+        # would slow prefill down in a way no router can see (GPUs are not shared).
+        (("--max-tokens",), {"type": int, "default": 2}),
+        (("--ttft-multiple",), {"type": float, "default": 3.0, "help": "target / unloaded p50"}),
+        (("--overload",), {"type": float, "default": 2.0, "help": "offered / capacity"}),
+        (("--duration",), {"type": float, "default": 40.0, "help": "seconds of arrivals"}),
+        (("--seed",), {"type": int, "default": 0}),
+    ],
+    "experiment": [
+        (("name",), {"choices": ("head-of-line", "frontier", "goodput", "all")}),
+        _model("models/tandem-small"), _QUICK,
+        (("--doc",), {"default": DOC, "help": "report to update; '' = none"}),
+        (("--img-dir",), {"type": Path, "default": Path("docs/img"), "help": "plots"}),
+        (("--results-dir",), {"type": Path, "default": Path("bench/results/experiments")}),
+    ],
+}  # fmt: skip
+# Not options: fixed settings of the SLO suite's capacity probes (`--quick` shortens them).
+DEFAULTS = {"slo": {"probe_duration": 10.0, "probe_requests": 30, "max_probes": 7,
+                    "probe_step": 1.3}}  # fmt: skip
 
 
 def _load_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
@@ -108,30 +99,18 @@ def _load_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
         "--target", required=True, help="grpc://HOST:PORT (Tandem) or http://HOST:PORT (OpenAI)"
     )
     target.add_argument("--model", default="", help="model name (default: the server's first)")
-    target.add_argument(
-        "--prompt-format", default="ids", choices=("ids", "text"), help="token ids or words"
-    )
+    target.add_argument("--prompt-format", default="ids", choices=("ids", "text"))
     target.add_argument(
         "--http-logprobs", action="store_true", help="HTTP: ask logprobs for exact token counts"
     )
     target.add_argument(
-        "--strict-openai", action="store_true",
-        help="HTTP: send only OpenAI's own fields (no ignore_eos) for servers that refuse others",
-    )  # fmt: skip
-    target.add_argument("--request-timeout", type=float, default=600.0, help="per request, s")
-
-    workload = parser.add_argument_group("workload")
-    workload.add_argument(
-        "--workload", default="fixed", choices=("fixed", "chat", "mixed"),
-        help="fixed lengths, ShareGPT-like chat, or chat plus long documents",
-    )  # fmt: skip
-    workload.add_argument(
-        "--input-len", type=int, default=None,
-        help="prompt tokens (chat: mean) [128; chat 215]",
-    )  # fmt: skip
-    workload.add_argument(
-        "--output-len", type=int, default=None, help="output tokens (chat: mean) [128; chat 198]"
+        "--strict-openai", action="store_true", help="HTTP: send only OpenAI's own fields"
     )
+    target.add_argument("--request-timeout", type=float, default=600.0, help="per request, s")
+    workload = parser.add_argument_group("workload")
+    workload.add_argument("--workload", default="fixed", choices=("fixed", "chat", "mixed"))
+    workload.add_argument("--input-len", type=int, help="prompt tokens (chat: mean) [128; 215]")
+    workload.add_argument("--output-len", type=int, help="output tokens (chat: mean) [128; 198]")
     workload.add_argument("--vocab-size", type=int, help="token ids below this [server's]")
     workload.add_argument("--max-model-len", type=int, help="chat: clip to this [server's]")
     workload.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
@@ -142,13 +121,10 @@ def _load_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
     workload.add_argument("--long-input-len", type=int, default=2048, help="long prompt tokens")
     workload.add_argument("--long-output-len", type=int, default=16, help="long prompt output")
     workload.add_argument("--long-fraction", type=float, default=0.1, help="mixed: documents")
-
     load = parser.add_argument_group("load and results")
     levels = load.add_mutually_exclusive_group(required=True)
     # A sweep takes comma-separated levels ("1,2,4"), a run one number.
-    levels.add_argument(
-        "--concurrency", type=str if sweep else int, help="closed loop: requests in flight"
-    )
+    levels.add_argument("--concurrency", type=str if sweep else int, help="requests in flight")
     levels.add_argument("--rate", type=str if sweep else float, help="open loop: arrivals per s")
     load.add_argument("--num-requests", type=int, help="requests per run [100]")
     load.add_argument("--duration", type=float, help="stop sending after S s")
@@ -168,17 +144,13 @@ def _load_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem-bench", description=__doc__.split("\n")[0])
     suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
-    options = {
-        "engine": (_engine, "the engine against its matmul floor, the roofline and HF"),
-        "kv-transfer": (_kv_transfer, "KV transfer pulls against raw TCP"),
-        "router": (_router, "router overhead: added latency and one core's throughput"),
-        "slo": (_slo, "SLO admission under overload: shed vs admit everything"),
-        "experiment": (_experiment, "a published experiment: servers, load, plots, section"),
-        "run": (lambda p: _load_options(p, sweep=False), "load generator: one load level"),
-        "sweep": (lambda p: _load_options(p, sweep=True), "load generator: several levels"),
-    }
-    for name, (add_options, summary) in options.items():
-        add_options(suites.add_parser(name, help=summary, description=summary))
+    for name, (_, summary) in SUITES.items():
+        suite = suites.add_parser(name, help=summary, description=summary)
+        for flags, keywords in OPTIONS.get(name, []):
+            suite.add_argument(*flags, **keywords)
+        suite.set_defaults(**DEFAULTS.get(name, {}))
+        if name in ("run", "sweep"):
+            _load_options(suite, sweep=name == "sweep")
     return parser
 
 
@@ -207,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tandem.bench.harness import exit_on_sigterm
 
     exit_on_sigterm()  # SIGTERM unwinds `harness.running`, which stops the servers
-    return int(importlib.import_module(SUITES[args.suite]).main(args) or 0)
+    module = importlib.import_module(f"tandem.bench.{SUITES[args.suite][0]}")
+    return int(module.main(args) or 0)
 
 
 if __name__ == "__main__":

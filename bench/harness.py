@@ -32,19 +32,15 @@ _WORKER_LINE = re.compile(r"^\s+(prefill|decode|colocated)\s+(\S+)\s+(\S+:\d+)\s
 class ServerSpec:
     """One system under test."""
 
-    # Short name used in results and plots ("tandem 1P+1D", "transformers serve").
-    label: str
+    label: str  # short name used in results and plots ("tandem 1P+1D", "transformers serve")
     argv: tuple[str, ...]
     # Polled until it answers: "http://HOST:PORT/PATH" (200) or "tcp://HOST:PORT" (accepts).
     ready: str
-    # OpenAI-compatible base URL ("http://127.0.0.1:PORT"); "" when it has none.
-    http_url: str = ""
+    http_url: str = ""  # OpenAI-compatible base URL ("http://127.0.0.1:PORT"); "" when it has none
     # Tandem's gRPC target ("grpc://127.0.0.1:PORT"); None for other servers.
     grpc_target: str | None = None
-    # Environment added to this process's.
-    env: dict[str, str] = field(default_factory=dict)
-    # Cores the process is pinned to (empty: not pinned).
-    cores: tuple[int, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)  # environment added to this process's
+    cores: tuple[int, ...] = ()  # cores the process is pinned to (empty: not pinned)
 
     @property
     def slug(self) -> str:

@@ -13,29 +13,8 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.engine import measure
-from tandem.bench.engine.measure import (
-    RepeatPolicy,
-    Subjects,
-    decode_max_tokens,
-    decode_row,
-    measure_bandwidth,
-    measure_peak_flops,
-    prefill_row,
-    profile_missed,
-    torch_facts,
-    wait_until_quiet,
-)
-from tandem.bench.engine.report import (
-    QUIET_MAX_CORES,
-    SECTION_HEADING,
-    BenchReport,
-    DtypeResult,
-    ModelShape,
-    Profile,
-    Row,
-    render_section,
-)
+from tandem.bench.engine import measure, report
+from tandem.bench.engine.measure import RepeatPolicy, Subjects
 from tandem.bench.harness import ensure_model
 from tandem.bench.report import machine_facts, publish, write_json
 from tandem.engine.config import ModelConfig
@@ -58,14 +37,13 @@ class BenchPlan:
     quick: bool
     # Before each row, wait up to this long for other processes to go quiet (0: never).
     quiet_wait_s: float
-    # Measurements of a row at most, while other processes keep disturbing it.
-    max_attempts: int
+    max_attempts: int  # measurements of a row at most, while other processes keep disturbing it
     prefill_len: int = 512
     prompt_len: int = 128
 
     @property
     def decode_seq_len(self) -> int:
-        return self.prompt_len + decode_max_tokens(self.decode)
+        return self.prompt_len + measure.decode_max_tokens(self.decode)
 
 
 def make_plan(args: argparse.Namespace) -> BenchPlan:
@@ -90,95 +68,89 @@ def _say(message: str) -> None:
     print(message, flush=True)
 
 
-def _say_row(row: Row) -> None:
-    _say(
-        f"  {row.name}: engine {row.engine_s * 1e3:.1f} ms, transformers "
-        f"{row.transformers_s * 1e3:.1f} ms, floor {row.floor_s * 1e3:.1f} ms "
-        f"(other processes: {row.foreign_cores:.2f} cores)"
-    )
-
-
 def _wait_quiet(plan: BenchPlan) -> None:
     if plan.quiet_wait_s <= 0:
         return
-    load = wait_until_quiet(QUIET_MAX_CORES, plan.quiet_wait_s)
-    if load > QUIET_MAX_CORES:
+    load = measure.wait_until_quiet(report.QUIET_MAX_CORES, plan.quiet_wait_s)
+    if load > report.QUIET_MAX_CORES:
         _say(f"  other processes still use {load:.2f} cores; measuring anyway")
 
 
-def _measure_row(plan: BenchPlan, measure: Callable[[], Row]) -> Row:
+def _measure_row(plan: BenchPlan, measure: Callable[[], report.Row]) -> report.Row:
     """`measure()` once the machine is quiet, again while others disturbed it (bounded)."""
     rows = []
     for _ in range(plan.max_attempts):
         _wait_quiet(plan)
-        rows.append(measure())
-        _say_row(rows[-1])
-        if rows[-1].foreign_cores <= QUIET_MAX_CORES:
+        rows.append(row := measure())
+        _say(
+            f"  {row.name}: engine {row.engine_s * 1e3:.1f} ms, transformers "
+            f"{row.transformers_s * 1e3:.1f} ms, floor {row.floor_s * 1e3:.1f} ms "
+            f"(other processes: {row.foreign_cores:.2f} cores)"
+        )
+        if row.foreign_cores <= report.QUIET_MAX_CORES:
             break
     return min(rows, key=lambda row: row.foreign_cores)
 
 
-def _measure_rows(plan: BenchPlan, subjects: Subjects, prompt: list[int]) -> list[Row]:
-    rows = [_measure_row(plan, lambda: prefill_row(subjects, prompt, plan.prefill))]
-    for batch in plan.batch_sizes:
-        decode = functools.partial(decode_row, subjects, batch, plan.prompt_len, plan.decode)
-        rows.append(_measure_row(plan, decode))
-    return rows
+def _measure_rows(plan: BenchPlan, subjects: Subjects, prompt: list[int]) -> list[report.Row]:
+    prefill = functools.partial(measure.prefill_row, subjects, prompt, plan.prefill)
+    decodes = [
+        functools.partial(measure.decode_row, subjects, batch, plan.prompt_len, plan.decode)
+        for batch in plan.batch_sizes
+    ]
+    return [_measure_row(plan, row) for row in (prefill, *decodes)]
 
 
 def _run_dtype(
-    plan: BenchPlan, dtype: str, shape: ModelShape, bandwidth: float
-) -> tuple[DtypeResult, list[Profile]]:
+    plan: BenchPlan, dtype: str, shape: report.ModelShape, bandwidth: float
+) -> tuple[report.DtypeResult, list[report.Profile]]:
     torch_dtype = getattr(torch, dtype)
     _wait_quiet(plan)
-    peak = measure_peak_flops(torch_dtype, num_runs=plan.num_hardware_runs)
+    peak = measure.measure_peak_flops(torch_dtype, num_runs=plan.num_hardware_runs)
     _say(f"{dtype}: peak GEMM {peak / 1e9:.1f} GFLOP/s")
     engine = measure.build_engine(
         plan.model_dir, dtype, plan.num_threads, plan.prefill_len, max(plan.batch_sizes),
         plan.decode_seq_len,
     )  # fmt: skip
-    subjects = Subjects(
-        engine=engine,
-        hf_model=measure.load_hf_model(plan.model_dir, torch_dtype),
-        shape=shape,
-        elem_size=torch.empty((), dtype=torch_dtype).element_size(),
-        bandwidth=bandwidth,
-        peak_flops=peak,
-    )
+    hf_model = measure.load_hf_model(plan.model_dir, torch_dtype)
+    elem_size = torch.empty((), dtype=torch_dtype).element_size()
+    subjects = Subjects(engine, hf_model, shape, elem_size, bandwidth, peak)
     prompt = measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
     rows = _measure_rows(plan, subjects, prompt)
-    del subjects  # frees the transformers model before profiling
+    del subjects, hf_model  # frees the transformers model before profiling
     gc.collect()
     _wait_quiet(plan)
-    profiles = profile_missed(engine, dtype, rows, prompt, plan.prompt_len)
+    profiles = measure.profile_missed(engine, dtype, rows, prompt, plan.prompt_len)
     del engine
     gc.collect()
-    return DtypeResult(dtype, peak, rows), profiles
+    return report.DtypeResult(dtype, peak, rows), profiles
 
 
-def run(plan: BenchPlan, command: str) -> BenchReport:
+def run(plan: BenchPlan, command: str) -> report.BenchReport:
     torch.set_num_threads(plan.num_threads)
     start = time.perf_counter()
-    machine = {**machine_facts(), **torch_facts(plan.num_threads)}
+    machine = {**machine_facts(), **measure.torch_facts(plan.num_threads)}
     _wait_quiet(plan)
-    bandwidth = measure_bandwidth(num_runs=plan.num_hardware_runs)
+    bandwidth = measure.measure_bandwidth(num_runs=plan.num_hardware_runs)
     _say(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (load avg {os.getloadavg()[0]:.2f})")
-    shape = ModelShape.from_model_config(ModelConfig.from_model_dir(plan.model_dir))
-    report = BenchReport(command, plan.quick, machine, bandwidth, measure.ATTN_IMPLEMENTATION)
+    shape = report.ModelShape.from_model_config(ModelConfig.from_model_dir(plan.model_dir))
+    hf_attention = measure.ATTN_IMPLEMENTATION
+    bench_report = report.BenchReport(command, plan.quick, machine, bandwidth, hf_attention)
     for dtype in plan.dtypes:
         result, profiles = _run_dtype(plan, dtype, shape, bandwidth)
-        report.results.append(result)
-        report.profiles.extend(profiles)
-    report.wall_s = time.perf_counter() - start
-    report.load_average_end = os.getloadavg()[0]
-    return report
+        bench_report.results.append(result)
+        bench_report.profiles.extend(profiles)
+    bench_report.wall_s = time.perf_counter() - start
+    bench_report.load_average_end = os.getloadavg()[0]
+    return bench_report
 
 
 def main(args: argparse.Namespace) -> int:
     # A full run updates the doc unless told otherwise; a quick one only when told.
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
     ensure_model(args.model, "small")
-    report = run(make_plan(args), args.command)
-    write_json(RESULTS_DIR / ("engine-quick.json" if args.quick else "engine.json"), report)
-    publish(out, SECTION_HEADING, render_section(report))
+    bench_report = run(make_plan(args), args.command)
+    name = "engine-quick.json" if args.quick else "engine.json"
+    write_json(RESULTS_DIR / name, bench_report)
+    publish(out, report.SECTION_HEADING, report.render_section(bench_report))
     return 0

@@ -1,5 +1,5 @@
-"""What the engine benchmark times (the engine, `transformers`, the bare matmuls) and how:
-interleaved repeats, other processes' load, the profiler, the hardware ceilings."""
+"""What the engine benchmark times (engine, `transformers`, bare matmuls) and how: interleaved
+repeats, other processes' load, the profiler, the hardware ceilings."""
 
 from __future__ import annotations
 
@@ -20,17 +20,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
-from tandem.bench.engine.report import (
-    MATMUL_OPS,
-    ModelShape,
-    OpTime,
-    Profile,
-    Roofline,
-    Row,
-    decode_roofline,
-    floor_target,
-    prefill_roofline,
-)
+from tandem.bench.engine import report
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import Engine
 from tandem.engine.model.llama import LlamaForCausalLM
@@ -49,30 +39,22 @@ class RepeatPolicy:
     num_warmup: int
     min_runs: int
     max_runs: int
-    # Stop after `min_runs` once this much wall time (set-up included) has passed.
-    budget_s: float
+    budget_s: float  # stop after `min_runs` once this much wall time (set-up included) has passed
 
     def __post_init__(self) -> None:
-        if self.num_warmup < 0 or not 1 <= self.min_runs <= self.max_runs:
+        if self.num_warmup < 0 or not 1 <= self.min_runs <= self.max_runs or self.budget_s <= 0:
             raise ValueError(f"bad repeat policy {self}")
-        if self.budget_s <= 0:
-            raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
 
 
 def median(values: list[float]) -> float:
-    if not values:
-        raise ValueError("median of no values")
-    return float(statistics.median(values))
+    return float(statistics.median(values))  # StatisticsError (a ValueError) when empty
 
 
 def repeat_interleaved(
     timers: dict[str, Callable[[], float]], policy: RepeatPolicy
 ) -> dict[str, list[float]]:
-    """Samples of every timer, taken in rounds (one call of each per round).
-
-    Each timer returns the seconds it measured. Interleaving keeps the samples being
-    compared close in time, so load from other processes skews them alike.
-    """
+    """Seconds each timer returns, taken in rounds: interleaving keeps the samples compared
+    close in time, so load from other processes skews them alike."""
     for _ in range(policy.num_warmup):
         for timer in timers.values():
             timer()
@@ -94,31 +76,19 @@ def time_call(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def top_ops(self_times_us: dict[str, float], num_ops: int) -> list[OpTime]:
+def top_ops(self_times_us: dict[str, float], num_ops: int) -> list[report.OpTime]:
     """The `num_ops` largest self times, with their share of the total."""
     total = sum(self_times_us.values())
     ranked = sorted(self_times_us.items(), key=lambda item: item[1], reverse=True)
-    return [
-        OpTime(op, us / 1e6, 100.0 * us / total if total else 0.0) for op, us in ranked[:num_ops]
-    ]
+    share = 100.0 / total if total else 0.0
+    return [report.OpTime(op, us / 1e6, us * share) for op, us in ranked[:num_ops]]
 
 
-@dataclass(frozen=True)
-class OpProfile:
-    """What one profiled call spent, per op and in total."""
-
-    # Self CPU microseconds per op name (children excluded, so they add up).
-    self_times_us: dict[str, float]
-    # Wall time of the whole call under the profiler.
-    wall_s: float
-
-
-def profile_self_times(fn: Callable[[], object]) -> OpProfile:
-    """Run `fn` once under the CPU profiler."""
+def profile_self_times(fn: Callable[[], object]) -> tuple[dict[str, float], float]:
+    """(self CPU microseconds per op, wall seconds) of one call of `fn` under the profiler."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         wall_s = time_call(fn)
-    self_times = {evt.key: float(evt.self_cpu_time_total) for evt in prof.key_averages()}
-    return OpProfile(self_times, wall_s)
+    return {evt.key: float(evt.self_cpu_time_total) for evt in prof.key_averages()}, wall_s
 
 
 _PROC_STAT = Path("/proc/stat")
@@ -146,8 +116,7 @@ def busy_seconds(proc_stat_text: str, ticks_per_s: float) -> float:
 
 
 def snapshot() -> CpuSnapshot:
-    times = os.times()
-    own_s = times.user + times.system
+    own_s = os.times().user + os.times().system
     if not _PROC_STAT.is_file():
         return CpuSnapshot(own_s, own_s, time.monotonic())
     busy_s = busy_seconds(_PROC_STAT.read_text(), os.sysconf("SC_CLK_TCK"))
@@ -157,10 +126,8 @@ def snapshot() -> CpuSnapshot:
 def foreign_cores(start: CpuSnapshot, end: CpuSnapshot) -> float:
     """Average cores other processes kept busy between two snapshots."""
     elapsed = end.wall_s - start.wall_s
-    if elapsed <= 0:
-        return 0.0
     foreign = (end.busy_s - start.busy_s) - (end.own_s - start.own_s)
-    return max(0.0, foreign / elapsed)
+    return max(0.0, foreign / elapsed) if elapsed > 0 else 0.0
 
 
 def wait_until_quiet(max_cores: float, timeout_s: float, probe_s: float = 1.0) -> float:
@@ -183,11 +150,9 @@ def torch_facts(num_threads: int) -> dict[str, Any]:
     bf16 = {"avx512_bf16", "amx_bf16", "avx_ne_convert"}
     return {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16_instructions": bool(set(flags.split()) & bf16),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "threads": num_threads,
-    }
+        "bf16_instructions": bool(set(flags.split()) & bf16), "torch": torch.__version__,
+        "transformers": transformers.__version__, "threads": num_threads,
+    }  # fmt: skip
 
 
 def measure_bandwidth(num_bytes: int = 1 << 30, num_runs: int = 5) -> float:
@@ -199,11 +164,8 @@ def measure_bandwidth(num_bytes: int = 1 << 30, num_runs: int = 5) -> float:
 
 
 def measure_peak_flops(dtype: torch.dtype, size: int = 2048, num_runs: int = 3) -> float:
-    """FLOP/s of a square `size` GEMM in `dtype` (best of `num_runs`).
-
-    Uses `F.linear` (x @ W^T), the layout every model projection has; on CPUs without
-    bf16 instructions torch's plain `a @ b` takes a far slower bf16 path.
-    """
+    """FLOP/s of a square `size` GEMM in `dtype` (best of `num_runs`); `F.linear`, the layout
+    of every model projection (without bf16 instructions `a @ b` takes a far slower path)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(size, size, generator=gen).to(dtype)
     weight = torch.randn(size, size, generator=gen).to(dtype)
@@ -226,16 +188,11 @@ def build_engine(
     blocks_per_seq = -(-decode_seq_len // _BLOCK_SIZE)
     num_blocks = max(max_batch_size * blocks_per_seq, -(-(prefill_len + 1) // _BLOCK_SIZE))
     config = EngineConfig(
-        model=model_dir,
-        dtype=dtype,
-        num_threads=num_threads,
-        block_size=_BLOCK_SIZE,
-        num_blocks=num_blocks,
-        max_num_seqs=max_batch_size,
+        model=model_dir, dtype=dtype, num_threads=num_threads, block_size=_BLOCK_SIZE,
+        num_blocks=num_blocks, max_num_seqs=max_batch_size,
         max_num_batched_tokens=max(prefill_len, max_batch_size),
-        max_model_len=max(prefill_len, decode_seq_len) + 1,
-        enable_prefix_caching=False,
-    )
+        max_model_len=max(prefill_len, decode_seq_len) + 1, enable_prefix_caching=False,
+    )  # fmt: skip
     return Engine(config)
 
 
@@ -250,10 +207,7 @@ def expect_idle(engine: Engine) -> None:
 
 
 def prefill_timer(engine: Engine, prompt: list[int]) -> Callable[[], float]:
-    """Times the one step that prefills `prompt` and samples its first token.
-
-    Every call adds a fresh request (max_tokens=1, so it finishes in that step).
-    """
+    """Times the step that prefills a fresh request of `prompt` and samples its one token."""
     counter = itertools.count()
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
@@ -306,7 +260,7 @@ def decode_batch(
     expect_idle(engine)
 
 
-def profile_prefill(engine: Engine, prompt: list[int]) -> OpProfile:
+def profile_prefill(engine: Engine, prompt: list[int]) -> tuple[dict[str, float], float]:
     """One prefill step under the profiler (after one unprofiled warm-up)."""
     run_once = prefill_timer(engine, prompt)
     run_once()
@@ -315,34 +269,27 @@ def profile_prefill(engine: Engine, prompt: list[int]) -> OpProfile:
     return result
 
 
-def profile_decode(engine: Engine, batch_size: int, prompt_len: int, num_steps: int) -> OpProfile:
+def profile_decode(
+    engine: Engine, batch_size: int, prompt_len: int, num_steps: int
+) -> tuple[dict[str, float], float]:
     """`num_steps` decode steps under the profiler (after one unprofiled warm-up step)."""
     with decode_batch(engine, batch_size, prompt_len, num_steps + 2) as batch:
         batch.step()
         return profile_self_times(lambda: [batch.step() for _ in range(num_steps)])
 
 
-def model_weights(model: LlamaForCausalLM) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(every layer's qkv, o, gate_up, down weight in model order, lm_head weight)."""
-    layers: list[Any] = list(model.layers)  # nn.ModuleList items are typed as plain Modules
-    layer_weights = [
-        weight
-        for layer in layers
-        for weight in (
-            layer.self_attn.qkv_proj.weight,
-            layer.self_attn.o_proj.weight,
-            layer.mlp.gate_up_proj.weight,
-            layer.mlp.down_proj.weight,
-        )
-    ]
-    return layer_weights, model.lm_head.weight
-
-
 def matmul_floor_timer(
     model: LlamaForCausalLM, num_rows: int, num_logit_rows: int
 ) -> Callable[[], float]:
     """Times one pass of the model's weight matmuls alone, in model order."""
-    layer_weights, lm_head = model_weights(model)
+    layers: list[Any] = list(model.layers)  # nn.ModuleList items are typed as plain Modules
+    layer_weights = [
+        weight
+        for layer in layers
+        for weight in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+                       layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+    ]  # fmt: skip
+    lm_head = model.lm_head.weight
     dtype = lm_head.dtype
     gen = torch.Generator().manual_seed(0)
     inputs = {
@@ -368,10 +315,8 @@ ATTN_IMPLEMENTATION = "sdpa"
 
 
 def load_hf_model(model_dir: str, dtype: torch.dtype) -> PreTrainedModel:
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-    )
-    return model.eval()
+    kwargs = {"dtype": dtype, "attn_implementation": ATTN_IMPLEMENTATION}
+    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
 
 
 def hf_prefill_timer(model: PreTrainedModel, prompt: list[int]) -> Callable[[], float]:
@@ -385,26 +330,25 @@ def hf_prefill_timer(model: PreTrainedModel, prompt: list[int]) -> Callable[[], 
     return run_once
 
 
-class HfDecodeBatch:
-    """B sequences whose cache holds `prompt_len` tokens; `step()` times one [B, 1] forward."""
+def hf_decode_timer(
+    model: PreTrainedModel, batch_size: int, prompt_len: int
+) -> Callable[[], float]:
+    """Times one [B, 1] forward of B sequences whose cache holds `prompt_len` tokens (and
+    grows by one per call)."""
+    token_ids = random_prompt(batch_size, model.config.vocab_size, seed=1)
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
+    params = inspect.signature(model.forward).parameters
+    cache_kwarg = "cache" if "cache" in params else "past_key_values"
+    kwargs = {
+        "input_ids": torch.tensor(token_ids)[:, None], "use_cache": True,
+        cache_kwarg: _filled_cache(model, batch_size, prompt_len),
+    }  # fmt: skip
 
-    def __init__(self, model: PreTrainedModel, batch_size: int, prompt_len: int) -> None:
-        self.model = model
-        self.cache = _filled_cache(model, batch_size, prompt_len)
-        token_ids = random_prompt(batch_size, model.config.vocab_size, seed=1)
-        self.input_ids = torch.tensor(token_ids)[:, None]
-        # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
-        params = inspect.signature(model.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
-
-    def step(self) -> float:
-        kwargs = {"input_ids": self.input_ids, self.cache_kwarg: self.cache, "use_cache": True}
+    def run_once() -> float:
         with torch.inference_mode():
-            return time_call(lambda: self.model(**kwargs))
+            return time_call(lambda: model(**kwargs))
 
-    def next_context_len(self) -> int:
-        """Keys the next step attends to per sequence (cached tokens plus the new one)."""
-        return self.cache.get_seq_length() + 1
+    return run_once
 
 
 def _filled_cache(model: PreTrainedModel, batch_size: int, prompt_len: int) -> DynamicCache:
@@ -431,7 +375,7 @@ class Subjects:
 
     engine: Engine
     hf_model: PreTrainedModel
-    shape: ModelShape
+    shape: report.ModelShape
     elem_size: int
     bandwidth: float  # bytes/s
     peak_flops: float  # FLOP/s in this dtype
@@ -442,12 +386,15 @@ def decode_max_tokens(policy: RepeatPolicy) -> int:
     return policy.num_warmup + policy.max_runs + 2
 
 
+# A row's roofline and the context its timed steps attended to.
+Bound = tuple[report.Roofline, str]
+
+
 def _measure(
     subjects: Subjects, timers: dict[str, Callable[[], float]], policy: RepeatPolicy,
-    name: str, kind: str, num_tokens: int, roofline: Callable[[float, int], tuple[Roofline, str]],
-) -> Row:  # fmt: skip
-    """Interleaved samples of the three timers, as a row held to the roofline and with the
-    context that `roofline(peak, timed runs)` gives."""
+    name: str, kind: str, num_tokens: int, roofline: Callable[[float, int], Bound],
+) -> report.Row:  # fmt: skip
+    """Interleaved samples of the three timers, as a row held to `roofline(peak, runs)`."""
     start = snapshot()
     times = repeat_interleaved(timers, policy)
     load = foreign_cores(start, snapshot())
@@ -456,14 +403,14 @@ def _measure(
     floor_flops = subjects.shape.matmul_flops(num_tokens, 1 if kind == "prefill" else num_tokens)
     peak = max(subjects.peak_flops, floor_flops / min(times["floor"]))
     bound, context = roofline(peak, len(times["engine"]))
-    return Row(
+    return report.Row(
         name, kind, num_tokens, median(times["engine"]), median(times["transformers"]),
-        median(times["floor"]), bound.time_s, bound.bound, floor_target(kind, num_tokens),
+        median(times["floor"]), bound.time_s, bound.bound, report.floor_target(kind, num_tokens),
         context, load, times,
     )  # fmt: skip
 
 
-def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> Row:
+def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> report.Row:
     engine, num_tokens = subjects.engine, len(prompt)
     timers = {
         "engine": prefill_timer(engine, prompt),
@@ -473,29 +420,31 @@ def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> 
     ceilings = (subjects.elem_size, subjects.bandwidth)
     row = _measure(
         subjects, timers, policy, f"prefill {num_tokens}", "prefill", num_tokens,
-        lambda peak, runs: (prefill_roofline(subjects.shape, num_tokens, *ceilings, peak), ""),
+        lambda peak, _: (report.prefill_roofline(subjects.shape, num_tokens, *ceilings, peak), ""),
     )  # fmt: skip
     expect_idle(engine)
     return row
 
 
-def decode_row(subjects: Subjects, batch_size: int, prompt_len: int, policy: RepeatPolicy) -> Row:
+def decode_row(
+    subjects: Subjects, batch_size: int, prompt_len: int, policy: RepeatPolicy
+) -> report.Row:
     engine = subjects.engine
     with decode_batch(engine, batch_size, prompt_len, decode_max_tokens(policy)) as batch:
 
-        def roofline(peak: float, runs: int) -> tuple[Roofline, str]:
+        def roofline(peak: float, runs: int) -> Bound:
             """Keys attended to per sequence, from the first timed step to the last."""
             last = batch.next_context_len() - 1
             first = last - runs + 1
             context = (first + last) // 2
-            bound = decode_roofline(
+            bound = report.decode_roofline(
                 subjects.shape, batch_size, context, subjects.elem_size, subjects.bandwidth, peak
             )
             return bound, f"{first}–{last}"
 
         timers = {
             "engine": batch.step,
-            "transformers": HfDecodeBatch(subjects.hf_model, batch_size, prompt_len).step,
+            "transformers": hf_decode_timer(subjects.hf_model, batch_size, prompt_len),
             "floor": matmul_floor_timer(engine.runner.model, batch_size, batch_size),
         }
         name = f"decode b{batch_size}"
@@ -503,23 +452,23 @@ def decode_row(subjects: Subjects, batch_size: int, prompt_len: int, policy: Rep
 
 
 def profile_missed(
-    engine: Engine, dtype: str, rows: list[Row], prompt: list[int], prompt_len: int
-) -> list[Profile]:
+    engine: Engine, dtype: str, rows: list[report.Row], prompt: list[int], prompt_len: int
+) -> list[report.Profile]:
     """Engine profiles of every row that misses a target (`prompt` is the prefill's)."""
     profiles = []
     for row in rows:
         if row.floor_met and row.transformers_met:
             continue
         if row.kind == "prefill":
-            num_steps, measured = 1, profile_prefill(engine, prompt)
+            num_steps, (self_times_us, wall_s) = 1, profile_prefill(engine, prompt)
         else:
             num_steps = NUM_PROFILE_STEPS
-            measured = profile_decode(engine, row.num_tokens, prompt_len, num_steps)
-        per_step_us = {op: us / num_steps for op, us in measured.self_times_us.items()}
-        matmul_us = sum(us for op, us in per_step_us.items() if op in MATMUL_OPS)
+            self_times_us, wall_s = profile_decode(engine, row.num_tokens, prompt_len, num_steps)
+        per_step_us = {op: us / num_steps for op, us in self_times_us.items()}
+        matmul_us = sum(us for op, us in per_step_us.items() if op in report.MATMUL_OPS)
         profiles.append(
-            Profile(
-                dtype, row.name, num_steps, measured.wall_s / num_steps,
+            report.Profile(
+                dtype, row.name, num_steps, wall_s / num_steps,
                 sum(per_step_us.values()) / 1e6, matmul_us / 1e6,
                 top_ops(per_step_us, NUM_PROFILE_OPS),
             )

@@ -18,14 +18,8 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 
 def floor_target(kind: str, batch_size: int) -> float:
-    """Largest acceptable engine ÷ matmul-floor ratio for a row.
-
-    Batch 1 decode gets 1.2×; larger batches 1.3× (only 1 and 32 are specified, so
-    batch 8 is held to the looser one); prefill 1.3×.
-    """
-    if kind == "decode" and batch_size == 1:
-        return 1.2
-    return 1.3
+    """Largest acceptable engine ÷ matmul-floor ratio: 1.2× for batch-1 decode, else 1.3×."""
+    return 1.2 if kind == "decode" and batch_size == 1 else 1.3
 
 
 @dataclass(frozen=True)
@@ -34,16 +28,14 @@ class Row:
 
     name: str  # "prefill 512", "decode b8"
     kind: str  # "prefill" or "decode"
-    # Prompt tokens (prefill) or sequences (decode) the step handles.
-    num_tokens: int
+    num_tokens: int  # prompt tokens (prefill) or sequences (decode) the step handles
     engine_s: float
     transformers_s: float
     floor_s: float
     roofline_s: float
     roofline_bound: str  # "memory" or "compute"
     floor_target: float
-    # Keys each sequence attends to while timed, "first-last" ("" for prefill).
-    context: str = ""
+    context: str = ""  # keys each sequence attends to while timed, "first-last" ("" for prefill)
     # Average cores other processes kept busy while this row was measured.
     foreign_cores: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
@@ -71,10 +63,8 @@ class Row:
 
 @dataclass(frozen=True)
 class OpTime:
-    """One row of a CPU profile: an operator's own time (children excluded)."""
-
     op: str
-    self_s: float
+    self_s: float  # children excluded
     percent: float
 
 
@@ -86,10 +76,8 @@ class Profile:
     row: str
     num_steps: int  # steps run under the profiler
     wall_s: float
-    # Sum of all ops' self times; wall_s - op_s is Python and framework time outside ops.
-    op_s: float
-    # Self time of the GEMM kernels (aten::mm / addmm / ...).
-    matmul_s: float
+    op_s: float  # sum of all ops' self times; the rest of wall_s is outside ops
+    matmul_s: float  # self time of the GEMM kernels
     ops: list[OpTime]
 
 
@@ -104,15 +92,13 @@ class DtypeResult:
 class BenchReport:
     command: str
     quick: bool
-    # `bench.report.machine_facts()` plus the torch facts `engine.measure.torch_facts` adds.
-    machine: dict[str, Any]
+    machine: dict[str, Any]  # `machine_facts()` plus `measure.torch_facts()`
     bandwidth: float  # bytes/s
     hf_attention: str
     results: list[DtypeResult] = field(default_factory=list)
     profiles: list[Profile] = field(default_factory=list)
     wall_s: float = 0.0
-    # 1-minute load average when the run ended (the start is in `machine`).
-    load_average_end: float = 0.0
+    load_average_end: float = 0.0  # 1-minute load average
 
 
 def format_time(seconds: float) -> str:
@@ -123,35 +109,36 @@ def format_time(seconds: float) -> str:
     return f"{seconds * 1e6:.0f} µs"
 
 
-def format_rate(num_tokens: int, seconds: float) -> str:
-    return f"{num_tokens / seconds:,.0f} tok/s"
+def _met(met: bool) -> str:
+    return "met" if met else "**missed**"
 
 
-def _target_cell(row: Row) -> str:
-    floor = "met" if row.floor_met else "**missed**"
-    hf = "met" if row.transformers_met else "**missed**"
-    return f"floor ≤{row.floor_target:.1f}×: {floor}; ≤ HF: {hf}"
+def _timed(row: Row, seconds: float) -> str:
+    return f"{format_time(seconds)} ({row.num_tokens / seconds:,.0f} tok/s)"
+
+
+def _row_cells(row: Row) -> list[str]:
+    num_runs = len(row.samples.get("engine", []))
+    name = f"{row.name} (ctx {row.context})" if row.context else row.name
+    return [
+        name + (f", {num_runs} runs" if num_runs else ""), _timed(row, row.engine_s),
+        _timed(row, row.transformers_s), format_time(row.floor_s),
+        f"{format_time(row.roofline_s)} ({row.roofline_bound})",
+        *(f"{ratio:.2f}×" for ratio in (row.engine_over_floor, row.engine_over_roofline,
+                                         row.engine_over_transformers)),
+        f"floor ≤{row.floor_target:.1f}×: {_met(row.floor_met)}; "
+        f"≤ HF: {_met(row.transformers_met)}", f"{row.foreign_cores:.2f} cores",
+    ]  # fmt: skip
+
+
+TABLE_HEADER = [
+    "step", "engine", "transformers", "matmul floor", "roofline", "engine/floor",
+    "engine/roofline", "engine/transformers", "target met?", "other load",
+]  # fmt: skip
 
 
 def format_table(rows: list[Row]) -> str:
-    header = "step|engine|transformers|matmul floor|roofline|engine/floor|engine/roofline"
-    cells = []
-    for row in rows:
-        num_runs = len(row.samples.get("engine", []))
-        name = f"{row.name} (ctx {row.context})" if row.context else row.name
-        name += f", {num_runs} runs" if num_runs else ""
-        cells.append(
-            [name, f"{format_time(row.engine_s)} ({format_rate(row.num_tokens, row.engine_s)})",
-             f"{format_time(row.transformers_s)} "
-             f"({format_rate(row.num_tokens, row.transformers_s)})",
-             format_time(row.floor_s), f"{format_time(row.roofline_s)} ({row.roofline_bound})",
-             f"{row.engine_over_floor:.2f}×", f"{row.engine_over_roofline:.2f}×",
-             f"{row.engine_over_transformers:.2f}×", _target_cell(row),
-             f"{row.foreign_cores:.2f} cores"]
-        )  # fmt: skip
-    return render_table(
-        [*header.split("|"), "engine/transformers", "target met?", "other load"], cells
-    )
+    return render_table(TABLE_HEADER, [_row_cells(row) for row in rows])
 
 
 def format_profile(profile: Profile) -> str:
@@ -188,13 +175,9 @@ class ModelShape:
     @property
     def layer_matmul_params(self) -> int:
         """Weights of one decoder layer's fused qkv, o, gate_up and down projections."""
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        qkv = self.hidden_size * (q_size + 2 * kv_size)
-        o = q_size * self.hidden_size
-        gate_up = self.hidden_size * 2 * self.intermediate_size
-        down = self.intermediate_size * self.hidden_size
-        return qkv + o + gate_up + down
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = self.hidden_size * (2 * q_size + 2 * kv_size)
+        return attention + 3 * self.hidden_size * self.intermediate_size
 
     @property
     def lm_head_params(self) -> int:
@@ -216,11 +199,7 @@ class ModelShape:
         return layers + 2.0 * self.lm_head_params * num_logit_rows
 
     def attention_flops(self, query_len: int, context_len: int, causal: bool) -> float:
-        """QK^T plus PV FLOPs of one sequence over all layers.
-
-        `context_len` tokens sit in the cache before the `query_len` new ones; a causal
-        prefill from position 0 sees on average half of its own chunk.
-        """
+        """QK^T plus PV FLOPs of one sequence over all layers, `context_len` tokens cached."""
         if causal:
             num_pairs = query_len * context_len + query_len * (query_len + 1) / 2
         else:
@@ -264,18 +243,10 @@ def prefill_roofline(
 
 
 def decode_roofline(
-    shape: ModelShape,
-    batch_size: int,
-    context_len: int,
-    elem_size: int,
-    bandwidth: float,
+    shape: ModelShape, batch_size: int, context_len: int, elem_size: int, bandwidth: float,
     peak_flops: float,
-) -> Roofline:
-    """One decode step of `batch_size` sequences, each attending to `context_len` cached tokens.
-
-    Bytes are the weights (read once per step, whatever the batch) plus every
-    sequence's cached K/V.
-    """
+) -> Roofline:  # fmt: skip
+    """One decode step: weights read once, plus each sequence's `context_len` cached K/V."""
     weights = shape.matmul_params * elem_size
     kv = batch_size * context_len * shape.kv_elements_per_token * elem_size
     flops = shape.matmul_flops(batch_size, batch_size)
@@ -284,10 +255,6 @@ def decode_roofline(
 
 
 FULL_COMMAND = ".venv/bin/tandem-bench engine"
-
-
-def _gb(value: float) -> str:
-    return f"{value / 1e9:.1f}"
 
 
 def _machine_paragraph(report: BenchReport) -> str:
@@ -302,17 +269,16 @@ def _machine_paragraph(report: BenchReport) -> str:
 
 
 def _ceilings_paragraph(report: BenchReport) -> str:
-    peaks = "; ".join(f"{r.dtype} {_gb(r.peak_flops)} GFLOP/s" for r in report.results)
+    peaks = "; ".join(f"{r.dtype} {r.peak_flops / 1e9:.1f} GFLOP/s" for r in report.results)
     return (
-        f"**Hardware ceilings.** Memory read bandwidth {_gb(report.bandwidth)} GB/s (sum of a "
-        f"1 GiB float32 tensor, best of several). Peak GEMM (2048³ `F.linear`, best of "
-        f"several): {peaks}."
+        f"**Hardware ceilings.** Memory read bandwidth {report.bandwidth / 1e9:.1f} GB/s "
+        "(sum of a 1 GiB float32 tensor, best of several). Peak GEMM (2048³ `F.linear`, "
+        f"best of several): {peaks}."
     )
 
 
 def render_section(report: BenchReport) -> list[str]:
-    """The generated blocks of `## Engine`: the run and its machine, then the tables (the
-    method and the reading are hand-written between and after them)."""
+    """The generated blocks: the run and its machine, then the tables."""
     kind = "quick smoke run — not the reference numbers" if report.quick else "full run"
     run = [
         f"Command (full run, from the repository root):\n\n```\n{FULL_COMMAND}\n```",

@@ -10,7 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench.experiments import frontier, goodput, head_of_line
-from tandem.bench.experiments.setup import ExperimentSetup, grpc_client, http_client
+from tandem.bench.experiments.setup import (
+    ExperimentSetup,
+    grpc_client,
+    http_client,
+    interleaved_sweep,
+)
 from tandem.bench.harness import running
 from tandem.bench.loadgen.runner import sweep_to_json
 from tandem.bench.report import machine_facts, write_json, write_section
@@ -29,13 +34,8 @@ def main(args: argparse.Namespace) -> int:
     if not (args.model / "config.json").is_file():
         print(f"tandem-bench experiment: no model at {args.model} (tandem model make)")
         return 2
-    setup = ExperimentSetup(
-        model_dir=str(args.model),
-        results_dir=args.results_dir,
-        img_dir=args.img_dir,
-        doc_path=Path(args.doc) if args.doc else None,
-        quick=args.quick,
-    )
+    doc_path = Path(args.doc) if args.doc else None
+    setup = ExperimentSetup(str(args.model), args.results_dir, args.img_dir, doc_path, args.quick)
     names = EXPERIMENTS if args.name == "all" else (args.name,)
     asyncio.run(run_experiments(setup, names))
     return 0
@@ -73,8 +73,7 @@ async def _frontier_and_goodput(
         clients = {spec.label: http_client(spec) for spec in specs}
         for name in names:
             module = frontier if name == "frontier" else goodput
-            run = frontier.run_frontier if name == "frontier" else goodput.run_goodput
-            results = await run(setup, clients)
+            results = await interleaved_sweep(module.plan_for(setup), clients, setup.seed)
             _save(setup, name, facts, {label: sweep_to_json(r) for label, r in results.items()})
             image = _image(setup, name)
             module.plot(results, str(image))

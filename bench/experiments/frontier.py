@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tandem.bench.experiments.setup import (
-    ExperimentSetup,
-    bench_config,
-    interleaved_sweep,
-    series,
-    workload,
-)
-from tandem.bench.loadgen.clients import ClientConfig
+from tandem.bench.experiments.setup import ExperimentSetup, series, workload
 from tandem.bench.loadgen.load import LoadConfig
+from tandem.bench.loadgen.metrics import SloTargets
 from tandem.bench.loadgen.plots import plot_frontier
 from tandem.bench.loadgen.runner import BenchResult, WorkloadConfig
 from tandem.bench.loadgen.tables import SweepPoint, format_sweep
@@ -28,9 +22,9 @@ class FrontierPlan:
     input_len: int = 128
     output_len: int = 64
     concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16)
-    # Requests per level: enough that most of the run is at full concurrency.
-    min_requests: int = 8
+    min_requests: int = 8  # requests per level: enough that most of the run is at full concurrency
     requests_per_slot: int = 3
+    slo: SloTargets = field(default_factory=SloTargets)
 
     def num_requests(self, concurrency: int) -> int:
         return max(self.min_requests, self.requests_per_slot * concurrency)
@@ -47,18 +41,6 @@ class FrontierPlan:
 
 def plan_for(setup: ExperimentSetup) -> FrontierPlan:
     return FrontierPlan(concurrencies=(1, 4)) if setup.quick else FrontierPlan()
-
-
-async def run_frontier(
-    setup: ExperimentSetup, clients: Mapping[str, ClientConfig]
-) -> dict[str, list[BenchResult]]:
-    """`clients`: system label → how to reach it (servers already running)."""
-    plan = plan_for(setup)
-    configs = {
-        label: bench_config(client, plan.workload(setup.seed), plan.loads(setup.seed)[0])
-        for label, client in clients.items()
-    }
-    return await interleaved_sweep(configs, plan.loads(setup.seed))
 
 
 def plot(results: Mapping[str, Sequence[BenchResult]], path: str) -> None:

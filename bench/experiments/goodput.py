@@ -6,14 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tandem.bench.experiments.setup import (
-    ExperimentSetup,
-    bench_config,
-    interleaved_sweep,
-    series,
-    workload,
-)
-from tandem.bench.loadgen.clients import ClientConfig
+from tandem.bench.experiments.setup import ExperimentSetup, series, workload
 from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.metrics import SloTargets
 from tandem.bench.loadgen.plots import plot_goodput
@@ -21,15 +14,13 @@ from tandem.bench.loadgen.runner import BenchResult, WorkloadConfig
 from tandem.bench.loadgen.tables import SweepPoint, format_sweep
 from tandem.bench.report import render_table
 
-SYSTEMS = ("disaggregated", "colocated-2", "colocated-1", "transformers")
 # The SLO attainment a rate must reach to count as sustained (DistServe's 90%).
 ATTAINMENT_TARGET = 0.9
 
 
 @dataclass(frozen=True)
 class GoodputPlan:
-    # Chat part: log-normal lengths with these means.
-    chat_input_len: int = 192
+    chat_input_len: int = 192  # chat part: log-normal lengths with these means
     chat_output_len: int = 64
     # Long documents: this share of requests, prompt ≈ long_input_len ± 25%.
     long_fraction: float = 0.1
@@ -41,15 +32,9 @@ class GoodputPlan:
     slo: SloTargets = field(default_factory=lambda: SloTargets(2.0, 0.25, long_ttft_s=12.0))
 
     def workload(self, seed: int) -> WorkloadConfig:
-        return workload(
-            "mixed",
-            self.chat_input_len,
-            self.chat_output_len,
-            seed,
-            long_fraction=self.long_fraction,
-            long_input_len=self.long_input_len,
-            long_output_len=self.long_output_len,
-        )
+        long = {"long_fraction": self.long_fraction, "long_input_len": self.long_input_len,
+                "long_output_len": self.long_output_len}  # fmt: skip
+        return workload("mixed", self.chat_input_len, self.chat_output_len, seed, **long)
 
     def loads(self, seed: int) -> list[LoadConfig]:
         return [
@@ -60,18 +45,6 @@ class GoodputPlan:
 
 def plan_for(setup: ExperimentSetup) -> GoodputPlan:
     return GoodputPlan(rates=(0.3, 0.6), num_requests=12) if setup.quick else GoodputPlan()
-
-
-async def run_goodput(
-    setup: ExperimentSetup, clients: Mapping[str, ClientConfig]
-) -> dict[str, list[BenchResult]]:
-    plan = plan_for(setup)
-    loads = plan.loads(setup.seed)
-    configs = {
-        label: bench_config(client, plan.workload(setup.seed), loads[0], slo=plan.slo)
-        for label, client in clients.items()
-    }
-    return await interleaved_sweep(configs, loads)
 
 
 def highest_rate_meeting(points: Sequence[SweepPoint], target: float = ATTAINMENT_TARGET) -> float:

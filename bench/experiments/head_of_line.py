@@ -20,11 +20,8 @@ from tandem.bench.loadgen.workloads import LONG_TAG
 from tandem.bench.report import render_table
 
 SYSTEMS = (
-    "colocated-1-no-chunking",
-    "colocated-1",
-    "disaggregated",
-    "disaggregated-remote-prefill",
-)
+    "colocated-1-no-chunking", "colocated-1", "disaggregated", "disaggregated-remote-prefill",
+)  # fmt: skip
 # Gaps in the first seconds (requests still ramping up) are not part of the baseline.
 RAMP_S = 2.0
 # After the long prompt's first token: the window in which its KV is imported and it
@@ -44,13 +41,9 @@ class HeadOfLinePlan:
 
     def config(self, client: ClientConfig, seed: int) -> BenchConfig:
         short = workload("fixed", self.short_input_len, self.short_output_len, seed)
-        load = LoadConfig(
-            concurrency=self.concurrency, duration_s=self.duration_s, seed=seed, timeout_s=600
-        )
-        long_prompt = LongPromptConfig(
-            (self.inject_at_s,), self.long_input_len, self.long_output_len
-        )
-        return bench_config(client, short, load, long_prompt=long_prompt)
+        load = LoadConfig(self.concurrency, duration_s=self.duration_s, seed=seed, timeout_s=600)
+        long = LongPromptConfig((self.inject_at_s,), self.long_input_len, self.long_output_len)
+        return bench_config(client, short, load, long_prompt=long)
 
 
 def plan_for(setup: ExperimentSetup) -> HeadOfLinePlan:
@@ -63,13 +56,10 @@ def plan_for(setup: ExperimentSetup) -> HeadOfLinePlan:
 class HeadOfLineStats:
     """Inter-token gaps of the short requests, seconds, in windows around the long one."""
 
-    # Long prompt: sent → first token (its prefill, queueing included).
-    long_prefill_s: float
-    # Gaps that ended before the long prompt was sent (after the ramp-up).
-    baseline_p99_s: float
+    long_prefill_s: float  # long prompt: sent → first token (its prefill, queueing included)
+    baseline_p99_s: float  # gaps that ended before the long prompt was sent (after the ramp-up)
     baseline_count: int
-    # Gaps overlapping [long sent, long first token].
-    during_p99_s: float
+    during_p99_s: float  # gaps overlapping [long sent, long first token]
     during_max_s: float
     during_count: int
     # Gaps overlapping [long first token, + JOIN_WINDOW_S]: KV import, joining the batch.
@@ -112,17 +102,10 @@ def head_of_line_stats(traces: Sequence[RequestTrace], ramp_s: float = RAMP_S) -
     arrivals = [t for t in traces if t.tag != LONG_TAG and t.ok and sent <= t.send_s < first]
     arrival_ttfts = [v for t in arrivals if (v := ttft_s(t)) is not None]
     return HeadOfLineStats(
-        long_prefill_s=first - sent,
-        baseline_p99_s=percentile(baseline, 99),
-        baseline_count=len(baseline),
-        during_p99_s=percentile(during, 99),
-        during_max_s=max(during, default=math.nan),
-        during_count=len(during),
-        join_p99_s=percentile(join, 99),
-        join_max_s=max(join, default=math.nan),
-        arrivals_during=len(arrivals),
-        arrivals_ttft_max_s=max(arrival_ttfts, default=math.nan),
-    )
+        first - sent, percentile(baseline, 99), len(baseline), percentile(during, 99),
+        max(during, default=math.nan), len(during), percentile(join, 99),
+        max(join, default=math.nan), len(arrivals), max(arrival_ttfts, default=math.nan),
+    )  # fmt: skip
 
 
 async def run_one(setup: ExperimentSetup, client: ClientConfig) -> BenchResult:

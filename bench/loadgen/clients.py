@@ -29,15 +29,11 @@ _GRPC_FINISH = {
 
 @dataclass(frozen=True)
 class ClientConfig:
-    # grpc://HOST:PORT (Tandem Generate) or http(s)://HOST:PORT (OpenAI /v1/completions).
-    target: str
-    # Served model name; "" = the first model the server lists.
-    model: str = ""
-    # How prompts travel: "ids" (token ids) or "text" (`RequestSpec.prompt_text`).
-    prompt_format: str = "ids"
+    target: str  # grpc://HOST:PORT (Tandem Generate) or http(s)://HOST:PORT (OpenAI)
+    model: str = ""  # served model name; "" = the first model the server lists
+    prompt_format: str = "ids"  # "ids" (token ids) or "text" (`RequestSpec.prompt_text`)
     temperature: float = 0.0
-    # Per-request deadline; a request past it fails with error "timeout"/DEADLINE_EXCEEDED.
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # per request; past it: "timeout"/DEADLINE_EXCEEDED
     # HTTP only: ask for logprobs so each chunk says how many tokens it carries (exact
     # arrivals even when a server merges tokens into one chunk; costs the server a little).
     http_logprobs: bool = False
@@ -47,9 +43,7 @@ class ClientConfig:
 
     def __post_init__(self) -> None:
         if not self.target.startswith(("grpc://", "http://", "https://")):
-            raise ValueError(
-                f"target must be grpc://HOST:PORT or http(s)://HOST:PORT, got {self.target!r}"
-            )
+            raise ValueError(f"target must be grpc:// or http(s)://HOST:PORT, got {self.target!r}")
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format must be one of {PROMPT_FORMATS}")
         if self.request_timeout_s <= 0:
@@ -66,8 +60,7 @@ class ServerInfo:
     """What `start()` learned about the server."""
 
     model: str
-    # None when the server does not say.
-    max_model_len: int | None
+    max_model_len: int | None  # None when the server does not say
     vocab_size: int | None
     prompt_format: str
 
@@ -105,9 +98,8 @@ class GrpcClient:
         try:
             reply = await self._stub.ListModels(gen_pb.ListModelsRequest(), timeout=30)
         except grpc.aio.AioRpcError as exc:
-            raise ConnectionError(
-                f"{self.config.target}: {exc.code().name}: {exc.details()}"
-            ) from exc
+            message = f"{self.config.target}: {exc.code().name}: {exc.details()}"
+            raise ConnectionError(message) from exc
         if not reply.models:
             raise RuntimeError(f"{self.config.target} serves no model")
         card = next((m for m in reply.models if m.id == self._model), reply.models[0])
@@ -115,20 +107,14 @@ class GrpcClient:
             raise RuntimeError(f"{self.config.target} does not serve {self._model!r}")
         self._model = card.id
         return ServerInfo(
-            model=card.id,
-            max_model_len=card.max_model_len or None,
-            vocab_size=card.vocab_size or None,
-            prompt_format=self._prompt_format,
+            card.id, card.max_model_len or None, card.vocab_size or None, self._prompt_format
         )
 
     def _request(self, spec: RequestSpec) -> gen_pb.GenerateRequest:
         request = gen_pb.GenerateRequest(
-            model=self._model,
-            max_tokens=spec.max_tokens,
-            temperature=self.config.temperature,
-            ignore_eos=spec.ignore_eos,
-            request_id=spec.req_id,
-        )
+            model=self._model, max_tokens=spec.max_tokens, temperature=self.config.temperature,
+            ignore_eos=spec.ignore_eos, request_id=spec.req_id,
+        )  # fmt: skip
         if self._prompt_format == "text":
             request.prompt = spec.prompt_text
         else:

@@ -33,21 +33,16 @@ class HttpClient:
                 resp.raise_for_status()
                 cards = (await resp.json()).get("data") or []
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise ConnectionError(
-                f"{self.base_url}/v1/models: {type(exc).__name__}: {exc}"
-            ) from exc
+            message = f"{self.base_url}/v1/models: {type(exc).__name__}: {exc}"
+            raise ConnectionError(message) from exc
         if not cards:
             raise RuntimeError(f"{self.base_url}/v1/models lists no model")
         card = next((c for c in cards if c.get("id") == self._model), cards[0])
         if self._model and card.get("id") != self._model:
             raise RuntimeError(f"{self.base_url} does not serve {self._model!r}")
         self._model = str(card["id"])
-        return ServerInfo(
-            model=self._model,
-            max_model_len=card.get("max_model_len"),
-            vocab_size=card.get("vocab_size"),
-            prompt_format=self._prompt_format,
-        )
+        max_model_len, vocab_size = card.get("max_model_len"), card.get("vocab_size")
+        return ServerInfo(self._model, max_model_len, vocab_size, self._prompt_format)
 
     def _body(self, spec: RequestSpec) -> dict[str, Any]:
         body: dict[str, Any] = {

@@ -26,18 +26,12 @@ RUN_TIMEOUT_ERROR = "cancelled: run timeout"
 class LoadConfig:
     # Closed loop: requests kept in flight. Exactly one of concurrency / rate_rps.
     concurrency: int | None = None
-    # Open loop: mean Poisson arrival rate, requests per second.
-    rate_rps: float | None = None
-    # Requests to send; at least one of num_requests / duration_s.
-    num_requests: int | None = None
-    # Stop sending new requests this long after the start.
-    duration_s: float | None = None
-    # Bound on the whole run, waiting for in-flight requests included.
-    timeout_s: float = 3600.0
-    # Seed of the Poisson schedule.
-    seed: int = 0
-    # A tqdm progress bar on stderr.
-    progress: bool = True
+    rate_rps: float | None = None  # open loop: mean Poisson arrival rate, requests per second
+    num_requests: int | None = None  # requests to send; at least one of num_requests / duration_s
+    duration_s: float | None = None  # stop sending new requests this long after the start
+    timeout_s: float = 3600.0  # bound on the whole run, waiting for in-flight requests included
+    seed: int = 0  # seed of the Poisson schedule
+    progress: bool = True  # a tqdm progress bar on stderr
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate_rps is None):
@@ -68,8 +62,7 @@ class Injection:
 class LoadResult:
     # Every request sent, in completion order; times relative to the run's start.
     traces: list[RequestTrace]
-    # From the start to the last request's end.
-    duration_s: float
+    duration_s: float  # from the start to the last request's end
 
 
 def poisson_schedule(

@@ -53,8 +53,7 @@ class SloTargets:
     """Latency targets, seconds; None = no target on that metric."""
 
     ttft_s: float | None = None
-    # Checked against each request's TPOT (its mean inter-token latency).
-    itl_s: float | None = None
+    itl_s: float | None = None  # checked against each request's TPOT (its mean inter-token latency)
     # TTFT target of requests tagged "long" (long documents); None = `ttft_s`.
     long_ttft_s: float | None = None
 

@@ -33,17 +33,12 @@ DEFAULT_MAX_MODEL_LEN = 4096
 @dataclass(frozen=True)
 class WorkloadConfig:
     kind: str = "fixed"
-    # Prompt tokens (chat: the mean; None = 128, chat: ChatMix's).
-    input_len: int | None = None
-    # Output tokens (chat: the mean; None = 128, chat: ChatMix's).
-    output_len: int | None = None
-    # Token ids are drawn below this; None = the server's vocabulary (gRPC reports it).
-    vocab_size: int | None = None
-    # chat/mixed: clip prompt + output to this; None = the server's limit.
-    max_model_len: int | None = None
+    input_len: int | None = None  # prompt tokens (chat: the mean; None = 128, chat: ChatMix's)
+    output_len: int | None = None  # output tokens (chat: the mean; None = 128, chat: ChatMix's)
+    vocab_size: int | None = None  # token ids are drawn below this; None = the server's
+    max_model_len: int | None = None  # chat/mixed: clip prompt + output; None = server's limit
     seed: int = 0
-    # mixed: chat plus this fraction of long documents (prompt ≈ long_input_len ± 25%).
-    long_fraction: float = 0.1
+    long_fraction: float = 0.1  # mixed: share of documents (prompt ≈ long_input_len ± 25%)
     long_input_len: int = 2048
     long_output_len: int = 16
 
@@ -56,8 +51,7 @@ class WorkloadConfig:
 class LongPromptConfig:
     """Long prompts injected over the main load (head-of-line blocking experiments)."""
 
-    # Send offsets, seconds from the run's start; one long request each.
-    at_s: tuple[float, ...]
+    at_s: tuple[float, ...]  # send offsets, seconds from the run's start; one long request each
     input_len: int = 2048
     output_len: int = 16
 
@@ -116,8 +110,7 @@ class BenchResult:
     server: ServerInfo
     load: LoadResult
     summary: RunSummary
-    # Per tag ("short", "long"), when the run had more than one.
-    by_tag: dict[str, RunSummary]
+    by_tag: dict[str, RunSummary]  # per tag ("short", "long"), when the run had more than one
 
     def to_json(self) -> dict[str, Any]:
         fields = ("config", "server", "summary", "by_tag")
@@ -128,11 +121,10 @@ class BenchResult:
 def summarize_run(load: LoadResult, slo: SloTargets) -> tuple[RunSummary, dict[str, RunSummary]]:
     """The whole run's summary, and one per tag when there are several."""
     tags = sorted({t.tag for t in load.traces})
-    by_tag: dict[str, RunSummary] = {}
-    if len(tags) > 1:
-        for tag in tags:
-            traces = [t for t in load.traces if t.tag == tag]
-            by_tag[tag] = summarize(traces, load.duration_s, slo)
+    by_tag = {
+        tag: summarize([t for t in load.traces if t.tag == tag], load.duration_s, slo)
+        for tag in (tags if len(tags) > 1 else [])
+    }
     return summarize(load.traces, load.duration_s, slo), by_tag
 
 
@@ -149,12 +141,9 @@ async def run_sweep(config: BenchConfig, loads: Sequence[LoadConfig]) -> list[Be
         server = await client.start()
         workload = build_workload(config.workload, server)
         logger.info(
-            "target %s: model %s, prompts as %s, workload %s",
-            config.client.target,
-            server.model,
-            server.prompt_format,
-            workload.name,
-        )
+            "target %s: model %s, prompts as %s, workload %s", config.client.target,
+            server.model, server.prompt_format, workload.name,
+        )  # fmt: skip
         injections = build_injections(
             config.long_prompt, workload.vocab.vocab_size, config.workload.seed
         )

@@ -11,13 +11,10 @@ class RequestTrace:
 
     req_id: str
     tag: str
-    # Prompt tokens: the server's count (usage) when it reports one, else the spec's.
-    prompt_len: int
+    prompt_len: int  # the server's count (usage) when it reports one, else the spec's
     max_tokens: int
-    # When the request left the client.
-    send_s: float
-    # When it ended: last byte, error, or cancellation.
-    end_s: float
+    send_s: float  # when the request left the client
+    end_s: float  # when it ended: last byte, error, or cancellation
     # Arrival time of each output token; a message carrying k tokens adds k equal times.
     # A server that merges tokens into one SSE chunk without saying how many shows here
     # as fewer arrivals than `num_output_tokens` (see `clients.HttpClient`).
@@ -25,12 +22,10 @@ class RequestTrace:
     # Output tokens generated: the server's own count (usage) when it reports one, else
     # the number of arrivals.
     num_output_tokens: int = 0
-    # "stop", "length" or "abort" as the server said; "" when it said nothing.
-    finish_reason: str = ""
+    finish_reason: str = ""  # "stop", "length" or "abort" as the server said; "" if it said none
     # "" on success; else what failed: a gRPC status name, "HTTP 429: ...", "timeout", ...
     error: str = ""
-    # Output token ids, where the client sees them (gRPC); empty otherwise.
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # output ids where seen (gRPC)
     # Open loop: when the schedule wanted it sent (send_s − scheduled_s is client lag).
     scheduled_s: float | None = None
 

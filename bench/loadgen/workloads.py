@@ -50,12 +50,9 @@ class RequestSpec:
     req_id: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
-    # Generate exactly max_tokens (the server ignores EOS), so output lengths are known.
-    ignore_eos: bool = True
-    # Which part of the workload it belongs to ("short", "long", ...); summaries group by it.
-    tag: str = SHORT_TAG
-    # A text prompt of its own (sent when prompts travel as text); "" = the ids as words.
-    text: str = ""
+    ignore_eos: bool = True  # exactly max_tokens, so output lengths are known
+    tag: str = SHORT_TAG  # the part of the workload ("short", "long"); summaries group by it
+    text: str = ""  # a text prompt of its own; "" = the ids as words
 
     @property
     def prompt_len(self) -> int:
@@ -127,15 +124,13 @@ class FixedWorkload:
 
 @dataclass(frozen=True)
 class TextPrompts:
-    """Text prompts of `num_words` words that share no prefix block (each starts with its
-    own number), so the prefix cache cannot turn their prefill into a lookup; request i is
-    a pure function of (seed, i). With `text` every request sends that text instead."""
+    """Text prompts of `num_words` words, each starting with its own number so the prefix
+    cache cannot turn prefill into a lookup; with `text`, every request sends that text."""
 
     seed: int
     max_tokens: int
     text: str = ""
-    # About 45 tokens with the presets' tokenizer.
-    num_words: int = 40
+    num_words: int = 40  # about 45 tokens with the presets' tokenizer
     name: str = "text"
 
     def request(self, index: int) -> RequestSpec:
@@ -150,11 +145,8 @@ class TextPrompts:
 
 @dataclass(frozen=True)
 class ChatMix:
-    """ShareGPT-like lengths: log-normal input and output lengths (heavy right tail).
-
-    The default means are what vLLM's ShareGPT sampling yields with a Llama tokenizer
-    (≈215 prompt and ≈198 output tokens); sigma sets the tail (median = mean·e^(−σ²/2)).
-    """
+    """ShareGPT-like log-normal lengths: the means are vLLM's ShareGPT sampling with a Llama
+    tokenizer; sigma sets the tail (median = mean·e^(−σ²/2))."""
 
     mean_input_len: float = 215.0
     mean_output_len: float = 198.0
@@ -202,10 +194,8 @@ class ChatWorkload:
 
 @dataclass(frozen=True)
 class MixedWorkload:
-    """Mostly chat, some long documents: request i is a document (tag "long") with
-    probability `long_fraction`, its prompt uniform in `long_input_len`·(1 ± 0.25) and its
-    output `long_output_len` tokens; otherwise it is chat request i. Both clipped to
-    `chat.max_model_len`."""
+    """Chat, and with probability `long_fraction` a document (tag "long"): prompt uniform in
+    `long_input_len`·(1 ± 0.25), output `long_output_len`; clipped to `chat.max_model_len`."""
 
     chat: ChatWorkload
     long_fraction: float

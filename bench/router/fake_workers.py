@@ -28,20 +28,15 @@ _FAKE_TOKEN_ID = 43
 # A pool this large never limits admission.
 _FAKE_NUM_BLOCKS = 1_000_000
 _LEASE_S = 30.0
-# The limits the fakes report (the router learns them from `Stats`); no prompt the
-# benchmark sends comes near this length.
-_FAKE_MAX_MODEL_LEN = 4096
+_FAKE_MAX_MODEL_LEN = 4096  # reported in `Stats`; no prompt the benchmark sends comes near
 
 
 def _idle_stats(worker_id: str, role: WorkerRole) -> pb.StatsResponse:
     return pb.StatsResponse(
-        worker_id=worker_id,
-        role=WORKER_ROLES[role],
-        num_free_blocks=_FAKE_NUM_BLOCKS,
-        num_blocks=_FAKE_NUM_BLOCKS,
-        block_size=DEFAULT_BLOCK_SIZE,
+        worker_id=worker_id, role=WORKER_ROLES[role], num_free_blocks=_FAKE_NUM_BLOCKS,
+        num_blocks=_FAKE_NUM_BLOCKS, block_size=DEFAULT_BLOCK_SIZE,
         max_model_len=_FAKE_MAX_MODEL_LEN,
-    )
+    )  # fmt: skip
 
 
 class FakePrefillService(worker_pb2_grpc.PrefillWorkerServicer):
@@ -51,20 +46,14 @@ class FakePrefillService(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         handle = pb.KvHandle(
-            worker_id=self.worker_id,
-            endpoint=self.endpoint,
-            request_id=request.request_id,
-            block_ids=[0],
-            num_tokens=len(request.prompt_token_ids),
-            layout_fingerprint="fake",
+            worker_id=self.worker_id, endpoint=self.endpoint, request_id=request.request_id,
+            block_ids=[0], num_tokens=len(request.prompt_token_ids), layout_fingerprint="fake",
             lease_expiry_unix_s=time.time() + _LEASE_S,
-        )
+        )  # fmt: skip
         return pb.PrefillResponse(
-            first_token_id=FAKE_FIRST_TOKEN_ID,
-            first_token_text="a",
-            kv_handle=handle,
+            first_token_id=FAKE_FIRST_TOKEN_ID, first_token_text="a", kv_handle=handle,
             timings=pb.Timings(compute_s=1e-4),
-        )
+        )  # fmt: skip
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=True)
@@ -81,12 +70,10 @@ class FakeDecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         # The first token came from the prefill; never pull the (nonexistent) KV.
         num_tokens = max(1, request.params.max_tokens - 1)
         yield pb.DecodeResponse(
-            token_ids=[_FAKE_TOKEN_ID] * num_tokens,
-            text="b" * num_tokens,
-            finish_reason=pb.FINISH_REASON_LENGTH,
-            num_prompt_tokens=len(request.prompt_token_ids),
+            token_ids=[_FAKE_TOKEN_ID] * num_tokens, text="b" * num_tokens,
+            finish_reason=pb.FINISH_REASON_LENGTH, num_prompt_tokens=len(request.prompt_token_ids),
             timings=pb.Timings(compute_s=1e-4),
-        )
+        )  # fmt: skip
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(aborted=False)
@@ -128,11 +115,9 @@ async def serve(args: argparse.Namespace) -> None:
         servers.append(server)
     else:
         config = RouterConfig(
-            model_dir=args.model,
-            grpc_port=args.grpc_port,
-            http_port=args.http_port,
+            model_dir=args.model, grpc_port=args.grpc_port, http_port=args.http_port,
             max_local_prefill_tokens=0,
-        )
+        )  # fmt: skip
         workers = [
             WorkerEndpoint("prefill-0", WorkerRole.PREFILL, f"127.0.0.1:{args.prefill_port}"),
             WorkerEndpoint("decode-0", WorkerRole.DECODE, f"127.0.0.1:{args.decode_port}"),

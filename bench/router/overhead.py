@@ -9,6 +9,7 @@ import os
 import sys
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,26 +63,21 @@ class OverheadResult:
     direct_e2e: Distribution
     router_ttft: Distribution
     direct_ttft: Distribution
-    # Per pair: router minus direct.
-    added_e2e: Distribution
+    added_e2e: Distribution  # per pair: router minus direct
     added_ttft: Distribution
-    # Both paths produced the same greedy tokens for every request.
-    outputs_match: bool
+    outputs_match: bool  # both paths produced the same greedy tokens for every request
 
 
 @dataclass(frozen=True)
 class ThroughputResult:
     concurrency: int
     duration_s: float
-    # Requests that finished inside the measured window.
-    num_completed: int
-    # Failed requests inside the window, by status.
-    errors: dict[str, int]
+    num_completed: int  # requests that finished inside the measured window
+    errors: dict[str, int]  # failed requests inside the window, by status
     requests_per_s: float
     latency: Distribution
     ttft: Distribution
-    # name -> CPU seconds used per second of the window (1.0 = one core fully busy).
-    cpu_utilization: dict[str, float]
+    cpu_utilization: dict[str, float]  # name -> CPU s per s of the window (1.0 = one core)
 
 
 def paired_differences(slow: list[float], fast: list[float]) -> list[float]:
@@ -108,12 +104,9 @@ async def direct_generate(
     finished = reply.finish_reason != pb.FINISH_REASON_UNSPECIFIED
     if not finished:
         request = pb.DecodeRequest(
-            request_id=req_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            kv_handle=reply.kv_handle,
-            first_token_id=reply.first_token_id,
-        )
+            request_id=req_id, prompt_token_ids=prompt_ids, params=params,
+            kv_handle=reply.kv_handle, first_token_id=reply.first_token_id,
+        )  # fmt: skip
         async for msg in decode.Decode(request, timeout=_TIMEOUT_S):
             times += [time.perf_counter()] * len(msg.token_ids)
             ids += msg.token_ids
@@ -164,22 +157,17 @@ async def measure_overhead(
         finally:
             await router.close()
     r_e2e, d_e2e = [e2e_s(t) for t in routed], [e2e_s(t) for t in straight]
-    r_ttft = [x for x in map(ttft_s, routed) if x is not None]
-    d_ttft = [x for x in map(ttft_s, straight) if x is not None]
+    r_ttft, d_ttft = _ttfts(routed), _ttfts(straight)
+    of = Distribution.of
     return OverheadResult(
-        num_requests=num_requests,
-        num_prompt_tokens=len(prompt_ids),
-        max_tokens=max_tokens,
-        router_e2e=Distribution.of(r_e2e),
-        direct_e2e=Distribution.of(d_e2e),
-        router_ttft=Distribution.of(r_ttft),
-        direct_ttft=Distribution.of(d_ttft),
-        added_e2e=Distribution.of(paired_differences(r_e2e, d_e2e)),
-        added_ttft=Distribution.of(paired_differences(r_ttft, d_ttft)),
-        outputs_match=all(
-            r.token_ids == d.token_ids for r, d in zip(routed, straight, strict=True)
-        ),
-    )
+        num_requests, len(prompt_ids), max_tokens, of(r_e2e), of(d_e2e), of(r_ttft), of(d_ttft),
+        of(paired_differences(r_e2e, d_e2e)), of(paired_differences(r_ttft, d_ttft)),
+        all(r.token_ids == d.token_ids for r, d in zip(routed, straight, strict=True)),
+    )  # fmt: skip
+
+
+def _ttfts(traces: list[RequestTrace]) -> list[float]:
+    return [x for x in map(ttft_s, traces) if x is not None]
 
 
 def throughput_of(
@@ -194,11 +182,7 @@ def throughput_of(
     duration = end - start
     inside = [t for t in traces if start <= t.end_s <= end]
     done = [t for t in inside if t.ok]
-    errors: dict[str, int] = {}
-    for t in inside:
-        if not t.ok:
-            code = t.error.split(":")[0]
-            errors[code] = errors.get(code, 0) + 1
+    errors = Counter(t.error.split(":")[0] for t in inside if not t.ok)
     before, after = cpu
     used = {
         name: (a - b) / duration
@@ -206,15 +190,9 @@ def throughput_of(
         if (b := before[name]) is not None and (a := after.get(name)) is not None
     }
     return ThroughputResult(
-        concurrency=concurrency,
-        duration_s=duration,
-        num_completed=len(done),
-        errors=errors,
-        requests_per_s=len(done) / duration,
-        latency=Distribution.of([e2e_s(t) for t in done]),
-        ttft=Distribution.of([x for x in map(ttft_s, done) if x is not None]),
-        cpu_utilization=used,
-    )
+        concurrency, duration, len(done), dict(errors), len(done) / duration,
+        Distribution.of([e2e_s(t) for t in done]), Distribution.of(_ttfts(done)), used,
+    )  # fmt: skip
 
 
 async def closed_loop(
@@ -234,12 +212,8 @@ async def closed_loop(
         now = loop.time()
         cpu_start = asyncio.ensure_future(sample_cpu(now + WARMUP_S))
         cpu_end = asyncio.ensure_future(sample_cpu(now + WARMUP_S + duration_s))
-        config = LoadConfig(
-            concurrency=concurrency,
-            duration_s=WARMUP_S + duration_s,
-            timeout_s=WARMUP_S + duration_s + 60,
-            progress=False,
-        )
+        total_s = WARMUP_S + duration_s
+        config = LoadConfig(concurrency, duration_s=total_s, timeout_s=total_s + 60, progress=False)
         result = await run_load(client, TextPrompts(0, max_tokens, text=PROMPT), config)
         cpu = (await cpu_start, await cpu_end)
     finally:
@@ -265,19 +239,15 @@ def measure_added_latency(args: argparse.Namespace) -> OverheadResult:
 
 def measure_throughput(args: argparse.Namespace) -> tuple[ThroughputResult, ...]:
     router_cores, other_cores = cores_split()
-    prefill_port, decode_port, grpc_port = free_port(), free_port(), free_port()
-    http_port = free_port()
+    prefill_port, decode_port, grpc_port, http_port = (free_port() for _ in range(4))
     module = (sys.executable, "-m", "tandem.bench.router.fake_workers")
     ports = ("--prefill-port", str(prefill_port), "--decode-port", str(decode_port))
-    fakes = ServerSpec(
-        "fake-workers", (*module, "workers", *ports), f"tcp://127.0.0.1:{decode_port}",
-        cores=other_cores,
-    )  # fmt: skip
-    router_argv: tuple[str, ...] = (*module, "router", *ports, "--model", str(args.model))
-    router_argv += ("--grpc-port", str(grpc_port), "--http-port", str(http_port))
-    router = ServerSpec(
-        "fake-router", router_argv, f"http://127.0.0.1:{http_port}/v1/models", cores=router_cores
-    )
+    fakes = ServerSpec("fake-workers", (*module, "workers", *ports),
+                       f"tcp://127.0.0.1:{decode_port}", cores=other_cores)  # fmt: skip
+    router_argv = (*module, "router", *ports, "--model", str(args.model), "--grpc-port",
+                   str(grpc_port), "--http-port", str(http_port))  # fmt: skip
+    router = ServerSpec("fake-router", router_argv, f"http://127.0.0.1:{http_port}/v1/models",
+                        cores=router_cores)  # fmt: skip
     results = []
     affinity = os.sched_getaffinity(0) if other_cores else set()
     with running([fakes, router], args.json.parent / "logs") as (fake_proc, router_proc):
@@ -286,13 +256,8 @@ def measure_throughput(args: argparse.Namespace) -> tuple[ThroughputResult, ...]
             if other_cores:
                 os.sched_setaffinity(0, set(other_cores))
             for concurrency in args.concurrency:
-                load = closed_loop(
-                    f"grpc://127.0.0.1:{grpc_port}",
-                    concurrency,
-                    args.duration,
-                    args.max_tokens,
-                    pids,
-                )
+                target = f"grpc://127.0.0.1:{grpc_port}"
+                load = closed_loop(target, concurrency, args.duration, args.max_tokens, pids)
                 result = asyncio.run(asyncio.wait_for(load, timeout=args.duration + 120))
                 logger.info("concurrency %d: %.0f req/s", concurrency, result.requests_per_s)
                 results.append(result)
@@ -318,23 +283,23 @@ def render_overhead(result: OverheadResult) -> str:
     return render_table(header, rows)
 
 
+_PROCESSES = ("router", "fake workers", "load generator")
+
+
 def render_throughput(results: tuple[ThroughputResult, ...]) -> str:
-    rows = []
-    for r in results:
-        cpu = r.cpu_utilization
-        errors = ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) or "0"
-        rows.append(
-            [str(r.concurrency), f"{r.requests_per_s:,.0f}", format_ms(r.latency.p50),
-             format_ms(r.latency.p99), format_ms(r.ttft.p50), _percent(cpu.get("router")),
-             _percent(cpu.get("fake workers")), _percent(cpu.get("load generator")), errors]
-        )  # fmt: skip
-    header = "concurrency|requests/s|p50 latency|p99 latency|p50 TTFT|router CPU|fake workers CPU"
-    return render_table([*header.split("|"), "load generator CPU", "errors"], rows)
+    rows = [
+        [str(r.concurrency), f"{r.requests_per_s:,.0f}", format_ms(r.latency.p50),
+         format_ms(r.latency.p99), format_ms(r.ttft.p50),
+         *(_percent(r.cpu_utilization.get(name)) for name in _PROCESSES),
+         ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) or "0"]
+        for r in results
+    ]  # fmt: skip
+    header = ["concurrency", "requests/s", "p50 latency", "p99 latency", "p50 TTFT"]
+    return render_table([*header, *(f"{name} CPU" for name in _PROCESSES), "errors"], rows)
 
 
 def render_section(report: dict[str, Any]) -> list[str]:
-    """The generated blocks: the run and its machine; the added-latency table; the
-    throughput table (each method and reading is hand-written around them)."""
+    """The generated blocks: the run and its machine; added latency; throughput."""
     o: OverheadResult = report["overhead"]
     throughput: tuple[ThroughputResult, ...] = report["throughput"]
     router_cores, other_cores = report["cores"]

@@ -44,6 +44,7 @@ _WARMUP_SEED, _UNLOADED_SEED, _PROBE_SEED, _TRACE_SEED = 1, 2, 100, 10_000
 # `tandem serve`'s default `--max-local-prefill-tokens` (conditional disaggregation on).
 DEFAULT_LOCAL_PREFILL = 512
 # name{labels} value, one Prometheus sample per line
+ROUTER_COUNTERS = ("tandem:requests_rejected_total", "tandem:disagg_decisions_total")
 _SAMPLE = re.compile(r"^(?P<name>[^{\s]+)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$")
 
 
@@ -54,14 +55,12 @@ def is_shed(trace: RequestTrace) -> bool:
 
 @dataclass(frozen=True)
 class AdmissionSummary:
-    """One trace under admission control: what was shed, and the load generator's
-    summary of the admitted requests over the arrival window (its SLO attainment is
-    then attainment *of admitted*; failed requests count as misses)."""
+    """One trace under admission control: what was shed, and the summary of the admitted
+    requests (its SLO attainment is attainment *of admitted*; failures count as misses)."""
 
     num_offered: int
     num_shed: int
-    # How long a shed request waited for its rejection.
-    shed_latency: Distribution
+    shed_latency: Distribution  # how long a shed request waited for its rejection
     admitted: RunSummary
 
     @property
@@ -98,8 +97,7 @@ class Probe:
 
 
 def capacity_of(probes: Sequence[Probe], min_attainment: float) -> float | None:
-    """The highest probed rate that kept attainment ≥ `min_attainment` below the first
-    rate that did not (probes are in increasing order); None if even the first failed."""
+    """The highest rate that passed below the first that did not; None if none passed."""
     best = None
     for probe in sorted(probes, key=lambda p: p.rate_per_s):
         if not probe.passed(min_attainment):
@@ -109,8 +107,8 @@ def capacity_of(probes: Sequence[Probe], min_attainment: float) -> float | None:
 
 
 def parse_samples(text: str, prefixes: Sequence[str]) -> dict[str, float]:
-    """Prometheus text samples whose name starts with one of `prefixes`:
-    'name{labels}' -> value, without the `model_name` label (one model per router)."""
+    """'name{labels}' -> value of the Prometheus samples named `prefixes*`, without the
+    `model_name` label (one model per router)."""
     samples: dict[str, float] = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -122,41 +120,31 @@ def parse_samples(text: str, prefixes: Sequence[str]) -> dict[str, float]:
     return samples
 
 
-def scrape_counters(http_url: str, prefixes: Sequence[str]) -> dict[str, float]:
-    """The router's `/metrics` samples whose name starts with one of `prefixes`."""
-    with urllib.request.urlopen(f"{http_url}/metrics", timeout=10) as reply:
-        return parse_samples(reply.read().decode(), prefixes)
-
-
 @dataclass(frozen=True)
 class RunSetup:
     """One overload run: the router's admission policy and conditional disaggregation."""
 
     label: str
     policy: str
-    # `--max-local-prefill-tokens`; 0 = every prompt goes to the prefill worker.
-    local_prefill_tokens: int = 0
+    local_prefill_tokens: int = 0  # 0: every prompt goes to the prefill worker
 
 
 @dataclass(frozen=True)
 class Calibration:
-    # Mean prompt length (the router's tokenizer).
-    num_prompt_tokens: float
+    num_prompt_tokens: float  # mean, by the router's tokenizer
     unloaded_ttft: Distribution
     unloaded_e2e: Distribution
     unloaded_itl: Distribution
     ttft_target_s: float
     probes: tuple[Probe, ...]
-    # None when even the first probe missed the target.
-    capacity_per_s: float | None
+    capacity_per_s: float | None  # None when even the first probe missed the target
 
 
 @dataclass(frozen=True)
 class PolicyRun:
     setup: RunSetup
     summary: AdmissionSummary
-    # The router's own counters after the run (rejections, prefill placement decisions).
-    router_counters: dict[str, float]
+    router_counters: dict[str, float]  # rejections, prefill placement decisions
     load_average_start: tuple[float, float, float]
     load_average_end: tuple[float, float, float]
 
@@ -173,8 +161,7 @@ def _load(spec: ServerSpec, prompts: TextPrompts, config: LoadConfig) -> list[Re
 
 
 def _sequential(spec: ServerSpec, seed: int, count: int, max_tokens: int) -> list[RequestTrace]:
-    """One request at a time: warm-up (code paths, the router's latency models) or the
-    unloaded baseline."""
+    """One request at a time: warm-up (code paths, latency models) or the unloaded baseline."""
     config = LoadConfig(concurrency=1, num_requests=count, progress=False)
     traces = _load(spec, TextPrompts(seed, max_tokens), config)
     failed = [t.error for t in traces if t.error]
@@ -236,10 +223,8 @@ def run_policy(
         load_start = os.getloadavg()
         traces = _trace(spec, args, rate, args.duration, args.seed, _TRACE_SEED + args.seed)
         load_end = os.getloadavg()
-        counters = scrape_counters(
-            spec.http_url,
-            ("tandem:requests_rejected_total", "tandem:disagg_decisions_total"),
-        )
+        with urllib.request.urlopen(f"{spec.http_url}/metrics", timeout=10) as reply:
+            counters = parse_samples(reply.read().decode(), ROUTER_COUNTERS)
     summary = summarize(traces, args.duration, target_s)
     a = summary.admitted
     logger.info(
@@ -253,30 +238,33 @@ def _pct(value: float) -> str:
     return "—" if math.isnan(value) else f"{value:.0%}"
 
 
+def _probe_row(p: Probe) -> list[str]:
+    a = p.summary.admitted
+    return [
+        f"{p.rate_per_s:.2f}", f"{a.duration_s:.0f}", str(p.summary.num_offered),
+        _pct(a.slo_attainment), format_ms(a.ttft_s.p50), format_ms(a.ttft_s.p99),
+        "yes" if p.passed(MIN_ATTAINMENT) else "no",
+    ]  # fmt: skip
+
+
 def render_probes(calibration: Calibration) -> str:
-    rows = []
-    for p in calibration.probes:
-        a = p.summary.admitted
-        rows.append(
-            [f"{p.rate_per_s:.2f}", f"{a.duration_s:.0f}", str(p.summary.num_offered),
-             _pct(a.slo_attainment), format_ms(a.ttft_s.p50), format_ms(a.ttft_s.p99),
-             "yes" if p.passed(MIN_ATTAINMENT) else "no"]
-        )  # fmt: skip
+    rows = [_probe_row(p) for p in calibration.probes]
     header = "rate (req/s)|seconds|requests|TTFT ≤ target|p50 TTFT|p99 TTFT|passed"
     return render_table(header.split("|"), rows)
 
 
+def _run_row(run: PolicyRun) -> list[str]:
+    s, a = run.summary, run.summary.admitted
+    return [
+        run.setup.label, f"`{run.setup.policy}`", str(run.setup.local_prefill_tokens),
+        f"{s.offered_rate:.2f} ({s.num_offered})", _pct(s.admitted_fraction), str(s.num_shed),
+        str(a.num_failed), f"**{_pct(a.slo_attainment)}**", f"{a.goodput_rps:.2f}",
+        format_ms(a.ttft_s.p50), format_ms(a.ttft_s.p99), format_ms(a.tpot_s.p50),
+    ]  # fmt: skip
+
+
 def render_runs(runs: Sequence[PolicyRun]) -> str:
-    rows = []
-    for run in runs:
-        s, a = run.summary, run.summary.admitted
-        rows.append(
-            [run.setup.label, f"`{run.setup.policy}`", str(run.setup.local_prefill_tokens),
-             f"{s.offered_rate:.2f} ({s.num_offered})", _pct(s.admitted_fraction),
-             str(s.num_shed), str(a.num_failed), f"**{_pct(a.slo_attainment)}**",
-             f"{a.goodput_rps:.2f}", format_ms(a.ttft_s.p50), format_ms(a.ttft_s.p99),
-             format_ms(a.tpot_s.p50)]
-        )  # fmt: skip
+    rows = [_run_row(run) for run in runs]
     header = (
         "run|admission|local prefill ≤|offered req/s (requests)|admitted|shed (429)|failed|"
         "attainment of admitted|goodput req/s|p50 TTFT|p99 TTFT|p50 mean ITL"
@@ -292,8 +280,7 @@ def _counters(run: PolicyRun) -> str:
 
 
 def render_section(report: dict[str, Any]) -> list[str]:
-    """The generated blocks: the run and its machine; calibration, probes and the runs
-    (the method and the reading are hand-written around them)."""
+    """The generated blocks: the run and its machine; calibration, probes and the runs."""
     c: Calibration = report["calibration"]
     runs: Sequence[PolicyRun] = report["runs"]
     capacity = "none" if c.capacity_per_s is None else f"{c.capacity_per_s:.2f} req/s"
@@ -338,25 +325,17 @@ def main(args: argparse.Namespace) -> int:
         logger.warning("no probe met the target; using %.2f req/s as capacity", capacity)
     offered = args.overload * capacity
     setups = [
-        RunSetup("shed", "shed"),
-        RunSetup("none", "none"),
-        RunSetup("shed, default local prefill", "shed", DEFAULT_LOCAL_PREFILL),
-        RunSetup("none, default local prefill", "none", DEFAULT_LOCAL_PREFILL),
+        RunSetup(f"{policy}{label}", policy, local)
+        for label, local in (("", 0), (", default local prefill", DEFAULT_LOCAL_PREFILL))
+        for policy in ("shed", "none")
     ]
     runs = [run_policy(args, s, calibration.ttft_target_s, offered) for s in setups]
     report = {
-        "command": args.command,
-        "wall_s": time.monotonic() - started,
-        "machine": facts,
-        "load_average_end": os.getloadavg(),
-        "model": args.preset,
-        "max_tokens": args.max_tokens,
-        "calibration": calibration,
-        "offered_rate_per_s": offered,
-        "duration_s": args.duration,
-        "seed": args.seed,
-        "runs": runs,
-    }
+        "command": args.command, "wall_s": time.monotonic() - started, "machine": facts,
+        "load_average_end": os.getloadavg(), "model": args.preset, "max_tokens": args.max_tokens,
+        "calibration": calibration, "offered_rate_per_s": offered, "duration_s": args.duration,
+        "seed": args.seed, "runs": runs,
+    }  # fmt: skip
     write_json(args.json, report)
     publish(args.out, SECTION_HEADING, render_section(report), write=not args.quick)
     return 0
