@@ -5,7 +5,6 @@
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
-    tandem-bench run|sweep --target grpc://HOST:PORT|http://HOST:PORT [...]  # load generator
 
 `tandem-bench SUITE --help` lists a suite's options. A suite's module (`main(args) -> int`)
 is imported only once it is chosen, so `--help` stays fast.
@@ -28,8 +27,6 @@ SUITES = {
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
     "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
-    "run": ("loadgen.cli", "load generator: one load level"),
-    "sweep": ("loadgen.cli", "load generator: several levels"),
 }
 DOC = "docs/benchmarks.md"
 # What `--quick` shortens (the engine's quick plan is its own, see `engine.bench.make_plan`).
@@ -92,55 +89,6 @@ DEFAULTS = {"slo": {"probe_duration": 10.0, "probe_requests": 30, "max_probes": 
                     "probe_step": 1.3}}  # fmt: skip
 
 
-def _load_options(parser: argparse.ArgumentParser, sweep: bool) -> None:
-    """The load generator's options, shared by `run` and `sweep`."""
-    target = parser.add_argument_group("target")
-    target.add_argument(
-        "--target", required=True, help="grpc://HOST:PORT (Tandem) or http://HOST:PORT (OpenAI)"
-    )
-    target.add_argument("--model", default="", help="model name (default: the server's first)")
-    target.add_argument("--prompt-format", default="ids", choices=("ids", "text"))
-    target.add_argument(
-        "--http-logprobs", action="store_true", help="HTTP: ask logprobs for exact token counts"
-    )
-    target.add_argument(
-        "--strict-openai", action="store_true", help="HTTP: send only OpenAI's own fields"
-    )
-    target.add_argument("--request-timeout", type=float, default=600.0, help="per request, s")
-    workload = parser.add_argument_group("workload")
-    workload.add_argument("--workload", default="fixed", choices=("fixed", "chat", "mixed"))
-    workload.add_argument("--input-len", type=int, help="prompt tokens (chat: mean) [128; 215]")
-    workload.add_argument("--output-len", type=int, help="output tokens (chat: mean) [128; 198]")
-    workload.add_argument("--vocab-size", type=int, help="token ids below this [server's]")
-    workload.add_argument("--max-model-len", type=int, help="chat: clip to this [server's]")
-    workload.add_argument("--seed", type=int, default=0, help="prompts and arrival times")
-    workload.add_argument(
-        "--inject-long-at", type=float, action="append", metavar="S",
-        help="send a long prompt S seconds after the start (repeatable)",
-    )  # fmt: skip
-    workload.add_argument("--long-input-len", type=int, default=2048, help="long prompt tokens")
-    workload.add_argument("--long-output-len", type=int, default=16, help="long prompt output")
-    workload.add_argument("--long-fraction", type=float, default=0.1, help="mixed: documents")
-    load = parser.add_argument_group("load and results")
-    levels = load.add_mutually_exclusive_group(required=True)
-    # A sweep takes comma-separated levels ("1,2,4"), a run one number.
-    levels.add_argument("--concurrency", type=str if sweep else int, help="requests in flight")
-    levels.add_argument("--rate", type=str if sweep else float, help="open loop: arrivals per s")
-    load.add_argument("--num-requests", type=int, help="requests per run [100]")
-    load.add_argument("--duration", type=float, help="stop sending after S s")
-    load.add_argument("--timeout", type=float, default=3600.0, help="bound on a whole run, s")
-    load.add_argument("--warmup", type=int, default=1, help="unrecorded requests first")
-    load.add_argument("--ttft-slo", type=float, help="TTFT target, s")
-    load.add_argument("--itl-slo", type=float, help="ITL (TPOT) target, s")
-    load.add_argument("--long-ttft-slo", type=float, help="TTFT target of long documents, s")
-    load.add_argument("--out", help="write the results JSON here")
-    load.add_argument("--markdown", action="store_true", help="tables as markdown")
-    load.add_argument("--no-progress", action="store_true", help="no progress bar")
-    if sweep:
-        load.add_argument("--plot", help="PNG: frontier (concurrency) or goodput (rate)")
-        load.add_argument("--label", help="series name in the plot (default target)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem-bench", description=__doc__.split("\n")[0])
     suites = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
@@ -149,8 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
         for flags, keywords in OPTIONS.get(name, []):
             suite.add_argument(*flags, **keywords)
         suite.set_defaults(**DEFAULTS.get(name, {}))
-        if name in ("run", "sweep"):
-            _load_options(suite, sweep=name == "sweep")
     return parser
 
 

@@ -1,2 +1,2 @@
-"""The one load generator: it times every token itself (`tandem-bench run|sweep`; the
-router and experiment suites drive it from Python)."""
+"""The one load generator: it times every token itself; the router and experiment suites
+drive it from Python."""
