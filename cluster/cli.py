@@ -85,26 +85,26 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
     demo.set_defaults(handler=_run_demo, demo_parser=demo)
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
+def _int_at_least(minimum: int, text: str) -> int:
+    """An argparse integer >= `minimum`, or ArgumentTypeError saying what was wrong."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        message = f"expected an integer >= {minimum}, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(1, text)
 
 
 def non_negative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+    return _int_at_least(0, text)
 
 
 def port(text: str) -> int:

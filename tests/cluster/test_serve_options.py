@@ -108,7 +108,7 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--trace-exporter", "jaeger"), "invalid choice: 'jaeger'"),
         (("--prefill", "0"), "--prefill: must be >= 1, got 0"),
         (("--decode", "-1"), "--decode: must be >= 1, got -1"),
-        (("--colocated", "two"), "--colocated: expected a positive integer, got 'two'"),
+        (("--colocated", "two"), "--colocated: expected an integer >= 1, got 'two'"),
         (("--threads", "0"), "--threads: must be >= 1"),
         (("--grpc-port", "70000"), "--grpc-port: must be a port in [0, 65535]"),
         (("--max-local-prefill-tokens", "-5"), "--max-local-prefill-tokens: must be >= 0"),
