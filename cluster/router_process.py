@@ -1,0 +1,80 @@
+"""A router attached to a running cluster's pool controller.
+
+`tandem serve` runs one in its own process; `tandem router --ray-address` runs more
+(one per router replica). Each gets the serving workers at start, follows membership
+changes through a `MembershipWatcher`, and answers admin calls through a
+`RayAdminBackend`; each builds its own prefix index and latency models.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from tandem.cluster.admin_backend import RayAdminBackend
+from tandem.cluster.membership_watcher import MembershipWatcher
+from tandem.cluster.pool_controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE
+from tandem.router.config import RouterConfig
+from tandem.router.membership import Membership, WorkerLifecycle
+from tandem.router.server import Router
+from tandem.router.worker_pool import WorkerEndpoint
+
+logger = logging.getLogger(__name__)
+
+
+def find_controller() -> Any:
+    """The running cluster's pool controller (Ray must be initialised)."""
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        raise RuntimeError(
+            f"no Tandem cluster on this Ray cluster (no actor {CONTROLLER_NAME!r} in "
+            f"namespace {CONTROLLER_NAMESPACE!r}); start one with `tandem serve`"
+        ) from None
+
+
+def serving_endpoints(membership: Membership) -> list[WorkerEndpoint]:
+    return [
+        WorkerEndpoint(w.worker_id, w.role, w.endpoint)
+        for w in membership.workers
+        if w.state is WorkerLifecycle.SERVING
+    ]
+
+
+class AttachedRouter:
+    """Owns a router and the watcher that keeps its membership current."""
+
+    def __init__(self, config: RouterConfig, controller: Any) -> None:
+        self.config = config
+        self.controller = controller
+        self.router: Router | None = None
+        self.watcher: MembershipWatcher | None = None
+
+    async def start(self, timeout_s: float = 60.0) -> Router:
+        membership: Membership = await self.controller.wait_at_target.remote(timeout_s)
+        admin = RayAdminBackend(self.controller)
+        workers = serving_endpoints(membership)
+        # The routing side takes `admin=` and follows `update_membership`; a router
+        # without them serves the workers it was started with.
+        if hasattr(Router, "update_membership"):
+            router = Router(self.config, workers, admin=admin)  # type: ignore[call-arg]
+        else:
+            logger.warning("router: no update_membership; membership changes are not followed")
+            router = Router(self.config, workers)
+        await router.start()
+        self.router = router
+        update = getattr(router, "update_membership", None)
+        if update is not None:
+            self.watcher = MembershipWatcher(self.controller, update, membership.version)
+            self.watcher.start()
+        return router
+
+    async def stop(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+            self.watcher = None
+        if self.router is not None:
+            await self.router.stop()
+            self.router = None
