@@ -1,0 +1,227 @@
+"""The pool controller on a real local Ray: healing after kill -9, scale, drain, bad input.
+
+Workers are real Ray actor processes serving the tiny model; the controller is the
+named actor a `LocalCluster` starts; changes are followed through a real
+`MembershipWatcher` and admin calls go through the real `RayAdminBackend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from tandem.cluster.admin_backend import RayAdminBackend
+from tandem.cluster.config import ClusterConfig, PoolsConfig
+from tandem.cluster.launcher import LocalCluster
+from tandem.cluster.membership_watcher import MembershipWatcher
+from tandem.engine.config import EngineConfig
+from tandem.router.config import RouterConfig
+from tandem.router.membership import Membership, PoolTargets, WorkerLifecycle
+from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
+from tests.helpers.prompts import make_prompts
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+# What the Ray cluster can place per role (the budget below allows one more).
+ROLE_SLOTS = 3
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.init(
+        num_cpus=2 * ROLE_SLOTS,
+        resources={"tandem_prefill": ROLE_SLOTS, "tandem_decode": ROLE_SLOTS},
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+def cluster_config(model_dir) -> ClusterConfig:
+    return ClusterConfig(
+        model_dir=str(model_dir),
+        pools=PoolsConfig(
+            num_prefill=1,
+            num_decode=1,
+            max_workers_per_role=ROLE_SLOTS + 1,
+            health_interval_s=0.5,
+            dead_retention_s=2.0,
+            drain_timeout_s=30.0,
+        ),
+        engine=EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            num_threads=1,
+            max_model_len=512,
+            max_num_batched_tokens=256,
+        ),
+        router=RouterConfig(
+            model_dir=str(model_dir), grpc_port=0, http_port=0, warmup_profile=False
+        ),
+    )
+
+
+def serving(m: Membership, role: str) -> list:
+    return [w for w in m.workers if w.role == role and w.state is WorkerLifecycle.SERVING]
+
+
+async def wait_membership(cluster, condition, timeout_s: float, what: str) -> Membership:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = await cluster.membership()
+        if condition(m):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}: {m}")
+        await asyncio.sleep(0.2)
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("tandem:"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def assert_idle(membership: Membership) -> None:
+    workers = [(w.endpoint, w.role.value) for w in membership.workers
+               if w.state is WorkerLifecycle.SERVING]  # fmt: skip
+    num_prefill = sum(role == "prefill" for _, role in workers)
+    await assert_workers_idle(workers, max_channels=num_prefill)
+
+
+def test_kill_9_decode_worker_is_replaced_and_watchers_see_it(ray_session, tiny_model_dir):
+    async def scenario() -> None:
+        cluster = LocalCluster(cluster_config(tiny_model_dir))
+        seen: list[Membership] = []
+        try:
+            await cluster.start()
+            watcher = MembershipWatcher(cluster.controller, seen.append, poll_timeout_s=2.0)
+            watcher.start()
+            before = await cluster.membership()
+            [decode] = serving(before, "decode")
+            assert decode.pid and decode.node and decode.metrics_url.endswith("/metrics")
+            prompts = make_prompts(2048, (5, 40), seed=3)
+            assert len(await generate_tokens(cluster.router.grpc_endpoint, prompts, 4)) == 2
+
+            killed_at = time.monotonic()
+            os.kill(decode.pid, signal.SIGKILL)
+            healed = await wait_membership(
+                cluster,
+                lambda m: any(w.worker_id != decode.worker_id for w in serving(m, "decode")),
+                timeout_s=60.0,
+                what="a replacement decode worker serving",
+            )
+            heal_s = time.monotonic() - killed_at
+            assert heal_s < 60.0
+            [replacement] = serving(healed, "decode")
+            assert replacement.pid != decode.pid
+            assert await cluster.controller.restarts.remote() == {"prefill": 0, "decode": 1}
+            # Every router watching saw the dead worker, then the replacement.
+            states = [{w.worker_id: w.state for w in m.workers}.get(decode.worker_id) for m in seen]
+            assert WorkerLifecycle.DEAD in states
+            assert [m.version for m in seen] == sorted({m.version for m in seen})
+
+            # The dead entry is dropped after its retention; metrics agree with the pools.
+            final = await wait_membership(
+                cluster,
+                lambda m: all(w.state is WorkerLifecycle.SERVING for w in m.workers),
+                timeout_s=10.0,
+                what="the dead entry to expire",
+            )
+            metrics = scrape(cluster.controller_metrics_url)
+            for role in ("prefill", "decode"):
+                assert metrics[f'tandem:pool_workers{{role="{role}",state="serving"}}'] == len(
+                    serving(final, role)
+                )
+                assert metrics[f'tandem:pool_workers{{role="{role}",state="dead"}}'] == 0
+                assert metrics[f'tandem:pool_target_workers{{role="{role}"}}'] == 1
+            assert metrics['tandem:worker_restarts_total{role="decode"}'] == 1
+            assert metrics['tandem:worker_restarts_total{role="prefill"}'] == 0
+            await watcher.stop()
+            await assert_idle(final)
+        finally:
+            await cluster.stop()
+        pids = [w.pid for w in final.workers]
+        await asyncio.wait_for(_until(lambda: all(pid_gone(p) for p in pids)), 30.0)
+
+    asyncio.run(scenario())
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.1)
+
+
+def test_scale_drain_and_bad_input(ray_session, tiny_model_dir):
+    async def scenario() -> None:
+        cluster = LocalCluster(cluster_config(tiny_model_dir))
+        try:
+            await cluster.start()
+            admin = RayAdminBackend(cluster.controller)
+            start = await admin.get_pools()
+            assert start.targets == PoolTargets(prefill=1, decode=1)
+
+            # Bad input: the field is named and nothing changes.
+            with pytest.raises(ValueError, match="decode: 5 workers is over the budget of 4"):
+                await admin.scale(PoolTargets(prefill=1, decode=5))
+            with pytest.raises(RuntimeError, match="decode: 4 workers, but the Ray cluster"):
+                await admin.scale(PoolTargets(prefill=1, decode=4))
+            with pytest.raises(ValueError, match="worker_id: no worker 'decode-9'"):
+                await admin.drain("decode-9")
+            unchanged = await admin.get_pools()
+            assert unchanged.version == start.version
+            assert unchanged.targets == start.targets
+
+            # Concurrent scale calls: the last one wins, whole.
+            results = await asyncio.gather(
+                admin.scale(PoolTargets(prefill=2, decode=3)),
+                admin.scale(PoolTargets(prefill=1, decode=2)),
+            )
+            assert results[-1].targets == PoolTargets(prefill=1, decode=2)
+            up = await cluster.controller.wait_at_target.remote(120.0)
+            assert up.targets == PoolTargets(prefill=1, decode=2)
+            assert len(serving(up, "decode")) == 2 and len(serving(up, "prefill")) == 1
+            assert len({w.pid for w in up.workers}) == 3
+
+            # Drain one worker by name: a replacement starts, the drained one stops idle.
+            [first, second] = serving(up, "decode")
+            drained = await admin.drain(first.worker_id)
+            state = {w.worker_id: w.state for w in drained.workers}
+            assert state[first.worker_id] is WorkerLifecycle.DRAINING
+            after = await cluster.controller.wait_at_target.remote(120.0)
+            ids = {w.worker_id for w in serving(after, "decode")}
+            assert first.worker_id not in ids and second.worker_id in ids and len(ids) == 2
+
+            # Scale down: the surplus decode worker drains, then stops with every block free.
+            await admin.scale(PoolTargets(prefill=1, decode=1))
+            down = await cluster.controller.wait_at_target.remote(120.0)
+            assert len(serving(down, "decode")) == 1
+            loads = await cluster.controller.drained_loads.remote()
+            assert first.worker_id in loads and len(loads) == 2
+            for worker_id, load in loads.items():
+                assert load.is_idle and load.num_free_blocks == load.num_blocks, worker_id
+            await assert_idle(down)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
