@@ -3,6 +3,7 @@
     tandem model make --preset tiny|small --out DIR [--seed N]
     tandem demo --model DIR [--max-tokens N] [--prompt TEXT ...]
     tandem serve [--model DIR] [--prefill N --decode M | --colocated K] [...]
+    tandem pools | scale | router ...   (see cluster.pool_commands)
 
 Each subcommand imports what it needs inside its handler, so `tandem model make`
 works before (or without) the engine and cluster code it does not use.
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_commands(commands)
     _add_demo_command(commands)
     _add_serve_command(commands)
+    from tandem.cluster.pool_commands import add_pool_commands
+
+    add_pool_commands(commands)
     return parser
 
 

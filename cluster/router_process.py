@@ -78,3 +78,35 @@ class AttachedRouter:
         if self.router is not None:
             await self.router.stop()
             self.router = None
+
+
+async def run_router(ray_address: str, overrides: dict[str, Any], announce=print) -> None:
+    """`tandem router`: join the Ray cluster, serve until Ctrl-C / SIGTERM, then stop.
+
+    The router settings are the cluster's (model, SLOs, timeouts) with `overrides`
+    (host, ports, API key); the model directory must exist at the same path here.
+    """
+    import asyncio
+    import dataclasses
+    import signal
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, log_to_driver=False)
+    controller = find_controller()
+    cluster_config = await controller.get_config.remote()
+    config = dataclasses.replace(cluster_config.router, **overrides)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    attached = AttachedRouter(config, controller)
+    try:
+        router = await attached.start(cluster_config.ray.worker_start_timeout_s)
+        announce(f"Tandem router for {config.model_dir} (Ray {ray_address})")
+        announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")
+        announce(f"  HTTP  {router.http_endpoint}/health")
+        await stop.wait()
+    finally:
+        await attached.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
