@@ -106,7 +106,7 @@ def _run_scale(args: argparse.Namespace) -> int:
             if time.monotonic() > deadline:
                 print(f"tandem scale: timed out after {args.timeout:g} s: {gap}", file=sys.stderr)
                 return EXIT_TIMEOUT
-            time.sleep(0.5)
+            time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
             view = client.get_pools()
     except AdminRefused as exc:
         print(f"tandem scale: refused: {exc}", file=sys.stderr)

@@ -73,15 +73,24 @@ def test_pools_and_scale_commands_through_the_controller(ray_session, tiny_model
             assert states == [("decode", "serving")] * 2 + [("prefill", "serving")]
             assert all(w["pid"] > 0 and w["endpoint"] for w in view["workers"])
 
-            # Too short a timeout: exit 1, saying which role is not there yet.
+            # Too short a timeout for a worker to start: exit 1, saying which role is short.
             rc = await asyncio.to_thread(
-                cli, "scale", "--prefill", "1", "--decode", "1", "--ray-address", address,
-                "--timeout", "0.01",
+                cli, "scale", "--prefill", "1", "--decode", "3", "--ray-address", address,
+                "--timeout", "0.5",
             )  # fmt: skip
             assert rc == 1
-            assert "timed out after 0.01 s: decode 1/1 serving, 1 draining" in (
+            assert "timed out after 0.5 s: decode 2/3 serving, 1 starting" in (
                 capsys.readouterr().err
             )
+            await cluster.controller.wait_at_target.remote(120.0)
+
+            # Down: returns 0 once the surplus workers drained and stopped.
+            rc = await asyncio.to_thread(
+                cli, "scale", "--prefill", "1", "--decode", "1", "--ray-address", address,
+                "--timeout", "120",
+            )  # fmt: skip
+            assert rc == 0, capsys.readouterr().err
+            assert len((await cluster.membership()).workers) == 2
             await assert_idle(await cluster.controller.wait_at_target.remote(120.0))
         finally:
             await cluster.stop()
