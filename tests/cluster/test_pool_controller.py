@@ -8,6 +8,7 @@ named actor a `LocalCluster` starts; changes are followed through a real
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import time
@@ -221,6 +222,35 @@ def test_scale_drain_and_bad_input(ray_session, tiny_model_dir):
             for worker_id, load in loads.items():
                 assert load.is_idle and load.num_free_blocks == load.num_blocks, worker_id
             await assert_idle(down)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+def test_hung_worker_fails_health_checks_and_is_replaced(ray_session, tiny_model_dir):
+    """A worker that stops answering (SIGSTOP: the process is alive but frozen) is
+    declared dead after `max_health_failures` probes time out, killed and replaced."""
+    config = cluster_config(tiny_model_dir)
+    config.pools = dataclasses.replace(config.pools, health_timeout_s=1.0, max_health_failures=2)
+
+    async def scenario() -> None:
+        cluster = LocalCluster(config)
+        try:
+            await cluster.start()
+            [prefill] = serving(await cluster.membership(), "prefill")
+            os.kill(prefill.pid, signal.SIGSTOP)
+            healed = await wait_membership(
+                cluster,
+                lambda m: any(w.worker_id != prefill.worker_id for w in serving(m, "prefill")),
+                timeout_s=60.0,
+                what="a replacement prefill worker serving",
+            )
+            states = {w.worker_id: w.state for w in healed.workers}
+            assert states.get(prefill.worker_id) in (WorkerLifecycle.DEAD, None)
+            assert await cluster.controller.restarts.remote() == {"prefill": 1, "decode": 0}
+            await asyncio.wait_for(_until(lambda: pid_gone(prefill.pid)), 30.0)
+            await assert_idle(await cluster.controller.wait_at_target.remote(30.0))
         finally:
             await cluster.stop()
 
