@@ -16,7 +16,6 @@ import ray
 from tandem.cluster.cli import main
 from tandem.cluster.launcher import LocalCluster
 from tandem.router.membership import PoolTargets
-from tandem.router.server import Router
 from tests.cluster.test_pool_controller import ROLE_SLOTS, assert_idle, cluster_config
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.prompts import make_prompts
@@ -135,31 +134,3 @@ def _grpc_line(process: subprocess.Popen) -> str:
         if time.monotonic() > deadline:
             break
     raise AssertionError(f"the router process announced no endpoint (exit {process.poll()})")
-
-
-@pytest.mark.skipif(
-    not hasattr(Router, "update_membership"), reason="the router's admin API is not built yet"
-)
-def test_scale_through_one_router_is_seen_through_the_other(ray_session, tiny_model_dir, capsys):
-    async def scenario() -> None:
-        cluster = LocalCluster(cluster_config(tiny_model_dir))
-        try:
-            await cluster.start()
-            http = cluster.router.http_endpoint.removeprefix("http://")
-            rc = await asyncio.to_thread(
-                cli, "scale", "--prefill", "1", "--decode", "2", "--address", http,
-                "--timeout", "120",
-            )  # fmt: skip
-            assert rc == 0, capsys.readouterr().err
-            capsys.readouterr()
-            assert await asyncio.to_thread(cli, "pools", "--address", http, "--json") == 0
-            view = json.loads(capsys.readouterr().out)
-            assert view["targets"] == {"prefill": 1, "decode": 2}
-            rc = await asyncio.to_thread(
-                cli, "scale", "--prefill", "1", "--decode", "9", "--address", http
-            )
-            assert rc == 2 and "decode" in capsys.readouterr().err
-        finally:
-            await cluster.stop()
-
-    asyncio.run(scenario())
