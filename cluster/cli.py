@@ -215,6 +215,15 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="longest prompt a decode worker may prefill itself (0: always disaggregate) "
         f"[{router['max_local_prefill_tokens'].default}]",
     )
+    serve.add_argument(
+        "--max-workers-per-role", type=positive_int, default=None,
+        help=f"the most workers `tandem scale` may ask of one role [{pools.max_workers_per_role}]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--autoscaling", action="store_true",
+        help="the Ray cluster adds nodes on demand: workers ask for tandem_<role> resources "
+        "and targets are not checked against the nodes there now",
+    )  # fmt: skip
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
 
@@ -256,10 +265,11 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         raise CliError("--kv-backend nccl moves KV between GPUs; with --device cpu use tcp")
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     try:
+        limits = _given(args, max_workers_per_role="max_workers_per_role")
         pools = (
-            PoolsConfig.colocated(args.colocated)
+            PoolsConfig(num_prefill=0, num_decode=0, num_colocated=args.colocated, **limits)
             if args.colocated is not None
-            else PoolsConfig(**_given(args, num_prefill="prefill", num_decode="decode"))
+            else PoolsConfig(**_given(args, num_prefill="prefill", num_decode="decode"), **limits)
         )
         engine = EngineConfig(
             model=args.model,
@@ -294,7 +304,11 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             engine=engine,
             worker=worker,
             router=router,
-            ray=RayConfig(**_given(args, address="ray_address")),
+            ray=RayConfig(
+                **_given(args, address="ray_address"),
+                autoscaling=args.autoscaling,
+                role_resources=True if args.autoscaling else None,
+            ),
         )
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from exc

@@ -176,7 +176,9 @@ class PoolController:
         now_s = time.monotonic()
         for worker_id in plan.cancel:
             logger.info("pools: cancelling start of %s (target went down)", worker_id)
-            self._starts.pop(worker_id).cancel()
+            start = self._starts.pop(worker_id, None)
+            if start is not None:
+                start.cancel()
             self._stop_later(self.state.remove(worker_id))
         for worker_id in plan.drain:
             logger.info("pools: draining %s (scale down)", worker_id)

@@ -15,10 +15,10 @@ from ray.cluster_utils import Cluster
 
 from tandem.cluster.launcher import LocalCluster
 from tandem.router.membership import WorkerLifecycle
-from tests.cluster.test_pool_controller import assert_idle, cluster_config
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import assert_idle, cluster_config
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 

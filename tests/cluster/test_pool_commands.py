@@ -16,21 +16,16 @@ import ray
 from tandem.cluster.cli import main
 from tandem.cluster.launcher import LocalCluster
 from tandem.router.membership import PoolTargets
-from tests.cluster.test_pool_controller import ROLE_SLOTS, assert_idle, cluster_config
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import assert_idle, cluster_config, init_ray_with_role_slots
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(
-        num_cpus=2 * ROLE_SLOTS,
-        resources={"tandem_prefill": ROLE_SLOTS, "tandem_decode": ROLE_SLOTS},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    init_ray_with_role_slots()
     yield
     ray.shutdown()
 

@@ -12,102 +12,35 @@ import dataclasses
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
 import ray
 
 from tandem.cluster.admin_backend import RayAdminBackend
-from tandem.cluster.config import ClusterConfig, PoolsConfig
 from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.membership_watcher import MembershipWatcher
-from tandem.engine.config import EngineConfig
-from tandem.router.config import RouterConfig
 from tandem.router.membership import Membership, PoolTargets, WorkerLifecycle
-from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
+from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import (
+    assert_idle,
+    cluster_config,
+    init_ray_with_role_slots,
+    pid_gone,
+    scrape,
+    serving,
+    until,
+    wait_membership,
+)
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
-
-# What the Ray cluster can place per role (the budget below allows one more).
-ROLE_SLOTS = 3
 
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(
-        num_cpus=2 * ROLE_SLOTS,
-        resources={"tandem_prefill": ROLE_SLOTS, "tandem_decode": ROLE_SLOTS},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    init_ray_with_role_slots()
     yield
     ray.shutdown()
-
-
-def cluster_config(model_dir) -> ClusterConfig:
-    return ClusterConfig(
-        model_dir=str(model_dir),
-        pools=PoolsConfig(
-            num_prefill=1,
-            num_decode=1,
-            max_workers_per_role=ROLE_SLOTS + 1,
-            health_interval_s=0.5,
-            dead_retention_s=2.0,
-            drain_timeout_s=30.0,
-        ),
-        engine=EngineConfig(
-            model=str(model_dir),
-            device="cpu",
-            num_threads=1,
-            max_model_len=512,
-            max_num_batched_tokens=256,
-        ),
-        router=RouterConfig(
-            model_dir=str(model_dir), grpc_port=0, http_port=0, warmup_profile=False
-        ),
-    )
-
-
-def serving(m: Membership, role: str) -> list:
-    return [w for w in m.workers if w.role == role and w.state is WorkerLifecycle.SERVING]
-
-
-async def wait_membership(cluster, condition, timeout_s: float, what: str) -> Membership:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        m = await cluster.membership()
-        if condition(m):
-            return m
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}: {m}")
-        await asyncio.sleep(0.2)
-
-
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        text = reply.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line.startswith("tandem:"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def pid_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
-async def assert_idle(membership: Membership) -> None:
-    workers = [(w.endpoint, w.role.value) for w in membership.workers
-               if w.state is WorkerLifecycle.SERVING]  # fmt: skip
-    num_prefill = sum(role == "prefill" for _, role in workers)
-    await assert_workers_idle(workers, max_channels=num_prefill)
 
 
 def test_kill_9_decode_worker_is_replaced_and_watchers_see_it(ray_session, tiny_model_dir):
@@ -163,14 +96,9 @@ def test_kill_9_decode_worker_is_replaced_and_watchers_see_it(ray_session, tiny_
         finally:
             await cluster.stop()
         pids = [w.pid for w in final.workers]
-        await asyncio.wait_for(_until(lambda: all(pid_gone(p) for p in pids)), 30.0)
+        await until(lambda: all(pid_gone(p) for p in pids), 30.0, "worker processes gone")
 
     asyncio.run(scenario())
-
-
-async def _until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.1)
 
 
 def test_scale_drain_and_bad_input(ray_session, tiny_model_dir):
@@ -249,7 +177,7 @@ def test_hung_worker_fails_health_checks_and_is_replaced(ray_session, tiny_model
             states = {w.worker_id: w.state for w in healed.workers}
             assert states.get(prefill.worker_id) in (WorkerLifecycle.DEAD, None)
             assert await cluster.controller.restarts.remote() == {"prefill": 1, "decode": 0}
-            await asyncio.wait_for(_until(lambda: pid_gone(prefill.pid)), 30.0)
+            await until(lambda: pid_gone(prefill.pid), 30.0, "the frozen worker killed")
             await assert_idle(await cluster.controller.wait_at_target.remote(30.0))
         finally:
             await cluster.stop()

@@ -31,17 +31,18 @@ from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.membership import Membership, PoolTargets, WorkerLifecycle
 from tandem.router.server import Router
-from tests.cluster.test_pool_controller import (
-    ROLE_SLOTS,
-    assert_idle,
-    cluster_config,
-    scrape,
-    serving,
-    wait_membership,
-)
 from tests.helpers.grpc_calls import worker_stats
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import (
+    assert_idle,
+    cluster_config,
+    init_ray_with_role_slots,
+    scrape,
+    serving,
+    until,
+    wait_membership,
+)
 
 pytestmark = [
     pytest.mark.timeout(420),
@@ -57,12 +58,7 @@ PROMPT_LENS = (5, 17, 40, 64, 100, 150)
 
 @pytest.fixture(scope="module")
 def ray_session():
-    ray.init(
-        num_cpus=2 * ROLE_SLOTS,
-        resources={"tandem_prefill": ROLE_SLOTS, "tandem_decode": ROLE_SLOTS},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    init_ray_with_role_slots()
     yield
     ray.shutdown()
 
@@ -113,14 +109,6 @@ class Streams:
 
     def all_started(self, min_tokens: int = 2) -> bool:
         return all(len(t) >= min_tokens for t in self.tokens)
-
-
-async def until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 async def busiest(membership: Membership, role: str):
