@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tandem.cluster.config import ClusterConfig, role_resource
 from tandem.cluster.pool_metrics import PoolMetrics
 from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
-from tandem.cluster.worker_actor import WorkerActor, WorkerPlacement
+from tandem.cluster.worker_actor import WorkerActor, WorkerPlacement, node_host
 from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
 from tandem.worker.config import WorkerConfig, WorkerRole
 
@@ -65,6 +65,7 @@ class PoolController:
         self._metrics_runner: web.AppRunner | None = None
         self.metrics_url = ""
         self._role_resources = False
+        self._advertise_node_ip = False
         # Final load of each worker stopped after a drain (for admin views and tests).
         self.drained: dict[str, WorkerLoad] = {}
 
@@ -78,6 +79,10 @@ class PoolController:
             self._role_resources = any(role_resource(r) in declared for r in self.state.targets)
         else:
             self._role_resources = ray_config.role_resources
+        # Workers on a multi-node (or joined) Ray cluster bind and advertise their
+        # node's address: loopback would not reach them from other nodes.
+        alive_nodes = [node for node in ray.nodes() if node.get("Alive")]
+        self._advertise_node_ip = ray_config.address is not None or len(alive_nodes) > 1
         await self._start_metrics()
         self._publish()
         self._loop_task = asyncio.create_task(self._reconcile_forever())
@@ -199,7 +204,7 @@ class PoolController:
         if self._role_resources:
             options["resources"] = {role_resource(role): 1}
         actor = WorkerActor.options(**options).remote(
-            worker_config, advertise_node_ip=ray_config.address is not None
+            worker_config, advertise_node_ip=self._advertise_node_ip
         )
         info = WorkerInfo(worker_id=worker_id, role=role, state=WorkerLifecycle.STARTING)
         self.state.add(WorkerRecord(info=info, actor=actor, since_s=now_s))
@@ -362,9 +367,7 @@ class PoolController:
         self._metrics_runner = web.AppRunner(app)
         await self._metrics_runner.setup()
         host = self.config.worker.host
-        if self.config.ray.address is not None:
-            from tandem.cluster.worker_actor import node_host
-
+        if self._advertise_node_ip:
             host = node_host(host, ray.util.get_node_ip_address())
         await web.TCPSite(self._metrics_runner, host, self.config.pools.metrics_port).start()
         port = self._metrics_runner.addresses[0][1]

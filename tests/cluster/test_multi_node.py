@@ -2,7 +2,8 @@
 
 Each worker asks for its role's Ray resource, so the prefill worker lands on the node
 that offers `tandem_prefill` and the decode worker on the other; KV crosses nodes
-over TCP and the text equals `transformers` greedy generation.
+over TCP (to the node's address, which the workers bind and advertise) and the
+text equals `transformers` greedy generation.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def test_placement_by_role_and_cross_node_kv(two_nodes, tiny_model_dir):
             nodes = {w.role.value: w.node for w in membership.workers
                      if w.state is WorkerLifecycle.SERVING}  # fmt: skip
             assert nodes == {"prefill": prefill_node, "decode": decode_node}
+            # Several nodes: workers bind and advertise the node's address, not loopback.
+            node_ip = ray.util.get_node_ip_address()
+            for worker in membership.workers:
+                assert worker.endpoint.rsplit(":", 1)[0] == node_ip, worker
+                assert worker.metrics_url.startswith(f"http://{node_ip}:"), worker
             got = await generate_tokens(cluster.router.grpc_endpoint, prompts, MAX_TOKENS)
             assert got == expected
             await assert_idle(membership)

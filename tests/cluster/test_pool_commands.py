@@ -109,7 +109,7 @@ def test_second_router_process_serves_the_same_cluster(ray_session, tiny_model_d
             second = await generate_tokens(endpoint, prompts, 6)
             assert first == second and all(len(t) == 6 for t in first)
             process.send_signal(signal.SIGTERM)
-            assert await asyncio.to_thread(process.wait, 60) == 0
+            assert await asyncio.to_thread(process.wait, 120) == 0
             await assert_idle(await cluster.membership())
         finally:
             if process is not None and process.poll() is None:
