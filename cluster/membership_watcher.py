@@ -62,7 +62,9 @@ class MembershipWatcher:
                 logger.warning("membership: controller did not answer (%s); retrying", exc)
                 await asyncio.sleep(self.retry_s)
                 continue
-            if membership.version <= self.version:
+            # Equal: nothing new (the poll timed out). Lower: a new controller started
+            # counting again; its view replaces the old one.
+            if membership.version == self.version:
                 continue
             self.version = membership.version
             try:
