@@ -346,6 +346,14 @@ class PoolController:
                 f"prefill+decode: {needed_cpus} workers need {needed_cpus} CPUs; "
                 f"the Ray cluster has {have_cpus}"
             )
+        if self.config.use_gpu:
+            needed_gpus = needed_cpus * self.config.ray.gpus_per_worker
+            have_gpus = total.get("GPU", 0.0)
+            if needed_gpus > have_gpus:
+                raise RuntimeError(
+                    f"prefill+decode: {needed_cpus} workers need {needed_gpus:g} GPUs; "
+                    f"the Ray cluster has {have_gpus:g}"
+                )
 
     def _publish(self) -> None:
         """Wake watchers and refresh the gauges (cheap; called after every change)."""
