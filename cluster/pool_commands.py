@@ -66,16 +66,38 @@ def _add_address(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="the router's API key (or TANDEM_API_KEY)")
 
 
+def ray_auth_env() -> None:
+    """Send the Ray cluster's auth token when joining it, if there is one.
+
+    Recent Ray versions start a local cluster with token auth (the token in
+    ~/.ray/auth_token), and a joining process sends the token only when RAY_AUTH_MODE
+    says so, read when `ray` is imported: so this runs before that import, and only
+    when nobody chose a mode.
+    """
+    from pathlib import Path
+
+    if "ray" in sys.modules or "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = Path.home() / ".ray" / "auth_token"
+    if (
+        os.environ.get("RAY_AUTH_TOKEN")
+        or os.environ.get("RAY_AUTH_TOKEN_PATH")
+        or (token_file.is_file())
+    ):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def _client(args: argparse.Namespace):
-    from tandem.cluster.admin_client import HttpAdminClient, RayAdminClient
+    from tandem.cluster.admin_client import AdminUnreachable, HttpAdminClient, RayAdminClient
 
     if args.ray_address:
-        import ray
+        ray_auth_env()
+        from tandem.cluster.router_process import find_controller, join_ray
 
-        from tandem.cluster.router_process import find_controller
-
-        if not ray.is_initialized():
-            ray.init(address=args.ray_address, log_to_driver=False, logging_level="WARNING")
+        try:
+            join_ray(args.ray_address)
+        except ConnectionError as exc:
+            raise AdminUnreachable(str(exc)) from None
         return RayAdminClient(find_controller())
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     return HttpAdminClient(args.address or DEFAULT_ADMIN_ADDRESS, api_key)
@@ -122,6 +144,7 @@ def _run_scale(args: argparse.Namespace) -> int:
 def _run_router(args: argparse.Namespace) -> int:
     import asyncio
 
+    ray_auth_env()
     from tandem.cluster.router_process import run_router
 
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None

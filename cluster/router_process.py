@@ -24,6 +24,12 @@ from tandem.router.worker_pool import WorkerEndpoint
 logger = logging.getLogger(__name__)
 
 
+def join_ray(address: str) -> None:
+    """Connect this process to the Ray cluster at `address` (once)."""
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+
+
 def find_controller() -> Any:
     """The running cluster's pool controller (Ray must be initialised)."""
     try:
@@ -90,8 +96,7 @@ async def run_router(ray_address: str, overrides: dict[str, Any], announce=print
     import dataclasses
     import signal
 
-    if not ray.is_initialized():
-        ray.init(address=ray_address, log_to_driver=False)
+    join_ray(ray_address)
     controller = find_controller()
     cluster_config = await controller.get_config.remote()
     config = dataclasses.replace(cluster_config.router, **overrides)
