@@ -41,6 +41,9 @@ class PoolsConfig:
     # Longest a draining worker may keep running requests before it is stopped anyway
     # (the routers then move what is left to other workers).
     drain_timeout_s: float = 60.0
+    # Shortest drain: routers learn of a drain through their watchers, so an idle
+    # worker still gets this long for requests placed just before they did.
+    drain_min_s: float = 2.0
     # How long a dead worker stays listed (state `dead`) after it was found dead.
     dead_retention_s: float = 30.0
     # Port of the pool controller's Prometheus /metrics endpoint; 0 picks a free one.
@@ -63,6 +66,10 @@ class PoolsConfig:
         for name in ("health_interval_s", "health_timeout_s", "drain_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"pools.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.drain_min_s <= self.drain_timeout_s:
+            raise ValueError(
+                f"pools.drain_min_s must be in [0, drain_timeout_s], got {self.drain_min_s}"
+            )
         if self.dead_retention_s < 0:
             raise ValueError(f"pools.dead_retention_s must be >= 0, got {self.dead_retention_s}")
         if self.max_health_failures < 1:

@@ -284,8 +284,10 @@ class PoolController:
         for record in list(self.state.records.values()):
             if record.state is not WorkerLifecycle.DRAINING or record.worker_id in self._stops:
                 continue
-            overdue = now_s - record.since_s >= self.config.pools.drain_timeout_s
-            if record.load.is_idle or overdue:
+            draining_s = now_s - record.since_s
+            overdue = draining_s >= self.config.pools.drain_timeout_s
+            settled = draining_s >= self.config.pools.drain_min_s and record.load.is_idle
+            if settled or overdue:
                 if overdue and not record.load.is_idle:
                     logger.warning("pools: %s still busy after the drain timeout; stopping it "
                                    "(routers move its requests)", record.worker_id)  # fmt: skip

@@ -255,7 +255,8 @@ class Load:
                 self.errors.append(f"{exc.code().name}: {exc.details()}")
                 continue
             self.done += 1
-            if tokens != self.expected[i]:
+            # Greedy: a shorter run is a prefix of the reference.
+            if tokens != self.expected[i][: self.max_tokens]:
                 self.wrong.append(i)
 
 
@@ -289,14 +290,17 @@ def test_scale_down_under_load_then_up(ray_session, tiny_model_dir, prompts, exp
             load.start()
             await until(lambda: load.done >= 40, 120.0, "requests after scale-up")
             await load.stop()
-            assert load.errors == []
+            assert load.errors == [] and load.wrong == []
             for worker in new:
                 metrics = scrape(worker.metrics_url)
                 name = ("tandem:prefix_cache_queries_total" if worker.role == "prefill"
                         else "tandem:kv_transfer_bytes_total")  # fmt: skip
                 took = sum(v for k, v in metrics.items() if k.startswith(name))
                 assert took > 0, f"{worker.worker_id} took no traffic"
-            await assert_idle(up)
+            # A decode worker keeps its transfer channel to a prefill worker that was
+            # drained away (closed when the decode worker stops): one per prefill
+            # worker it ever pulled from, here 3, never one per request.
+            await assert_idle(up, max_channels=3)
         finally:
             await cluster.stop()
 

@@ -88,11 +88,15 @@ def pid_gone(pid: int) -> bool:
     return False
 
 
-async def assert_idle(membership: Membership) -> None:
+async def assert_idle(membership: Membership, max_channels: int | None = None) -> None:
     workers = [(w.endpoint, w.role.value) for w in membership.workers
                if w.state is WorkerLifecycle.SERVING]  # fmt: skip
+    # Transfer channels are reused: a decode worker keeps one per prefill worker it
+    # pulled from, a prefill worker one per decode worker that pulled from it.
     num_prefill = sum(role == "prefill" for _, role in workers)
-    await assert_workers_idle(workers, max_channels=num_prefill)
+    if max_channels is None:
+        max_channels = max(num_prefill, len(workers) - num_prefill)
+    await assert_workers_idle(workers, max_channels=max_channels)
 
 
 async def until(condition, timeout_s: float, what: str = "") -> None:
