@@ -149,7 +149,7 @@ def shortfall(view: PoolsView) -> str:
 def format_table(view: PoolsView) -> str:
     """`tandem pools`'s table."""
     columns = ("id", "role", "state", "node", "pid", "endpoint", "running", "waiting", "kv_usage")
-    rows = [columns]
+    rows: list[tuple[str, ...]] = [columns]
     for w in sorted(view["workers"], key=lambda w: (w["role"], w["id"])):
         row = dict(w, node=str(w.get("node", ""))[:12], kv_usage=f"{w.get('kv_usage', 0):.0%}")
         rows.append(tuple(str(row.get(c, "")) for c in columns))

@@ -16,7 +16,11 @@ from typing import Any
 import ray
 
 from tandem.cluster.config import ClusterConfig, role_resource
-from tandem.cluster.pool_controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE, PoolController
+from tandem.cluster.pool_controller import (
+    CONTROLLER_NAME,
+    CONTROLLER_NAMESPACE,
+    RemotePoolController,
+)
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
 from tandem.router.membership import Membership
 from tandem.router.server import Router
@@ -47,7 +51,7 @@ class LocalCluster:
         self._init_ray()
         threads = config.engine.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
         # Not detached: the controller (and the workers it owns) go with this process.
-        self.controller = PoolController.options(
+        self.controller = RemotePoolController.options(
             name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE
         ).remote(config, threads)
         self.controller_metrics_url = await self.controller.start.remote()

@@ -39,7 +39,6 @@ CONTROLLER_NAME = "tandem-pool-controller"
 CONTROLLER_NAMESPACE = "tandem"
 
 
-@ray.remote(num_cpus=0, max_restarts=0)
 class PoolController:
     """Async actor; its event loop runs the reconcile loop and answers calls in between.
 
@@ -383,3 +382,8 @@ class PoolController:
         port = self._metrics_runner.addresses[0][1]
         self.metrics_url = f"http://{host}:{port}/metrics"
         logger.info("pools: controller metrics on %s (pid %d)", self.metrics_url, os.getpid())
+
+
+# Applied as a call, not a decorator, so mypy sees Ray's typed `ActorClass` (with
+# `.options` / `.remote`). The options are the ones the decorator had.
+RemotePoolController = ray.remote(num_cpus=0, max_restarts=0)(PoolController)

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 def join_ray(address: str) -> None:
     """Connect this process to the Ray cluster at `address` (once)."""
     if not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
 
 
 def find_controller() -> Any:

@@ -220,7 +220,7 @@ class GoodputPolicy:
             return
         prefill.on_complete(req_id, self.clock())
         prefill.prefix.unlock(req_id)
-        self._drop_retired(p.prefill_worker_id)
+        self._drop_retired(prefill.worker_id)
         self.queue.notify()
 
     def observe_ttft(self, req_id: str, ttft_s: float) -> None:
