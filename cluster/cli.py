@@ -3,6 +3,7 @@
     tandem model make --preset tiny|small --out DIR [--seed N]
     tandem demo --model DIR [--max-tokens N] [--prompt TEXT ...]
     tandem serve [--model DIR] [--prefill N --decode M | --colocated K] [...]
+    tandem pools | scale | router ...   (see cluster.pool_commands)
 
 Each subcommand imports what it needs inside its handler, so `tandem model make`
 works before (or without) the engine and cluster code it does not use.
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_commands(commands)
     _add_demo_command(commands)
     _add_serve_command(commands)
+    from tandem.cluster.pool_commands import add_pool_commands
+
+    add_pool_commands(commands)
     return parser
 
 
@@ -213,6 +217,15 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="longest prompt a decode worker may prefill itself (0: always disaggregate) "
         f"[{router['max_local_prefill_tokens'].default}]",
     )
+    serve.add_argument(
+        "--max-workers-per-role", type=positive_int, default=None,
+        help=f"the most workers `tandem scale` may ask of one role [{pools.max_workers_per_role}]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--autoscaling", action="store_true",
+        help="the Ray cluster adds nodes on demand: workers ask for tandem_<role> resources "
+        "and targets are not checked against the nodes there now",
+    )  # fmt: skip
     add_security_flags(serve, generates_token=True)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
@@ -256,12 +269,15 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         raise CliError("--kv-backend nccl moves KV between GPUs; with --device cpu use tcp")
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     try:
+        limit = _flag(args.max_workers_per_role, PoolsConfig.max_workers_per_role)
+        limits = {"max_workers_per_role": limit}
         pools = (
-            PoolsConfig.colocated(args.colocated)
+            PoolsConfig(num_prefill=0, num_decode=0, num_colocated=args.colocated, **limits)
             if args.colocated is not None
             else PoolsConfig(
                 num_prefill=_flag(args.prefill, PoolsConfig.num_prefill),
                 num_decode=_flag(args.decode, PoolsConfig.num_decode),
+                **limits,
             )
         )
         # A flag left out (None) is these fields' own default: derived by the engine (or
@@ -304,7 +320,11 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             engine=engine,
             worker=worker,
             router=router,
-            ray=RayConfig(address=args.ray_address),
+            ray=RayConfig(
+                address=args.ray_address,
+                autoscaling=args.autoscaling,
+                role_resources=True if args.autoscaling else None,
+            ),
         )
     except (ValueError, FileNotFoundError) as exc:
         raise CliError(str(exc)) from exc

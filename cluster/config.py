@@ -30,11 +30,54 @@ class PoolsConfig:
     num_decode: int = 1
     # Colocated workers replace both pools (num_prefill = num_decode = 0 then).
     num_colocated: int = 0
+    # The most workers one role may be scaled to (the budget `tandem scale` checks).
+    max_workers_per_role: int = 8
+    # How often the pool controller probes every worker; a probe that takes longer
+    # than `health_timeout_s` fails, and `max_health_failures` failures in a row (or a
+    # worker process that exited) make the worker dead, to be replaced.
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 5.0
+    max_health_failures: int = 3
+    # Longest a draining worker may keep running requests before it is stopped anyway
+    # (the routers then move what is left to other workers).
+    drain_timeout_s: float = 60.0
+    # Shortest drain: routers learn of a drain through their watchers, so an idle
+    # worker still gets this long for requests placed just before they did.
+    drain_min_s: float = 2.0
+    # How long a dead worker stays listed (state `dead`) after it was found dead.
+    dead_retention_s: float = 30.0
+    # Port of the pool controller's Prometheus /metrics endpoint; 0 picks a free one.
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_prefill", "num_decode", "num_colocated"):
             if getattr(self, name) < 0:
                 raise ValueError(f"pools.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_workers_per_role < 1:
+            raise ValueError(
+                f"pools.max_workers_per_role must be >= 1, got {self.max_workers_per_role}"
+            )
+        for name in ("num_prefill", "num_decode", "num_colocated"):
+            if getattr(self, name) > self.max_workers_per_role:
+                raise ValueError(
+                    f"pools.{name} ({getattr(self, name)}) is over max_workers_per_role "
+                    f"({self.max_workers_per_role})"
+                )
+        for name in ("health_interval_s", "health_timeout_s", "drain_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"pools.{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.drain_min_s <= self.drain_timeout_s:
+            raise ValueError(
+                f"pools.drain_min_s must be in [0, drain_timeout_s], got {self.drain_min_s}"
+            )
+        if self.dead_retention_s < 0:
+            raise ValueError(f"pools.dead_retention_s must be >= 0, got {self.dead_retention_s}")
+        if self.max_health_failures < 1:
+            raise ValueError(
+                f"pools.max_health_failures must be >= 1, got {self.max_health_failures}"
+            )
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"pools.metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.num_colocated and (self.num_prefill or self.num_decode):
             raise ValueError(
                 "pools: colocated workers replace the prefill/decode pools; "
@@ -65,8 +108,16 @@ class RayConfig:
     address: str | None = None
     # GPUs per worker bundle (cuda only); a fraction lets several workers share one GPU.
     gpus_per_worker: float = 1.0
-    # Longest the placement group and every worker's model load may take.
+    # Longest one worker may take from being asked for (waiting for a node included) to
+    # serving; past it the start counts as failed and the worker is started again.
     worker_start_timeout_s: float = 600.0
+    # Whether each worker asks for one unit of the Ray resource `tandem_<role>` (so an
+    # autoscaler adds a node of the right kind for a pending worker). None: when the
+    # Ray cluster declares such resources (a local cluster `tandem serve` starts does).
+    role_resources: bool | None = None
+    # The Ray cluster grows on demand (KubeRay / Ray autoscaler): a target is then not
+    # checked against the resources the cluster has now.
+    autoscaling: bool = False
 
     def __post_init__(self) -> None:
         gpus = self.gpus_per_worker
@@ -76,6 +127,11 @@ class RayConfig:
             raise ValueError(
                 f"ray.worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s}"
             )
+
+
+def role_resource(role: WorkerRole) -> str:
+    """The Ray resource one worker of `role` asks for (one unit) when role resources are on."""
+    return f"tandem_{role.value}"
 
 
 # init=False: the constructor takes None for the engine and router (their defaults

@@ -25,6 +25,8 @@ async def serve(config: ClusterConfig, announce=print) -> None:
             announce(f"  {worker.role:<9} {worker.worker_id:<12} {worker.endpoint}")
         announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")
         announce(f"  HTTP  {router.http_endpoint}/health")
+        announce(f"  pool controller metrics  {cluster.controller_metrics_url}")
+        announce(f"  more routers: tandem router --ray-address {cluster.ray_address}")
         auth = config.worker.cluster_auth
         announce(f"  internal gRPC + KV transfer: cluster token {auth.fingerprint()} "
                  f"(fingerprint), TLS {'on' if auth.tls else 'off'}")  # fmt: skip

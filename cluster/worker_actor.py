@@ -1,13 +1,20 @@
-"""The Ray actor that hosts one worker's gRPC server (one actor per worker process)."""
+"""The Ray actor that hosts one worker's gRPC server (one actor per worker process).
+
+The pool controller starts it, probes it with `load()` (a health check that also
+reports the engine's load) and stops it after a drain.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import logging
 import os
 from typing import TYPE_CHECKING
 
 import ray
 
+from tandem.cluster.pool_state import WorkerLoad
 from tandem.worker.config import WorkerConfig, WorkerRole
 
 if TYPE_CHECKING:
@@ -17,11 +24,38 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerPlacement:
+    """Where a started worker runs and answers."""
+
+    endpoint: str
+    metrics_url: str
+    # Ray node id (hex) of the worker's node.
+    node: str
+    pid: int
+
+
+def node_host(configured_host: str, node_ip: str) -> str:
+    """The address a worker binds and advertises: the Ray node's own address when the
+    configured one is loopback but the node is not (other nodes could not reach it)."""
+    try:
+        configured_loopback = ipaddress.ip_address(configured_host).is_loopback
+        node_loopback = ipaddress.ip_address(node_ip).is_loopback
+    except ValueError:  # a host name: the operator chose it
+        return configured_host
+    return node_ip if configured_loopback and not node_loopback else configured_host
+
+
 class WorkerActor:
     """Async actor: its event loop runs the worker's grpc.aio server for its lifetime."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, advertise_node_ip: bool = False) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        if advertise_node_ip:
+            host = node_host(config.settings.host, ray.util.get_node_ip_address())
+            if host != config.settings.host:
+                settings = dataclasses.replace(config.settings, host=host)
+                config = dataclasses.replace(config, settings=settings)
         self.config = config
         self.worker: PrefillWorker | DecodeWorker | None = None
 
@@ -36,6 +70,31 @@ class WorkerActor:
 
             self.worker = DecodeWorker(self.config)
         return await self.worker.start()
+
+    async def placement(self) -> WorkerPlacement:
+        """Endpoint, metrics URL, node and pid of the started worker."""
+        if self.worker is None:
+            raise RuntimeError(f"{self.config.worker_id}: placement() before start()")
+        return WorkerPlacement(
+            endpoint=self.worker.endpoint,
+            metrics_url=f"{self.worker.metrics.endpoint}/metrics",
+            node=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+        )
+
+    async def load(self) -> WorkerLoad:
+        """The engine's load; answering at all is the health check (engine thread alive)."""
+        if self.worker is None or self.worker.host.loop is None:
+            raise RuntimeError(f"{self.config.worker_id}: load() before start()")
+        stats = await self.worker.host.loop.call(lambda engine: engine.stats(), timeout_s=5.0)
+        return WorkerLoad(
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            num_held=stats.num_held,
+            num_importing=stats.num_importing,
+            num_free_blocks=stats.num_free_blocks,
+            num_blocks=stats.num_blocks,
+        )
 
     async def stop(self) -> None:
         if self.worker is not None:

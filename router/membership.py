@@ -44,6 +44,12 @@ class WorkerInfo:
     pid: int = 0
     # http://host:port/metrics of the worker ("" while starting).
     metrics_url: str = ""
+    # Load at the owner's last health probe (for admin views; the router's policy uses
+    # its own live Stats). A load change alone does not bump `Membership.version`.
+    running: int = 0
+    waiting: int = 0
+    # Fraction of the worker's KV blocks in use, 0..1.
+    kv_usage: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -198,11 +198,12 @@ class GoodputPolicy:
             return
         record.prefill_done = True
         p = record.placement
-        worker = self.workers[p.prefill_worker_id or p.decode_worker_id]
-        worker.on_prefill_done(req_id, self.clock())
+        worker = self.workers.get(p.prefill_worker_id or p.decode_worker_id)
+        if worker is not None:
+            worker.on_prefill_done(req_id, self.clock())
         if num_cached_tokens is not None:
             self.num_reported_cached_tokens += num_cached_tokens
-            if compute_s is not None:
+            if compute_s is not None and worker is not None:
                 worker.prefill_model.observe(p.num_prompt_tokens - num_cached_tokens, compute_s)
         self.queue.notify()
 
@@ -214,12 +215,12 @@ class GoodputPolicy:
         record.kv_pulled = True
         self.on_prefill_done(req_id)  # no-op if already reported
         p = record.placement
-        if p.prefill_worker_id is None:
+        prefill = self.workers.get(p.prefill_worker_id) if p.prefill_worker_id else None
+        if prefill is None:
             return
-        prefill = self.workers[p.prefill_worker_id]
         prefill.on_complete(req_id, self.clock())
         prefill.prefix.unlock(req_id)
-        self._drop_retired(p.prefill_worker_id)
+        self._drop_retired(prefill.worker_id)
         self.queue.notify()
 
     def observe_ttft(self, req_id: str, ttft_s: float) -> None:
@@ -234,7 +235,9 @@ class GoodputPolicy:
         record = self._requests.get(req_id)
         if record is None:
             return
-        decode = self.workers[record.placement.decode_worker_id]
+        decode = self.workers.get(record.placement.decode_worker_id)
+        if decode is None:
+            return
         decode.decode_model.observe(decode.num_running, decode.num_context_tokens, itl_s)
 
     def on_finish(self, req_id: str, output_ids: Sequence[int] = ()) -> None:
@@ -244,18 +247,21 @@ class GoodputPolicy:
             return
         now = self.clock()
         p = record.placement
-        if p.prefill_worker_id is not None:
-            prefill = self.workers[p.prefill_worker_id]
+        # A worker that left the pools is forgotten once it holds nothing for us: a
+        # prefill worker as soon as the KV was pulled (`on_kv_pulled`).
+        prefill = self.workers.get(p.prefill_worker_id) if p.prefill_worker_id else None
+        if prefill is not None:
             prefill.on_complete(req_id, now)
             prefill.prefix.unlock(req_id)
-            self._drop_retired(p.prefill_worker_id)
-        decode = self.workers[p.decode_worker_id]
-        decode.on_complete(req_id, now)
-        decode.prefix.unlock(req_id)
-        if output_ids and p.decode_worker_id not in self._retiring:
-            # Generated tokens' blocks are cached too: a follow-up turn can hit them.
-            decode.prefix.insert([*record.prompt_ids, *output_ids])
-        self._drop_retired(p.decode_worker_id)
+            self._drop_retired(prefill.worker_id)
+        decode = self.workers.get(p.decode_worker_id)
+        if decode is not None:
+            decode.on_complete(req_id, now)
+            decode.prefix.unlock(req_id)
+            if output_ids and p.decode_worker_id not in self._retiring:
+                # Generated tokens' blocks are cached too: a follow-up turn can hit them.
+                decode.prefix.insert([*record.prompt_ids, *output_ids])
+            self._drop_retired(p.decode_worker_id)
         self.queue.notify()
 
     def update_stats(self, worker_id: str, stats: WorkerStats, taken_at_s: float) -> None:

@@ -4,6 +4,7 @@ defined once, and the engine template becomes one engine per role."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -90,3 +91,21 @@ def test_router_config_validation(tiny_model_dir):
     with pytest.raises(ValueError, match="ttft_slo_s must be > 0"):
         RouterConfig(model_dir=str(tiny_model_dir), ttft_slo_s=0)
     assert not hasattr(RouterConfig(model_dir=str(tiny_model_dir)), "block_size")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(max_workers_per_role=0), "pools.max_workers_per_role must be >= 1"),
+        (dict(num_decode=9, max_workers_per_role=8), "pools.num_decode (9) is over"),
+        (dict(health_interval_s=0), "pools.health_interval_s must be > 0"),
+        (dict(health_timeout_s=-1), "pools.health_timeout_s must be > 0"),
+        (dict(drain_timeout_s=0), "pools.drain_timeout_s must be > 0"),
+        (dict(dead_retention_s=-1), "pools.dead_retention_s must be >= 0"),
+        (dict(max_health_failures=0), "pools.max_health_failures must be >= 1"),
+        (dict(metrics_port=70000), "pools.metrics_port must be in"),
+    ],
+)
+def test_pool_controller_settings_are_checked(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        PoolsConfig(**fields)

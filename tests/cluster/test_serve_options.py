@@ -75,6 +75,19 @@ def test_flags_land_in_the_tree(tiny_model_dir, monkeypatch):
     assert router.max_local_prefill_tokens == 0
 
 
+def test_pool_flags_are_the_starting_targets_and_budget(tiny_model_dir):
+    config = config_of(
+        tiny_model_dir, "--device", "cpu", "--prefill", "2", "--decode", "3",
+        "--max-workers-per-role", "5", "--autoscaling",
+    )  # fmt: skip
+    assert config.pools == PoolsConfig(num_prefill=2, num_decode=3, max_workers_per_role=5)
+    assert config.ray.autoscaling and config.ray.role_resources is True
+    colocated = config_of(tiny_model_dir, "--device", "cpu", "--colocated", "3",
+                          "--max-workers-per-role", "3")  # fmt: skip
+    assert colocated.pools.num_colocated == 3 and colocated.pools.max_workers_per_role == 3
+    assert colocated.ray.role_resources is None  # local: whatever Ray declares
+
+
 def test_colocated_pools(tiny_model_dir):
     config = config_of(tiny_model_dir, "--device", "cpu", "--colocated", "2")
     assert config.roles == [WorkerRole.COLOCATED, WorkerRole.COLOCATED]
@@ -116,6 +129,8 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--colocated", "2", "--prefill", "1"), "--colocated replaces the --prefill/--decode"),
         (("--colocated", "1", "--decode", "1"), "--colocated replaces the --prefill/--decode"),
         (("--device", "cpu", "--kv-backend", "nccl"), "--kv-backend nccl moves KV between GPUs"),
+        (("--max-workers-per-role", "0"), "--max-workers-per-role: must be >= 1"),
+        (("--decode", "4", "--max-workers-per-role", "3"), "num_decode (4) is over max_workers"),
     ],
 )
 def test_flags_the_cli_refuses(tiny_model_dir, capsys, flags, message):

@@ -125,6 +125,25 @@ def test_membership_add_and_remove_while_requests_run():
         policy.add_worker(WorkerState("d2", "decode", block_size=BS * 2, num_blocks=4096))
 
 
+def test_prefill_worker_that_leaves_after_the_pull_is_forgotten_without_error():
+    """A prefill worker removed while its request runs is forgotten once the decode side
+    pulled the KV (it holds nothing more); the request's later hooks must not look it up
+    again (that was `KeyError: 'p0'` out of the router when a prefill worker left)."""
+    policy = make()
+    placement = policy.place_now("r1", list(range(2000)), 64, INTERACTIVE)
+    prefill_id = placement.prefill_worker_id
+    assert placement.decision == DISAGGREGATED and prefill_id is not None
+    policy.remove_worker(prefill_id)
+    assert prefill_id in policy.workers  # still charged with r1's prefill
+    policy.on_prefill_done("r1", num_cached_tokens=0, compute_s=0.4)
+    policy.on_kv_pulled("r1")
+    assert prefill_id not in policy.workers
+    policy.on_prefill_done("r1")
+    policy.observe_itl("r1", 0.03)
+    policy.on_finish("r1", list(range(50_000, 50_064)))
+    assert policy.is_idle()
+
+
 def test_migrated_placement_skips_admission():
     """A request that already streamed tokens is placed again even when admission would
     shed a new one (it was admitted once)."""

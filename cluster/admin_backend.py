@@ -1,0 +1,51 @@
+"""The router's `AdminBackend` on a Ray cluster: admin calls go to the pool controller.
+
+Bad input comes back as the controller's `ValueError` (unknown worker, target over the
+budget) and a change that cannot be made now as its `RuntimeError` (a target the Ray
+cluster can never place, a drain of a worker that is not serving), unwrapped from
+Ray's task error so the admin API maps them to INVALID_ARGUMENT / FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import ray
+
+from tandem.router.membership import Membership, PoolTargets
+
+logger = logging.getLogger(__name__)
+
+
+class RayAdminBackend:
+    """Implements `tandem.router.membership.AdminBackend` over a controller handle."""
+
+    def __init__(self, controller: Any, timeout_s: float = 30.0) -> None:
+        self.controller = controller
+        self.timeout_s = timeout_s
+
+    async def get_pools(self) -> Membership:
+        return await self._call(self.controller.get_membership.remote())
+
+    async def scale(self, targets: PoolTargets) -> Membership:
+        return await self._call(self.controller.scale.remote(targets))
+
+    async def drain(self, worker_id: str) -> Membership:
+        return await self._call(self.controller.drain.remote(worker_id))
+
+    async def _call(self, ref: Any) -> Membership:
+        try:
+            return await asyncio.wait_for(ref, self.timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, ValueError | RuntimeError):
+                raise type(cause)(str(cause)) from None
+            raise RuntimeError(f"pool controller failed: {cause!r}") from exc
+        except TimeoutError:
+            raise RuntimeError(
+                f"the pool controller did not answer within {self.timeout_s:g} s"
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeError(f"the pool controller is gone: {exc}") from None

@@ -1,0 +1,75 @@
+"""Feeds a router the pool membership while it serves (no restart on a change).
+
+Runs in each router process: long-polls the pool controller's `watch()` and hands
+every newer `Membership` to a callback (`Router.update_membership`). A controller
+that does not answer is retried with a pause; the router keeps its last view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import ray
+
+from tandem.router.membership import Membership
+
+logger = logging.getLogger(__name__)
+
+OnChange = Callable[[Membership], Awaitable[None] | None]
+
+
+class MembershipWatcher:
+    """Owns one task that follows the controller until `stop()`."""
+
+    def __init__(
+        self,
+        controller: Any,
+        on_change: OnChange,
+        since_version: int = 0,
+        poll_timeout_s: float = 10.0,
+        retry_s: float = 1.0,
+    ) -> None:
+        self.controller = controller
+        self.on_change = on_change
+        # The version the router already has (0: none yet).
+        self.version = since_version
+        self.poll_timeout_s = poll_timeout_s
+        self.retry_s = retry_s
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._follow())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                # The controller answers by poll_timeout_s; the margin covers Ray's own hops.
+                membership: Membership = await asyncio.wait_for(
+                    self.controller.watch.remote(self.version, self.poll_timeout_s),
+                    self.poll_timeout_s + 10.0,
+                )
+            except (TimeoutError, ray.exceptions.RayError) as exc:
+                logger.warning("membership: controller did not answer (%s); retrying", exc)
+                await asyncio.sleep(self.retry_s)
+                continue
+            # Equal: nothing new (the poll timed out). Lower: a new controller started
+            # counting again; its view replaces the old one.
+            if membership.version == self.version:
+                continue
+            self.version = membership.version
+            try:
+                result = self.on_change(membership)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:  # a bad update must not stop the router following changes
+                logger.exception("membership: update to version %d failed", membership.version)

@@ -1,0 +1,166 @@
+"""`tandem pools`, `tandem scale` and `tandem router`: operating a running cluster.
+
+    tandem pools [--address HOST:PORT | --ray-address ADDR] [--json]
+    tandem scale --prefill N --decode M [--address HOST:PORT | --ray-address ADDR] [--timeout S]
+    tandem router --ray-address ADDR [--grpc-port P] [--http-port P] [--host H]
+
+`--address` is a router's HTTP address (its admin API, with TANDEM_API_KEY / --api-key
+when the router wants one); `--ray-address` goes straight to the cluster's pool
+controller. `tandem scale` returns 0 once the serving workers match the targets, 1
+on timeout (saying which role is short) and 2 when the change is refused (with the
+reason). Heavy imports stay inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+DEFAULT_ADMIN_ADDRESS = "127.0.0.1:8000"
+EXIT_TIMEOUT = 1
+EXIT_REFUSED = 2
+
+
+def add_pool_commands(commands: argparse._SubParsersAction) -> None:
+    from tandem.cluster.cli import port, positive_float, positive_int
+
+    pools = commands.add_parser("pools", help="list the workers of a running cluster")
+    _add_address(pools)
+    pools.add_argument("--json", action="store_true", help="print the admin JSON instead")
+    pools.set_defaults(handler=_run_pools)
+
+    scale = commands.add_parser(
+        "scale", help="set the prefill/decode pool sizes and wait until they serve"
+    )
+    _add_address(scale)
+    scale.add_argument("--prefill", type=positive_int, required=True, help="prefill workers")
+    scale.add_argument("--decode", type=positive_int, required=True, help="decode workers")
+    scale.add_argument(
+        "--timeout", type=positive_float, default=300.0,
+        help="longest wait for the pools to match, s [300]",
+    )  # fmt: skip
+    scale.set_defaults(handler=_run_scale)
+
+    router = commands.add_parser(
+        "router", help="start one more router for a running cluster (joins its Ray cluster)"
+    )
+    router.add_argument("--ray-address", required=True, help="the cluster's Ray address")
+    router.add_argument("--host", default=None, help="address the servers bind [127.0.0.1]")
+    router.add_argument("--grpc-port", type=port, default=None, help="public gRPC port [50051]")
+    router.add_argument("--http-port", type=port, default=None, help="HTTP port [8000]")
+    router.add_argument("--api-key", default=None, help="require this key (or TANDEM_API_KEY)")
+    router.set_defaults(handler=_run_router)
+
+
+def _add_address(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument(
+        "--address", default=None,
+        help=f"a router's HTTP address, host:port [{DEFAULT_ADMIN_ADDRESS}]",
+    )  # fmt: skip
+    where.add_argument(
+        "--ray-address", default=None, help="ask the pool controller on this Ray cluster"
+    )
+    parser.add_argument("--api-key", default=None, help="the router's API key (or TANDEM_API_KEY)")
+
+
+def ray_auth_env() -> None:
+    """Send the Ray cluster's auth token when joining it, if there is one.
+
+    Recent Ray versions start a local cluster with token auth (the token in
+    ~/.ray/auth_token), and a joining process sends the token only when RAY_AUTH_MODE
+    says so, read when `ray` is imported: so this runs before that import, and only
+    when nobody chose a mode.
+    """
+    from pathlib import Path
+
+    if "ray" in sys.modules or "RAY_AUTH_MODE" in os.environ:
+        return
+    token_file = Path.home() / ".ray" / "auth_token"
+    if (
+        os.environ.get("RAY_AUTH_TOKEN")
+        or os.environ.get("RAY_AUTH_TOKEN_PATH")
+        or (token_file.is_file())
+    ):
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
+def _client(args: argparse.Namespace):
+    from tandem.cluster.admin_client import AdminUnreachable, HttpAdminClient, RayAdminClient
+
+    if args.ray_address:
+        ray_auth_env()
+        from tandem.cluster.router_process import find_controller, join_ray
+
+        try:
+            join_ray(args.ray_address)
+        except ConnectionError as exc:
+            raise AdminUnreachable(str(exc)) from None
+        return RayAdminClient(find_controller())
+    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    return HttpAdminClient(args.address or DEFAULT_ADMIN_ADDRESS, api_key)
+
+
+def _run_pools(args: argparse.Namespace) -> int:
+    import json
+
+    from tandem.cluster.admin_client import AdminRefused, AdminUnreachable, format_table
+
+    try:
+        view = _client(args).get_pools()
+    except (AdminRefused, AdminUnreachable, RuntimeError) as exc:
+        print(f"tandem pools: {exc}", file=sys.stderr)
+        return EXIT_REFUSED if isinstance(exc, AdminRefused) else EXIT_TIMEOUT
+    print(json.dumps(view, indent=2) if args.json else format_table(view))
+    return 0
+
+
+def _run_scale(args: argparse.Namespace) -> int:
+    from tandem.cluster.admin_client import AdminRefused, AdminUnreachable, shortfall
+
+    deadline = time.monotonic() + args.timeout
+    try:
+        client = _client(args)
+        view = client.scale(args.prefill, args.decode)
+        while gap := shortfall(view):
+            if time.monotonic() > deadline:
+                print(f"tandem scale: timed out after {args.timeout:g} s: {gap}", file=sys.stderr)
+                return EXIT_TIMEOUT
+            time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
+            view = client.get_pools()
+    except AdminRefused as exc:
+        print(f"tandem scale: refused: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except (AdminUnreachable, RuntimeError) as exc:
+        print(f"tandem scale: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    targets = view["targets"]
+    print(f"pools at target: prefill {targets['prefill']}, decode {targets['decode']}")
+    return 0
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    import asyncio
+
+    ray_auth_env()
+    from tandem.cluster.router_process import run_router
+
+    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    overrides = {
+        name: value
+        for name, value in (
+            ("host", args.host),
+            ("grpc_port", args.grpc_port),
+            ("http_port", args.http_port),
+            ("api_key", api_key),
+        )
+        if value is not None
+    }
+    try:
+        asyncio.run(run_router(args.ray_address, overrides))
+    except RuntimeError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    return 0

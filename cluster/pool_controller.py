@@ -1,0 +1,389 @@
+"""The pool controller: the one owner of pool membership, as a named Ray actor.
+
+It keeps each role at its target size: starts every worker as a `WorkerActor` that
+asks for the role's Ray resource (so an autoscaler can add a node for a pending
+worker), probes each worker every `health_interval_s`, replaces a dead one, and on a
+scale-down drains a worker (routers stop placing on it, its requests finish, its
+blocks come back) before stopping it. Routers follow the changes through `watch()`
+(see `cluster.membership_watcher`); admin calls arrive through `scale()` / `drain()`
+(see `cluster.admin_backend`). Bookkeeping and decisions live in `PoolState`.
+
+Worker lifecycle: starting -> serving -> draining -> (stopped, gone); any of them ->
+dead (process exited, node lost, probes failed) -> listed for `dead_retention_s`,
+then gone; a dead starting or serving worker is replaced at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+
+import ray
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from tandem.cluster.config import ClusterConfig, role_resource
+from tandem.cluster.pool_metrics import PoolMetrics
+from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
+from tandem.cluster.worker_actor import RemoteWorkerActor, WorkerPlacement, node_host
+from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
+from tandem.worker.config import WorkerConfig, WorkerRole
+
+logger = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "tandem-pool-controller"
+CONTROLLER_NAMESPACE = "tandem"
+
+
+class PoolController:
+    """Async actor; its event loop runs the reconcile loop and answers calls in between.
+
+    Calls interleave only at awaits, and every change to the state happens between
+    two awaits, so a scale call is applied whole or not at all (the last one wins).
+    """
+
+    def __init__(self, config: ClusterConfig, num_threads: int) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+        self.config = config
+        # torch threads per worker, fixed at cluster start.
+        self.num_threads = num_threads
+        pools = config.pools
+        targets: dict[WorkerRole, int] = {}
+        for role in pools.roles:
+            targets[role] = targets.get(role, 0) + 1
+        self.state = PoolState(targets, pools.max_workers_per_role)
+        self.metrics = PoolMetrics(list(targets))
+        self._changed = asyncio.Condition()
+        self._loop_task: asyncio.Task | None = None
+        self._starts: dict[str, asyncio.Task] = {}
+        self._stops: dict[str, asyncio.Task] = {}
+        self._metrics_runner: web.AppRunner | None = None
+        self.metrics_url = ""
+        self._role_resources = False
+        self._advertise_node_ip = False
+        # Final load of each worker stopped after a drain (for admin views and tests).
+        self.drained: dict[str, WorkerLoad] = {}
+
+    # -- life of the controller ---------------------------------------------------------
+
+    async def start(self) -> str:
+        """Start the reconcile loop and the /metrics endpoint; returns its URL."""
+        ray_config = self.config.ray
+        if ray_config.role_resources is None:
+            declared = ray.cluster_resources()
+            self._role_resources = any(role_resource(r) in declared for r in self.state.targets)
+        else:
+            self._role_resources = ray_config.role_resources
+        # Workers on a multi-node (or joined) Ray cluster bind and advertise their
+        # node's address: loopback would not reach them from other nodes.
+        alive_nodes = [node for node in ray.nodes() if node.get("Alive")]
+        self._advertise_node_ip = ray_config.address is not None or len(alive_nodes) > 1
+        await self._start_metrics()
+        self._publish()
+        self._loop_task = asyncio.create_task(self._reconcile_forever())
+        return self.metrics_url
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop reconciling, then stop every worker (each drains its gRPC server)."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+            self._loop_task = None
+        for task in [*self._starts.values(), *self._stops.values()]:
+            task.cancel()
+        records = list(self.state.records.values())
+        stops = [self._stop_actor(r, timeout_s) for r in records]
+        await asyncio.gather(*stops, return_exceptions=True)
+        for record in records:
+            self.state.remove(record.worker_id)
+        self._publish()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
+
+    # -- what routers and admins call ----------------------------------------------------
+
+    async def get_membership(self) -> Membership:
+        return self.state.membership()
+
+    async def watch(self, since_version: int, timeout_s: float) -> Membership:
+        """The membership once its version is above `since_version` (or after
+        `timeout_s`, whichever first): a long poll for routers."""
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self.state.version > since_version),
+                    timeout_s,
+                )
+        return self.state.membership()
+
+    async def scale(self, targets: PoolTargets) -> Membership:
+        """Set new targets (checked whole first; nothing changes on a refusal)."""
+        wanted = self.state.check_targets(targets)
+        self._check_capacity(wanted)
+        self.state.set_targets(wanted)
+        logger.info("pools: targets now %s", {r.value: n for r, n in wanted.items()})
+        self._reconcile_now()
+        return self.state.membership()
+
+    async def drain(self, worker_id: str) -> Membership:
+        """Drain one serving worker and start a replacement (the target stays)."""
+        self.state.drain_target(worker_id)
+        self.state.update(worker_id, time.monotonic(), state=WorkerLifecycle.DRAINING)
+        logger.info("pools: draining %s on request", worker_id)
+        self._reconcile_now()
+        return self.state.membership()
+
+    async def wait_at_target(self, timeout_s: float) -> Membership:
+        """The membership once every role serves exactly its target with nothing
+        starting or draining; TimeoutError past `timeout_s`."""
+        async with self._changed:
+            await asyncio.wait_for(self._changed.wait_for(self.state.at_target), timeout_s)
+        return self.state.membership()
+
+    async def restarts(self) -> dict[str, int]:
+        return {role.value: n for role, n in self.state.restarts.items()}
+
+    async def drained_loads(self) -> dict[str, WorkerLoad]:
+        return dict(self.drained)
+
+    async def get_metrics_url(self) -> str:
+        return self.metrics_url
+
+    async def get_config(self) -> ClusterConfig:
+        return self.config
+
+    # -- reconcile loop ------------------------------------------------------------------
+
+    def _reconcile_now(self) -> None:
+        self._publish()
+        asyncio.get_running_loop().call_soon(self._apply_plan)
+
+    async def _reconcile_forever(self) -> None:
+        interval_s = self.config.pools.health_interval_s
+        while True:
+            try:
+                await self._probe_all()
+                self._drop_expired_dead()
+                self._apply_plan()
+                self._finish_drains()
+            except Exception:  # one bad round must not end healing for good
+                logger.exception("pools: reconcile round failed")
+            await asyncio.sleep(interval_s)
+
+    def _apply_plan(self) -> None:
+        plan = self.state.plan()
+        now_s = time.monotonic()
+        for worker_id in plan.cancel:
+            logger.info("pools: cancelling start of %s (target went down)", worker_id)
+            start = self._starts.pop(worker_id, None)
+            if start is not None:
+                start.cancel()
+            self._stop_later(self.state.remove(worker_id))
+        for worker_id in plan.drain:
+            logger.info("pools: draining %s (scale down)", worker_id)
+            self.state.update(worker_id, now_s, state=WorkerLifecycle.DRAINING)
+        for role in plan.start:
+            self._start_worker(role, now_s)
+        self._publish()
+
+    def _start_worker(self, role: WorkerRole, now_s: float) -> None:
+        config, ray_config = self.config, self.config.ray
+        worker_id = self.state.new_worker_id(role)
+        engine = dataclasses.replace(config.engine, mode=role.engine_mode,
+                                     num_threads=self.num_threads)  # fmt: skip
+        worker_config = WorkerConfig(worker_id, role, engine, settings=config.worker)
+        options: dict = {"num_cpus": 1, "max_restarts": 0}
+        if config.use_gpu:
+            options["num_gpus"] = ray_config.gpus_per_worker
+        if self._role_resources:
+            options["resources"] = {role_resource(role): 1}
+        actor = RemoteWorkerActor.options(**options).remote(
+            worker_config, advertise_node_ip=self._advertise_node_ip
+        )
+        info = WorkerInfo(worker_id=worker_id, role=role, state=WorkerLifecycle.STARTING)
+        self.state.add(WorkerRecord(info=info, actor=actor, since_s=now_s))
+        self._starts[worker_id] = asyncio.create_task(self._bring_up(worker_id, actor))
+        logger.info("pools: starting %s", worker_id)
+
+    async def _bring_up(self, worker_id: str, actor) -> None:
+        timeout_s = self.config.ray.worker_start_timeout_s
+        try:
+            await asyncio.wait_for(actor.start.remote(), timeout_s)
+            placement: WorkerPlacement = await asyncio.wait_for(actor.placement.remote(), 30.0)
+        except asyncio.CancelledError:
+            raise
+        except (TimeoutError, ray.exceptions.RayError) as exc:
+            logger.warning("pools: %s did not start: %s", worker_id, exc)
+            self._starts.pop(worker_id, None)
+            if worker_id in self.state.records:
+                self.state.mark_dead(worker_id, time.monotonic())
+                ray.kill(actor)
+                self._reconcile_now()
+            return
+        self._starts.pop(worker_id, None)
+        if worker_id not in self.state.records:  # cancelled meanwhile
+            return
+        self.state.update(
+            worker_id,
+            time.monotonic(),
+            state=WorkerLifecycle.SERVING,
+            endpoint=placement.endpoint,
+            metrics_url=placement.metrics_url,
+            node=placement.node,
+            pid=placement.pid,
+        )
+        logger.info("pools: %s serving on %s (pid %d)", worker_id, placement.endpoint,
+                    placement.pid)  # fmt: skip
+        self._reconcile_now()
+
+    async def _probe_all(self) -> None:
+        probed = (WorkerLifecycle.SERVING, WorkerLifecycle.DRAINING)
+        records = [r for r in self.state.records.values() if r.state in probed]
+        loads = await asyncio.gather(*(self._probe(r) for r in records))
+        now_s = time.monotonic()
+        for record, load in zip(records, loads, strict=True):
+            if record.worker_id not in self.state.records or record.state not in probed:
+                continue
+            if isinstance(load, WorkerLoad):
+                record.load, record.health_failures = load, 0
+                continue
+            failures = record.health_failures + 1
+            if load == "exited" or failures >= self.config.pools.max_health_failures:
+                logger.warning("pools: %s is dead (%s)", record.worker_id, load)
+                self.state.mark_dead(record.worker_id, now_s)
+                ray.kill(record.actor)
+            else:
+                record.health_failures = failures
+                logger.warning("pools: %s missed a health probe (%d in a row)",
+                               record.worker_id, record.health_failures)  # fmt: skip
+        self._publish()
+
+    async def _probe(self, record: WorkerRecord) -> WorkerLoad | str:
+        try:
+            return await asyncio.wait_for(
+                record.actor.load.remote(), self.config.pools.health_timeout_s
+            )
+        except ray.exceptions.RayActorError:
+            return "exited"
+        except (TimeoutError, ray.exceptions.RayError) as exc:
+            return f"probe failed: {exc!r}"[:200]
+
+    def _drop_expired_dead(self) -> None:
+        now_s = time.monotonic()
+        for worker_id in self.state.expired_dead(now_s, self.config.pools.dead_retention_s):
+            self.state.remove(worker_id)
+
+    def _finish_drains(self) -> None:
+        now_s = time.monotonic()
+        for record in list(self.state.records.values()):
+            if record.state is not WorkerLifecycle.DRAINING or record.worker_id in self._stops:
+                continue
+            draining_s = now_s - record.since_s
+            overdue = draining_s >= self.config.pools.drain_timeout_s
+            settled = draining_s >= self.config.pools.drain_min_s and record.load.is_idle
+            if settled or overdue:
+                if overdue and not record.load.is_idle:
+                    logger.warning("pools: %s still busy after the drain timeout; stopping it "
+                                   "(routers move its requests)", record.worker_id)  # fmt: skip
+                self._stops[record.worker_id] = asyncio.create_task(self._retire(record))
+
+    async def _retire(self, record: WorkerRecord) -> None:
+        """Stop a drained worker, then drop it from the pools."""
+        try:
+            load = await asyncio.wait_for(record.actor.load.remote(), 10.0)
+            self.drained[record.worker_id] = load
+            if load.num_free_blocks != load.num_blocks:
+                logger.warning("pools: %s stops with %d of %d blocks in use", record.worker_id,
+                               load.num_blocks - load.num_free_blocks, load.num_blocks)  # fmt: skip
+        except (TimeoutError, ray.exceptions.RayError) as exc:
+            logger.warning("pools: last probe of %s failed: %s", record.worker_id, exc)
+        await self._stop_actor(record, self.config.worker.drain_timeout_s + 10.0)
+        self._stops.pop(record.worker_id, None)
+        if record.worker_id in self.state.records:
+            self.state.remove(record.worker_id)
+        logger.info("pools: %s drained and stopped", record.worker_id)
+        self._publish()
+
+    def _stop_later(self, record: WorkerRecord) -> None:
+        task = asyncio.create_task(self._stop_actor(record, 10.0))
+        self._stops[record.worker_id] = task
+        task.add_done_callback(lambda _: self._stops.pop(record.worker_id, None))
+
+    async def _stop_actor(self, record: WorkerRecord, timeout_s: float) -> None:
+        if record.actor is None:
+            return
+        if record.state is not WorkerLifecycle.DEAD:
+            try:
+                await asyncio.wait_for(record.actor.stop.remote(), timeout_s)
+            except (TimeoutError, ray.exceptions.RayError) as exc:
+                logger.warning("pools: %s did not stop cleanly: %s", record.worker_id, exc)
+        ray.kill(record.actor)
+
+    # -- capacity and publishing ---------------------------------------------------------
+
+    def _check_capacity(self, wanted: dict[WorkerRole, int]) -> None:
+        """RuntimeError naming the field when the Ray cluster can never place `wanted`."""
+        if self.config.ray.autoscaling:
+            return
+        total = ray.cluster_resources()
+        if self._role_resources:
+            for role, target in wanted.items():
+                have = int(total.get(role_resource(role), 0))
+                if target > have:
+                    raise RuntimeError(
+                        f"{role.value}: {target} workers, but the Ray cluster has room for "
+                        f"{have} ({role_resource(role)} resources)"
+                    )
+        # Draining workers still hold their CPU until they stop, but they go.
+        needed_cpus = sum(wanted.values())
+        have_cpus = int(total.get("CPU", 0))
+        if needed_cpus > have_cpus:
+            raise RuntimeError(
+                f"prefill+decode: {needed_cpus} workers need {needed_cpus} CPUs; "
+                f"the Ray cluster has {have_cpus}"
+            )
+        if self.config.use_gpu:
+            needed_gpus = needed_cpus * self.config.ray.gpus_per_worker
+            have_gpus = total.get("GPU", 0.0)
+            if needed_gpus > have_gpus:
+                raise RuntimeError(
+                    f"prefill+decode: {needed_cpus} workers need {needed_gpus:g} GPUs; "
+                    f"the Ray cluster has {have_gpus:g}"
+                )
+
+    def _publish(self) -> None:
+        """Wake watchers and refresh the gauges (cheap; called after every change)."""
+        self.metrics.update(self.state)
+
+        async def notify() -> None:
+            async with self._changed:
+                self._changed.notify_all()
+
+        asyncio.get_running_loop().create_task(notify())
+
+    async def _start_metrics(self) -> None:
+        async def scrape(request: web.Request) -> web.Response:
+            body = generate_latest(self.metrics.registry)
+            return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", scrape)
+        self._metrics_runner = web.AppRunner(app)
+        await self._metrics_runner.setup()
+        host = self.config.worker.host
+        if self._advertise_node_ip:
+            host = node_host(host, ray.util.get_node_ip_address())
+        await web.TCPSite(self._metrics_runner, host, self.config.pools.metrics_port).start()
+        port = self._metrics_runner.addresses[0][1]
+        self.metrics_url = f"http://{host}:{port}/metrics"
+        logger.info("pools: controller metrics on %s (pid %d)", self.metrics_url, os.getpid())
+
+
+# Applied as a call, not a decorator, so mypy sees Ray's typed `ActorClass` (with
+# `.options` / `.remote`). The options are the ones the decorator had.
+RemotePoolController = ray.remote(num_cpus=0, max_restarts=0)(PoolController)

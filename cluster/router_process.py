@@ -1,0 +1,111 @@
+"""A router attached to a running cluster's pool controller.
+
+`tandem serve` runs one in its own process; `tandem router --ray-address` runs more
+(one per router replica). Each gets the serving workers at start, follows membership
+changes through a `MembershipWatcher`, and answers admin calls through a
+`RayAdminBackend`; each builds its own prefix index and latency models.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+
+from tandem.cluster.admin_backend import RayAdminBackend
+from tandem.cluster.membership_watcher import MembershipWatcher
+from tandem.cluster.pool_controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE
+from tandem.router.config import RouterConfig
+from tandem.router.membership import Membership, WorkerLifecycle
+from tandem.router.server import Router
+from tandem.router.worker_pool import WorkerEndpoint
+
+logger = logging.getLogger(__name__)
+
+
+def join_ray(address: str) -> None:
+    """Connect this process to the Ray cluster at `address` (once)."""
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+
+
+def find_controller() -> Any:
+    """The running cluster's pool controller (Ray must be initialised)."""
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
+    except ValueError:
+        raise RuntimeError(
+            f"no Tandem cluster on this Ray cluster (no actor {CONTROLLER_NAME!r} in "
+            f"namespace {CONTROLLER_NAMESPACE!r}); start one with `tandem serve`"
+        ) from None
+
+
+def serving_endpoints(membership: Membership) -> list[WorkerEndpoint]:
+    return [
+        WorkerEndpoint(w.worker_id, w.role, w.endpoint)
+        for w in membership.workers
+        if w.state is WorkerLifecycle.SERVING
+    ]
+
+
+class AttachedRouter:
+    """Owns a router and the watcher that keeps its membership current."""
+
+    def __init__(self, config: RouterConfig, controller: Any) -> None:
+        self.config = config
+        self.controller = controller
+        self.router: Router | None = None
+        self.watcher: MembershipWatcher | None = None
+
+    async def start(self, timeout_s: float = 60.0) -> Router:
+        membership: Membership = await self.controller.wait_at_target.remote(timeout_s)
+        admin = RayAdminBackend(self.controller)
+        workers = serving_endpoints(membership)
+        router = Router(self.config, workers, admin=admin)
+        await router.start()
+        self.router = router
+        self.watcher = MembershipWatcher(
+            self.controller, router.update_membership, membership.version
+        )
+        self.watcher.start()
+        return router
+
+    async def stop(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+            self.watcher = None
+        if self.router is not None:
+            await self.router.stop()
+            self.router = None
+
+
+async def run_router(ray_address: str, overrides: dict[str, Any], announce=print) -> None:
+    """`tandem router`: join the Ray cluster, serve until Ctrl-C / SIGTERM, then stop.
+
+    The router settings are the cluster's (model, SLOs, timeouts) with `overrides`
+    (host, ports, API key); the model directory must exist at the same path here.
+    """
+    import asyncio
+    import dataclasses
+    import signal
+
+    join_ray(ray_address)
+    controller = find_controller()
+    cluster_config = await controller.get_config.remote()
+    config = dataclasses.replace(cluster_config.router, **overrides)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    attached = AttachedRouter(config, controller)
+    try:
+        router = await attached.start(cluster_config.ray.worker_start_timeout_s)
+        announce(f"Tandem router for {config.model_dir} (Ray {ray_address})")
+        announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")
+        announce(f"  HTTP  {router.http_endpoint}/health")
+        await stop.wait()
+    finally:
+        await attached.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

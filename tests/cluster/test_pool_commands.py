@@ -1,0 +1,134 @@
+"""`tandem pools`, `tandem scale` and `tandem router` against a running cluster on real Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+
+from tandem.cluster.cli import main
+from tandem.cluster.launcher import LocalCluster
+from tandem.router.membership import PoolTargets
+from tests.helpers.grpc_calls import generate_tokens
+from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import assert_idle, cluster_config, init_ray_with_role_slots
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    init_ray_with_role_slots()
+    yield
+    ray.shutdown()
+
+
+def cli(*argv: str) -> int:
+    return main(list(argv))
+
+
+def test_pools_and_scale_commands_through_the_controller(ray_session, tiny_model_dir, capsys):
+    async def scenario() -> None:
+        cluster = LocalCluster(cluster_config(tiny_model_dir))
+        try:
+            await cluster.start()
+            address = cluster.ray_address
+            assert await asyncio.to_thread(cli, "pools", "--ray-address", address) == 0
+            table = capsys.readouterr().out
+            assert "prefill-0" in table and "decode-0" in table and "serving" in table
+            assert table.rstrip().endswith("targets: prefill 1, decode 1")
+
+            # Refused: the reason names the field; exit 2; nothing changes.
+            rc = await asyncio.to_thread(
+                cli, "scale", "--prefill", "1", "--decode", "5", "--ray-address", address
+            )
+            assert rc == 2
+            assert "decode: 5 workers is over the budget" in capsys.readouterr().err
+            assert (await cluster.membership()).targets == PoolTargets(1, 1)
+
+            # Up: returns 0 once both decode workers serve.
+            rc = await asyncio.to_thread(
+                cli, "scale", "--prefill", "1", "--decode", "2", "--ray-address", address,
+                "--timeout", "120",
+            )  # fmt: skip
+            assert rc == 0, capsys.readouterr().err
+            assert "pools at target: prefill 1, decode 2" in capsys.readouterr().out
+            assert await asyncio.to_thread(cli, "pools", "--ray-address", address, "--json") == 0
+            view = json.loads(capsys.readouterr().out)
+            assert view["targets"] == {"prefill": 1, "decode": 2}
+            states = sorted((w["role"], w["state"]) for w in view["workers"])
+            assert states == [("decode", "serving")] * 2 + [("prefill", "serving")]
+            assert all(w["pid"] > 0 and w["endpoint"] for w in view["workers"])
+
+            # Too short a timeout for a worker to start: exit 1, saying which role is short.
+            rc = await asyncio.to_thread(
+                cli, "scale", "--prefill", "1", "--decode", "3", "--ray-address", address,
+                "--timeout", "0.5",
+            )  # fmt: skip
+            assert rc == 1
+            assert "timed out after 0.5 s: decode 2/3 serving, 1 starting" in (
+                capsys.readouterr().err
+            )
+            await cluster.controller.wait_at_target.remote(120.0)
+
+            # Down: returns 0 once the surplus workers drained and stopped.
+            rc = await asyncio.to_thread(
+                cli, "scale", "--prefill", "1", "--decode", "1", "--ray-address", address,
+                "--timeout", "120",
+            )  # fmt: skip
+            assert rc == 0, capsys.readouterr().err
+            assert len((await cluster.membership()).workers) == 2
+            await assert_idle(
+                await cluster.controller.wait_at_target.remote(120.0),
+                auth=cluster.config.worker.cluster_auth,
+            )
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+def test_second_router_process_serves_the_same_cluster(ray_session, tiny_model_dir):
+    async def scenario() -> None:
+        cluster = LocalCluster(cluster_config(tiny_model_dir))
+        process = None
+        try:
+            await cluster.start()
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tandem.cluster.cli", "router", "--ray-address",
+                 cluster.ray_address, "--grpc-port", "0", "--http-port", "0"],
+                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+            endpoint = await asyncio.wait_for(asyncio.to_thread(_grpc_line, process), 120.0)
+            prompts = make_prompts(2048, (3, 30, 70), seed=5)
+            first = await generate_tokens(cluster.router.grpc_endpoint, prompts, 6)
+            second = await generate_tokens(endpoint, prompts, 6)
+            assert first == second and all(len(t) == 6 for t in first)
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.to_thread(process.wait, 120) == 0
+            await assert_idle(await cluster.membership(), auth=cluster.config.worker.cluster_auth)
+        finally:
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(10)
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+def _grpc_line(process: subprocess.Popen) -> str:
+    """The second router's gRPC endpoint, from its announcement."""
+    deadline = time.monotonic() + 120
+    for line in process.stdout:
+        if "tandem.v1.Generation" in line:
+            return line.split()[-1]
+        if time.monotonic() > deadline:
+            break
+    raise AssertionError(f"the router process announced no endpoint (exit {process.poll()})")

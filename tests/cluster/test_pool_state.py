@@ -1,0 +1,102 @@
+"""The pool controller's decisions without Ray: targets, bad input, plans, versions."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
+from tandem.router.membership import PoolTargets, WorkerInfo, WorkerLifecycle
+from tandem.worker.config import WorkerRole
+
+P, D = WorkerRole.PREFILL, WorkerRole.DECODE
+S = WorkerLifecycle
+
+
+def state_with(workers: list[tuple[WorkerRole, WorkerLifecycle]], prefill=1, decode=1):
+    state = PoolState({P: prefill, D: decode}, max_workers_per_role=4)
+    for i, (role, lifecycle) in enumerate(workers):
+        worker_id = state.new_worker_id(role)
+        info = WorkerInfo(worker_id=worker_id, role=role, state=lifecycle)
+        state.add(WorkerRecord(info=info, since_s=float(i)))
+    return state
+
+
+def test_plan_starts_what_is_missing():
+    state = state_with([(P, S.SERVING)], prefill=1, decode=2)
+    assert state.plan().start == [D, D]
+    assert not state.at_target()
+
+
+def test_plan_drains_least_loaded_serving_and_cancels_starting_first():
+    state = state_with([(D, S.SERVING), (D, S.SERVING), (D, S.STARTING), (P, S.SERVING)])
+    state.records["decode-0"].load = WorkerLoad(num_running=3, num_blocks=8, num_free_blocks=2)
+    plan = state.plan()
+    assert plan.cancel == ["decode-2"]
+    assert plan.drain == ["decode-1"]
+    assert plan.start == []
+
+
+def test_draining_and_dead_do_not_count_towards_targets():
+    state = state_with([(P, S.SERVING), (D, S.DRAINING), (D, S.DEAD)])
+    assert state.plan().start == [D]
+
+
+@pytest.mark.parametrize(
+    ("targets", "field"),
+    [(dict(prefill=5, decode=1), "prefill"), (dict(prefill=1, decode=9), "decode")],
+)
+def test_targets_over_budget_name_the_field_and_change_nothing(targets, field):
+    state = state_with([(P, S.SERVING), (D, S.SERVING)])
+    version = state.version
+    with pytest.raises(ValueError, match=f"^{field}: .* over the budget of 4"):
+        state.check_targets(PoolTargets(**targets))
+    assert state.version == version
+    assert state.targets == {P: 1, D: 1}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_pool_targets_refuse_non_positive_or_non_integer(bad):
+    with pytest.raises(ValueError, match="decode must be an integer >= 1"):
+        PoolTargets(prefill=1, decode=bad)
+
+
+def test_last_target_wins_whole():
+    state = state_with([(P, S.SERVING), (D, S.SERVING)])
+    state.set_targets(state.check_targets(PoolTargets(prefill=3, decode=3)))
+    state.set_targets(state.check_targets(PoolTargets(prefill=1, decode=2)))
+    assert state.targets == {P: 1, D: 2}
+    assert state.membership().targets == PoolTargets(prefill=1, decode=2)
+    assert state.plan().start == [D]
+
+
+def test_drain_of_unknown_or_not_serving_worker_is_refused():
+    state = state_with([(P, S.SERVING), (D, S.STARTING)])
+    with pytest.raises(ValueError, match="worker_id: no worker 'decode-7'"):
+        state.drain_target("decode-7")
+    with pytest.raises(RuntimeError, match="worker_id: decode-0 is starting"):
+        state.drain_target("decode-0")
+
+
+def test_versions_grow_with_every_change_and_dead_counts_restarts():
+    state = state_with([(P, S.SERVING), (D, S.SERVING)])
+    v0 = state.version
+    assert state.mark_dead("decode-0", now_s=10.0)
+    assert state.version > v0
+    assert state.restarts[D] == 1
+    assert not state.mark_dead("decode-0", now_s=11.0)  # once only
+    assert state.expired_dead(now_s=20.0, retention_s=30.0) == []
+    assert state.expired_dead(now_s=40.0, retention_s=30.0) == ["decode-0"]
+    # A draining worker that dies was leaving anyway: no restart counted.
+    state.update("prefill-0", 12.0, state=S.DRAINING)
+    assert not state.mark_dead("prefill-0", now_s=13.0)
+    assert state.restarts[P] == 0
+
+
+def test_membership_carries_load_without_a_version_change():
+    state = state_with([(P, S.SERVING), (D, S.SERVING)])
+    version = state.version
+    state.records["decode-0"].load = WorkerLoad(num_running=2, num_waiting=1, num_blocks=10,
+                                                num_free_blocks=5)  # fmt: skip
+    worker = {w.worker_id: w for w in state.membership().workers}["decode-0"]
+    assert (worker.running, worker.waiting, worker.kv_usage) == (2, 1, 0.5)
+    assert state.version == version

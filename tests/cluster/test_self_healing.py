@@ -1,0 +1,402 @@
+"""Self-healing pools end to end: kill -9 under load, drain under load, two routers.
+
+Real Ray actor workers, the real pool controller, routers that follow membership and
+migrate requests. Every text is checked against `transformers` greedy generation;
+every test ends with the pools at target and every worker idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import random
+import signal
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+import ray
+
+from tandem.cluster.cli import main
+from tandem.cluster.launcher import LocalCluster
+from tandem.cluster.router_process import AttachedRouter
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tandem.router.membership import Membership, PoolTargets, WorkerLifecycle
+from tests.helpers.grpc_calls import worker_stats
+from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import (
+    assert_idle,
+    cluster_config,
+    init_ray_with_role_slots,
+    scrape,
+    serving,
+    until,
+    wait_membership,
+)
+
+pytestmark = [
+    pytest.mark.timeout(420),
+    pytest.mark.slow,
+]
+
+MAX_TOKENS = 48
+PROMPT_LENS = (5, 17, 40, 64, 100, 150)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    init_ray_with_role_slots()
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return make_prompts(2048, PROMPT_LENS, seed=21)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model_dir, prompts) -> list[list[int]]:
+    return hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
+
+
+def config_for(model_dir, num_prefill: int, num_decode: int):
+    config = cluster_config(model_dir)
+    config.pools = dataclasses.replace(config.pools, num_prefill=num_prefill,
+                                       num_decode=num_decode)  # fmt: skip
+    # Always through a prefill worker, so both roles carry every request.
+    config.router = dataclasses.replace(config.router, max_local_prefill_tokens=0)
+    return config
+
+
+class Streams:
+    """Greedy `Generate` streams that record tokens as they arrive."""
+
+    def __init__(self, endpoint: str, prompts: list[list[int]], max_tokens: int) -> None:
+        self.endpoint = endpoint
+        self.prompts = prompts
+        self.max_tokens = max_tokens
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+
+    async def run(self, timeout_s: float = 180.0) -> list[list[int]]:
+        async with grpc.aio.insecure_channel(self.endpoint) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            await asyncio.gather(*(self._one(stub, i, timeout_s) for i in range(len(self.prompts))))
+        return self.tokens
+
+    async def _one(self, stub, i: int, timeout_s: float) -> None:
+        request = gen_pb.GenerateRequest(
+            prompt_token_ids=self.prompts[i], max_tokens=self.max_tokens, temperature=0.0
+        )
+        finished = False
+        async for msg in stub.Generate(request, timeout=timeout_s):
+            self.tokens[i] += msg.token_ids
+            finished = finished or msg.finish_reason != gen_pb.FINISH_REASON_UNSPECIFIED
+        assert finished, f"stream {i} ended without a finish reason"
+
+    def all_started(self, min_tokens: int = 2) -> bool:
+        return all(len(t) >= min_tokens for t in self.tokens)
+
+
+async def busiest(membership: Membership, role: str):
+    """The serving worker of `role` with the most requests in its engine now."""
+    workers = serving(membership, role)
+    stats = await asyncio.gather(*(worker_stats(w.endpoint, role) for w in workers))
+    load = [s.num_running + s.num_waiting + s.num_held + s.num_importing for s in stats]
+    return workers[load.index(max(load))]
+
+
+def test_kill_9_decode_worker_with_streams_in_flight(ray_session, tiny_model_dir, prompts,
+                                                     expected):  # fmt: skip
+    async def scenario() -> None:
+        cluster = LocalCluster(config_for(tiny_model_dir, 1, 2))
+        try:
+            await cluster.start()
+            streams = Streams(cluster.router.grpc_endpoint, prompts, MAX_TOKENS)
+            running = asyncio.create_task(streams.run())
+            await until(streams.all_started, 60.0, "every stream's first tokens")
+            victim = await busiest(await cluster.membership(), "decode")
+            os.kill(victim.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            got = await asyncio.wait_for(running, 180.0)
+            for i, (tokens, want) in enumerate(zip(got, expected, strict=True)):
+                assert tokens == want, f"stream {i} differs from an uninterrupted run"
+            # The streams may finish (migrated) before the controller's next probe.
+            healed = await wait_membership(
+                cluster,
+                lambda m: (
+                    len(serving(m, "decode")) == 2
+                    and victim.worker_id not in {w.worker_id for w in serving(m, "decode")}
+                ),
+                timeout_s=60.0 - (time.monotonic() - killed_at),
+                what="the pool back to 2 serving decode workers",
+            )
+            await assert_idle(healed, auth=cluster.config.worker.cluster_auth)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+def test_kill_9_prefill_worker_with_queued_prompts(ray_session, tiny_model_dir):
+    long_prompts = make_prompts(2048, (300, 280, 260, 240, 220, 200, 180, 160), seed=4)
+    want = hf_greedy(tiny_model_dir, long_prompts, 8)
+
+    async def scenario() -> None:
+        cluster = LocalCluster(config_for(tiny_model_dir, 2, 1))
+        try:
+            await cluster.start()
+            streams = Streams(cluster.router.grpc_endpoint, long_prompts, 8)
+            running = asyncio.create_task(streams.run())
+            membership = await cluster.membership()
+            victim = None
+            deadline = time.monotonic() + 30.0
+            while victim is None and time.monotonic() < deadline and not running.done():
+                candidate = await busiest(membership, "prefill")
+                stats = await worker_stats(candidate.endpoint, "prefill")
+                if stats.num_waiting + stats.num_running:
+                    victim = candidate
+            assert victim is not None, "no prefill worker ever had queued prompts"
+            os.kill(victim.pid, signal.SIGKILL)
+            got = await asyncio.wait_for(running, 180.0)
+            assert got == want
+            healed = await wait_membership(
+                cluster,
+                lambda m: (
+                    len(serving(m, "prefill")) == 2
+                    and victim.worker_id not in {w.worker_id for w in serving(m, "prefill")}
+                ),
+                timeout_s=60.0,
+                what="the pool back to 2 serving prefill workers",
+            )
+            await assert_idle(healed, auth=cluster.config.worker.cluster_auth)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+def _post_completion(http_endpoint: str, model: str) -> tuple[int, dict, float]:
+    """(status, headers, seconds) of one small completion over HTTP."""
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+    request = urllib.request.Request(
+        f"{http_endpoint}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+    )
+    started = time.monotonic()
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, dict(reply.headers), time.monotonic() - started
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), time.monotonic() - started
+
+
+def test_only_decode_worker_killed_gets_503_then_recovers(ray_session, tiny_model_dir):
+    async def scenario() -> None:
+        cluster = LocalCluster(config_for(tiny_model_dir, 1, 1))
+        try:
+            await cluster.start()
+            http, model = cluster.router.http_endpoint, cluster.config.router.model_name
+            assert (await asyncio.to_thread(_post_completion, http, model))[0] == 200
+            [decode] = serving(await cluster.membership(), "decode")
+            os.kill(decode.pid, signal.SIGKILL)
+            statuses = []
+            deadline = time.monotonic() + 90.0
+            while time.monotonic() < deadline:
+                status, headers, took_s = await asyncio.to_thread(_post_completion, http, model)
+                statuses.append(status)
+                if status == 200 and 503 in statuses:
+                    break
+                if status != 200:
+                    assert status == 503, f"got {status}, want 503 while no decode worker serves"
+                    assert "Retry-After" in headers
+                    assert took_s < 2.0, f"a 503 took {took_s:.1f} s; it must come at once"
+                await asyncio.sleep(0.2)
+            assert 503 in statuses and statuses[-1] == 200, statuses
+            await assert_idle(
+                await cluster.controller.wait_at_target.remote(60.0),
+                auth=cluster.config.worker.cluster_auth,
+            )
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+class Load:
+    """Client loops sending greedy requests until stopped; records every outcome."""
+
+    def __init__(self, endpoint, prompts, expected, max_tokens: int, num_clients: int) -> None:
+        self.endpoint, self.prompts, self.expected = endpoint, prompts, expected
+        self.max_tokens, self.num_clients = max_tokens, num_clients
+        self.done = 0
+        self.wrong: list[int] = []
+        self.errors: list[str] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self, timeout_s: float = 120.0) -> None:
+        self._stop.set()
+        await asyncio.wait_for(self._task, timeout_s)
+
+    async def _run(self) -> None:
+        rng = random.Random(0)
+        async with grpc.aio.insecure_channel(self.endpoint) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            await asyncio.gather(*(self._client(stub, rng) for _ in range(self.num_clients)))
+
+    async def _client(self, stub, rng: random.Random) -> None:
+        while not self._stop.is_set():
+            i = rng.randrange(len(self.prompts))
+            request = gen_pb.GenerateRequest(
+                prompt_token_ids=self.prompts[i], max_tokens=self.max_tokens, temperature=0.0
+            )
+            tokens: list[int] = []
+            try:
+                async for msg in stub.Generate(request, timeout=120):
+                    tokens += msg.token_ids
+            except grpc.aio.AioRpcError as exc:
+                self.errors.append(f"{exc.code().name}: {exc.details()}")
+                continue
+            self.done += 1
+            # Greedy: a shorter run is a prefix of the reference.
+            if tokens != self.expected[i][: self.max_tokens]:
+                self.wrong.append(i)
+
+
+def test_scale_down_under_load_then_up(ray_session, tiny_model_dir, prompts, expected):
+    async def scenario() -> None:
+        cluster = LocalCluster(config_for(tiny_model_dir, 2, 2))
+        try:
+            await cluster.start()
+            load = Load(cluster.router.grpc_endpoint, prompts, expected, MAX_TOKENS, 4)
+            load.start()
+            await until(lambda: load.done >= 4, 60.0, "requests under load")
+            await cluster.controller.scale.remote(PoolTargets(prefill=1, decode=1))
+            down = await cluster.controller.wait_at_target.remote(120.0)
+            await load.stop()
+            assert load.errors == [] and load.wrong == []
+            loads = await cluster.controller.drained_loads.remote()
+            assert len(loads) == 2
+            for worker_id, last in loads.items():
+                assert last.num_free_blocks == last.num_blocks, (
+                    f"{worker_id} stopped holding blocks"
+                )
+
+            before = {w.worker_id for w in down.workers}
+            await cluster.controller.scale.remote(PoolTargets(prefill=2, decode=2))
+            up = await cluster.controller.wait_at_target.remote(120.0)
+            new = [w for w in up.workers if w.worker_id not in before]
+            assert sorted(w.role.value for w in new) == ["decode", "prefill"]
+            # Enough requests that the new workers take some (the router learns of them
+            # through its watcher; the policy spreads load).
+            load = Load(cluster.router.grpc_endpoint, prompts, expected, 8, 4)
+            load.start()
+            await until(lambda: load.done >= 40, 120.0, "requests after scale-up")
+            await load.stop()
+            assert load.errors == [] and load.wrong == []
+            for worker in new:
+                metrics = scrape(worker.metrics_url)
+                name = ("tandem:prefix_cache_queries_total" if worker.role == "prefill"
+                        else "tandem:kv_transfer_bytes_total")  # fmt: skip
+                took = sum(v for k, v in metrics.items() if k.startswith(name))
+                assert took > 0, f"{worker.worker_id} took no traffic"
+            # A decode worker keeps its transfer channel to a prefill worker that was
+            # drained away (closed when the decode worker stops): one per prefill
+            # worker it ever pulled from, here 3, never one per request.
+            await assert_idle(up, max_channels=3, auth=cluster.config.worker.cluster_auth)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+def test_chaos_random_kills_under_steady_load(ray_session, tiny_model_dir, prompts, expected):
+    """2P+2D under load; a random worker is killed, the pools heal, again (3 kills,
+    bounded well under 3 minutes). A same-role peer is always alive, so every request
+    must complete with the right text."""
+
+    async def scenario() -> None:
+        cluster = LocalCluster(config_for(tiny_model_dir, 2, 2))
+        rng = random.Random(7)
+        try:
+            await cluster.start()
+            load = Load(cluster.router.grpc_endpoint, prompts, expected, 24, 4)
+            load.start()
+            for _ in range(3):
+                done = load.done
+                await until(lambda d=done: load.done >= d + 3, 60.0, "requests between kills")
+                membership = await cluster.controller.wait_at_target.remote(60.0)
+                victim = rng.choice(membership.workers)
+                os.kill(victim.pid, signal.SIGKILL)
+                await wait_membership(
+                    cluster,
+                    lambda m, v=victim: (
+                        v.worker_id not in {x.worker_id for x in m.workers}
+                        or {x.worker_id: x.state for x in m.workers}[v.worker_id]
+                        is WorkerLifecycle.DEAD
+                    ),
+                    timeout_s=30.0,
+                    what=f"{victim.worker_id} found dead",
+                )
+            final = await cluster.controller.wait_at_target.remote(60.0)
+            await load.stop()
+            assert load.errors == [], load.errors[:5]
+            assert load.wrong == [] and load.done > 9
+            restarts = await cluster.controller.restarts.remote()
+            assert sum(restarts.values()) == 3
+            await assert_idle(final, auth=cluster.config.worker.cluster_auth)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+def test_two_routers_see_the_same_scale_event(ray_session, tiny_model_dir, prompts, expected,
+                                              capsys):  # fmt: skip
+    async def scenario() -> None:
+        cluster = LocalCluster(config_for(tiny_model_dir, 1, 1))
+        other = None
+        try:
+            await cluster.start()
+            second_config = dataclasses.replace(cluster.config.router, grpc_port=0, http_port=0)
+            other = AttachedRouter(second_config, cluster.controller)
+            second = await other.start(60.0)
+            http_a = cluster.router.http_endpoint.removeprefix("http://")
+            http_b = second.http_endpoint.removeprefix("http://")
+            rc = await asyncio.to_thread(
+                main, ["scale", "--prefill", "1", "--decode", "2", "--address", http_a,
+                       "--timeout", "120"],
+            )  # fmt: skip
+            assert rc == 0, capsys.readouterr().err
+            capsys.readouterr()
+            assert await asyncio.to_thread(main, ["pools", "--address", http_b, "--json"]) == 0
+            view = json.loads(capsys.readouterr().out)
+            assert view["targets"] == {"prefill": 1, "decode": 2}
+            assert [w["state"] for w in view["workers"]].count("serving") == 3
+            # Both routers serve, with their own prefix index and latency models.
+            for router in (cluster.router, second):
+                got = await Streams(router.grpc_endpoint, prompts, MAX_TOKENS).run()
+                assert got == expected
+            rc = await asyncio.to_thread(
+                main, ["scale", "--prefill", "1", "--decode", "9", "--address", http_b]
+            )
+            assert rc == 2 and "decode" in capsys.readouterr().err
+            await assert_idle(
+                await cluster.controller.wait_at_target.remote(60.0),
+                auth=cluster.config.worker.cluster_auth,
+            )
+        finally:
+            if other is not None:
+                await other.stop()
+            await cluster.stop()
+
+    asyncio.run(scenario())

@@ -1,0 +1,112 @@
+"""Shared by the pool tests on real Ray: a Ray session with role slots, a small
+cluster config, and bounded waits on the pool controller's membership."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import urllib.request
+
+import ray
+
+from tandem.cluster.config import ClusterConfig, PoolsConfig
+from tandem.engine.config import EngineConfig
+from tandem.proto.cluster_auth import ClusterAuth
+from tandem.router.config import RouterConfig
+from tandem.router.membership import Membership, WorkerLifecycle
+from tests.helpers.grpc_calls import assert_workers_idle
+
+# What the Ray cluster can place per role (the budget below allows one more).
+ROLE_SLOTS = 3
+
+
+def init_ray_with_role_slots() -> None:
+    """A local Ray whose nodes can place ROLE_SLOTS workers of each role."""
+    ray.init(
+        num_cpus=2 * ROLE_SLOTS,
+        resources={"tandem_prefill": ROLE_SLOTS, "tandem_decode": ROLE_SLOTS},
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+
+
+def cluster_config(model_dir) -> ClusterConfig:
+    return ClusterConfig(
+        model_dir=str(model_dir),
+        pools=PoolsConfig(
+            num_prefill=1,
+            num_decode=1,
+            max_workers_per_role=ROLE_SLOTS + 1,
+            health_interval_s=0.5,
+            dead_retention_s=2.0,
+            drain_timeout_s=30.0,
+        ),
+        engine=EngineConfig(
+            model=str(model_dir),
+            device="cpu",
+            num_threads=1,
+            max_model_len=512,
+            max_num_batched_tokens=256,
+        ),
+        router=RouterConfig(
+            model_dir=str(model_dir), grpc_port=0, http_port=0, warmup_profile=False
+        ),
+    )
+
+
+def serving(m: Membership, role: str) -> list:
+    return [w for w in m.workers if w.role == role and w.state is WorkerLifecycle.SERVING]
+
+
+async def wait_membership(cluster, condition, timeout_s: float, what: str) -> Membership:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m = await cluster.membership()
+        if condition(m):
+            return m
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}: {m}")
+        await asyncio.sleep(0.2)
+
+
+def scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line.startswith("tandem:"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def pid_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+async def assert_idle(
+    membership: Membership, max_channels: int | None = None, auth: ClusterAuth | None = None
+) -> None:
+    """Every serving worker idle; `auth` is the cluster's (its token, when it has one)."""
+    workers = [(w.endpoint, w.role.value) for w in membership.workers
+               if w.state is WorkerLifecycle.SERVING]  # fmt: skip
+    # Transfer channels are reused: a decode worker keeps one per prefill worker it
+    # pulled from, a prefill worker one per decode worker that pulled from it.
+    num_prefill = sum(role == "prefill" for _, role in workers)
+    if max_channels is None:
+        max_channels = max(num_prefill, len(workers) - num_prefill)
+    await assert_workers_idle(workers, max_channels=max_channels, auth=auth)
+
+
+async def until(condition, timeout_s: float, what: str = "") -> None:
+    """Poll `condition` until true; AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what or condition}")
+        await asyncio.sleep(0.05)
