@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from tandem.engine.kv_pins import PinnedBlocks
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer.blocks import CacheBlocks
@@ -39,6 +40,16 @@ logger = logging.getLogger(__name__)
 
 _ADMISSION_POLL_S = 0.01
 _RELEASE_TIMEOUT_S = 5.0
+
+
+async def pull_into_pinned(
+    client: KvTransferClient, handle: KvHandle, pinned: PinnedBlocks
+) -> None:
+    """Pull straight into pinned reserved blocks (`Engine.acquire_import_kv`); the
+    client unpins them once its thread stops writing. (The KV transfer benchmark
+    receives through this function too.)"""
+    into = CacheBlocks(pinned.kv_cache, pinned.block_ids, on_done=pinned.unpin)
+    await client.pull(handle, out=into)
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
@@ -170,11 +181,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         pinned here (a thread-safe call: no await, so no cancellation can strand the
         pin) and the pull unpins it once its thread stops writing, however it ends."""
         pinned = self.loop.engine.acquire_import_kv(req_id)
-        into = CacheBlocks(pinned.kv_cache, pinned.block_ids, on_done=pinned.unpin)
         # asyncio.timeout, not wait_for: the pull must start in this task so that it owns
         # the pin even when cancelled at once.
         async with asyncio.timeout(self.config.pull_timeout_s):
-            await self.kv_client.pull(handle, out=into)
+            await pull_into_pinned(self.kv_client, handle, pinned)
 
     async def _reserve(
         self, req_id: str, prompt: list[int], first: int, params: SamplingParams
