@@ -49,7 +49,12 @@ def _model(default: str | None) -> Option:
 
 OPTIONS: dict[str, list[Option]] = {
     # A full engine run writes docs/benchmarks.md unless told otherwise, so --out is None.
-    "engine": [_model("models/tandem-small"), (("--out",), {**_OUT[1], "default": None}), _QUICK],
+    "engine": [
+        _model("models/tandem-small"), (("--out",), {**_OUT[1], "default": None}), _QUICK,
+        (("--dtype",), {"choices": ["auto", "float32", "bfloat16", "float16"], "default": None,
+                        "help": "only this dtype (auto: what `tandem serve` picks here) "
+                        "[float32 and bfloat16; --quick: float32]"}),
+    ],
     "kv-transfer": [
         _model("models/tandem-small"), _OUT,
         (("--repeats",), {"type": int, "default": 15, "help": "rounds of every variant"}),

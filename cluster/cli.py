@@ -70,8 +70,14 @@ def _add_model_commands(commands: argparse._SubParsersAction) -> None:
     make.set_defaults(handler=_run_model_make)
 
 
+DTYPE_HELP = (
+    "weights and KV: auto = the checkpoint's on CUDA; on CPU bfloat16 where the CPU has bf16 "
+    "matrix units (AMX), else float32 [auto]"
+)
+
+
 def _add_demo_command(commands: argparse._SubParsersAction) -> None:
-    from tandem.engine.config import DeviceKind
+    from tandem.engine.config import DTYPE_CHOICES, DeviceKind
 
     demo = commands.add_parser("demo", help="generate offline with one in-process engine")
     demo.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -86,6 +92,7 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         "--device", choices=[d.value for d in DeviceKind], default=None,
         help="[cuda if present, else cpu]",
     )  # fmt: skip
+    demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     demo.set_defaults(handler=_run_demo, demo_parser=demo)
 
 
@@ -135,7 +142,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     # "the config's default"), so each is defined once.
     from tandem.cluster.config import PoolsConfig
     from tandem.cluster.security_flags import add_security_flags
-    from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DeviceKind
+    from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, DeviceKind
     from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
     from tandem.router.policy import AdmissionPolicy
     from tandem.telemetry.tracing import TraceExporter
@@ -175,6 +182,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         "--kv-backend", choices=[KvBackend.TCP.value, KvBackend.NCCL.value], default=None,
         help="KV transfer between workers [nccl on cuda, tcp on cpu]",
     )  # fmt: skip
+    serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     serve.add_argument(
         "--threads", type=positive_int, default=None,
         help="torch threads per worker [cores / workers]",
@@ -287,6 +295,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             device=device,
             enable_chunked_prefill=not args.no_chunked_prefill,
             num_threads=args.threads,
+            dtype=args.dtype,
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
@@ -352,7 +361,7 @@ def _run_model_make(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.engine.config import EngineConfig
+    from tandem.engine.config import EngineConfig, dtype_banner
     from tandem.engine.generate import generate
     from tandem.engine.llm_engine import Engine
     from tandem.engine.sampling_params import SamplingParams
@@ -362,8 +371,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompts = list(args.prompts or DEMO_PROMPTS)
     started = time.perf_counter()
-    engine = Engine(EngineConfig(model=args.model, device=device))
-    print(f"engine ready on {device} in {time.perf_counter() - started:.1f}s: {args.model}")
+    engine = Engine(EngineConfig(model=args.model, device=device, dtype=args.dtype))
+    print(
+        f"engine ready on {device} ({dtype_banner(engine.config)}) in "
+        f"{time.perf_counter() - started:.1f}s: {args.model}"
+    )
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     started = time.perf_counter()
