@@ -2,6 +2,7 @@
 
     tandem-bench engine [--quick] [--out docs/benchmarks.md]      # engine vs floor, roofline, HF
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
+    tandem-bench threads [--quick]                                # --thread-policy, 1P+1D
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
@@ -24,6 +25,7 @@ from typing import Any
 SUITES = {
     "engine": ("engine.bench", "the engine against its matmul floor, the roofline and HF"),
     "kv-transfer": ("kv_transfer.bench", "KV transfer pulls against raw TCP"),
+    "threads": ("engine.thread_policy", "1P+1D output tok/s per --thread-policy"),
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
     "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
@@ -59,6 +61,14 @@ OPTIONS: dict[str, list[Option]] = {
         _model("models/tandem-small"), _OUT,
         (("--repeats",), {"type": int, "default": 15, "help": "rounds of every variant"}),
         (("--prefill-tokens-per-s",), {"type": float, "help": "else measured"}),
+    ],
+    "threads": [
+        _model("models/tandem-small"), _OUT, _QUICK,
+        (("--concurrency",), {"type": int, "default": 8}),
+        (("--requests",), {"type": int, "default": 48, "help": "requests per run"}),
+        (("--input-len",), {"type": int, "default": 128}),
+        (("--output-len",), {"type": int, "default": 64}),
+        (("--rounds",), {"type": int, "default": 2, "help": "runs of every option"}),
     ],
     "router": [
         _model("models/tandem-tiny"), _OUT, _QUICK,

@@ -140,7 +140,7 @@ def positive_float(text: str) -> float:
 def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     # Defaults shown in help come from the config classes (argparse default None means
     # "the config's default"), so each is defined once.
-    from tandem.cluster.config import PoolsConfig
+    from tandem.cluster.config import PoolsConfig, RayConfig, ThreadPolicy
     from tandem.cluster.security_flags import add_security_flags
     from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, DeviceKind
     from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
@@ -184,8 +184,13 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     serve.add_argument(
+        "--thread-policy", choices=[p.value for p in ThreadPolicy], default=None,
+        help="torch threads per worker without --threads: shared = all cores each, split = "
+        f"cores / workers [{RayConfig.thread_policy}]",
+    )  # fmt: skip
+    serve.add_argument(
         "--threads", type=positive_int, default=None,
-        help="torch threads per worker [cores / workers]",
+        help="torch threads per worker [from --thread-policy]",
     )  # fmt: skip
     serve.add_argument(
         "--max-model-len", type=positive_int, default=None,
@@ -262,7 +267,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
 
     import torch
 
-    from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig
+    from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig, ThreadPolicy
     from tandem.cluster.security_flags import cluster_auth_from_args
     from tandem.engine.config import DeviceKind, EngineConfig, default_device
     from tandem.router.config import RouterConfig
@@ -333,6 +338,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 address=args.ray_address,
                 autoscaling=args.autoscaling,
                 role_resources=True if args.autoscaling else None,
+                thread_policy=ThreadPolicy(_flag(args.thread_policy, RayConfig.thread_policy)),
             ),
         )
     except (ValueError, FileNotFoundError) as exc:
