@@ -3,6 +3,7 @@
     tandem-bench engine [--quick] [--out docs/benchmarks.md]      # engine vs floor, roofline, HF
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
     tandem-bench threads [--quick]                                # --thread-policy, 1P+1D
+    tandem-bench gpu-check [--dry-run]                            # one prepared GPU run
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
@@ -26,6 +27,7 @@ SUITES = {
     "engine": ("engine.bench", "the engine against its matmul floor, the roofline and HF"),
     "kv-transfer": ("kv_transfer.bench", "KV transfer pulls against raw TCP"),
     "threads": ("engine.thread_policy", "1P+1D output tok/s per --thread-policy"),
+    "gpu-check": ("gpu_check", "one prepared GPU run: equality, decode roofline, MFU, KV GB/s"),
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
     "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
@@ -69,6 +71,11 @@ OPTIONS: dict[str, list[Option]] = {
         (("--input-len",), {"type": int, "default": 128}),
         (("--output-len",), {"type": int, "default": 64}),
         (("--rounds",), {"type": int, "default": 2, "help": "runs of every option"}),
+    ],
+    "gpu-check": [
+        _OUT,
+        (("--dry-run",), {"action": "store_true", "help": "CPU, tiny shapes: exercises the code"}),
+        (("--workdir",), {"default": None, "help": "where the random checkpoints go [tmp]"}),
     ],
     "router": [
         _model("models/tandem-tiny"), _OUT, _QUICK,
