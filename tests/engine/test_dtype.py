@@ -6,13 +6,20 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from tandem.bench.engine.bench import make_plan
 from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.engine.config import EngineConfig, auto_dtype, cpu_flags, dtype_banner
+from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
+from tandem.engine.sampling_params import SamplingParams
 from tandem.worker.config import WorkerRole
 from tandem.worker.convert import stats_to_proto
+from tests.helpers.prompts import make_prompts
+
+pytestmark = pytest.mark.timeout(300)
 
 
 def test_auto_follows_the_cpu_flags_and_the_checkpoint_on_cuda() -> None:
@@ -65,3 +72,20 @@ def test_dtype_flags(tiny_model_dir) -> None:
     assert make_plan(bench).dtypes == (auto_dtype("cpu", "float32"),)
     bench.dtype = None
     assert make_plan(bench).dtypes == ("float32",)
+
+
+def test_bf16_engine_matches_transformers_in_bf16(tiny_model_dir) -> None:
+    """bf16 rounds differently from fp32, so the reference is transformers in bf16 too;
+    the tiny model's separated logits keep greedy argmax clear of near-ties."""
+    prompts = make_prompts(2048, (5, 40, 129), seed=3)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = Engine(EngineConfig(model=str(tiny_model_dir), dtype="bfloat16", max_model_len=1024))
+    ours = [out.token_ids for out in generate(engine, prompts, params)]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16).eval()
+    for prompt, got in zip(prompts, ours, strict=True):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                              min_new_tokens=8, do_sample=False, pad_token_id=2)  # fmt: skip
+        assert list(got) == out[0, len(prompt) :].tolist(), f"prompt of {len(prompt)} tokens"
+    assert engine.is_idle()
