@@ -379,7 +379,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     engine = Engine(EngineConfig(model=args.model, device=device, dtype=args.dtype))
     print(
-        f"engine ready on {device} ({dtype_banner(engine.config)}) in "
+        f"engine ready on {device}, {dtype_banner(engine.config)}, in "
         f"{time.perf_counter() - started:.1f}s: {args.model}"
     )
 
