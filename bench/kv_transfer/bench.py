@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 SECTION_HEADING = "## KV transfer"
 PROMPT_TOKENS = (1024, 8192, 32768)
-VARIANTS = ("production", "pull", "fresh", "export")
+VARIANTS = ("production", "adjacent", "pull", "fresh", "export")
 
 
 def _serve_main(fingerprint: str, max_blocks: int, conn: mp.connection.Connection) -> None:
@@ -58,10 +58,11 @@ async def _serve(layout: KvLayout, max_blocks: int, conn: mp.connection.Connecti
     for num_tokens in PROMPT_TOKENS:
         num_blocks = math.ceil(num_tokens / layout.block_size)
         pins.open(f"held-{num_blocks}", block_ids[:num_blocks])
+        pins.open(f"run-{num_blocks}", list(range(num_blocks)))  # a fresh pool's allocation
 
     def read_blocks(request_id: str) -> torch.Tensor | CacheBlocks:
         kind, num_blocks = request_id.split("-")
-        if kind == "held":
+        if kind in ("held", "run"):
             return serve_held_kv(pins.acquire, request_id)
         ids = block_ids[: int(num_blocks)]
         return cache.index_select(2, torch.tensor(ids))  # a fresh copy, as export_kv makes
@@ -95,7 +96,8 @@ def _raw_server(listener: socket.socket, payload: torch.Tensor) -> None:
 class Row:
     num_tokens: int
     nbytes: int
-    # "raw", "production" (pinned cache blocks -> pinned reserved cache blocks), "pull"
+    # "raw", "production" (pinned cache blocks -> pinned reserved cache blocks, both
+    # shuffled), "adjacent" (the same, ascending adjacent blocks on both sides), "pull"
     # (into recycled memory), "fresh" (no recycling), "export" (the old path: a copy
     # served, received into memory, copied into the cache) -> seconds, one per round
     times_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
@@ -140,6 +142,9 @@ async def measure_transfers(layout: KvLayout, repeats: int) -> list[Row]:
             into_ids = reserved[:num_blocks]
             decode_pins.open(held.request_id, into_ids)
 
+            run = dataclasses.replace(held, request_id=f"run-{num_blocks}")
+            decode_pins.open(run.request_id, list(range(num_blocks)))
+
             async def production(handle: KvHandle = held) -> None:
                 pinned = decode_pins.acquire(handle.request_id)
                 await pull_into_pinned(client, handle, pinned)
@@ -154,6 +159,7 @@ async def measure_transfers(layout: KvLayout, repeats: int) -> list[Row]:
             fns: dict[str, Callable[[], Awaitable[object]]] = {
                 "raw": functools.partial(asyncio.to_thread, _raw_pull, raw, raw_buf, row.nbytes),
                 "production": production,
+                "adjacent": functools.partial(production, run),
                 "pull": functools.partial(client.pull, held),
                 "fresh": functools.partial(fresh_client.pull, held),
                 "export": export_then_write,
@@ -232,7 +238,10 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
              f"{prefill_s:.1f}{'' if r.num_tokens in args.measured else '*'}",
              f"{pull_s / prefill_s:.2%}"]
         )  # fmt: skip
-    header = "prompt tokens|KV MiB|raw GB/s|production GB/s (vs raw)|into memory|fresh memory"
+    header = (
+        "prompt tokens|KV MiB|raw GB/s|production GB/s (vs raw)|production, adjacent blocks|"
+        "into memory|fresh memory"
+    )
     lines.append(
         render_table(
             [*header.split("|"), "export + write (old)", "prefill s", "transfer / prefill"], cells
