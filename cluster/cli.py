@@ -77,7 +77,8 @@ DTYPE_HELP = (
 
 
 def _add_demo_command(commands: argparse._SubParsersAction) -> None:
-    from tandem.engine.config import DTYPE_CHOICES, DeviceKind
+    from tandem.engine.config import DeviceKind
+    from tandem.engine.dtype import DTYPE_CHOICES
 
     demo = commands.add_parser("demo", help="generate offline with one in-process engine")
     demo.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -142,7 +143,8 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     # "the config's default"), so each is defined once.
     from tandem.cluster.config import PoolsConfig, RayConfig, ThreadPolicy
     from tandem.cluster.security_flags import add_security_flags
-    from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DTYPE_CHOICES, DeviceKind
+    from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DeviceKind
+    from tandem.engine.dtype import DTYPE_CHOICES
     from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
     from tandem.router.policy import AdmissionPolicy
     from tandem.telemetry.tracing import TraceExporter
@@ -367,7 +369,8 @@ def _run_model_make(args: argparse.Namespace) -> int:
 def _run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from tandem.engine.config import EngineConfig, dtype_banner
+    from tandem.engine.config import EngineConfig
+    from tandem.engine.dtype import dtype_banner
     from tandem.engine.generate import generate
     from tandem.engine.llm_engine import Engine
     from tandem.engine.sampling_params import SamplingParams

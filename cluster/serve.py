@@ -7,7 +7,7 @@ import logging
 import signal
 
 from tandem.cluster.launcher import ClusterConfig, LocalCluster
-from tandem.engine.config import dtype_banner
+from tandem.engine.dtype import dtype_banner
 
 logger = logging.getLogger(__name__)
 

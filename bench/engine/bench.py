@@ -17,7 +17,8 @@ from tandem.bench.engine import measure, report
 from tandem.bench.engine.measure import RepeatPolicy, Subjects
 from tandem.bench.harness import ensure_model
 from tandem.bench.report import machine_facts, publish, write_json
-from tandem.engine.config import ModelConfig, auto_dtype
+from tandem.engine.config import ModelConfig
+from tandem.engine.dtype import auto_dtype
 
 DEFAULT_OUT = "docs/benchmarks.md"
 RESULTS_DIR = Path("bench/results")

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from tandem.bench.engine.bench import make_plan
 from tandem.cluster.cli import build_parser, cluster_config_from_args
-from tandem.engine.config import EngineConfig, auto_dtype, cpu_flags, dtype_banner
+from tandem.engine.config import EngineConfig
+from tandem.engine.dtype import auto_dtype, cpu_flags, dtype_banner
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
