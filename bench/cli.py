@@ -7,6 +7,7 @@
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
+    tandem-bench pools [--kills N] [--drains N]                   # heal, migration, drain times
 
 `tandem-bench SUITE --help` lists a suite's options. A suite's module (`main(args) -> int`)
 is imported only once it is chosen, so `--help` stays fast.
@@ -31,6 +32,7 @@ SUITES = {
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
     "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
+    "pools": ("pools.bench", "elastic pools under load: heal after kill -9, migration, drain"),
 }
 DOC = "docs/benchmarks.md"
 # What `--quick` shortens (the engine's quick plan is its own, see `engine.bench.make_plan`).
@@ -105,6 +107,17 @@ OPTIONS: dict[str, list[Option]] = {
         (("--img-dir",), {"type": Path, "default": Path("docs/img"), "help": "plots"}),
         (("--results-dir",), {"type": Path, "default": Path("bench/results/experiments")}),
     ],
+    "pools": [
+        (("--preset",), {"default": "small", "choices": ["tiny", "small"]}),
+        (_MODEL, {"type": Path, "help": "default: models/tandem-<preset>"}), _OUT,
+        (("--json",), {"type": Path, "default": Path("bench/results/pools.json")}),
+        (("--kills",), {"type": int, "default": 5, "help": "kill -9s of a decode worker"}),
+        (("--drains",), {"type": int, "default": 3, "help": "scale-downs of decode by one"}),
+        (("--concurrency",), {"type": int, "default": 6, "help": "streams in flight"}),
+        (("--max-tokens",), {"type": int, "default": 128}),
+        (("--prompts",), {"type": int, "default": 8, "help": "distinct prompts"}),
+        (("--settle",), {"type": float, "default": 2.0, "help": "s of load before each event"}),
+    ],
 }  # fmt: skip
 # Not options: fixed settings of the SLO suite's capacity probes (`--quick` shortens them).
 DEFAULTS = {"slo": {"probe_duration": 10.0, "probe_requests": 30, "max_probes": 7,
@@ -127,7 +140,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if getattr(args, "quick", False):
         for name, value in QUICK.get(args.suite, {}).items():
             setattr(args, name, value)
-    if args.suite == "slo" and args.model is None:
+    if args.suite in ("slo", "pools") and args.model is None:
         args.model = Path(f"models/tandem-{args.preset}")
     args.command = " ".join(["tandem-bench", *argv])
     return args

@@ -158,6 +158,7 @@ class Router:
                              membership.version, self.membership.version)  # fmt: skip
                 return
             self.membership = membership
+            self.metrics.pools.update(membership)
             self._pending.clear()
             wanted = {
                 w.worker_id: w
