@@ -95,3 +95,33 @@ def test_the_validators_catch_a_misspelt_field():
     with pytest.raises(jsonschema.ValidationError, match="maxReplica"):
         jsonschema.validate(cluster, schema)
     assert CHART_DIR.is_dir()
+
+
+def object_nodes(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every sub-schema of type object, with its JSON path."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        if node.get("type") == "object":
+            found.append((path or "/", node))
+        for key, child in node.items():
+            found += object_nodes(child, f"{path}/{key}")
+    elif isinstance(node, list):
+        for index, child in enumerate(node):
+            found += object_nodes(child, f"{path}/{index}")
+    return found
+
+
+def test_schema_is_draft_07_and_closed_throughout():
+    import json
+
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
+    jsonschema.Draft7Validator.check_schema(schema)
+    nodes = object_nodes(schema)
+    assert len(nodes) > 40
+    # Closed (false), a map of typed values, or the one open place: extraObjects,
+    # which holds the user's own Kubernetes manifests.
+    for path, node in nodes:
+        assert "additionalProperties" in node, f"{path}: additionalProperties not set"
+        if node["additionalProperties"] is True:
+            assert path.startswith("/properties/extraObjects/"), path

@@ -88,6 +88,11 @@ def test_the_board_has_no_hard_coded_uids_or_namespaces():
     assert "uid" not in BOARD and "id" not in BOARD
     names = [v["name"] for v in BOARD["templating"]["list"]]
     assert names == ["datasource", "namespace", "model"]
+    ids = [panel["id"] for panel in BOARD["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in BOARD["panels"]:
+        refs = [target["refId"] for target in panel.get("targets", [])]
+        assert len(refs) == len(set(refs)), panel["title"]
     for _, expr in panel_queries():
         assert 'namespace=~"$namespace"' in expr, expr
         assert 'namespace="' not in expr, expr
