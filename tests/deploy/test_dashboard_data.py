@@ -10,6 +10,7 @@ the workers and the pool controller, whose own series do not have it)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import re
 import shutil
@@ -23,7 +24,7 @@ import yaml
 from tandem.cluster.launcher import LocalCluster
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.helm_chart import ROOT
-from tests.helpers.prometheus_server import PrometheusServer, ScrapeJob
+from tests.helpers.prometheus_server import PrometheusServer
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import assert_idle, cluster_config, init_ray_with_role_slots
 
@@ -109,47 +110,49 @@ def test_every_panel_and_recording_rule_has_data_under_load(
     ray_session: None, tiny_model_dir: Path, tmp_path: Path
 ):
     async def scenario() -> None:
+        # Prometheus first: it takes a few seconds to apply targets, overlapping the
+        # cluster's start.
+        prometheus = PrometheusServer(tmp_path, ["router", "ray"], [RULES_FILE])
+        prometheus.start()
         cluster = LocalCluster(cluster_config(tiny_model_dir))
-        prometheus: PrometheusServer | None = None
         try:
             router = await cluster.start()
             membership = await cluster.membership()
             model = router.config.model_name
+            prometheus.set_targets(
+                "router", [f"{router.http_endpoint}/metrics"], {"namespace": NAMESPACE}
+            )
             ray_targets = [w.metrics_url for w in membership.workers]
             ray_targets.append(cluster.controller_metrics_url)
-            prometheus = PrometheusServer(
-                tmp_path,
-                [
-                    ScrapeJob("router", [f"{router.http_endpoint}/metrics"],
-                              {"namespace": NAMESPACE}),
-                    ScrapeJob(
-                        "ray",
-                        ray_targets,
-                        {"namespace": NAMESPACE, "model_name": model},
-                    ),
-                ],
-                [RULES_FILE],
-            )  # fmt: skip
-            prometheus.start()
-            prometheus.wait_for('up{job="ray"} == 1', 20, "the first scrape")
-            # Load in waves across several scrapes: some short prompts (local prefill
-            # may take them) and longer ones (prefilled remotely, KV pulled).
+            prometheus.set_targets(
+                "ray", ray_targets, {"namespace": NAMESPACE, "model_name": model}
+            )
+            # Blocking calls run in a thread: the router serves /metrics on this loop.
+            wait_for = functools.partial(asyncio.to_thread, prometheus.wait_for)
+            await wait_for("count(up == 1) == 4", 20, "the first scrape of every target")
+            # Load in waves across several scrapes: short prompts (local prefill may take
+            # them) and longer ones (prefilled remotely, KV pulled).
             num_requests = 0
-            for wave in range(4):
+            for wave in range(3):
                 prompts = make_prompts(2048, (6, 40, 90, 12, 64, 120), seed=100 + wave)
                 await generate_tokens(router.grpc_endpoint, prompts, 12)
                 num_requests += len(prompts)
                 await asyncio.sleep(1.0)
-            prometheus.wait_for(
+            await wait_for(
                 f'sum(tandem:request_success_total{{namespace="{NAMESPACE}"}}) >= {num_requests}',
                 20, "the last requests scraped",
             )  # fmt: skip
-            await asyncio.sleep(2.0)  # two more rule evaluations
-            check_panels_and_rules(prometheus, model)
+            # A rule evaluation after that scrape (every 1 s).
+            scraped_at = time.time()
+            await wait_for(
+                f'timestamp(namespace_model:tandem_requests:rate5m{{namespace="{NAMESPACE}"}})'
+                f" > {scraped_at:.3f}",
+                10, "a rule evaluation after the last scrape",
+            )  # fmt: skip
+            await asyncio.to_thread(check_panels_and_rules, prometheus, model)
             await assert_idle(await cluster.membership())
         finally:
-            if prometheus is not None:
-                prometheus.stop()
+            prometheus.stop()
             await cluster.stop()
 
     started = time.monotonic()

@@ -1,5 +1,10 @@
-"""A real Prometheus server (Debian's `prometheus` binary) for tests: scrapes the given
-targets every second, evaluates rule files, and answers PromQL over its HTTP API."""
+"""A real Prometheus server (Debian's `prometheus` binary) for tests: scrapes its jobs'
+targets every second, evaluates rule files, and answers PromQL over its HTTP API.
+
+Targets come from files (`file_sd`), so the server can start before the cluster it will
+scrape: Prometheus applies new targets only every few seconds, and that wait then
+overlaps the cluster's start.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +15,10 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
-
-
-@dataclass
-class ScrapeJob:
-    name: str
-    # http://host:port/path URLs; each job's targets must share one path.
-    urls: list[str]
-    # Static target labels, as the chart's ServiceMonitor/PodMonitor would add them.
-    labels: dict[str, str]
 
 
 def _free_port() -> int:
@@ -33,25 +28,24 @@ def _free_port() -> int:
 
 
 class PrometheusServer:
-    """Owns one `prometheus` process and its data folder under `workdir`."""
+    """Owns one `prometheus` process and its files under `workdir`. Every job scrapes
+    `/metrics` of the targets `set_targets` gives it."""
 
-    def __init__(self, workdir: Path, jobs: list[ScrapeJob], rule_files: list[Path]) -> None:
+    def __init__(self, workdir: Path, job_names: list[str], rule_files: list[Path]) -> None:
         self.workdir = workdir
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
-        scrape_configs = []
-        for job in jobs:
-            paths = {urllib.parse.urlsplit(u).path or "/metrics" for u in job.urls}
-            assert len(paths) == 1, f"{job.name}: targets with different paths {paths}"
-            scrape_configs.append({
-                "job_name": job.name,
-                "metrics_path": paths.pop(),
-                "static_configs": [{
-                    "targets": [urllib.parse.urlsplit(u).netloc for u in job.urls],
-                    "labels": job.labels,
-                }],
-            })  # fmt: skip
+        scrape_configs = [
+            {
+                "job_name": name,
+                "metrics_path": "/metrics",
+                "file_sd_configs": [
+                    {"files": [str(self._targets_file(name))], "refresh_interval": "1s"}
+                ],
+            }
+            for name in job_names
+        ]
         config = {
             "global": {
                 "scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s",
@@ -59,8 +53,23 @@ class PrometheusServer:
             "rule_files": [str(path) for path in rule_files],
             "scrape_configs": scrape_configs,
         }  # fmt: skip
+        for name in job_names:
+            self._targets_file(name).write_text("[]")
         self.config_path = workdir / "prometheus.yml"
         self.config_path.write_text(yaml.safe_dump(config))
+
+    def _targets_file(self, job: str) -> Path:
+        return self.workdir / f"targets-{job}.json"
+
+    def set_targets(self, job: str, urls: list[str], labels: dict[str, str]) -> None:
+        """Scrape `urls` (http://host:port/metrics) in `job`, with static `labels` (as the
+        chart's ServiceMonitor/PodMonitor would add them)."""
+        for url in urls:
+            assert urllib.parse.urlsplit(url).path == "/metrics", url
+        groups = [{"targets": [urllib.parse.urlsplit(u).netloc for u in urls], "labels": labels}]
+        staged = self.workdir / f".{job}.json"
+        staged.write_text(json.dumps(groups))
+        staged.replace(self._targets_file(job))  # atomic: Prometheus never reads half a file
 
     def start(self, timeout_s: float = 30.0) -> None:
         binary = shutil.which("prometheus")
@@ -81,6 +90,7 @@ class PrometheusServer:
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
                 log = (self.workdir / "prometheus.log").read_text()
+                self.stop()
                 raise AssertionError(f"prometheus did not become ready:\n{log}")
             time.sleep(0.2)
 
@@ -116,5 +126,15 @@ class PrometheusServer:
             if result:
                 return result
             if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-            time.sleep(0.5)
+                raise AssertionError(
+                    f"timed out after {timeout_s:g} s waiting for {what}; targets: "
+                    f"{self.target_health()}"
+                )
+            time.sleep(0.25)
+
+    def target_health(self) -> list[str]:
+        """`scrape URL: health (last error)` of every active target."""
+        return [
+            f"{t['scrapeUrl']}: {t['health']} {t['lastError']}".strip()
+            for t in self.api("targets")["activeTargets"]
+        ]
