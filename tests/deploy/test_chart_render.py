@@ -29,6 +29,7 @@ from tests.helpers.helm_chart import (
     ROOT,
     case_values,
     lint,
+    merged_values,
     release_name,
     render_case,
 )
@@ -57,12 +58,6 @@ EXPECTED_KINDS = {
 BUILT_IN_GROUPS = {"v1", "apps/v1", "policy/v1", "networking.k8s.io/v1"}
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-
-
-def merged_values(case: str) -> dict[str, Any]:
-    from tests.helpers.helm_chart import _chart
-
-    return dict(_chart().merge_values(case_values(case)))
 
 
 @pytest.fixture(scope="module", params=CASES)

@@ -62,6 +62,11 @@ def render_case(case: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
     return rendered, manifests(rendered)
 
 
+def merged_values(case: str) -> dict[str, Any]:
+    """The chart's defaults with the case's values over them (what the templates see)."""
+    return dict(_chart().merge_values(case_values(case)))
+
+
 def validate_values(values: dict[str, Any]) -> None:
     """Validate against values.schema.json (as `helm install` does); raises HelmValuesError."""
     _chart().validate_schema(_chart().merge_values(values))
