@@ -241,6 +241,11 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="the Ray cluster adds nodes on demand: workers ask for tandem_<role> resources "
         "and targets are not checked against the nodes there now",
     )  # fmt: skip
+    serve.add_argument(
+        "--pool-metrics-port", type=port, default=None,
+        help="port of the pool controller's /metrics (0: a free one) "
+        f"[{pools.metrics_port}]",
+    )  # fmt: skip
     add_security_flags(serve, generates_token=True)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
@@ -285,7 +290,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     try:
         limit = _flag(args.max_workers_per_role, PoolsConfig.max_workers_per_role)
-        limits = {"max_workers_per_role": limit}
+        limits = {
+            "max_workers_per_role": limit,
+            "metrics_port": _flag(args.pool_metrics_port, PoolsConfig.metrics_port),
+        }
         pools = (
             PoolsConfig(num_prefill=0, num_decode=0, num_colocated=args.colocated, **limits)
             if args.colocated is not None

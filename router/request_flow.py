@@ -202,8 +202,10 @@ class RequestFlow:
                 "gen_ai.usage.input_tokens": len(prompt_ids),
             },
         )
+        arrived_at = time.monotonic()
         placement = await self._place(req_id, prompt_ids, params, slo, span)
-        record = self.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s)
+        record = self.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s,
+                                     admission_wait_s=time.monotonic() - arrived_at)  # fmt: skip
         self.metrics.disagg_decisions.labels(self.metrics.model_name, placement.decision).inc()
         reason = FinishReason.ABORT.value
         output_ids: list[int] = []
@@ -370,6 +372,11 @@ class RequestFlow:
         )
         if pair.prefill_stub is not None:
             prefill = await self._prefill(pair, req_id, prompt_ids, wire_params, span, attempt)
+            record.on_prefill(
+                pair.prefill_target()[0].worker_id, "prefill",
+                len(prompt_ids) - prefill.num_cached_tokens,
+                prefill.timings.queue_s, prefill.timings.compute_s,
+            )  # fmt: skip
             self.policy.on_prefill_done(
                 req_id,
                 num_cached_tokens=prefill.num_cached_tokens,
@@ -473,6 +480,12 @@ class RequestFlow:
                         request.request_id, (now - last_at) / len(msg.token_ids)
                     )
                 last_at = now
+                if local and msg.HasField("prefill_timings"):
+                    timings = msg.prefill_timings
+                    num_computed = len(request.prompt_token_ids) - msg.num_cached_tokens
+                    record.on_prefill(worker_id, "decode", num_computed, timings.queue_s,
+                                      timings.compute_s)  # fmt: skip
+                record.on_decoded(worker_id, len(msg.token_ids))
                 if local and first:
                     usage.cached_prompt_tokens = msg.num_cached_tokens
                 finish = finish_reason_from_proto(msg.finish_reason)
