@@ -27,7 +27,9 @@ ROLE_SLOTS = 3
 
 def init_ray_with_role_slots() -> None:
     """A local Ray whose nodes can place ROLE_SLOTS workers of each role."""
+    # "local": a fresh instance, never one another process left running on this machine.
     ray.init(
+        address="local",
         num_cpus=2 * ROLE_SLOTS,
         resources={"tandem_prefill": ROLE_SLOTS, "tandem_decode": ROLE_SLOTS},
         include_dashboard=False,
