@@ -4,6 +4,7 @@
     tandem demo --model DIR [--max-tokens N] [--prompt TEXT ...]
     tandem serve [--model DIR] [--prefill N --decode M | --colocated K] [...]
     tandem pools | scale | router ...   (see cluster.pool_commands)
+    tandem profile | plan ...            (see planner.profile_cli, planner.plan_cli)
 
 Each subcommand imports what it needs inside its handler, so `tandem model make`
 works before (or without) the engine and cluster code it does not use.
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.cluster.pool_commands import add_pool_commands
 
     add_pool_commands(commands)
+    from tandem.planner.plan_cli import add_plan_command
+    from tandem.planner.profile_cli import add_profile_command
+
+    add_profile_command(commands)
+    add_plan_command(commands)
     return parser
 
 

@@ -109,7 +109,7 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"{path}: not a JSON profile ({exc})") from None
     if not isinstance(raw, dict) or raw.get("format") != PROFILE_FORMAT:
         raise ProfileError(
-            f"{path}: not a Tandem profile (\"format\" must be {PROFILE_FORMAT!r}; "
+            f'{path}: not a Tandem profile ("format" must be {PROFILE_FORMAT!r}; '
             "make one with `tandem profile`)"
         )
     if raw.get("version") != PROFILE_VERSION:

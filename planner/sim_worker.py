@@ -74,6 +74,13 @@ class SimWorker:
         self.busy_until_s: float | None = None
         self._step: list[tuple[SimSeq, int]] = []
         self.busy_s = 0.0
+        # Imports with blocks reserved whose KV is still on the wire.
+        self.num_importing = 0
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch or about to join it (bounded by max_num_seqs)."""
+        return len(self.running) + self.num_importing
 
     # ----- inputs ----------------------------------------------------------------------
 
@@ -88,16 +95,18 @@ class SimWorker:
     def try_import(self, seq: SimSeq) -> bool:
         """Reserve blocks for a prefilled request's KV (pull-based admission); False: full."""
         need = self.blocks_for(seq.prompt_tokens + seq.output_tokens)
-        if need > self.num_free_blocks:
+        if need > self.num_free_blocks or self.num_seqs >= self.limits.max_num_seqs:
             return False
         self.num_free_blocks -= need
         seq.num_blocks = need
+        self.num_importing += 1
         return True
 
     def join_batch(self, seq: SimSeq) -> None:
         """The imported KV arrived: decode from the next step on."""
         seq.computed_tokens = seq.prompt_tokens
         seq.generated_tokens = max(1, seq.generated_tokens)
+        self.num_importing -= 1
         self.running.append(seq)
 
     def release(self, req_id: str) -> None:
@@ -134,7 +143,7 @@ class SimWorker:
                 context += seq.prompt_tokens + seq.generated_tokens
             step.append((seq, new))
             budget -= new
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        while self.waiting and budget > 0 and self.num_seqs < self.limits.max_num_seqs:
             seq = self.waiting[0]
             need = self._blocks_needed(seq)
             if need > self.num_free_blocks:
