@@ -194,7 +194,11 @@ class ClusterSimulation:
         arrivals = workload.arrivals_at(rate_rps, num_requests)
         report = SimReport(self.layout, rate_rps, len(arrivals))
         self._report = report
-        max_missed = math.inf if stop_below is None else (1 - stop_below) * report.num_requests
+        max_missed = (
+            math.inf
+            if stop_below is None
+            else math.floor((1 - stop_below) * report.num_requests + 1e-9)
+        )
         self._events: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self._arrival: dict[str, float] = {}
