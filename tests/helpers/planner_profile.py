@@ -44,7 +44,7 @@ def profile_json() -> dict:
             "max_num_seqs": 64,
             "num_blocks": 20000,
             "max_model_len": 4096,
-        },  # fmt: skip
+        },
         "prefill": prefill,
         "decode": decode,
         "transfer": transfer,
