@@ -21,6 +21,7 @@ import multiprocessing as mp
 import platform
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,9 @@ from tandem.planner.profile_format import (
 logger = logging.getLogger(__name__)
 
 _FIRST_ID = 10
+
+# n -> n random token ids
+TokenIds = Callable[[int], list[int]]
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,9 @@ def _timed_step(engine: Engine) -> float:
     return time.perf_counter() - start
 
 
-def _measure_prefill(engine: Engine, ids, prompts, grid: ProfileGrid) -> list[PrefillSample]:  # type: ignore[no-untyped-def]
+def _measure_prefill(
+    engine: Engine, ids: TokenIds, prompts: Sequence[int], grid: ProfileGrid
+) -> list[PrefillSample]:
     samples = []
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     count = 0
@@ -151,7 +157,13 @@ def _measure_prefill(engine: Engine, ids, prompts, grid: ProfileGrid) -> list[Pr
     return samples
 
 
-def _measure_decode(engine: Engine, ids, batches, contexts, repeats: int) -> list[DecodeSample]:  # type: ignore[no-untyped-def]
+def _measure_decode(
+    engine: Engine,
+    ids: TokenIds,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    repeats: int,
+) -> list[DecodeSample]:
     samples = []
     for context in contexts:
         for batch in batches:
@@ -172,9 +184,11 @@ def _measure_decode(engine: Engine, ids, batches, contexts, repeats: int) -> lis
     return samples
 
 
-def measure_transfer(config: EngineConfig, sizes, repeats: int) -> list[TransferSample]:  # type: ignore[no-untyped-def]
+def measure_transfer(
+    config: EngineConfig, sizes: Sequence[int], repeats: int
+) -> list[TransferSample]:
     """KV pulls over TCP from a prefill-side service in another process."""
     from tandem.planner.profile_transfer import pull_times
 
-    sizes = [n for n in sizes if n < config.max_model_len * 8]
-    return asyncio.run(pull_times(config, sizes, repeats, mp.get_context("spawn")))
+    kept = [n for n in sizes if n < config.max_model_len * 8]
+    return asyncio.run(pull_times(config, kept, repeats, mp.get_context("spawn")))

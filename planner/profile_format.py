@@ -138,7 +138,7 @@ def _object(raw: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
-def _numbers(row: Any, kind: type, where: str) -> dict[str, Any]:
+def _numbers(row: Any, kind: Any, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
         raise ValueError(f"{where} must be an object")
     out: dict[str, Any] = {}
@@ -153,7 +153,7 @@ def _numbers(row: Any, kind: type, where: str) -> dict[str, Any]:
     return out
 
 
-def _samples(raw: dict[str, Any], name: str, kind: type, *, required: bool = True) -> list[Any]:
+def _samples(raw: dict[str, Any], name: str, kind: Any, *, required: bool = True) -> list[Any]:
     rows = raw.get(name, None if required else [])
     if not isinstance(rows, list) or (required and not rows):
         raise ValueError(f"field {name!r} must be a non-empty list of samples")

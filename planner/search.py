@@ -158,7 +158,14 @@ def max_goodput(
     return LayoutResult(layout, good.rate_rps, good, bad)
 
 
-def _full(laws, settings, layout, slo, workload, report: SimReport) -> SimReport:  # type: ignore[no-untyped-def]
+def _full(
+    laws: LatencyLaws,
+    settings: SimSettings,
+    layout: Layout,
+    slo: SloTargets,
+    workload: PlanWorkload,
+    report: SimReport,
+) -> SimReport:
     """The same run without stopping early (its percentiles describe all requests)."""
     if not report.stopped_early:
         return report

@@ -123,6 +123,28 @@ class SimReport:
         return ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)]
 
 
+@dataclass(frozen=True)
+class _Arrival:
+    req_id: str
+    request: PlanRequest
+
+
+@dataclass(frozen=True)
+class _StepEnd:
+    worker: SimWorker
+
+
+@dataclass(frozen=True)
+class _PullEnd:
+    decode: SimWorker
+    seq: SimSeq
+    # The prefill worker that held the KV.
+    source: str
+
+
+_Event = _Arrival | _StepEnd | _PullEnd
+
+
 class _Prompts:
     """Token ids per request: shared prefixes per group, unique random tails."""
 
@@ -199,7 +221,7 @@ class ClusterSimulation:
             if stop_below is None
             else math.floor((1 - stop_below) * report.num_requests + 1e-9)
         )
-        self._events: list[tuple[float, int, str, object]] = []
+        self._events: list[tuple[float, int, _Event]] = []
         self._order = itertools.count()
         self._arrival: dict[str, float] = {}
         self._first_token: dict[str, float] = {}
@@ -212,9 +234,9 @@ class ClusterSimulation:
         # TTFT deadlines of requests without a first token yet (misses found early).
         deadlines: list[tuple[float, str]] = []
         for i, (req, t) in enumerate(arrivals):
-            self._push(t, "arrive", (f"r{i}", req))
+            self._push(t, _Arrival(f"r{i}", req))
         while self._events:
-            self.now_s, _, kind, data = heapq.heappop(self._events)
+            self.now_s, _, event = heapq.heappop(self._events)
             while deadlines and deadlines[0][0] < self.now_s:
                 _, req_id = heapq.heappop(deadlines)
                 if req_id not in self._first_token:
@@ -223,8 +245,8 @@ class ClusterSimulation:
             if len(self._missed) > max_missed:
                 report.stopped_early = True
                 break
-            if kind == "arrive":
-                req_id, req = data  # type: ignore[misc]
+            if isinstance(event, _Arrival):
+                req_id, req = event.req_id, event.request
                 ids = prompts.ids(req)
                 self._arrival[req_id] = self.now_s
                 heapq.heappush(deadlines, (self.now_s + self.slo.ttft_s, req_id))
@@ -237,10 +259,10 @@ class ClusterSimulation:
                     self.caches[wid].insert(ids, hashes=placement.prompt_hashes)
                 self.workers[wid].add_prompt(SimSeq(req_id, len(ids), req.output_tokens, cached))
                 self._kick(self.workers[wid])
-            elif kind == "step":
-                self._step_done(data)  # type: ignore[arg-type]
-            else:  # "pulled"
-                decode, seq, source = data  # type: ignore[misc]
+            elif isinstance(event, _StepEnd):
+                self._step_done(event.worker)
+            else:
+                decode, seq, source = event.decode, event.seq, event.source
                 self.policy.on_kv_pulled(seq.req_id)
                 self.workers[source].release(seq.req_id)
                 self._kick(self.workers[source])
@@ -255,14 +277,14 @@ class ClusterSimulation:
         report.num_tpot_missed = len(self._missed - self._ttft_missed)
         return report
 
-    def _push(self, t: float, kind: str, data: object) -> None:
-        heapq.heappush(self._events, (t, next(self._order), kind, data))
+    def _push(self, t: float, event: _Event) -> None:
+        heapq.heappush(self._events, (t, next(self._order), event))
 
     def _kick(self, worker: SimWorker) -> None:
         if not worker.busy:
             end = worker.start_step(self.now_s)
             if end is not None:
-                self._push(end, "step", worker)
+                self._push(end, _StepEnd(worker))
 
     def _step_done(self, worker: SimWorker) -> None:
         result = worker.finish_step()
@@ -305,8 +327,8 @@ class ClusterSimulation:
             if not decode.try_import(copy):
                 break
             queue.pop(0)
-            self._push(self.now_s + self.laws.transfer_s(seq.prompt_tokens), "pulled",
-                       (decode, copy, source))  # fmt: skip
+            pulled_at = self.now_s + self.laws.transfer_s(seq.prompt_tokens)
+            self._push(pulled_at, _PullEnd(decode, copy, source))
         self._kick(decode)
 
     def _finished(self, seq: SimSeq) -> None:
