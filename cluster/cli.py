@@ -232,6 +232,20 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="the Ray cluster adds nodes on demand: workers ask for tandem_<role> resources "
         "and targets are not checked against the nodes there now",
     )  # fmt: skip
+    from tandem.planner.live_config import DEFAULT_PLANNER_INTERVAL_S, PlannerMode
+
+    serve.add_argument(
+        "--planner", choices=[m.value for m in PlannerMode], default=PlannerMode.OBSERVE.value,
+        help="live P:D planner: off, observe (recommend) or auto (resize the pools) [observe]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--planner-interval", type=positive_float, default=DEFAULT_PLANNER_INTERVAL_S,
+        help=f"seconds between plans [{DEFAULT_PLANNER_INTERVAL_S:g}]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-workers", type=positive_int, default=None,
+        help="the planner's worker budget [the pools' size at start]",
+    )  # fmt: skip
     add_security_flags(serve, generates_token=True)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
@@ -263,6 +277,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig
     from tandem.cluster.security_flags import cluster_auth_from_args
     from tandem.engine.config import DeviceKind, EngineConfig, default_device
+    from tandem.planner.live_config import PlannerConfig, PlannerMode
     from tandem.router.config import RouterConfig
     from tandem.worker.config import WorkerSettings
 
@@ -330,6 +345,11 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 address=args.ray_address,
                 autoscaling=args.autoscaling,
                 role_resources=True if args.autoscaling else None,
+            ),
+            planner=PlannerConfig(
+                mode=PlannerMode(args.planner),
+                interval_s=args.planner_interval,
+                max_workers=args.max_workers,
             ),
         )
     except (ValueError, FileNotFoundError) as exc:
