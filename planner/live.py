@@ -18,6 +18,7 @@ import logging
 import multiprocessing as mp
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from tandem.engine.config import EngineConfig
@@ -94,6 +95,7 @@ class LivePlanner:
         self.budget = config.max_workers
         self.last: LivePlanResult | None = None
         self.last_load: ObservedLoad | None = None
+        self.last_laws: LatencyLaws | None = None
         self.last_action = "none yet"
         self.num_changes = 0
         self._counters: Counters | None = None
@@ -180,6 +182,7 @@ class LivePlanner:
         assert runtime is not None and self._executor is not None and self.budget is not None
         policy = self._policy()
         laws = laws_from_router(self._workers(), policy.selector.config.kv_transfer_s_per_token)
+        self.last_laws = laws
         slo = runtime.slo.resolve()
         targets = SloTargets(slo.ttft_s or INTERACTIVE.slo.ttft_s or 1.0,
                              slo.itl_s or INTERACTIVE.slo.itl_s or 0.1)  # fmt: skip
@@ -238,6 +241,12 @@ class LivePlanner:
                                    "decode": self.last.recommended[1]}  # fmt: skip
             body["reason"] = self.last.reason
             body["predicted_goodput_rps"] = round(self.last.predicted_goodput_rps, 4)
+            body["goodput_rps"] = {f"{p}P+{d}D": round(g, 4)
+                                   for (p, d), g in sorted(self.last.goodput.items())}  # fmt: skip
+        if self.last_laws is not None:
+            body["latency_models"] = {
+                name: float(f"{value:.4g}") for name, value in asdict(self.last_laws).items()
+            }
         if self.last_load is not None:
             load = self.last_load
             body["observed"] = {

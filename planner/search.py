@@ -2,8 +2,9 @@
 
 For every layout (each split p + d = N with p, d >= 1, and N colocated workers) the
 search finds the highest arrival rate at which at least `target` (90%) of the
-requests meet both SLOs: it doubles the rate until a run misses, then bisects (in
-log space) to `rel_tol`. That rate is the layout's goodput. The recommendation is
+requests meet both SLOs: it doubles the rate until a run misses (never past the
+layout's steady-state throughput, see `capacity`), then bisects (in log space) to
+`rel_tol`. That rate is the layout's goodput. The recommendation is
 the split with the highest goodput (near-ties go to the lower p90 latencies), with
 a one-line reason naming the runner-up, the colocated baseline and what limits it.
 """
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.planner.capacity import throughput_bound
 from tandem.planner.profile_model import LatencyLaws
 from tandem.planner.simulator import ClusterSimulation, Layout, SimReport, SimSettings, SloTargets
 from tandem.planner.workload import PlanWorkload
@@ -33,6 +35,8 @@ class LayoutResult:
     report: SimReport
     # The lowest rate tried that missed the target (what limits the layout), if any.
     above: SimReport | None = None
+    # Set when the steady-state throughput of a pool capped the goodput ("decode pool's").
+    throughput_limit: str = ""
 
     @property
     def ttft_p50_s(self) -> float:
@@ -127,16 +131,19 @@ def max_goodput(
         count = num_requests_at(rate, horizon_s, workload)
         return ClusterSimulation(laws, settings, layout, slo).run(workload, rate, target, count)
 
-    rate = first_guess_rps(laws, workload, layout.num_workers)
+    # Past the pools' steady-state throughput no rate is sustained, whatever a finite run
+    # shows (see `capacity`).
+    bound, pool = throughput_bound(laws, settings.limits, layout, workload)
+    rate = min(first_guess_rps(laws, workload, layout.num_workers), bound)
     good: SimReport | None = None
     bad: SimReport | None = None
     for _ in range(_MAX_DOUBLINGS):
         report = run(rate)
         if report.attainment >= target and not report.stopped_early:
             good = report
-            if bad is not None:
+            if bad is not None or rate >= bound:
                 break
-            rate *= 2
+            rate = min(2 * rate, bound)
         else:
             bad = report
             if good is not None:
@@ -146,7 +153,8 @@ def max_goodput(
         assert bad is not None
         return LayoutResult(layout, 0.0, _full(laws, settings, layout, slo, workload, bad), bad)
     if bad is None:
-        return LayoutResult(layout, good.rate_rps, good)
+        capped = pool if good.rate_rps >= bound * (1 - 1e-9) else ""
+        return LayoutResult(layout, good.rate_rps, good, throughput_limit=capped)
     for _ in range(_MAX_BISECTIONS):
         if bad.rate_rps / good.rate_rps <= 1 + rel_tol:
             break
@@ -249,6 +257,8 @@ def _gain(a: LayoutResult, b: LayoutResult) -> str:
 
 
 def _limit(result: LayoutResult) -> str:
+    if result.throughput_limit:
+        return f"; capped by the {result.throughput_limit} throughput"
     report = result.above
     if report is None:
         return ""
