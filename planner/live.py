@@ -24,7 +24,7 @@ from typing import Any
 from tandem.engine.config import EngineConfig
 from tandem.planner.hysteresis import ResizeGate, Split
 from tandem.planner.live_config import PlannerConfig, PlannerMode
-from tandem.planner.live_plan import LivePlanInput, LivePlanResult, compute_plan
+from tandem.planner.live_plan import LivePlanInput, LivePlanResult, compute_plan, warm_up
 from tandem.planner.observe import Counters, ObservedLoad, load_between, read_counters
 from tandem.planner.profile_format import EngineLimits
 from tandem.planner.profile_model import LatencyLaws
@@ -98,6 +98,7 @@ class LivePlanner:
         self.last_laws: LatencyLaws | None = None
         self.last_action = "none yet"
         self.num_changes = 0
+        self.num_plans = 0
         self._counters: Counters | None = None
         self._counted_at = 0.0
         self._task: asyncio.Task | None = None
@@ -109,6 +110,7 @@ class LivePlanner:
         self._executor = concurrent.futures.ProcessPoolExecutor(
             max_workers=1, mp_context=mp.get_context("spawn")
         )
+        self._executor.submit(warm_up)
         if self.budget is None:
             split, _ = current_split(await self._pools())
             self.budget = sum(split) if split else len(self._workers())
@@ -156,6 +158,7 @@ class LivePlanner:
         split, at_target = current_split(membership)
         result = await self._plan(load, split)
         self.last = result
+        self.num_plans += 1
         metrics.planner_recommended_workers.labels("prefill").set(result.recommended[0])
         metrics.planner_recommended_workers.labels("decode").set(result.recommended[1])
         metrics.planner_predicted_goodput.set(result.predicted_goodput_rps)
@@ -234,6 +237,7 @@ class LivePlanner:
             "recommended": None,
             "reason": "no plan yet",
             "last_action": self.last_action,
+            "plans": self.num_plans,
             "changes": self.num_changes,
         }
         if self.last is not None:

@@ -66,3 +66,8 @@ def compute_plan(given: LivePlanInput) -> LivePlanResult:
         sim = ClusterSimulation(given.laws, settings, best, given.slo)
         predicted = sim.run(workload, load.arrival_rate_rps).goodput_rps
     return LivePlanResult((best.num_prefill, best.num_decode), result.reason, goodput, predicted)
+
+
+def warm_up() -> None:
+    """Run once in the planner's process at start, so its imports are done before the
+    first interval's plan."""
