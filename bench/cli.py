@@ -5,6 +5,7 @@
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
+    tandem-bench planner-fidelity [--quick]                       # simulator vs measured runs
 
 `tandem-bench SUITE --help` lists a suite's options. A suite's module (`main(args) -> int`)
 is imported only once it is chosen, so `--help` stays fast.
@@ -27,6 +28,7 @@ SUITES = {
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
     "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
+    "planner-fidelity": ("planner.fidelity", "the planner's simulator against measured runs"),
 }
 DOC = "docs/benchmarks.md"
 # What `--quick` shortens (the engine's quick plan is its own, see `engine.bench.make_plan`).
@@ -82,6 +84,11 @@ OPTIONS: dict[str, list[Option]] = {
         (("--doc",), {"default": DOC, "help": "report to update; '' = none"}),
         (("--img-dir",), {"type": Path, "default": Path("docs/img"), "help": "plots"}),
         (("--results-dir",), {"type": Path, "default": Path("bench/results/experiments")}),
+    ],
+    "planner-fidelity": [
+        _model("models/tandem-small"), _OUT, _QUICK,
+        (("--num-requests",), {"type": int, "default": 60, "help": "requests per swept rate"}),
+        (("--json",), {"type": Path, "default": Path("bench/results/planner_fidelity.json")}),
     ],
 }  # fmt: skip
 # Not options: fixed settings of the SLO suite's capacity probes (`--quick` shortens them).
