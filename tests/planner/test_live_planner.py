@@ -54,7 +54,7 @@ def _get(url: str) -> bytes:
 class Load:
     """Closed-loop clients sending one workload shape until told to switch or stop."""
 
-    def __init__(self, endpoint: str, num_clients: int = 3) -> None:
+    def __init__(self, endpoint: str, num_clients: int = 4) -> None:
         self.endpoint, self.num_clients = endpoint, num_clients
         self.shape = CHAT
         self.num_done, self.failures = 0, []
@@ -95,7 +95,9 @@ def test_auto_planner_moves_toward_prefill_for_documents(ray_session, tiny_model
         planner = None
         load = None
         try:
+            t0 = time.monotonic()
             router = await cluster.start()
+            print(f"{time.monotonic() - t0:.0f} s: cluster up")
             planner = await start_planner(config, router)
             assert planner is not None and planner.budget == 3
             load = Load(router.grpc_endpoint)
@@ -103,11 +105,11 @@ def test_auto_planner_moves_toward_prefill_for_documents(ray_session, tiny_model
             # Steady chat: plans come, all recommend 1P+2D, and the split stays.
             recommended = set()
             deadline = time.monotonic() + 90
-            while planner.num_plans < 4 and time.monotonic() < deadline:
+            while planner.num_plans < 3 and time.monotonic() < deadline:
                 if planner.last is not None:
                     recommended.add(planner.last.recommended)
                 await asyncio.sleep(0.2)
-            print(json.dumps(planner.view(), indent=1))
+            print(f"{time.monotonic() - t0:.0f} s: steady phase done", json.dumps(planner.view()))
             assert recommended == {(1, 2)}, planner.view()
             assert planner.last is not None, planner.view()
             assert planner.last.recommended == (1, 2), planner.view()
@@ -138,6 +140,7 @@ def test_auto_planner_moves_toward_prefill_for_documents(ray_session, tiny_model
                 timeout_s=15 * INTERVAL_S + 60,
                 what="the planner to move one worker to the prefill pool",
             )
+            print(f"{time.monotonic() - t0:.0f} s: moved", json.dumps(planner.view()))
             assert planner.num_changes == 1
             await load.stop()
             assert load.failures == [] and load.num_done > 0
