@@ -7,6 +7,7 @@ import logging
 import signal
 
 from tandem.cluster.launcher import ClusterConfig, LocalCluster
+from tandem.engine.dtype import dtype_banner
 from tandem.planner.live import LivePlanner, limits_of
 from tandem.planner.live_config import PlannerMode
 from tandem.router.server import Router
@@ -25,7 +26,7 @@ async def serve(config: ClusterConfig, announce=print) -> None:
     try:
         router = await cluster.start()
         planner = await start_planner(config, router)
-        announce(f"Tandem serving {config.model_dir}")
+        announce(f"Tandem serving {config.model_dir}, {dtype_banner(config.engine)}")
         for worker in cluster.workers:
             announce(f"  {worker.role:<9} {worker.worker_id:<12} {worker.endpoint}")
         announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")

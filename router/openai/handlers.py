@@ -45,6 +45,7 @@ class OpenAIHandlers:
         model_name: str,
         model_dir: str,
         max_body_bytes: int,
+        dtype: str = "",
     ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
@@ -52,6 +53,8 @@ class OpenAIHandlers:
         self.model_name = model_name
         self.model_dir = model_dir
         self.max_body_bytes = max_body_bytes
+        # The workers' weights/KV dtype ("" when unknown), on the model card.
+        self.dtype = dtype
         # Reported as the model's `created` time.
         self.started = int(time.time())
 
@@ -111,6 +114,7 @@ class OpenAIHandlers:
             "root": self.model_dir,
             "parent": None,
             "max_model_len": self.tokenizer.max_model_len,
+            **({"dtype": self.dtype} if self.dtype else {}),
         }
 
     def _logprobs(self, generation: GenerationRequest) -> LogprobsFormatter | None:

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*tandem/proto/tandem/worker/v1/worker.proto\x12\x10tandem.worker.v1\"\xd3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x10\n\x08logprobs\x18\n \x01(\x08\x42\x07\n\x05_seed\"\xa3\x01\n\x08KvHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x06 \x01(\t\x12\x1b\n\x13lease_expiry_unix_s\x18\x07 \x01(\x01\"A\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"p\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x06params\x18\x03 \x01(\x0b\x32 .tandem.worker.v1.SamplingParams\"\x8d\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x18\n\x10\x66irst_token_text\x18\x03 \x01(\t\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.tandem.worker.v1.FinishReason\x12-\n\tkv_handle\x18\x05 \x01(\x0b\x32\x1a.tandem.worker.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.tandem.worker.v1.Timings\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xdc\x03\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12*\n\x04role\x18\x02 \x01(\x0e\x32\x1c.tandem.worker.v1.WorkerRole\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x10\n\x08num_held\x18\x05 \x01(\r\x12\x15\n\rnum_importing\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\t \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x12\x18\n\x10num_open_streams\x18\x0c \x01(\r\x12\x19\n\x11num_open_channels\x18\r \x01(\r\x12\x1c\n\x14num_transfer_threads\x18\x0e \x01(\r\x12\x19\n\x11num_kv_recomputes\x18\x0f \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\r\x12\x12\n\nblock_size\x18\x11 \x01(\r\x12\x15\n\rmax_model_len\x18\x12 \x01(\r\"\xcd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x06params\x18\x03 \x01(\x0b\x32 .tandem.worker.v1.SamplingParams\x12-\n\tkv_handle\x18\x04 \x01(\x0b\x32\x1a.tandem.worker.v1.KvHandle\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\xa7\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.tandem.worker.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x15\n\rkv_recomputed\x18\x07 \x01(\x08\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.worker.v1.Timings\x12\x32\n\x0fprefill_timings\x18\t \x01(\x0b\x32\x19.tandem.worker.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x90\x01\n\x12OpenChannelRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x02 \x01(\t\x12,\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x1b.tandem.worker.v1.KvBackend\x12\x16\n\x0enccl_unique_id\x18\x04 \x01(\x0c\"R\n\x13OpenChannelResponse\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x14\n\x0ctcp_endpoint\x18\x02 \x01(\t\x12\x11\n\tnccl_rank\x18\x03 \x01(\r\"5\n\x0bPullRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"!\n\x0cPullResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\")\n\x13\x43loseChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseChannelResponse*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*f\n\tKvBackend\x12\x1a\n\x16KV_BACKEND_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_BACKEND_TCP\x10\x01\x12\x13\n\x0fKV_BACKEND_NCCL\x10\x02\x12\x14\n\x10KV_BACKEND_LOCAL\x10\x03\x32\xf9\x01\n\rPrefillWorker\x12N\n\x07Prefill\x12 .tandem.worker.v1.PrefillRequest\x1a!.tandem.worker.v1.PrefillResponse\x12N\n\x07Release\x12 .tandem.worker.v1.ReleaseRequest\x1a!.tandem.worker.v1.ReleaseResponse\x12H\n\x05Stats\x12\x1e.tandem.worker.v1.StatsRequest\x1a\x1f.tandem.worker.v1.StatsResponse2\xf1\x01\n\x0c\x44\x65\x63odeWorker\x12M\n\x06\x44\x65\x63ode\x12\x1f.tandem.worker.v1.DecodeRequest\x1a .tandem.worker.v1.DecodeResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.tandem.worker.v1.AbortRequest\x1a\x1f.tandem.worker.v1.AbortResponse\x12H\n\x05Stats\x12\x1e.tandem.worker.v1.StatsRequest\x1a\x1f.tandem.worker.v1.StatsResponse2\x8e\x02\n\nKvTransfer\x12Z\n\x0bOpenChannel\x12$.tandem.worker.v1.OpenChannelRequest\x1a%.tandem.worker.v1.OpenChannelResponse\x12\x45\n\x04Pull\x12\x1d.tandem.worker.v1.PullRequest\x1a\x1e.tandem.worker.v1.PullResponse\x12]\n\x0c\x43loseChannel\x12%.tandem.worker.v1.CloseChannelRequest\x1a&.tandem.worker.v1.CloseChannelResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n*tandem/proto/tandem/worker/v1/worker.proto\x12\x10tandem.worker.v1\"\xd3\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x10\n\x08logprobs\x18\n \x01(\x08\x42\x07\n\x05_seed\"\xa3\x01\n\x08KvHandle\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x1a\n\x12layout_fingerprint\x18\x06 \x01(\t\x12\x1b\n\x13lease_expiry_unix_s\x18\x07 \x01(\x01\"A\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x12\x12\n\ntransfer_s\x18\x03 \x01(\x01\"p\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x06params\x18\x03 \x01(\x0b\x32 .tandem.worker.v1.SamplingParams\"\x8d\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x1b\n\x13\x66irst_token_logprob\x18\x02 \x01(\x02\x12\x18\n\x10\x66irst_token_text\x18\x03 \x01(\t\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.tandem.worker.v1.FinishReason\x12-\n\tkv_handle\x18\x05 \x01(\x0b\x32\x1a.tandem.worker.v1.KvHandle\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12*\n\x07timings\x18\x07 \x01(\x0b\x32\x19.tandem.worker.v1.Timings\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\xeb\x03\n\rStatsResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12*\n\x04role\x18\x02 \x01(\x0e\x32\x1c.tandem.worker.v1.WorkerRole\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x10\n\x08num_held\x18\x05 \x01(\r\x12\x15\n\rnum_importing\x18\x06 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x07 \x01(\r\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12!\n\x19num_queued_prefill_tokens\x18\t \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x12\x18\n\x10num_open_streams\x18\x0c \x01(\r\x12\x19\n\x11num_open_channels\x18\r \x01(\r\x12\x1c\n\x14num_transfer_threads\x18\x0e \x01(\r\x12\x19\n\x11num_kv_recomputes\x18\x0f \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x10 \x01(\r\x12\x12\n\nblock_size\x18\x11 \x01(\r\x12\x15\n\rmax_model_len\x18\x12 \x01(\r\x12\r\n\x05\x64type\x18\x13 \x01(\t\"\xcd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x30\n\x06params\x18\x03 \x01(\x0b\x32 .tandem.worker.v1.SamplingParams\x12-\n\tkv_handle\x18\x04 \x01(\x0b\x32\x1a.tandem.worker.v1.KvHandle\x12\x16\n\x0e\x66irst_token_id\x18\x05 \x01(\r\x12\x15\n\rlocal_prefill\x18\x06 \x01(\x08\"\xa7\x02\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.tandem.worker.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x15\n\rkv_recomputed\x18\x07 \x01(\x08\x12*\n\x07timings\x18\x08 \x01(\x0b\x32\x19.tandem.worker.v1.Timings\x12\x32\n\x0fprefill_timings\x18\t \x01(\x0b\x32\x19.tandem.worker.v1.Timings\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"\x90\x01\n\x12OpenChannelRequest\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x01 \x01(\t\x12\x1a\n\x12layout_fingerprint\x18\x02 \x01(\t\x12,\n\x07\x62\x61\x63kend\x18\x03 \x01(\x0e\x32\x1b.tandem.worker.v1.KvBackend\x12\x16\n\x0enccl_unique_id\x18\x04 \x01(\x0c\"R\n\x13OpenChannelResponse\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x14\n\x0ctcp_endpoint\x18\x02 \x01(\t\x12\x11\n\tnccl_rank\x18\x03 \x01(\r\"5\n\x0bPullRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"!\n\x0cPullResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x04\")\n\x13\x43loseChannelRequest\x12\x12\n\nchannel_id\x18\x01 \x01(\t\"\x16\n\x14\x43loseChannelResponse*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*u\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x12\x19\n\x15WORKER_ROLE_COLOCATED\x10\x03*f\n\tKvBackend\x12\x1a\n\x16KV_BACKEND_UNSPECIFIED\x10\x00\x12\x12\n\x0eKV_BACKEND_TCP\x10\x01\x12\x13\n\x0fKV_BACKEND_NCCL\x10\x02\x12\x14\n\x10KV_BACKEND_LOCAL\x10\x03\x32\xf9\x01\n\rPrefillWorker\x12N\n\x07Prefill\x12 .tandem.worker.v1.PrefillRequest\x1a!.tandem.worker.v1.PrefillResponse\x12N\n\x07Release\x12 .tandem.worker.v1.ReleaseRequest\x1a!.tandem.worker.v1.ReleaseResponse\x12H\n\x05Stats\x12\x1e.tandem.worker.v1.StatsRequest\x1a\x1f.tandem.worker.v1.StatsResponse2\xf1\x01\n\x0c\x44\x65\x63odeWorker\x12M\n\x06\x44\x65\x63ode\x12\x1f.tandem.worker.v1.DecodeRequest\x1a .tandem.worker.v1.DecodeResponse0\x01\x12H\n\x05\x41\x62ort\x12\x1e.tandem.worker.v1.AbortRequest\x1a\x1f.tandem.worker.v1.AbortResponse\x12H\n\x05Stats\x12\x1e.tandem.worker.v1.StatsRequest\x1a\x1f.tandem.worker.v1.StatsResponse2\x8e\x02\n\nKvTransfer\x12Z\n\x0bOpenChannel\x12$.tandem.worker.v1.OpenChannelRequest\x1a%.tandem.worker.v1.OpenChannelResponse\x12\x45\n\x04Pull\x12\x1d.tandem.worker.v1.PullRequest\x1a\x1e.tandem.worker.v1.PullResponse\x12]\n\x0c\x43loseChannel\x12%.tandem.worker.v1.CloseChannelRequest\x1a&.tandem.worker.v1.CloseChannelResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.proto.tandem.worker.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2431
-  _globals['_FINISHREASON']._serialized_end=2551
-  _globals['_WORKERROLE']._serialized_start=2553
-  _globals['_WORKERROLE']._serialized_end=2670
-  _globals['_KVBACKEND']._serialized_start=2672
-  _globals['_KVBACKEND']._serialized_end=2774
+  _globals['_FINISHREASON']._serialized_start=2446
+  _globals['_FINISHREASON']._serialized_end=2566
+  _globals['_WORKERROLE']._serialized_start=2568
+  _globals['_WORKERROLE']._serialized_end=2685
+  _globals['_KVBACKEND']._serialized_start=2687
+  _globals['_KVBACKEND']._serialized_end=2789
   _globals['_SAMPLINGPARAMS']._serialized_start=65
   _globals['_SAMPLINGPARAMS']._serialized_end=276
   _globals['_KVHANDLE']._serialized_start=279
@@ -54,31 +54,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=972
   _globals['_STATSREQUEST']._serialized_end=986
   _globals['_STATSRESPONSE']._serialized_start=989
-  _globals['_STATSRESPONSE']._serialized_end=1465
-  _globals['_DECODEREQUEST']._serialized_start=1468
-  _globals['_DECODEREQUEST']._serialized_end=1673
-  _globals['_DECODERESPONSE']._serialized_start=1676
-  _globals['_DECODERESPONSE']._serialized_end=1971
-  _globals['_ABORTREQUEST']._serialized_start=1973
-  _globals['_ABORTREQUEST']._serialized_end=2007
-  _globals['_ABORTRESPONSE']._serialized_start=2009
-  _globals['_ABORTRESPONSE']._serialized_end=2041
-  _globals['_OPENCHANNELREQUEST']._serialized_start=2044
-  _globals['_OPENCHANNELREQUEST']._serialized_end=2188
-  _globals['_OPENCHANNELRESPONSE']._serialized_start=2190
-  _globals['_OPENCHANNELRESPONSE']._serialized_end=2272
-  _globals['_PULLREQUEST']._serialized_start=2274
-  _globals['_PULLREQUEST']._serialized_end=2327
-  _globals['_PULLRESPONSE']._serialized_start=2329
-  _globals['_PULLRESPONSE']._serialized_end=2362
-  _globals['_CLOSECHANNELREQUEST']._serialized_start=2364
-  _globals['_CLOSECHANNELREQUEST']._serialized_end=2405
-  _globals['_CLOSECHANNELRESPONSE']._serialized_start=2407
-  _globals['_CLOSECHANNELRESPONSE']._serialized_end=2429
-  _globals['_PREFILLWORKER']._serialized_start=2777
-  _globals['_PREFILLWORKER']._serialized_end=3026
-  _globals['_DECODEWORKER']._serialized_start=3029
-  _globals['_DECODEWORKER']._serialized_end=3270
-  _globals['_KVTRANSFER']._serialized_start=3273
-  _globals['_KVTRANSFER']._serialized_end=3543
+  _globals['_STATSRESPONSE']._serialized_end=1480
+  _globals['_DECODEREQUEST']._serialized_start=1483
+  _globals['_DECODEREQUEST']._serialized_end=1688
+  _globals['_DECODERESPONSE']._serialized_start=1691
+  _globals['_DECODERESPONSE']._serialized_end=1986
+  _globals['_ABORTREQUEST']._serialized_start=1988
+  _globals['_ABORTREQUEST']._serialized_end=2022
+  _globals['_ABORTRESPONSE']._serialized_start=2024
+  _globals['_ABORTRESPONSE']._serialized_end=2056
+  _globals['_OPENCHANNELREQUEST']._serialized_start=2059
+  _globals['_OPENCHANNELREQUEST']._serialized_end=2203
+  _globals['_OPENCHANNELRESPONSE']._serialized_start=2205
+  _globals['_OPENCHANNELRESPONSE']._serialized_end=2287
+  _globals['_PULLREQUEST']._serialized_start=2289
+  _globals['_PULLREQUEST']._serialized_end=2342
+  _globals['_PULLRESPONSE']._serialized_start=2344
+  _globals['_PULLRESPONSE']._serialized_end=2377
+  _globals['_CLOSECHANNELREQUEST']._serialized_start=2379
+  _globals['_CLOSECHANNELREQUEST']._serialized_end=2420
+  _globals['_CLOSECHANNELRESPONSE']._serialized_start=2422
+  _globals['_CLOSECHANNELRESPONSE']._serialized_end=2444
+  _globals['_PREFILLWORKER']._serialized_start=2792
+  _globals['_PREFILLWORKER']._serialized_end=3041
+  _globals['_DECODEWORKER']._serialized_start=3044
+  _globals['_DECODEWORKER']._serialized_end=3285
+  _globals['_KVTRANSFER']._serialized_start=3288
+  _globals['_KVTRANSFER']._serialized_end=3558
 # @@protoc_insertion_point(module_scope)
