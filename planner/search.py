@@ -246,6 +246,8 @@ def reason(
     if others:
         line += f", {_gain(best, others[0])} vs {others[0].layout.label}"
     line += f"; {colocated.layout.label}: {colocated.goodput_rps:.3g} req/s"
+    if colocated.goodput_rps > best.goodput_rps:
+        line += f" ({_gain(colocated, best)}: colocated beats every split here)"
     return line + _limit(best)
 
 
