@@ -90,3 +90,18 @@ def test_early_stop_when_the_target_is_out_of_reach():
     report = sim.run(wl, rate_rps=100.0, stop_below=0.9)
     assert report.stopped_early
     assert report.attainment < 0.9
+
+
+def test_shared_prefixes_hit_the_prefix_cache():
+    """Requests sharing a long prefix prefill only their own tail after the first."""
+    law = laws(prefill_s=0.01, per_token=1e-4)
+    shared = [PlanRequest(512, 1, shared_prefix_tokens=480, prefix_group=0)] * 3
+    fresh = [PlanRequest(512, 1)] * 3
+    runs = {}
+    for name, requests in (("shared", shared), ("fresh", fresh)):
+        sim = ClusterSimulation(law, settings(512), Layout(num_colocated=1), LOOSE)
+        runs[name] = sim.run(spaced(requests, 1.0), rate_rps=1.0).ttft_s
+    assert runs["fresh"] == pytest.approx([law.prefill_s(512)] * 3)
+    assert runs["shared"][0] == pytest.approx(law.prefill_s(512))
+    # 480 tokens = 30 full blocks cached: only the last 32 are computed.
+    assert runs["shared"][1:] == pytest.approx([law.prefill_s(32, 480)] * 2)
