@@ -151,6 +151,9 @@ class LivePlanner:
         self.last_load = load
         metrics = self.router.metrics
         metrics.planner_observed_goodput.set(load.goodput_rps)
+        if self.budget is not None and self.budget < 2:
+            self.last_action = f"a budget of {self.budget} worker cannot split (--max-workers >= 2)"
+            return
         if load.num_requests < self.config.min_requests:
             self.last_action = f"waiting for traffic ({load.num_requests} requests last interval)"
             return
