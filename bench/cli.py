@@ -7,6 +7,7 @@
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
+    tandem-bench planner-fidelity [--quick]                       # simulator vs measured runs
     tandem-bench pools [--kills N] [--drains N]                   # heal, migration, drain times
 
 `tandem-bench SUITE --help` lists a suite's options. A suite's module (`main(args) -> int`)
@@ -32,6 +33,7 @@ SUITES = {
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
     "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
+    "planner-fidelity": ("planner.fidelity", "the planner's simulator against measured runs"),
     "pools": ("pools.bench", "elastic pools under load: heal after kill -9, migration, drain"),
 }
 DOC = "docs/benchmarks.md"
@@ -106,6 +108,11 @@ OPTIONS: dict[str, list[Option]] = {
         (("--doc",), {"default": DOC, "help": "report to update; '' = none"}),
         (("--img-dir",), {"type": Path, "default": Path("docs/img"), "help": "plots"}),
         (("--results-dir",), {"type": Path, "default": Path("bench/results/experiments")}),
+    ],
+    "planner-fidelity": [
+        _model("models/tandem-small"), _OUT, _QUICK,
+        (("--num-requests",), {"type": int, "default": 60, "help": "requests per swept rate"}),
+        (("--json",), {"type": Path, "default": Path("bench/results/planner_fidelity.json")}),
     ],
     "pools": [
         (("--preset",), {"default": "small", "choices": ["tiny", "small"]}),

@@ -4,6 +4,7 @@
     tandem demo --model DIR [--max-tokens N] [--prompt TEXT ...]
     tandem serve [--model DIR] [--prefill N --decode M | --colocated K] [...]
     tandem pools | scale | router ...   (see cluster.pool_commands)
+    tandem profile | plan ...            (see planner.profile_cli, planner.plan_cli)
 
 Each subcommand imports what it needs inside its handler, so `tandem model make`
 works before (or without) the engine and cluster code it does not use.
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.cluster.pool_commands import add_pool_commands
 
     add_pool_commands(commands)
+    from tandem.planner.plan_cli import add_plan_command
+    from tandem.planner.profile_cli import add_profile_command
+
+    add_profile_command(commands)
+    add_plan_command(commands)
     return parser
 
 
@@ -246,6 +252,20 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="port of the pool controller's /metrics (0: a free one) "
         f"[{pools.metrics_port}]",
     )  # fmt: skip
+    from tandem.planner.live_config import DEFAULT_PLANNER_INTERVAL_S, PlannerMode
+
+    serve.add_argument(
+        "--planner", choices=[m.value for m in PlannerMode], default=PlannerMode.OBSERVE.value,
+        help="live P:D planner: off, observe (recommend) or auto (resize the pools) [observe]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--planner-interval", type=positive_float, default=DEFAULT_PLANNER_INTERVAL_S,
+        help=f"seconds between plans [{DEFAULT_PLANNER_INTERVAL_S:g}]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-workers", type=positive_int, default=None,
+        help="the planner's worker budget [the pools' size at start]",
+    )  # fmt: skip
     add_security_flags(serve, generates_token=True)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
@@ -277,6 +297,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig, ThreadPolicy
     from tandem.cluster.security_flags import cluster_auth_from_args
     from tandem.engine.config import DeviceKind, EngineConfig, default_device
+    from tandem.planner.live_config import PlannerConfig, PlannerMode
     from tandem.router.config import RouterConfig
     from tandem.worker.config import WorkerSettings
 
@@ -349,6 +370,11 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 autoscaling=args.autoscaling,
                 role_resources=True if args.autoscaling else None,
                 thread_policy=ThreadPolicy(_flag(args.thread_policy, RayConfig.thread_policy)),
+            ),
+            planner=PlannerConfig(
+                mode=PlannerMode(args.planner),
+                interval_s=args.planner_interval,
+                max_workers=args.max_workers,
             ),
         )
     except (ValueError, FileNotFoundError) as exc:

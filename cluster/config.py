@@ -5,7 +5,8 @@
                   engine=EngineConfig(...),    # every worker's engine; mode set per role
                   worker=WorkerSettings(...),  # what every worker process shares
                   router=RouterConfig(...),    # learns block size / max model len from workers
-                  ray=RayConfig(...))
+                  ray=RayConfig(...),
+                  planner=PlannerConfig(...)) # the live P:D planner `tandem serve` runs
 
 Each default is defined once, in the class that owns it; `tandem serve` builds this
 tree from its flags (a flag left out keeps the class default). No Ray import here, so
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.config import EngineConfig, default_device
+from tandem.planner.live_config import PlannerConfig
 from tandem.router.config import RouterConfig
 from tandem.worker.config import WorkerRole, WorkerSettings, check_kv_backend
 
@@ -166,6 +168,7 @@ class ClusterConfig:
     worker: WorkerSettings
     router: RouterConfig
     ray: RayConfig
+    planner: PlannerConfig
 
     def __init__(
         self,
@@ -175,6 +178,7 @@ class ClusterConfig:
         worker: WorkerSettings | None = None,
         router: RouterConfig | None = None,
         ray: RayConfig | None = None,
+        planner: PlannerConfig | None = None,
     ) -> None:
         """None = the class default: for `engine`, the engine defaults for `model_dir`
         on cuda when available, else cpu; for `router`, the router defaults for
@@ -183,6 +187,7 @@ class ClusterConfig:
         self.pools = PoolsConfig() if pools is None else pools
         self.worker = WorkerSettings() if worker is None else worker
         self.ray = RayConfig() if ray is None else ray
+        self.planner = PlannerConfig() if planner is None else planner
         model = Path(model_dir).resolve()
         self.engine = (
             EngineConfig(model=model_dir, device=default_device()) if engine is None else engine

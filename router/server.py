@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -80,6 +82,8 @@ class Router:
         self._server: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self.policy_runtime: PolicyRuntime | None = None
+        # The live planner's view for `/admin/pools` (set by whoever runs one).
+        self.planner_view: Callable[[], dict[str, Any] | None] | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -100,7 +104,7 @@ class Router:
             max_migrations=config.max_migrations,
             on_worker_failed=self.policy_runtime.mark_unreachable,
         )
-        admin = PoolsAdmin(self.admin_backend, self._worker_load)
+        admin = PoolsAdmin(self.admin_backend, self._worker_load, self._planner_json)
         self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(flow, tokenizer, config.model_name), server
@@ -231,6 +235,9 @@ class Router:
             waiting=stats.num_waiting,
             kv_usage=used / stats.num_blocks if stats.num_blocks else 0.0,
         )
+
+    def _planner_json(self) -> dict[str, Any] | None:
+        return self.planner_view() if self.planner_view is not None else None
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(

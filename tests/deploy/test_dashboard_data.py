@@ -22,6 +22,8 @@ import ray
 import yaml
 
 from tandem.cluster.launcher import LocalCluster
+from tandem.cluster.serve import start_planner
+from tandem.planner.live_config import PlannerConfig, PlannerMode
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.helm_chart import ROOT
 from tests.helpers.prometheus_server import PrometheusServer
@@ -40,14 +42,10 @@ pytestmark = [
 NAMESPACE = "tandem-test"
 # Stands in for Grafana's $__rate_interval: a few 1 s scrapes.
 RATE_WINDOW = "20s"
-# The planner's metrics (issue 11, built in parallel; exported by the router). Queries
-# that read them are skipped until the planner lands, and this set is removed then.
-# Nothing else may be excluded.
-PENDING_PLANNER_METRICS = {
-    "tandem:planner_recommended_workers",
-    "tandem:planner_predicted_goodput",
-    "tandem:planner_observed_goodput",
-}
+# The live planner (observe) plans this often beside the router, as `tandem serve` runs it.
+PLANNER = PlannerConfig(
+    mode=PlannerMode.OBSERVE, interval_s=2.0, min_requests=3, num_sim_requests=30
+)
 BOARD = json.loads((ROOT / "deploy" / "grafana" / "tandem.json").read_text())
 RULES_FILE = ROOT / "deploy" / "prometheus" / "rules.yaml"
 RULES = yaml.safe_load(RULES_FILE.read_text())
@@ -67,10 +65,6 @@ def panel_queries() -> list[tuple[str, str]]:
 def recording_rules() -> list[str]:
     return [rule["record"] for group in RULES["groups"] for rule in group["rules"]
             if "record" in rule]  # fmt: skip
-
-
-def pending(expr: str) -> bool:
-    return bool(set(METRIC_NAME.findall(expr)) & PENDING_PLANNER_METRICS)
 
 
 def with_variables(expr: str, model: str) -> str:
@@ -121,9 +115,13 @@ def test_every_panel_and_recording_rule_has_data_under_load(
         # cluster's start.
         prometheus = PrometheusServer(tmp_path, ["router", "ray"], [RULES_FILE])
         prometheus.start()
-        cluster = LocalCluster(cluster_config(tiny_model_dir))
+        config = cluster_config(tiny_model_dir)
+        config.planner = PLANNER
+        cluster = LocalCluster(config)
+        planner = None
         try:
             router = await cluster.start()
+            planner = await start_planner(config, router)
             membership = await cluster.membership()
             model = router.config.model_name
             prometheus.set_targets(
@@ -149,6 +147,10 @@ def test_every_panel_and_recording_rule_has_data_under_load(
                 f'sum(tandem:request_success_total{{namespace="{NAMESPACE}"}}) >= {num_requests}',
                 20, "the last requests scraped",
             )  # fmt: skip
+            await wait_for(
+                f'count(tandem:planner_recommended_workers{{namespace="{NAMESPACE}"}}) == 2',
+                90, "the live planner's first recommendation scraped",
+            )  # fmt: skip
             # A rule evaluation after that scrape (every 1 s).
             scraped_at = time.time()
             await wait_for(
@@ -160,6 +162,8 @@ def test_every_panel_and_recording_rule_has_data_under_load(
             await assert_idle(await cluster.membership())
         finally:
             prometheus.stop()
+            if planner is not None:
+                await planner.stop()
             await cluster.stop()
 
     started = time.monotonic()
@@ -176,14 +180,12 @@ def check_panels_and_rules(prometheus: PrometheusServer, model: str) -> None:
         for rule in group["rules"]
         for name in METRIC_NAME.findall(rule["expr"])
     }
-    missing = referenced - exported - recorded - PENDING_PLANNER_METRICS
+    missing = referenced - exported - recorded
     assert not missing, f"metric names nothing exports: {sorted(missing)}"
 
     no_data: list[str] = []
     checked = 0
     for title, expr in panel_queries():
-        if pending(expr):
-            continue
         result = prometheus.query(with_variables(expr, model))
         checked += 1
         if not result:
@@ -194,7 +196,7 @@ def check_panels_and_rules(prometheus: PrometheusServer, model: str) -> None:
         if not result:
             no_data.append(f"recording rule {record}")
     assert not no_data, "No data:\n" + "\n".join(no_data)
-    assert checked == len([q for q in panel_queries() if not pending(q[1])]) + len(recorded)
+    assert checked == len(panel_queries()) + len(recorded)
 
     # The template variables find this cluster.
     for label, value in (("namespace", NAMESPACE), ("model_name", model)):
