@@ -188,9 +188,13 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     async def _recompute(
         self, req_id: str, prompt: list[int], first: int, params: SamplingParams
     ) -> RequestStream:
-        """Prefill prompt + first token here; the stream continues after the first token."""
+        """Prefill prompt + first token here; the stream continues after the first token
+        (which the penalties still count as generated: `num_resumed_tokens`)."""
         rest = dataclasses.replace(
-            params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1)
+            params,
+            max_tokens=params.max_tokens - 1,
+            min_tokens=max(0, params.min_tokens - 1),
+            num_resumed_tokens=params.num_resumed_tokens + 1,
         )
         return await self.loop.generate(req_id, [*prompt, first], rest, local_prefill=True)
 

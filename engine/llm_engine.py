@@ -318,6 +318,13 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} "
                 "(prompt + at least one output token)"
             )
+        if params.num_resumed_tokens >= len(prompt_ids):
+            raise ValueError(
+                f"num_resumed_tokens ({params.num_resumed_tokens}) must leave at least one "
+                f"client prompt token of the {len(prompt_ids)}"
+            )
+        if params.logit_bias:
+            self._check_token_ids(list(params.logit_bias))
         needed = self.config.blocks_for(min(len(prompt_ids) + params.max_tokens, max_len))
         if needed > self.pool.num_blocks:
             raise ValueError(

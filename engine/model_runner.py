@@ -73,6 +73,7 @@ class ModelRunner:
             logits,
             [c.request.params for c in sampling],
             [c.request.generator for c in sampling],
+            [c.request for c in sampling],
         )
         return {
             c.request.req_id: SampledToken(tok, lp)

@@ -73,5 +73,20 @@ class Request:
         return head + self.output_token_ids[max(0, start - num_prompt) : end - num_prompt]
 
     @property
+    def penalty_prompt_token_ids(self) -> list[int]:
+        """The client's prompt: `prompt_token_ids` less the tokens an earlier attempt of
+        this request generated (`params.num_resumed_tokens`, see `SamplingParams`)."""
+        return self.prompt_token_ids[: self.num_prompt_tokens - self.params.num_resumed_tokens]
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token generated for the request, resumed ones first (what the OpenAI
+        presence and frequency penalties count)."""
+        resumed = self.params.num_resumed_tokens
+        if not resumed:
+            return self.output_token_ids
+        return self.prompt_token_ids[self.num_prompt_tokens - resumed :] + self.output_token_ids
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

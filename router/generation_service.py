@@ -133,6 +133,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             logprobs=request.logprobs,
+            min_tokens=request.min_tokens,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty
+            if request.HasField("repetition_penalty")
+            else 1.0,
+            logit_bias=self._logit_bias(request),
         )
         self.tokenizer.check_length(len(prompt_ids), params.max_tokens)
         return prompt_ids, params
+
+    def _logit_bias(self, request: gen_pb.GenerateRequest) -> dict[int, float]:
+        vocab_size = self.tokenizer.vocab_size
+        for token_id in request.logit_bias:
+            if token_id >= vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias holds token id {token_id}, outside the vocabulary "
+                    f"[0, {vocab_size})",
+                    "logit_bias",
+                )
+        return dict(request.logit_bias)

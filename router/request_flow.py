@@ -522,13 +522,16 @@ def _rest(params: SamplingParams, num_streamed: int, router_stops: bool) -> Samp
     """The sampling params of a continuation after `num_streamed` tokens.
 
     With `router_stops`, stop strings are left to the router's detokenizer, which sees
-    the whole output (the new worker would see only the part it generates).
+    the whole output (the new worker would see only the part it generates). The streamed
+    tokens end the new prompt; `num_resumed_tokens` tells the workers' penalties that
+    they were generated.
     """
     return dataclasses.replace(
         params,
         max_tokens=params.max_tokens - num_streamed,
         min_tokens=max(0, params.min_tokens - num_streamed),
         stop=[] if router_stops else list(params.stop),
+        num_resumed_tokens=params.num_resumed_tokens + num_streamed,
     )
 
 

@@ -58,6 +58,11 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         logprobs=msg.logprobs,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=dict(msg.logit_bias),
+        num_resumed_tokens=msg.num_resumed_tokens,
     )
 
 
@@ -72,6 +77,11 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias,
+        num_resumed_tokens=params.num_resumed_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -71,6 +71,7 @@ class OpenAIHandlers:
             self._logprobs(generation),
             generation.include_usage,
         )
+        builder.echo_text = generation.echo_text
         return await self._run(request, generation, builder)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

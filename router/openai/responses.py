@@ -162,6 +162,13 @@ class ResponseBuilder:
 class CompletionResponses(ResponseBuilder):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
+    # `echo`: the prompt's text, before the completion's (set by the handler).
+    echo_text: str | None = None
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        if self.echo_text is None:
+            return []
+        return [self._chunk({"text": self.echo_text, "logprobs": None, "finish_reason": None})]
 
     def _logprobs_json(
         self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: list[float]
@@ -177,7 +184,7 @@ class CompletionResponses(ResponseBuilder):
 
     def _choice_whole(self, collected: Collected) -> dict[str, Any]:
         return {
-            "text": collected.text,
+            "text": (self.echo_text or "") + collected.text,
             "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
             "finish_reason": public_finish_reason(collected.finish_reason),
         }
