@@ -1,6 +1,7 @@
 """`tandem-bench`: one command line for every benchmark suite (the product never imports it).
 
     tandem-bench engine [--quick] [--out docs/benchmarks.md]      # engine vs floor, roofline, HF
+    tandem-bench engine --penalties [--quick]                     # cost of sampling penalties
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
@@ -49,7 +50,11 @@ def _model(default: str | None) -> Option:
 
 OPTIONS: dict[str, list[Option]] = {
     # A full engine run writes docs/benchmarks.md unless told otherwise, so --out is None.
-    "engine": [_model("models/tandem-small"), (("--out",), {**_OUT[1], "default": None}), _QUICK],
+    "engine": [
+        _model("models/tandem-small"), (("--out",), {**_OUT[1], "default": None}), _QUICK,
+        (("--penalties",), {"action": "store_true",
+                            "help": "only the cost of penalties + logit_bias (TPOT, batch 1/8)"}),
+    ],
     "kv-transfer": [
         _model("models/tandem-small"), _OUT,
         (("--repeats",), {"type": int, "default": 15, "help": "rounds of every variant"}),
