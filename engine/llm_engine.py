@@ -189,6 +189,23 @@ class Engine:
             raise KeyError(f"no prefilled KV held for request {req_id!r}")
         return list(self.kv.block_ids[req_id])
 
+    def share_held(self, req_id: str, alias: str) -> None:
+        """Hold a prefilled request's KV once more under `alias`, with its own lease and
+        release (the blocks are shared, not copied): one prefill serves `n` sequences,
+        each pulled and released on its own."""
+        held = self._held.get(req_id)
+        if held is None:
+            raise KeyError(f"no prefilled KV held for request {req_id!r}")
+        if alias in self._requests or alias in self._held or alias in self._importing:
+            raise ValueError(f"request id {alias!r} is already in use")
+        source = held.request
+        twin = Request(alias, source.prompt_token_ids, source.params)
+        twin.output_token_ids = list(source.output_token_ids)
+        twin.status = RequestStatus.FINISHED
+        twin.finish_reason = FinishReason.PREFILLED
+        self.kv.share(source, twin)
+        self._held[alias] = _HeldKv(twin, held.expires_at)
+
     def release(self, req_id: str) -> bool:
         """Unpin a prefilled request's blocks (they stay in the prefix cache)."""
         held = self._held.pop(req_id, None)
@@ -212,16 +229,22 @@ class Engine:
         self,
         req_id: str,
         prompt_token_ids: list[int],
-        first_token_id: int,
+        first_token_id: int | None,
         params: SamplingParams,
     ) -> list[int] | None:
-        """Allocate blocks for a remote prefill's KV; None when the pool is too full now."""
+        """Allocate blocks for a remote prefill's KV; None when the pool is too full now.
+
+        `first_token_id` None: the prefill side sampled no token for this sequence (one
+        of `n` forked from one prefill); this engine recomputes the last prompt position
+        and samples the first token itself."""
         prompt_ids = self._prompt_ids(prompt_token_ids)
-        self._check_token_ids([first_token_id])
+        if first_token_id is not None:
+            self._check_token_ids([first_token_id])
         request = self._new_request(req_id, prompt_ids, params)
         if not self.kv.allocate_slots(request, len(prompt_ids)):
             return None
-        request.output_token_ids.append(first_token_id)
+        if first_token_id is not None:
+            request.output_token_ids.append(first_token_id)
         self._importing[req_id] = request
         return list(self.kv.block_ids[req_id])
 
@@ -237,11 +260,15 @@ class Engine:
         request = self._importing.pop(req_id, None)
         if request is None:
             raise KeyError(f"no import reserved for request {req_id!r}")
-        request.num_computed_tokens = request.num_prompt_tokens
-        self.kv.cache_full_blocks(request)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
-        # The prefill side already streamed the first token's text.
-        detok.add_token(request.output_token_ids[0])
+        if request.output_token_ids:
+            request.num_computed_tokens = request.num_prompt_tokens
+            # The prefill side already streamed the first token's text.
+            detok.add_token(request.output_token_ids[0])
+        else:
+            # Sample the first token here: the last prompt position runs again.
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+        self.kv.cache_full_blocks(request)
         self._requests[req_id] = request
         self._detokenizers[req_id] = detok
         self.scheduler.add_running(request)

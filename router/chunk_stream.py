@@ -26,6 +26,8 @@ class GenerationChunk:
     # STOP, LENGTH or ABORT on the last chunk; None before.
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    # Which of the request's `n` sequences (choices) the tokens belong to.
+    index: int = 0
 
 
 _END = object()

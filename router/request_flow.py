@@ -24,7 +24,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import grpc
@@ -41,6 +41,7 @@ from tandem.router.errors import (
     WorkerUnavailable,
     from_worker_error,
 )
+from tandem.router.forked_flow import generate_forked
 from tandem.router.metrics import RequestRecord, RouterMetrics
 from tandem.router.policy import GoodputPolicy, Placement, RequestSlo, SloConfig
 from tandem.router.worker_pool import WorkerPair, WorkerPool
@@ -181,14 +182,19 @@ class RequestFlow:
         prompt_ids: list[int],
         params: SamplingParams,
         slo: RequestSlo | None = None,
+        n: int = 1,
     ) -> ChunkStream:
         """The request's chunks; a shed request raises `Overloaded`, worker failures
-        other `RouterError`s. `slo` None = the default class.
+        other `RouterError`s. `slo` None = the default class. `n` > 1: n sequences from
+        one prefill (forked_flow.py), each chunk tagged with its sequence's `index`.
 
         The request runs in a task the returned stream owns, so cancelling or closing the
         stream stops it wherever it is (worker calls cancelled, held KV released).
         """
-        return ChunkStream(self._traced(req_id, prompt_ids, params, slo or self.slo.resolve()))
+        slo = slo or self.slo.resolve()
+        if n > 1:
+            return ChunkStream(generate_forked(self, req_id, prompt_ids, params, slo, n))
+        return ChunkStream(self._traced(req_id, prompt_ids, params, slo))
 
     async def _traced(
         self, req_id: str, prompt_ids: list[int], params: SamplingParams, slo: RequestSlo
@@ -415,8 +421,14 @@ class RequestFlow:
         params: pb.SamplingParams,
         parent: Span,
         attempt: _Attempt,
+        num_sequences: int = 1,
     ) -> pb.PrefillResponse:
-        request = pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt_ids, params=params)
+        request = pb.PrefillRequest(
+            request_id=req_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            num_sequences=num_sequences,
+        )
         worker, stub = pair.prefill_target()
         span = self.tracing.start_span("prefill", parent, **{"tandem.worker": worker.worker_id})
         reason = MigrationReason.PREFILL_FAILED
@@ -446,7 +458,7 @@ class RequestFlow:
         span: Span,
         attempt: _Attempt,
         first: bool,
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         worker_id = pair.decode.worker_id
         reason = MigrationReason.DECODE_FAILED
         call = pair.decode_stub.Decode(

@@ -123,17 +123,19 @@ class OpenAIHandlers:
         self, request: web.Request, generation: GenerationRequest, builder: ResponseBuilder
     ) -> web.StreamResponse:
         headers = {"X-Request-Id": builder.id}
+        builder.n = generation.extras.n
         chunks = self.flow.generate(
-            builder.id, generation.prompt_ids, generation.params, generation.slo
-        )
+            builder.id, generation.prompt_ids, generation.params, generation.slo,
+            n=generation.extras.n,
+        )  # fmt: skip
         # Closing the generator (on any exit, cancellation included) cancels the worker calls.
         async with contextlib.aclosing(chunks):
             if generation.stream:
                 return await stream_sse(request, chunks, builder, headers)
-            collected = Collected()
+            choices = [Collected() for _ in range(generation.extras.n)]
             async for chunk in chunks:
-                collected.add(chunk)
-        return web.json_response(builder.response(collected), headers=headers, dumps=dumps)
+                choices[chunk.index].add(chunk)
+        return web.json_response(builder.response(choices), headers=headers, dumps=dumps)
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
         """The body as a JSON object; 400 if it is not one, 413 if it is too large."""

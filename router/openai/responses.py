@@ -9,6 +9,7 @@ that one token however many alternatives were asked for.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,6 +105,9 @@ class ResponseBuilder:
         self.created = created
         self.logprobs = logprobs
         self.include_usage = include_usage
+        # Choices (`n`); each one's logprobs keep their own text offsets.
+        self.n = 1
+        self._formatters: dict[int, LogprobsFormatter] = {}
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -114,8 +118,8 @@ class ResponseBuilder:
             "choices": choices,
         }
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        body = self._envelope(self.chunk_object_name, [{"index": 0, **choice}])
+    def _chunk(self, choice: dict[str, Any], index: int = 0) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object_name, [{"index": index, **choice}])
         if self.include_usage:
             body["usage"] = None
         return body
@@ -129,17 +133,22 @@ class ResponseBuilder:
         wants_logprobs = self.logprobs is not None and chunk.token_ids
         if not chunk.text and chunk.finish_reason is None and not wants_logprobs:
             return None
-        return self._chunk(self._choice_delta(chunk))
+        return self._chunk(self._choice_delta(chunk), chunk.index)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name, [])
         body["usage"] = usage_json(usage)
         return body
 
-    def response(self, collected: Collected) -> dict[str, Any]:
-        body = self._envelope(self.object_name, [{"index": 0, **self._choice_whole(collected)}])
-        if collected.usage is not None:
-            body["usage"] = usage_json(collected.usage)
+    def response(self, choices: list[Collected]) -> dict[str, Any]:
+        """The whole response; `choices` in index order."""
+        body = self._envelope(
+            self.object_name,
+            [{"index": i, **self._choice_whole(c, i)} for i, c in enumerate(choices)],
+        )
+        usage = next((c.usage for c in reversed(choices) if c.usage is not None), None)
+        if usage is not None:
+            body["usage"] = usage_json(usage)
         return body
 
     def _logprobs_json(
@@ -150,13 +159,16 @@ class ResponseBuilder:
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+    def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _logprobs_of(self, token_ids: list[int], logprobs: list[float]) -> Any:
+    def _logprobs_of(self, token_ids: list[int], logprobs: list[float], index: int) -> Any:
         if self.logprobs is None:
             return None
-        return self._logprobs_json(self.logprobs, token_ids, logprobs)
+        formatter = self._formatters.get(index)
+        if formatter is None:
+            formatter = self._formatters[index] = copy.copy(self.logprobs)
+        return self._logprobs_json(formatter, token_ids, logprobs)
 
 
 class CompletionResponses(ResponseBuilder):
@@ -168,7 +180,8 @@ class CompletionResponses(ResponseBuilder):
     def opening_chunks(self) -> list[dict[str, Any]]:
         if self.echo_text is None:
             return []
-        return [self._chunk({"text": self.echo_text, "logprobs": None, "finish_reason": None})]
+        choice = {"text": self.echo_text, "logprobs": None, "finish_reason": None}
+        return [self._chunk(choice, i) for i in range(self.n)]
 
     def _logprobs_json(
         self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: list[float]
@@ -178,14 +191,14 @@ class CompletionResponses(ResponseBuilder):
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
         return {
             "text": chunk.text,
-            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs),
+            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs, chunk.index),
             "finish_reason": public_finish_reason(chunk.finish_reason),
         }
 
-    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+    def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         return {
             "text": (self.echo_text or "") + collected.text,
-            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
+            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs, index),
             "finish_reason": public_finish_reason(collected.finish_reason),
         }
 
@@ -201,19 +214,20 @@ class ChatResponses(ResponseBuilder):
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
-        return [self._chunk({"delta": delta, "logprobs": None, "finish_reason": None})]
+        choice = {"delta": delta, "logprobs": None, "finish_reason": None}
+        return [self._chunk(choice, i) for i in range(self.n)]
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
         return {
             "delta": {"content": chunk.text} if chunk.text else {},
-            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs),
+            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs, chunk.index),
             "finish_reason": public_finish_reason(chunk.finish_reason),
         }
 
-    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+    def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         return {
             "message": {"role": "assistant", "content": collected.text},
-            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
+            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs, index),
             "finish_reason": public_finish_reason(collected.finish_reason),
         }
 

@@ -107,12 +107,6 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, float]:
 def _n(body: dict[str, Any], max_n: int, completion: bool) -> int:
     n = get_int(body, "n", min_value=1, max_value=max_n)
     n = 1 if n is None else n
-    if n > 1:
-        raise invalid(
-            "n",
-            f"is {n}, but this server returns one choice per request: n > 1 (n sequences "
-            "forked from one prefill) is not built yet; send n requests",
-        )
     if completion:
         best_of = get_int(body, "best_of", min_value=1)
         if best_of is not None and best_of != n:

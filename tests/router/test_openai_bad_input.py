@@ -171,7 +171,7 @@ CASES = [
         ("batched prompts are not supported", "2 prompts"),
         param="prompt",
     ),
-    Bad("n=2", {"prompt": "hi", "n": 2}, 400, ("'n'", "2"), param="n"),
+    Bad("n=0", {"prompt": "hi", "n": 0}, 400, ("'n'", ">= 1"), param="n"),
     Bad(
         "17 stop strings",
         {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]},

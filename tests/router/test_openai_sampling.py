@@ -149,6 +149,50 @@ def test_logit_bias_minus_100_bans_the_greedy_token(client, cluster, colocated, 
     assert ids == expected
 
 
+def test_n_choices_come_from_one_prefill(client, cluster, colocated, tokenizer):
+    model = cluster.router.config.model_name
+    before = prompt_tokens_prefilled(cluster)
+    sampled = client.completions.create(
+        model=model, prompt=PROMPT, n=3, max_tokens=8, temperature=1.0, seed=11,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    # One prompt's worth of tokens went through the prefill worker, not three.
+    assert prompt_tokens_prefilled(cluster) == before + len(PROMPT)
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in sampled.choices)
+    assert len({c.text for c in sampled.choices}) > 1  # each sequence samples on its own
+    assert sampled.usage.completion_tokens == 3 * 8
+    assert sampled.usage.prompt_tokens == len(PROMPT)
+    # Greedy: every sequence (those sampling their first token on the decode worker
+    # too) is the colocated greedy run.
+    greedy = client.completions.create(
+        model=model, prompt=PROMPT, n=3, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    expected = token_texts(tokenizer, colocated_run(colocated))
+    assert [c.logprobs.tokens for c in greedy.choices] == [expected] * 3
+
+
+def test_n_choices_stream_with_their_index(client, cluster):
+    stream = client.chat.completions.create(
+        model=cluster.router.config.model_name,
+        messages=[{"role": "user", "content": "name three caches"}],
+        n=2, max_tokens=6, temperature=0.8, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    texts = {0: "", 1: ""}
+    finished = set()
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert finished == {0, 1}
+    assert usage is not None and usage.completion_tokens <= 12
+
+
 def test_grpc_refuses_bias_outside_the_vocabulary(cluster):
     request = gen_pb.GenerateRequest(prompt="hi", logit_bias={5000: 1.0})
     with pytest.raises(grpc.aio.AioRpcError) as info:
