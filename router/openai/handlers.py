@@ -28,6 +28,7 @@ from tandem.router.openai.responses import (
     LogprobsFormatter,
     ResponseBuilder,
 )
+from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.openai.streaming import stream_sse
 from tandem.router.request_flow import RequestFlow
 from tandem.router.tokenization import PromptTokenizer
@@ -45,10 +46,11 @@ class OpenAIHandlers:
         model_name: str,
         model_dir: str,
         max_body_bytes: int,
+        max_n: int = DEFAULT_MAX_N,
     ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
-        self.parser = RequestParser(tokenizer, model_name, flow.slo)
+        self.parser = RequestParser(tokenizer, model_name, flow.slo, max_n)
         self.model_name = model_name
         self.model_dir = model_dir
         self.max_body_bytes = max_body_bytes

@@ -27,7 +27,7 @@ from tandem.router.openai.fields import (
     invalid,
     show,
 )
-from tandem.router.openai.sampling_fields import SamplingExtras, parse_extras
+from tandem.router.openai.sampling_fields import DEFAULT_MAX_N, SamplingExtras, parse_extras
 from tandem.router.policy import RequestSlo, SloConfig
 from tandem.router.tokenization import PromptTokenizer
 
@@ -38,9 +38,6 @@ MAX_SEED = 2**64 - 1
 # OpenAI's default for /v1/completions when `max_tokens` is absent.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant")
-
-# Most choices (`n`) one request may ask for, unless the router is configured otherwise.
-DEFAULT_MAX_N = 16
 
 # Field → values that mean "feature not used"; any other value is refused.
 # (Penalties, logit_bias, n, best_of, echo, suffix: sampling_fields.py.)

@@ -17,6 +17,9 @@ from tandem.engine.sampling_params import (
 )
 from tandem.router.openai.fields import get_bool, get_float, get_int, get_object, invalid, show
 
+# Most choices (`n`) one request may ask for, unless the router is configured otherwise.
+DEFAULT_MAX_N = 16
+
 
 @dataclass
 class SamplingExtras:

@@ -391,7 +391,9 @@ class FailingFlow:
         self.closed = False
         self.slo = SloConfig()
 
-    async def generate(self, req_id: str, prompt_ids: list[int], params, slo) -> AsyncIterator:
+    async def generate(
+        self, req_id: str, prompt_ids: list[int], params, slo, n: int = 1
+    ) -> AsyncIterator:
         try:
             for _ in range(self.num_chunks):
                 yield GenerationChunk([5], "x", usage=Usage(len(prompt_ids)))

@@ -38,13 +38,14 @@ pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 20
 PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 1.1}
 REPETITION = 1.3
+MAX_N = 4  # the module cluster's --max-n
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path) -> Iterator[InprocCluster]:
     """1P + 1D where every prompt is prefilled by the prefill worker."""
     model_dir = str(tiny_model_dir)
-    router = replace(shared_router_config(model_dir), max_local_prefill_tokens=0)
+    router = replace(shared_router_config(model_dir), max_local_prefill_tokens=0, max_n=MAX_N)
     cluster = InprocCluster(
         model_dir, router_config=router, cluster_auth=ClusterAuth(token=generate_token())
     )
@@ -193,6 +194,19 @@ def test_n_choices_stream_with_their_index(client, cluster):
     assert usage is not None and usage.completion_tokens <= 12
 
 
+def test_n_stream_closed_early_frees_every_sequence(client, cluster):
+    """The client leaves after the first chunk: all n decode calls end, every held KV
+    is released (the idle check after each test asserts it)."""
+    stream = client.completions.create(
+        model=cluster.router.config.model_name, prompt=PROMPT, n=MAX_N, max_tokens=200,
+        temperature=1.0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    first = next(iter(stream))
+    assert first.choices[0].index in range(MAX_N)
+    stream.close()
+    cluster.assert_idle(timeout_s=10)
+
+
 def test_grpc_refuses_bias_outside_the_vocabulary(cluster):
     request = gen_pb.GenerateRequest(prompt="hi", logit_bias={5000: 1.0})
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -220,11 +234,13 @@ def test_bad_sampling_fields_get_400_and_the_server_keeps_serving(client, cluste
         {"logit_bias": {"2048": -100}},
         {"logit_bias": {"3": -101}},
         {"presence_penalty": -2.5},
-        {"n": 99},
+        {"n": MAX_N + 1},
     ):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(model=model, prompt="hi", max_tokens=2, **bad)
         assert info.value.body["param"] == next(iter(bad))
+        if "n" in bad:
+            assert f"<= {MAX_N}" in info.value.body["message"]
     ok = client.completions.create(model=model, prompt="hi", max_tokens=2)
     assert ok.choices[0].finish_reason in ("stop", "length")
 
