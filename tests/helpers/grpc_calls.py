@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 
@@ -44,9 +45,11 @@ async def stream_tokens(
     prompt: list[int],
     progress: dict[str, int] | None = None,
     max_tokens: int = 160,
+    **sampling: Any,
 ) -> tuple[list[int], str]:
     """Greedy-generate one stream over `Generate` (EOS ignored); (token ids, text).
-    `progress[req_id]` follows the tokens received so far."""
+    `progress[req_id]` follows the tokens received so far; `sampling`: more
+    `GenerateRequest` fields (penalties, logit_bias, ...)."""
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = gen_pb.GenerateRequest(
@@ -55,6 +58,7 @@ async def stream_tokens(
             max_tokens=max_tokens,
             temperature=0.0,
             ignore_eos=True,
+            **sampling,
         )
         tokens: list[int] = []
         text = ""
