@@ -63,6 +63,9 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty or 1.0,
         logit_bias=dict(msg.logit_bias),
         num_resumed_tokens=msg.num_resumed_tokens,
+        skip_special_tokens=(
+            msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+        ),
     )
 
 
@@ -82,6 +85,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         repetition_penalty=params.repetition_penalty,
         logit_bias=params.logit_bias,
         num_resumed_tokens=params.num_resumed_tokens,
+        skip_special_tokens=params.skip_special_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -29,6 +29,7 @@ from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.errors import InvalidRequest
 from tandem.router.kserve_request import parse_request
 from tandem.router.tokenization import PromptTokenizer
+from tandem.worker.convert import sampling_params_from_proto, sampling_params_to_proto
 from tests.helpers.grpc_calls import worker_stats
 from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster, shared_router_config
 from tests.helpers.prompts import make_prompts
@@ -284,3 +285,15 @@ async def _generate_ids(endpoint: str, request: gen_pb.GenerateRequest) -> list[
         async for msg in stub.Generate(request, timeout=60):
             ids += msg.token_ids
         return ids
+
+
+def test_worker_wire_keeps_every_sampling_field():
+    params = SamplingParams(
+        max_tokens=9, temperature=0.5, presence_penalty=-1.5, frequency_penalty=0.25,
+        repetition_penalty=1.25, logit_bias={3: -100.0, 7: 2.5}, num_resumed_tokens=4,
+        min_tokens=2, skip_special_tokens=False, seed=3,
+    )  # fmt: skip
+    assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
+    assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (
+        SamplingParams()
+    )
