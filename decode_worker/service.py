@@ -118,6 +118,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             num_cached_tokens=out.num_cached_tokens,
             kv_recomputed=recomputed,
         )
+        if out.prompt_logprobs:
+            msg.prompt_logprobs.extend(out.prompt_logprobs)
         if out.prefill_s is not None:
             msg.prefill_timings.CopyFrom(pb.Timings(queue_s=out.queue_s, compute_s=out.prefill_s))
         if out.finished:

@@ -151,9 +151,12 @@ class Engine:
             if reason is FinishReason.PREFILLED:
                 self._held[req_id] = _HeldKv(request, self.clock() + self.config.kv_lease_s)
         queue_s = prefill_s = None
+        prompt_logprobs = None
         if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
             queue_s = request.first_scheduled_time - request.arrival_time
             prefill_s = time.monotonic() - request.first_scheduled_time
+            if request.params.prompt_logprobs:
+                prompt_logprobs = list(request.prompt_logprobs)
         return RequestOutput(
             req_id=req_id,
             new_token_ids=request.output_token_ids[-1:],
@@ -166,6 +169,7 @@ class Engine:
             num_output_tokens=len(request.output_token_ids),
             queue_s=queue_s,
             prefill_s=prefill_s,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ----- prefill side of the KV hand-off -------------------------------------

@@ -50,6 +50,8 @@ class Request:
     generator: torch.Generator | None = None
     # Chained hashes of the request's full blocks, extended as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
+    # With params.prompt_logprobs: the logprob of prompt token i + 1 given tokens 0..i.
+    prompt_logprobs: list[float] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

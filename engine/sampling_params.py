@@ -59,6 +59,9 @@ class SamplingParams:
     # of this request (router migration, decode-side KV recompute): the penalties over
     # generated tokens count them as generated, not as prompt. Set by Tandem, never a client.
     num_resumed_tokens: int = 0
+    # Report each prompt token's logprob given the tokens before it (OpenAI `echo` with
+    # `logprobs`); such a prompt is computed whole (no prefix-cache hits).
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):

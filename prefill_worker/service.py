@@ -92,6 +92,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 queue_s=last.queue_s or 0.0,
                 compute_s=last.prefill_s if last.prefill_s is not None else 0.0,
             ),
+            prompt_logprobs=last.prompt_logprobs or [],
         )
         if last.finish_reason is not FinishReason.PREFILLED:
             response.finish_reason = FINISH_REASONS[last.finish_reason]

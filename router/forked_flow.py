@@ -44,9 +44,11 @@ def sequence_id(req_id: str, index: int) -> str:
 
 
 def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
-    if params.seed is None or index == 0:
+    """Sequence `index`'s params: its own seed; prompt logprobs only from sequence 0."""
+    if index == 0:
         return params
-    return dataclasses.replace(params, seed=(params.seed + index) % _MAX_SEED)
+    seed = None if params.seed is None else (params.seed + index) % _MAX_SEED
+    return dataclasses.replace(params, seed=seed, prompt_logprobs=False)
 
 
 async def generate_forked(
@@ -98,6 +100,7 @@ async def generate_forked(
                     prefill.first_token_text,
                     [prefill.first_token_logprob] if params.logprobs else [],
                     finish,
+                    prompt_logprobs=list(prefill.prompt_logprobs) or None,
                 )
             )
             local = local[1:]

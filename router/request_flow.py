@@ -388,6 +388,7 @@ class RequestFlow:
                 [prefill.first_token_id],
                 prefill.first_token_text,
                 [prefill.first_token_logprob] if params.logprobs else [],
+                prompt_logprobs=list(prefill.prompt_logprobs) if params.prompt_logprobs else None,
             )
             if finish is not None:
                 first_chunk.finish_reason, first_chunk.usage = finish, usage
@@ -496,6 +497,7 @@ class RequestFlow:
                     list(msg.logprobs) if logprobs else [],
                     finish,
                     usage if finish is not None else None,
+                    prompt_logprobs=list(msg.prompt_logprobs) or None,
                 )
                 if finish is not None:
                     return
@@ -544,6 +546,7 @@ def _rest(params: SamplingParams, num_streamed: int, router_stops: bool) -> Samp
         min_tokens=max(0, params.min_tokens - num_streamed),
         stop=[] if router_stops else list(params.stop),
         num_resumed_tokens=params.num_resumed_tokens + num_streamed,
+        prompt_logprobs=False,  # the client has them from the first attempt
     )
 
 

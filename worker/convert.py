@@ -66,6 +66,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         skip_special_tokens=(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         ),
+        prompt_logprobs=msg.prompt_logprobs,
     )
 
 
@@ -86,6 +87,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         logit_bias=params.logit_bias,
         num_resumed_tokens=params.num_resumed_tokens,
         skip_special_tokens=params.skip_special_tokens,
+        prompt_logprobs=params.prompt_logprobs,
     )
     if params.seed is not None:
         msg.seed = params.seed

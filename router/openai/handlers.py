@@ -74,6 +74,7 @@ class OpenAIHandlers:
             generation.include_usage,
         )
         builder.echo_text = generation.echo_text
+        builder.echo_prompt_ids = generation.prompt_ids
         return await self._run(request, generation, builder)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

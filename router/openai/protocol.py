@@ -94,12 +94,6 @@ class RequestParser:
         extras = parse_extras(body, self.tokenizer.vocab_size, self.max_n, completion=True)
         prompt_ids = self._prompt_ids(body)
         logprobs = get_int(body, "logprobs", min_value=0, max_value=MAX_LOGPROBS)
-        if extras.echo and logprobs is not None:
-            raise invalid(
-                "echo",
-                "with 'logprobs' is not supported: the prompt tokens' logprobs are not "
-                "computed by this server; send echo without logprobs",
-            )
         generation = self._generation(
             body,
             prompt_ids,
@@ -111,6 +105,8 @@ class RequestParser:
         )
         if extras.echo:
             generation.echo_text = self._echo_text(body, prompt_ids)
+            # With logprobs, the prompt tokens' own logprobs lead the choice's.
+            generation.params.prompt_logprobs = logprobs is not None
         return generation
 
     def _echo_text(self, body: dict[str, Any], prompt_ids: list[int]) -> str:

@@ -203,13 +203,6 @@ CASES = [
         ("'ignore_eos'", '"yes"'),
     ),
     Bad(
-        "echo with logprobs",
-        {"prompt": "hi", "echo": True, "logprobs": 1},
-        400,
-        ("'echo'", "not supported", "logprobs"),
-        param="echo",
-    ),
-    Bad(
         "presence_penalty out of range",
         {"prompt": "hi", "presence_penalty": 2.5},
         400,

@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.generate import generate
@@ -227,6 +229,26 @@ def test_echo_returns_the_prompt_then_the_completion(client, cluster):
         for c in client.completions.create(prompt=prompt, echo=True, stream=True, **args)
     )
     assert streamed == prompt + plain
+
+
+def test_echo_with_logprobs_returns_the_prompt_logprobs(client, cluster, tokenizer, tiny_model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT])).logits[0, :-1].float()
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(PROMPT[1:]).unsqueeze(1))
+    args = dict(
+        model=cluster.router.config.model_name, prompt=PROMPT, max_tokens=4, temperature=0.0,
+        logprobs=0, echo=True,
+    )  # fmt: skip
+    whole = client.completions.create(**args).choices[0]
+    streamed = list(client.completions.create(**args, stream=True))
+    for logprobs in (whole.logprobs, streamed[0].choices[0].logprobs):
+        assert logprobs.tokens[: len(PROMPT)] == token_texts(tokenizer, PROMPT)
+        assert logprobs.token_logprobs[0] is None
+        prompt_part = logprobs.token_logprobs[1 : len(PROMPT)]
+        assert prompt_part == pytest.approx(expected.squeeze(1).tolist(), abs=1e-4)
+    assert len(whole.logprobs.tokens) == len(PROMPT) + 4
+    assert whole.text == "".join(c.choices[0].text for c in streamed)
 
 
 def test_bad_sampling_fields_get_400_and_the_server_keeps_serving(client, cluster):
