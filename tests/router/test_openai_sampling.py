@@ -210,6 +210,19 @@ def test_n_stream_closed_early_frees_every_sequence(client, cluster):
     cluster.assert_idle(timeout_s=10)
 
 
+def test_grpc_generate_n_sequences_by_index(cluster, colocated):
+    request = gen_pb.GenerateRequest(
+        prompt_token_ids=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2
+    )
+    by_index = cluster.run(_generate_by_index(cluster.grpc_endpoint, request))
+    assert by_index == {0: colocated_run(colocated), 1: colocated_run(colocated)}
+    request.n = MAX_N + 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        cluster.run(_generate_by_index(cluster.grpc_endpoint, request))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "n must be <=" in (info.value.details() or "")
+
+
 def test_grpc_refuses_bias_outside_the_vocabulary(cluster):
     request = gen_pb.GenerateRequest(prompt="hi", logit_bias={5000: 1.0})
     with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -319,3 +332,14 @@ def test_worker_wire_keeps_every_sampling_field():
     assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (
         SamplingParams()
     )
+
+
+async def _generate_by_index(
+    endpoint: str, request: gen_pb.GenerateRequest
+) -> dict[int, list[int]]:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        ids: dict[int, list[int]] = {}
+        async for msg in stub.Generate(request, timeout=60):
+            ids.setdefault(msg.index, []).extend(msg.token_ids)
+        return ids
