@@ -24,9 +24,12 @@ import dataclasses
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
+import grpc
+
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.router.chunk_stream import GenerationChunk, Usage
+from tandem.router.errors import from_worker_error
 from tandem.router.policy import RequestSlo
 from tandem.worker.convert import finish_reason_from_proto, sampling_params_to_proto
 
@@ -68,7 +71,8 @@ async def generate_forked(
     flow.metrics.disagg_decisions.labels(flow.metrics.model_name, placement.decision).inc()
     run = _Sequences(flow, req_id, params, record, Usage(prompt_tokens=len(prompt_ids)))
     attempts = [flow._begin(placement) for _ in range(n)]
-    reason = "error"
+    reason = "abort"  # a metrics / span label: stays "abort" if the client leaves
+    last_reason = "stop"
     pair: WorkerPair | None = None
     try:
         try:
@@ -122,8 +126,6 @@ async def generate_forked(
         num_open = n
         while num_open:
             item = await run.queue.get()
-            if isinstance(item, _AttemptFailed):
-                raise item.error from item.__cause__
             if isinstance(item, BaseException):
                 raise item
             if local and item.index == local[0]:
@@ -136,9 +138,15 @@ async def generate_forked(
             if item.finish_reason is not None:
                 num_open -= 1
                 item.usage = run.usage
-                reason = item.finish_reason.value
+                last_reason = item.finish_reason.value
             yield item
-        reason = reason if num_open == 0 else "error"
+        reason = last_reason
+    except _AttemptFailed as failure:  # a worker call failed: no migration for n > 1
+        reason = "error"
+        raise failure.error from failure.__cause__
+    except grpc.aio.AioRpcError as exc:
+        reason = "error"
+        raise from_worker_error(exc) from exc
     finally:
         await run.close(pair)
         for attempt in attempts:
