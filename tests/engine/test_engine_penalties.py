@@ -19,7 +19,7 @@ PENALTIES = {"presence_penalty": 0.7, "frequency_penalty": 0.9, "repetition_pena
 
 
 def make_engine(model_dir, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), max_model_len=512, **overrides))
+    return Engine(EngineConfig(model=str(model_dir), max_model_len=512, num_threads=1, **overrides))
 
 
 def run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:

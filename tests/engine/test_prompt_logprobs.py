@@ -37,7 +37,7 @@ def test_prompt_logprobs_equal_transformers_chunked_and_cached(tiny_model_dir):
     # would hit the prefix cache, which prompt logprobs bypass.
     engine = Engine(
         EngineConfig(
-            model=str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=16,
+            model=str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=16, num_threads=1,
             mode=EngineMode.PREFILL_ONLY,
         )
     )  # fmt: skip
