@@ -66,7 +66,10 @@ async def generate_forked(
     from tandem.router.request_flow import _AttemptFailed, _lost
 
     span = flow.tracing.start_span("tandem.request", None, **{"tandem.request_id": req_id})
-    placement = await flow._place(req_id, prompt_ids, params, slo, span)
+    # The decode worker holds n copies of prompt + output: charge the placement that.
+    num_charged = n * (len(prompt_ids) + params.max_tokens) - len(prompt_ids)
+    charged = dataclasses.replace(params, max_tokens=num_charged)
+    placement = await flow._place(req_id, prompt_ids, charged, slo, span)
     record = flow.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s)
     flow.metrics.disagg_decisions.labels(flow.metrics.model_name, placement.decision).inc()
     run = _Sequences(flow, req_id, params, record, Usage(prompt_tokens=len(prompt_ids)))
