@@ -107,3 +107,15 @@ def test_request_counts_resumed_tokens_as_generated() -> None:
     assert request.generated_token_ids == [7, 8, 9]
     fresh = Request("s", [5, 6], SamplingParams(presence_penalty=1.0), output_token_ids=[7])
     assert fresh.generated_token_ids == [7] and fresh.penalty_prompt_token_ids == [5, 6]
+
+
+@pytest.mark.gpu
+def test_cuda_logits_choose_what_cpu_logits_choose() -> None:
+    rng = random.Random(3)
+    cases = [random_case(rng) for _ in range(16)]
+    logits = torch.randn(len(cases), VOCAB_SIZE, generator=torch.Generator().manual_seed(3)) * 4
+    params = [p for p, _ in cases]
+    histories = [h for _, h in cases]
+    on_cpu = Sampler().sample(logits, params, [None] * len(cases), histories)
+    on_gpu = Sampler().sample(logits.cuda(), params, [None] * len(cases), histories)
+    assert on_gpu.token_ids == on_cpu.token_ids
