@@ -70,8 +70,15 @@ def _add_model_commands(commands: argparse._SubParsersAction) -> None:
     make.set_defaults(handler=_run_model_make)
 
 
+DTYPE_HELP = (
+    "weights and KV: auto = the checkpoint's on CUDA; on CPU bfloat16 where the CPU has bf16 "
+    "matrix units (AMX), else float32 [auto]"
+)
+
+
 def _add_demo_command(commands: argparse._SubParsersAction) -> None:
     from tandem.engine.config import DeviceKind
+    from tandem.engine.dtype import DTYPE_CHOICES
 
     demo = commands.add_parser("demo", help="generate offline with one in-process engine")
     demo.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -86,6 +93,7 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         "--device", choices=[d.value for d in DeviceKind], default=None,
         help="[cuda if present, else cpu]",
     )  # fmt: skip
+    demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     demo.set_defaults(handler=_run_demo, demo_parser=demo)
 
 
@@ -133,9 +141,10 @@ def positive_float(text: str) -> float:
 def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     # Defaults shown in help come from the config classes (argparse default None means
     # "the config's default"), so each is defined once.
-    from tandem.cluster.config import PoolsConfig
+    from tandem.cluster.config import PoolsConfig, RayConfig, ThreadPolicy
     from tandem.cluster.security_flags import add_security_flags
     from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DeviceKind
+    from tandem.engine.dtype import DTYPE_CHOICES
     from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
     from tandem.router.policy import AdmissionPolicy
     from tandem.telemetry.tracing import TraceExporter
@@ -175,9 +184,15 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         "--kv-backend", choices=[KvBackend.TCP.value, KvBackend.NCCL.value], default=None,
         help="KV transfer between workers [nccl on cuda, tcp on cpu]",
     )  # fmt: skip
+    serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    serve.add_argument(
+        "--thread-policy", choices=[p.value for p in ThreadPolicy], default=None,
+        help="torch threads per worker without --threads: shared = all cores each, split = "
+        f"cores / workers [{RayConfig.thread_policy}]",
+    )  # fmt: skip
     serve.add_argument(
         "--threads", type=positive_int, default=None,
-        help="torch threads per worker [cores / workers]",
+        help="torch threads per worker [from --thread-policy]",
     )  # fmt: skip
     serve.add_argument(
         "--max-model-len", type=positive_int, default=None,
@@ -258,7 +273,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
 
     import torch
 
-    from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig
+    from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig, ThreadPolicy
     from tandem.cluster.security_flags import cluster_auth_from_args
     from tandem.engine.config import DeviceKind, EngineConfig, default_device
     from tandem.router.config import RouterConfig
@@ -291,6 +306,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             device=device,
             enable_chunked_prefill=not args.no_chunked_prefill,
             num_threads=args.threads,
+            dtype=args.dtype,
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
@@ -329,6 +345,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 address=args.ray_address,
                 autoscaling=args.autoscaling,
                 role_resources=True if args.autoscaling else None,
+                thread_policy=ThreadPolicy(_flag(args.thread_policy, RayConfig.thread_policy)),
             ),
         )
     except (ValueError, FileNotFoundError) as exc:
@@ -358,6 +375,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from tandem.engine.config import EngineConfig
+    from tandem.engine.dtype import dtype_banner
     from tandem.engine.generate import generate
     from tandem.engine.llm_engine import Engine
     from tandem.engine.sampling_params import SamplingParams
@@ -367,8 +385,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompts = list(args.prompts or DEMO_PROMPTS)
     started = time.perf_counter()
-    engine = Engine(EngineConfig(model=args.model, device=device))
-    print(f"engine ready on {device} in {time.perf_counter() - started:.1f}s: {args.model}")
+    engine = Engine(EngineConfig(model=args.model, device=device, dtype=args.dtype))
+    print(
+        f"engine ready on {device}, {dtype_banner(engine.config)}, in "
+        f"{time.perf_counter() - started:.1f}s: {args.model}"
+    )
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     started = time.perf_counter()

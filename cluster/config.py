@@ -14,6 +14,7 @@ the command line can read defaults without starting Ray.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +101,17 @@ class PoolsConfig:
         return [WorkerRole.PREFILL] * self.num_prefill + [WorkerRole.DECODE] * self.num_decode
 
 
+class ThreadPolicy(enum.StrEnum):
+    """torch threads per worker when `--threads` is not given (workers share a node)."""
+
+    # Every worker gets all the node's cores. Prefill and decode workers mostly take
+    # turns (a decode step waits for nothing; a prefill burst comes now and then), so
+    # each runs at full width when it runs; the default (see docs/architecture.md).
+    SHARED = "shared"
+    # cores / workers each: no oversubscription when every worker is busy at once.
+    SPLIT = "split"
+
+
 @dataclass
 class RayConfig:
     """Where the workers run."""
@@ -118,6 +130,8 @@ class RayConfig:
     # The Ray cluster grows on demand (KubeRay / Ray autoscaler): a target is then not
     # checked against the resources the cluster has now.
     autoscaling: bool = False
+    # torch threads per worker when the engine config names none (`ThreadPolicy`).
+    thread_policy: ThreadPolicy = ThreadPolicy.SHARED
 
     def __post_init__(self) -> None:
         gpus = self.gpus_per_worker
@@ -142,7 +156,7 @@ class ClusterConfig:
     """The whole cluster, built once (by `tandem serve` or a test) and passed down.
 
     cluster -> pools (how many workers of each role), engine (every worker's engine;
-    its `mode` is set per role and `num_threads` None = cores / workers), worker
+    its `mode` is set per role and `num_threads` None = `ray.thread_policy`), worker
     (settings every worker shares), router, ray.
     """
 

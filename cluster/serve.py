@@ -7,6 +7,7 @@ import logging
 import signal
 
 from tandem.cluster.launcher import ClusterConfig, LocalCluster
+from tandem.engine.dtype import dtype_banner
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ async def serve(config: ClusterConfig, announce=print) -> None:
     cluster = LocalCluster(config)
     try:
         router = await cluster.start()
-        announce(f"Tandem serving {config.model_dir}")
+        announce(f"Tandem serving {config.model_dir}, {dtype_banner(config.engine)}")
         for worker in cluster.workers:
             announce(f"  {worker.role:<9} {worker.worker_id:<12} {worker.endpoint}")
         announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")

@@ -119,6 +119,11 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (cached blocks stay reusable)."""
-        blocks = self.block_ids.pop(request.req_id, [])
-        self._num_cached_blocks.pop(request.req_id, None)
-        self.pool.free(list(reversed(blocks)))
+        self.pool.free(self.take_blocks(request.req_id))
+
+    def take_blocks(self, req_id: str) -> list[int]:
+        """Forget the request's block table and return its blocks in the order to free
+        them (tail first); the caller frees them, now or once no transfer pins them."""
+        blocks = self.block_ids.pop(req_id, [])
+        self._num_cached_blocks.pop(req_id, None)
+        return list(reversed(blocks))

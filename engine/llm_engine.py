@@ -5,13 +5,16 @@ synchronous and single-threaded; workers drive it from one thread and feed it
 through a queue. KV hand-off (the narrow interface `kv_transfer` builds on):
 
 * prefill side (`EngineMode.PREFILL_ONLY`): a request finishes with reason
-  `FinishReason.PREFILLED` after its first token; its blocks stay pinned under a lease until
-  `export_kv` + `release` (or expiry, checked every step). Released blocks remain in
-  the prefix cache.
+  `FinishReason.PREFILLED` after its first token; its blocks stay held under a lease
+  until `release` (or expiry, checked every step). While held, a transfer thread may
+  send them straight from the cache: `acquire_held_kv` pins them (`engine.kv_pins`)
+  until the thread unpins. Released blocks remain in the prefix cache.
 * decode side (`EngineMode.DECODE_ONLY`): `reserve_import` allocates blocks for a
-  prompt (None = not now), `write_kv` fills them, `commit_import` joins the running
-  batch with the first token already sampled; `cancel_import` frees them on failure.
-  `add_request` works only with `local_prefill=True`.
+  prompt (None = not now) and puts the request in a receiving state that no step
+  reads; `acquire_import_kv` hands a transfer thread a pinned write view of them (or
+  the engine thread fills them with `write_kv`); `commit_import` joins the running batch
+  with the first token already sampled; `cancel_import` frees them on failure (after
+  the writer unpins). `add_request` works only with `local_prefill=True`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_pins import KvPins, PinnedBlocks
 from tandem.engine.model.loader import load_model
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.outputs import EngineStats, KvExport, RequestOutput
@@ -73,6 +77,8 @@ class Engine:
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(config, model, self.kv)
+        # The only engine state KV transfer threads touch (thread-safe).
+        self.kv_pins = KvPins(self.runner.kv_caches)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, _HeldKv] = {}
@@ -150,6 +156,7 @@ class Engine:
             del self._detokenizers[req_id]
             if reason is FinishReason.PREFILLED:
                 self._held[req_id] = _HeldKv(request, self.clock() + self.config.kv_lease_s)
+                self.kv_pins.open(req_id, self.kv.block_ids[req_id])
         queue_s = prefill_s = None
         prompt_logprobs = None
         if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
@@ -188,7 +195,7 @@ class Engine:
         )
 
     def held_block_ids(self, req_id: str) -> list[int]:
-        """The pinned blocks of a prefilled request (for zero-copy transfer backends)."""
+        """The held blocks of a prefilled request (what its KvHandle names)."""
         if req_id not in self._held:
             raise KeyError(f"no prefilled KV held for request {req_id!r}")
         return list(self.kv.block_ids[req_id])
@@ -209,23 +216,38 @@ class Engine:
         twin.finish_reason = FinishReason.PREFILLED
         self.kv.share(source, twin)
         self._held[alias] = _HeldKv(twin, held.expires_at)
+        self.kv_pins.open(alias, self.kv.block_ids[alias])
+
+    def acquire_held_kv(self, req_id: str) -> PinnedBlocks:
+        """Pin a held request's blocks for a send straight from the cache. Thread-safe
+        (a transfer thread calls it, not the engine's); KeyError once released or
+        unknown. The caller must `unpin()` when the send ends, however it ends."""
+        return self.kv_pins.acquire(req_id)
 
     def release(self, req_id: str) -> bool:
-        """Unpin a prefilled request's blocks (they stay in the prefix cache)."""
+        """Unhold a prefilled request's blocks (they stay in the prefix cache); blocks a
+        transfer still sends are freed once it unpins them (`expire_leases`)."""
         held = self._held.pop(req_id, None)
         if held is None:
             return False
-        self.kv.free(held.request)
+        self._retire(req_id)
         return True
 
     def expire_leases(self, now: float) -> list[str]:
-        """Release every held KV whose lease ran out by `now` (on `self.clock`); returns
-        their request ids."""
+        """Release every held KV whose lease ran out by `now` (on `self.clock`) and free
+        blocks whose last transfer pin is gone; returns the expired request ids."""
+        self.kv_pins.collect()
         expired = [r for r, h in self._held.items() if h.expires_at <= now]
         for req_id in expired:
             logger.warning("KV lease of %s expired unpulled; freeing its blocks", req_id)
             self.release(req_id)
         return expired
+
+    def _retire(self, req_id: str) -> None:
+        """Free a held or importing request's blocks now, or after its transfer unpins."""
+        blocks = self.kv.take_blocks(req_id)
+        if not self.kv_pins.retire(req_id, lambda: self.pool.free(blocks)):
+            logger.info("KV of %s still in transfer; its blocks are freed when it ends", req_id)
 
     # ----- decode side of the KV hand-off --------------------------------------
 
@@ -250,20 +272,29 @@ class Engine:
         if first_token_id is not None:
             request.output_token_ids.append(first_token_id)
         self._importing[req_id] = request
+        self.kv_pins.open(req_id, self.kv.block_ids[req_id])
         return list(self.kv.block_ids[req_id])
 
+    def acquire_import_kv(self, req_id: str) -> PinnedBlocks:
+        """A pinned write view of a reserved request's blocks, for a transfer thread to
+        receive into in place. Thread-safe; KeyError unless the request is receiving.
+        The writer must `unpin()` when it stops writing, before `commit_import`."""
+        return self.kv_pins.acquire(req_id)
+
     def write_kv(self, req_id: str, blocks: torch.Tensor) -> None:
-        """Fill a reserved request's blocks with KV read by the prefill side's `export_kv`."""
-        request = self._importing.get(req_id)
-        if request is None:
+        """Fill a reserved request's blocks with KV read by the prefill side's `export_kv`
+        (on the engine thread; a copy, where `acquire_import_kv` receives in place)."""
+        if req_id not in self._importing:
             raise KeyError(f"no import reserved for request {req_id!r}")
         self.runner.write_kv_blocks(self.kv.block_ids[req_id], blocks)
 
     def commit_import(self, req_id: str) -> None:
-        """The KV is in place: join the running batch (decoding from the first token)."""
-        request = self._importing.pop(req_id, None)
-        if request is None:
+        """The KV is in place: join the running batch (decoding from the first token).
+        RuntimeError while a transfer thread still holds the write view."""
+        if req_id not in self._importing:
             raise KeyError(f"no import reserved for request {req_id!r}")
+        self.kv_pins.close(req_id)
+        request = self._importing.pop(req_id)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
         if request.output_token_ids:
             request.num_computed_tokens = request.num_prompt_tokens
@@ -281,7 +312,7 @@ class Engine:
         request = self._importing.pop(req_id, None)
         if request is None:
             return False
-        self.kv.free(request)
+        self._retire(req_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ABORT
         return True

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tandem.router.pool_gauges import PoolGauges
+
 # Bucket bounds follow vLLM's, so dashboards and alerts port unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -104,6 +106,9 @@ class RouterMetrics:
             registry=r,
         )
         self._slo_window: deque[bool] = deque(maxlen=SLO_WINDOW)
+        # tandem:pool_workers / pool_target_workers / worker_restarts_total, re-exported
+        # from the membership the router follows (fed by `Router.update_membership`).
+        self.pools = PoolGauges(r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

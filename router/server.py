@@ -126,7 +126,9 @@ class Router:
         self.grpc_endpoint = f"{config.host}:{port}"
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        app = make_http_app(self.pool, flow, tokenizer, config)
+        app = make_http_app(
+            self.pool, flow, tokenizer, config, dtype=self.policy_runtime.limits.dtype
+        )
         app.router.add_get("/metrics", self._metrics_handler)
         add_admin_routes(app, admin)
         # A client that disconnects cancels its handler, which cancels its worker calls.
@@ -156,6 +158,7 @@ class Router:
                              membership.version, self.membership.version)  # fmt: skip
                 return
             self.membership = membership
+            self.metrics.pools.update(membership)
             self._pending.clear()
             wanted = {
                 w.worker_id: w

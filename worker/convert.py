@@ -103,6 +103,7 @@ def stats_to_proto(
         role=WORKER_ROLES[role],
         block_size=engine.block_size,
         max_model_len=engine.max_model_len,
+        dtype=engine.resolved_dtype,
         num_waiting=stats.num_waiting,
         num_running=stats.num_running,
         num_held=stats.num_held,

@@ -46,6 +46,7 @@ class OpenAIHandlers:
         model_name: str,
         model_dir: str,
         max_body_bytes: int,
+        dtype: str = "",
         max_n: int = DEFAULT_MAX_N,
     ) -> None:
         self.flow = flow
@@ -54,6 +55,8 @@ class OpenAIHandlers:
         self.model_name = model_name
         self.model_dir = model_dir
         self.max_body_bytes = max_body_bytes
+        # The workers' weights/KV dtype ("" when unknown), on the model card.
+        self.dtype = dtype
         # Reported as the model's `created` time.
         self.started = int(time.time())
 
@@ -115,6 +118,7 @@ class OpenAIHandlers:
             "root": self.model_dir,
             "parent": None,
             "max_model_len": self.tokenizer.max_model_len,
+            **({"dtype": self.dtype} if self.dtype else {}),
         }
 
     def _logprobs(self, generation: GenerationRequest) -> LogprobsFormatter | None:

@@ -18,7 +18,12 @@ from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.membership import WorkerLifecycle
 from tandem.worker.config import WorkerRole
-from tests.helpers.grpc_calls import assert_workers_idle, stream_tokens
+from tests.helpers.grpc_calls import (
+    assert_workers_idle,
+    start_streams,
+    stream_tokens,
+    wait_streaming,
+)
 from tests.helpers.process_cluster import ProcessCluster
 from tests.helpers.prompts import make_prompts
 
@@ -85,18 +90,9 @@ def test_kill_decode_worker_mid_stream_continues_every_request(decode_pair):
     cluster.assert_idle()
 
     async def scenario() -> tuple[list[tuple[list[int], str]], str]:
-        progress: dict[str, int] = {}
         ids = [f"req-{i}" for i in range(len(prompts))]
-        tasks = [
-            asyncio.ensure_future(
-                stream_tokens(cluster.grpc_endpoint, rid, p, progress, **sampling_of(i))
-            )
-            for i, (rid, p) in enumerate(zip(ids, prompts, strict=True))
-        ]
-        deadline = time.monotonic() + 60
-        while not all(progress.get(rid, 0) >= 4 for rid in ids):
-            assert time.monotonic() < deadline, f"streams did not start: {progress}"
-            await asyncio.sleep(0.005)
+        sampling = [sampling_of(i) for i in range(len(ids))]
+        tasks = await start_streams(cluster.grpc_endpoint, ids, prompts, sampling)
         policy = cluster.router.policy_runtime.policy
         on = {rid: policy.placement_of(rid).decode_worker_id for rid in ids}
         victim = max(("decode-0", "decode-1"), key=lambda w: list(on.values()).count(w))
@@ -251,10 +247,7 @@ def test_worker_declared_dead_migrates_its_streams_and_stop_strings_still_cut(de
         progress: dict[str, int] = {}
         task = asyncio.ensure_future(run_with_stops("req", progress))
         ids = [f"req-{i}" for i in range(len(prompts))]
-        deadline = time.monotonic() + 60
-        while not all(progress.get(rid, 0) >= 4 for rid in ids):
-            assert time.monotonic() < deadline, f"streams did not start: {progress}"
-            await asyncio.sleep(0.005)
+        await wait_streaming(progress, ids)
         policy = cluster.router.policy_runtime.policy
         on = [policy.placement_of(rid).decode_worker_id for rid in ids]
         victim = max(("decode-0", "decode-1"), key=on.count)
@@ -281,16 +274,8 @@ def test_past_max_migrations_the_client_gets_one_retriable_error(tiny_model_dir)
         prompts = make_prompts(2048, (40, 41, 42, 43), seed=76)
 
         async def scenario() -> tuple[list, str]:
-            progress: dict[str, int] = {}
             ids = [f"req-{i}" for i in range(len(prompts))]
-            tasks = [
-                asyncio.ensure_future(stream_tokens(cluster.grpc_endpoint, rid, p, progress))
-                for rid, p in zip(ids, prompts, strict=True)
-            ]
-            deadline = time.monotonic() + 60
-            while not all(progress.get(rid, 0) >= 4 for rid in ids):
-                assert time.monotonic() < deadline, f"streams did not start: {progress}"
-                await asyncio.sleep(0.005)
+            tasks = await start_streams(cluster.grpc_endpoint, ids, prompts)
             policy = cluster.router.policy_runtime.policy
             on = [policy.placement_of(rid).decode_worker_id for rid in ids]
             victim = "decode-0" if "decode-0" in on else "decode-1"
