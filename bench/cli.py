@@ -1,6 +1,7 @@
 """`tandem-bench`: one command line for every benchmark suite (the product never imports it).
 
     tandem-bench engine [--quick] [--out docs/benchmarks.md]      # engine vs floor, roofline, HF
+    tandem-bench engine --penalties [--quick]                     # cost of sampling penalties
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
     tandem-bench threads [--quick]                                # --thread-policy, 1P+1D
     tandem-bench gpu-check [--dry-run]                            # one prepared GPU run
@@ -62,6 +63,8 @@ OPTIONS: dict[str, list[Option]] = {
         (("--dtype",), {"choices": ["auto", "float32", "bfloat16", "float16"], "default": None,
                         "help": "only this dtype (auto: what `tandem serve` picks here) "
                         "[float32 and bfloat16; --quick: float32]"}),
+        (("--penalties",), {"action": "store_true",
+                            "help": "only the cost of penalties + logit_bias (TPOT, batch 1/8)"}),
     ],
     "kv-transfer": [
         _model("models/tandem-small"), _OUT,

@@ -218,6 +218,10 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--api-key", default=None, help="require this key (or TANDEM_API_KEY)")
     serve.add_argument(
+        "--max-n", type=positive_int, default=None,
+        help=f"most choices (n) one OpenAI request may ask for [{router['max_n'].default}]",
+    )  # fmt: skip
+    serve.add_argument(
         "--trace-exporter", choices=[e.value for e in TraceExporter], default=None,
         help=f"OpenTelemetry exporter [{router['trace_exporter'].default}]",
     )  # fmt: skip
@@ -358,6 +362,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             max_local_prefill_tokens=_flag(
                 args.max_local_prefill_tokens, RouterConfig.max_local_prefill_tokens
             ),
+            max_n=_flag(args.max_n, RouterConfig.max_n),
         )
         return ClusterConfig(
             model_dir=args.model,

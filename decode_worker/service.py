@@ -132,6 +132,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             num_cached_tokens=out.num_cached_tokens,
             kv_recomputed=recomputed,
         )
+        if out.prompt_logprobs:
+            msg.prompt_logprobs.extend(out.prompt_logprobs)
         if out.prefill_s is not None:
             msg.prefill_timings.CopyFrom(pb.Timings(queue_s=out.queue_s, compute_s=out.prefill_s))
         if out.finished:
@@ -146,7 +148,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         """Reserve, pull and commit; on a failed pull, a local recompute stream."""
         req_id = request.request_id
         handle = KvHandle.from_proto(request.kv_handle)
-        first = request.first_token_id
+        first = None if request.sample_first_token else request.first_token_id
         try:
             await self._reserve(req_id, prompt, first, params)
         except BaseException:
@@ -187,7 +189,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             await pull_into_pinned(self.kv_client, handle, pinned)
 
     async def _reserve(
-        self, req_id: str, prompt: list[int], first: int, params: SamplingParams
+        self, req_id: str, prompt: list[int], first: int | None, params: SamplingParams
     ) -> None:
         """Wait until the pool can hold the prompt's KV (pull-based admission)."""
         deadline = time.monotonic() + self.config.admission_timeout_s
@@ -202,11 +204,18 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             await asyncio.sleep(_ADMISSION_POLL_S)
 
     async def _recompute(
-        self, req_id: str, prompt: list[int], first: int, params: SamplingParams
+        self, req_id: str, prompt: list[int], first: int | None, params: SamplingParams
     ) -> RequestStream:
-        """Prefill prompt + first token here; the stream continues after the first token."""
+        """Prefill prompt + first token here; the stream continues after the first token
+        (which the penalties still count as generated: `num_resumed_tokens`). Without a
+        first token, the prompt alone (the first token is sampled here)."""
+        if first is None:
+            return await self.loop.generate(req_id, prompt, params, local_prefill=True)
         rest = dataclasses.replace(
-            params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1)
+            params,
+            max_tokens=params.max_tokens - 1,
+            min_tokens=max(0, params.min_tokens - 1),
+            num_resumed_tokens=params.num_resumed_tokens + 1,
         )
         return await self.loop.generate(req_id, [*prompt, first], rest, local_prefill=True)
 

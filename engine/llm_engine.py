@@ -158,9 +158,12 @@ class Engine:
                 self._held[req_id] = _HeldKv(request, self.clock() + self.config.kv_lease_s)
                 self.kv_pins.open(req_id, self.kv.block_ids[req_id])
         queue_s = prefill_s = None
+        prompt_logprobs = None
         if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
             queue_s = request.first_scheduled_time - request.arrival_time
             prefill_s = time.monotonic() - request.first_scheduled_time
+            if request.params.prompt_logprobs:
+                prompt_logprobs = list(request.prompt_logprobs)
         return RequestOutput(
             req_id=req_id,
             new_token_ids=request.output_token_ids[-1:],
@@ -173,6 +176,7 @@ class Engine:
             num_output_tokens=len(request.output_token_ids),
             queue_s=queue_s,
             prefill_s=prefill_s,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ----- prefill side of the KV hand-off -------------------------------------
@@ -195,6 +199,24 @@ class Engine:
         if req_id not in self._held:
             raise KeyError(f"no prefilled KV held for request {req_id!r}")
         return list(self.kv.block_ids[req_id])
+
+    def share_held(self, req_id: str, alias: str) -> None:
+        """Hold a prefilled request's KV once more under `alias`, with its own lease and
+        release (the blocks are shared, not copied): one prefill serves `n` sequences,
+        each pulled and released on its own."""
+        held = self._held.get(req_id)
+        if held is None:
+            raise KeyError(f"no prefilled KV held for request {req_id!r}")
+        if alias in self._requests or alias in self._held or alias in self._importing:
+            raise ValueError(f"request id {alias!r} is already in use")
+        source = held.request
+        twin = Request(alias, source.prompt_token_ids, source.params)
+        twin.output_token_ids = list(source.output_token_ids)
+        twin.status = RequestStatus.FINISHED
+        twin.finish_reason = FinishReason.PREFILLED
+        self.kv.share(source, twin)
+        self._held[alias] = _HeldKv(twin, held.expires_at)
+        self.kv_pins.open(alias, self.kv.block_ids[alias])
 
     def acquire_held_kv(self, req_id: str) -> PinnedBlocks:
         """Pin a held request's blocks for a send straight from the cache. Thread-safe
@@ -233,16 +255,22 @@ class Engine:
         self,
         req_id: str,
         prompt_token_ids: list[int],
-        first_token_id: int,
+        first_token_id: int | None,
         params: SamplingParams,
     ) -> list[int] | None:
-        """Allocate blocks for a remote prefill's KV; None when the pool is too full now."""
+        """Allocate blocks for a remote prefill's KV; None when the pool is too full now.
+
+        `first_token_id` None: the prefill side sampled no token for this sequence (one
+        of `n` forked from one prefill); this engine recomputes the last prompt position
+        and samples the first token itself."""
         prompt_ids = self._prompt_ids(prompt_token_ids)
-        self._check_token_ids([first_token_id])
+        if first_token_id is not None:
+            self._check_token_ids([first_token_id])
         request = self._new_request(req_id, prompt_ids, params)
         if not self.kv.allocate_slots(request, len(prompt_ids)):
             return None
-        request.output_token_ids.append(first_token_id)
+        if first_token_id is not None:
+            request.output_token_ids.append(first_token_id)
         self._importing[req_id] = request
         self.kv_pins.open(req_id, self.kv.block_ids[req_id])
         return list(self.kv.block_ids[req_id])
@@ -267,11 +295,15 @@ class Engine:
             raise KeyError(f"no import reserved for request {req_id!r}")
         self.kv_pins.close(req_id)
         request = self._importing.pop(req_id)
-        request.num_computed_tokens = request.num_prompt_tokens
-        self.kv.cache_full_blocks(request)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
-        # The prefill side already streamed the first token's text.
-        detok.add_token(request.output_token_ids[0])
+        if request.output_token_ids:
+            request.num_computed_tokens = request.num_prompt_tokens
+            # The prefill side already streamed the first token's text.
+            detok.add_token(request.output_token_ids[0])
+        else:
+            # Sample the first token here: the last prompt position runs again.
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+        self.kv.cache_full_blocks(request)
         self._requests[req_id] = request
         self._detokenizers[req_id] = detok
         self.scheduler.add_running(request)
@@ -348,6 +380,13 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} "
                 "(prompt + at least one output token)"
             )
+        if params.num_resumed_tokens >= len(prompt_ids):
+            raise ValueError(
+                f"num_resumed_tokens ({params.num_resumed_tokens}) must leave at least one "
+                f"client prompt token of the {len(prompt_ids)}"
+            )
+        if params.logit_bias:
+            self._check_token_ids(list(params.logit_bias))
         needed = self.config.blocks_for(min(len(prompt_ids) + params.max_tokens, max_len))
         if needed > self.pool.num_blocks:
             raise ValueError(

@@ -38,6 +38,7 @@ def make_http_app(
     app[MAX_BODY_BYTES] = config.max_body_bytes
     app.router.add_get("/health", health)
     OpenAIHandlers(
-        flow, tokenizer, config.model_name, config.model_dir, config.max_body_bytes, dtype
-    ).add_routes(app)
+        flow, tokenizer, config.model_name, config.model_dir, config.max_body_bytes, dtype,
+        max_n=config.max_n,
+    ).add_routes(app)  # fmt: skip
     return app

@@ -107,7 +107,7 @@ class Router:
         admin = PoolsAdmin(self.admin_backend, self._worker_load, self._planner_json)
         self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(flow, tokenizer, config.model_name), server
+            GenerationService(flow, tokenizer, config.model_name, config.max_n), server
         )
         add_GRPCInferenceServiceServicer_to_server(
             KserveService(flow, tokenizer, self.pool, config.model_name, config.probe_timeout_s),

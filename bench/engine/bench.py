@@ -150,6 +150,10 @@ def run(plan: BenchPlan, command: str) -> report.BenchReport:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "penalties", False):
+        from tandem.bench.engine import penalties
+
+        return penalties.main(args)
     # A full run updates the doc unless told otherwise; a quick one only when told.
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
     ensure_model(args.model, "small")

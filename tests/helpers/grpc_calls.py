@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 
@@ -44,9 +45,11 @@ async def stream_tokens(
     prompt: list[int],
     progress: dict[str, int] | None = None,
     max_tokens: int = 160,
+    **sampling: Any,
 ) -> tuple[list[int], str]:
     """Greedy-generate one stream over `Generate` (EOS ignored); (token ids, text).
-    `progress[req_id]` follows the tokens received so far."""
+    `progress[req_id]` follows the tokens received so far; `sampling`: more
+    `GenerateRequest` fields (penalties, logit_bias, ...)."""
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = gen_pb.GenerateRequest(
@@ -55,6 +58,7 @@ async def stream_tokens(
             max_tokens=max_tokens,
             temperature=0.0,
             ignore_eos=True,
+            **sampling,
         )
         tokens: list[int] = []
         text = ""
@@ -84,13 +88,18 @@ async def wait_streaming(
 
 
 async def start_streams(
-    endpoint: str, req_ids: list[str], prompts: list[list[int]]
+    endpoint: str,
+    req_ids: list[str],
+    prompts: list[list[int]],
+    sampling: list[dict[str, Any]] | None = None,
 ) -> list[asyncio.Future]:
-    """One `stream_tokens` per (id, prompt), returned once every stream is under way."""
+    """One `stream_tokens` per (id, prompt), returned once every stream is under way;
+    `sampling[i]`: more `GenerateRequest` fields of stream i."""
     progress: dict[str, int] = {}
+    extra = sampling or [{} for _ in req_ids]
     tasks = [
-        asyncio.ensure_future(stream_tokens(endpoint, rid, p, progress))
-        for rid, p in zip(req_ids, prompts, strict=True)
+        asyncio.ensure_future(stream_tokens(endpoint, rid, p, progress, **fields))
+        for rid, p, fields in zip(req_ids, prompts, extra, strict=True)
     ]
     await wait_streaming(progress, req_ids)
     return tasks

@@ -30,15 +30,32 @@ from tests.helpers.prompts import make_prompts
 pytestmark = pytest.mark.timeout(600)
 
 MAX_TOKENS = 160
+# Every other stream of the decode-kill test carries these: after a migration the
+# streamed tokens are prompt for the new pair, yet still count as generated.
+PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 1.5}
+
+
+def sampling_of(index: int) -> dict[str, float]:
+    return PENALTIES if index % 2 else {}
 
 
 async def run_all(
-    cluster: ProcessCluster, prefix: str, prompts: list[list[int]], max_tokens: int = MAX_TOKENS
+    cluster: ProcessCluster,
+    prefix: str,
+    prompts: list[list[int]],
+    max_tokens: int = MAX_TOKENS,
+    penalties: bool = False,
 ) -> list[tuple[list[int], str]]:
     return list(
         await asyncio.gather(
             *(
-                stream_tokens(cluster.grpc_endpoint, f"{prefix}-{i}", p, max_tokens=max_tokens)
+                stream_tokens(
+                    cluster.grpc_endpoint,
+                    f"{prefix}-{i}",
+                    p,
+                    max_tokens=max_tokens,
+                    **(sampling_of(i) if penalties else {}),
+                )
                 for i, p in enumerate(prompts)
             )
         )
@@ -65,15 +82,17 @@ def decode_pair(tiny_model_dir):
 
 def test_kill_decode_worker_mid_stream_continues_every_request(decode_pair):
     """kill -9 of a decode worker with 6 greedy streams in flight on 1P + 2D: every
-    stream completes with the tokens and text of an uninterrupted run."""
+    stream completes with the tokens and text of an uninterrupted run (half of them with
+    presence/frequency penalties, which must count the streamed tokens as generated)."""
     cluster = decode_pair
     prompts = make_prompts(2048, (40, 90, 17, 150, 64, 120), seed=71)
-    reference = cluster.run(run_all(cluster, "ref", prompts))
+    reference = cluster.run(run_all(cluster, "ref", prompts, penalties=True))
     cluster.assert_idle()
 
     async def scenario() -> tuple[list[tuple[list[int], str]], str]:
         ids = [f"req-{i}" for i in range(len(prompts))]
-        tasks = await start_streams(cluster.grpc_endpoint, ids, prompts)
+        sampling = [sampling_of(i) for i in range(len(ids))]
+        tasks = await start_streams(cluster.grpc_endpoint, ids, prompts, sampling)
         policy = cluster.router.policy_runtime.policy
         on = {rid: policy.placement_of(rid).decode_worker_id for rid in ids}
         victim = max(("decode-0", "decode-1"), key=lambda w: list(on.values()).count(w))
