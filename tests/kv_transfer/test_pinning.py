@@ -52,6 +52,10 @@ def test_both_sides_release_their_blocks_once_after_a_pull(backend: str) -> None
             try:
                 handle = prefill.handle(TINY, "r1", [5, 1, 2])
                 await client.pull(handle, out=pins.blocks(dest, "dest", [9, 10, 0]))
+                assert pins.done.get("dest") == 1
+                # Over TCP the source's send thread unpins after its last write, which
+                # may be a moment after the puller has every byte.
+                await wait_until(lambda: pins.done.get("source") == 1, 10, "source unpinned")
                 assert pins.done == {"source": 1, "dest": 1}
                 assert bits(dest[:, :, [9, 10, 0]]).equal(bits(source[:, :, [5, 1, 2]]))
                 # A pull refused before any transfer still releases its destination.
