@@ -68,6 +68,7 @@ class Engine:
             config.torch_dtype,
             torch.device(config.device),
             self.max_model_len,
+            attention_backend=config.attention_backend,
         )
         self.pool = BlockPool(config.num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
