@@ -21,6 +21,8 @@ async def serve(config: ClusterConfig, announce=print) -> None:
     try:
         router = await cluster.start()
         announce(f"Tandem serving {config.model_dir}")
+        engine = config.engine
+        announce(f"  engine    {engine.device}, attention {engine.resolved_attention_backend}")
         for worker in cluster.workers:
             announce(f"  {worker.role:<9} {worker.worker_id:<12} {worker.endpoint}")
         announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")

@@ -1,9 +1,9 @@
 """The Triton backend: paged attention that reads block tables and lengths directly.
 
-Per layer: one kernel writes the step's K/V into their cache slots; one launch covers
-all decodes (split-K over the context when it is long, then a reduction kernel); one
-launch covers all prefill chunks (each chunk's queries over its cached prefix and its
-own tokens, causally). No gather, no padding to the longest sequence.
+Per layer: one kernel writes the step's K/V into their cache slots; one attention
+launch covers all decodes (split-K over the context when it is long, then a reduction
+kernel); one covers all prefill chunks (each chunk's queries over its cached prefix
+and its own tokens, causally). No gather, no padding to the longest sequence.
 """
 
 from __future__ import annotations
@@ -26,6 +26,10 @@ SPLIT_TOKENS = 512
 MAX_SPLITS = 16
 # tl.dot wants at least 16 rows: a decode's GQA group is padded up to it.
 MIN_DOT_ROWS = 16
+# The split length of an unsplit launch (longer than any context).
+UNSPLIT_LEN = 1 << 30
+# Elements (tokens x kv_heads x head_dim) one K/V-write program moves.
+WRITE_ELEMENTS = 4096
 
 
 @dataclass
@@ -100,33 +104,25 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
         meta: TritonAttentionMetadata,
         out: torch.Tensor,
     ) -> None:
+        """All decodes in one launch: one query token per program, the context split-K."""
         num_decodes, splits = meta.num_decodes, meta.num_splits
         _, num_heads, head_dim = query.shape
-        num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
+        part_acc = part_ml = out  # unused with one split: the kernel writes `out`
         if splits > 1:
-            part_acc = torch.empty(
-                num_decodes, num_heads, splits, head_dim, dtype=torch.float32, device=out.device
-            )
-            part_ml = torch.empty(
-                num_decodes, num_heads, splits, 2, dtype=torch.float32, device=out.device
-            )
-        else:  # unused: the kernel writes `out` directly
-            part_acc = part_ml = out
-        d_pad = triton.next_power_of_2(head_dim)
-        kernels.decode_kernel[(num_decodes, num_kv_heads, splits)](
-            query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-            out, part_acc, part_ml,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-            *k_cache.stride()[:3], meta.block_tables.stride(0),
-            k_cache.shape[1], meta.split_len, self.scale * kernels.LOG2E,
-            GROUP=group, G_PAD=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim, D_PAD=d_pad, TILE_N=TILE_N, NUM_SPLITS=splits,
+            shape = (num_decodes, num_heads, splits)
+            part_acc = torch.empty(*shape, head_dim, dtype=torch.float32, device=out.device)
+            part_ml = torch.empty(*shape, 2, dtype=torch.float32, device=out.device)
+        group = num_heads // k_cache.shape[2]
+        self._launch(
+            (num_decodes, k_cache.shape[2], splits),
+            query, k_cache, v_cache, meta, 0, out, part_acc, part_ml,
+            meta.split_len, splits, block_q=1,
+            g_pad=max(MIN_DOT_ROWS, triton.next_power_of_2(group)),
         )  # fmt: skip
         if splits > 1:
             kernels.reduce_splits_kernel[(num_decodes, num_heads)](
                 out, part_acc, part_ml, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, D_PAD=d_pad,
+                HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
                 NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits),
             )  # fmt: skip
 
@@ -138,20 +134,43 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
         meta: TritonAttentionMetadata,
         out: torch.Tensor,
     ) -> None:
-        _, num_heads, head_dim = query.shape
-        num_kv_heads = k_cache.shape[2]
-        group = num_heads // num_kv_heads
-        first = meta.num_decodes
-        grid = (meta.num_prefills, num_kv_heads, triton.cdiv(meta.max_prefill_query_len, BLOCK_Q))
-        kernels.prefill_kernel[grid](
+        """All prefill chunks in one launch: BLOCK_Q query tokens per program, causal."""
+        group = query.shape[1] // k_cache.shape[2]
+        q_tiles = triton.cdiv(meta.max_prefill_query_len, BLOCK_Q)
+        self._launch(
+            (meta.num_prefills, k_cache.shape[2], q_tiles),
+            query, k_cache, v_cache, meta, meta.num_decodes, out, out, out,
+            UNSPLIT_LEN, 1, block_q=BLOCK_Q,
+            g_pad=triton.next_power_of_2(group),
+        )  # fmt: skip
+
+    def _launch(
+        self,
+        grid: tuple[int, int, int],
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: TritonAttentionMetadata,
+        first: int,
+        out: torch.Tensor,
+        part_acc: torch.Tensor,
+        part_ml: torch.Tensor,
+        split_len: int,
+        splits: int,
+        block_q: int,
+        g_pad: int,
+    ) -> None:
+        """`attention_kernel` over the sequences from index `first` on."""
+        num_heads, head_dim = query.shape[1:]
+        kernels.attention_kernel[grid](
             query, k_cache, v_cache, meta.block_tables[first:], meta.seq_lens[first:],
-            meta.query_start_loc[first:], out,
+            meta.query_start_loc[first:], out, part_acc, part_ml,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             *k_cache.stride()[:3], meta.block_tables.stride(0),
-            k_cache.shape[1], self.scale * kernels.LOG2E,
-            GROUP=group, G_PAD=triton.next_power_of_2(group),
+            k_cache.shape[1], split_len, self.scale * kernels.LOG2E,
+            GROUP=num_heads // k_cache.shape[2], G_PAD=g_pad,
             HEAD_DIM=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-            BLOCK_Q=BLOCK_Q, TILE_N=TILE_N,
+            BLOCK_Q=block_q, TILE_N=TILE_N, NUM_SPLITS=splits,
         )  # fmt: skip
 
 
@@ -168,11 +187,13 @@ def write_kv(
         raise ValueError("write_kv needs unit-stride head dims and alike K/V caches")
     if num_tokens == 0:
         return
-    kernels.write_kv_kernel[(num_tokens,)](
+    h_pad = triton.next_power_of_2(num_kv_heads)
+    d_pad = triton.next_power_of_2(head_dim)
+    block_t = max(1, WRITE_ELEMENTS // (h_pad * d_pad))
+    kernels.write_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
         key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        num_tokens, key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *k_cache.stride()[:3],
         k_cache.shape[1], num_kv_heads,
-        HEAD_DIM=head_dim, H_PAD=triton.next_power_of_2(num_kv_heads),
-        D_PAD=triton.next_power_of_2(head_dim),
+        HEAD_DIM=head_dim, H_PAD=h_pad, D_PAD=d_pad, BLOCK_T=block_t,
     )  # fmt: skip
