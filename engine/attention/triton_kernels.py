@@ -37,12 +37,12 @@ def write_kv_kernel(
     dims = tl.arange(0, D_PAD)
     hd_mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM)
     mask = t_mask[:, None, None] & hd_mask[None, :, :]
-    head_dim_offsets = heads[:, None] * stride_kh + dims[None, :]
-    k = tl.load(key_ptr + tokens[:, None, None] * stride_kt + head_dim_offsets[None], mask=mask)
-    head_dim_offsets = heads[:, None] * stride_vh + dims[None, :]
-    v = tl.load(value_ptr + tokens[:, None, None] * stride_vt + head_dim_offsets[None], mask=mask)
+    k_offsets = tokens[:, None, None] * stride_kt + (heads[:, None] * stride_kh)[None, :, :]
+    k = tl.load(key_ptr + k_offsets + dims[None, None, :], mask=mask)
+    v_offsets = tokens[:, None, None] * stride_vt + (heads[:, None] * stride_vh)[None, :, :]
+    v = tl.load(value_ptr + v_offsets + dims[None, None, :], mask=mask)
     row = (slot // block_size) * stride_cb + (slot % block_size) * stride_co
-    dest = row[:, None, None] + (heads[:, None] * stride_ch + dims[None, :])[None]
+    dest = row[:, None, None] + (heads[:, None] * stride_ch + dims[None, :])[None, :, :]
     tl.store(k_cache_ptr + dest, k, mask=mask)
     tl.store(v_cache_ptr + dest, v, mask=mask)
 
