@@ -41,6 +41,14 @@ def interpreter() -> Iterator[ProcessPoolExecutor]:
         yield pool
 
 
+def on_device(case: PagedBatch, device: str, dtype: torch.dtype) -> PagedBatch:
+    for name in ("query", "key", "value", "kv_cache"):
+        setattr(case, name, getattr(case, name).to(device, dtype))
+    case.batch.slot_mapping = case.batch.slot_mapping.to(device)
+    case.batch.device = torch.device(device)
+    return case
+
+
 def triton_forward(case: PagedBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
     """In the interpreter process: the Triton output, the cache after it, the splits."""
     from tandem.engine.attention.triton_backend import TritonAttentionBackend
@@ -78,8 +86,7 @@ def test_float16_matches_torch_reference(interpreter) -> None:
     """Half-precision K/V and queries (float32 accumulation); the interpreter's bfloat16
     `tl.dot` is wrong on CPU (a Triton limitation), so float16 stands in for it here."""
     case = make_paged_batch([1, 1, 24], [40, 600, 70], 4, 2, 64, 16, seed=4)
-    for name in ("query", "key", "value", "kv_cache"):
-        setattr(case, name, getattr(case, name).half())
+    on_device(case, "cpu", torch.float16)
     out, cache, num_splits = interpreter.submit(triton_forward, case).result(CALL_TIMEOUT_S)
     ref, ref_cache = torch_forward(case)
     assert num_splits == 3 and out.dtype == torch.float16
@@ -95,3 +102,18 @@ def test_attention_reads_the_cached_prefix(interpreter) -> None:
     second, _, _ = interpreter.submit(triton_forward, case).result(CALL_TIMEOUT_S)
     assert not torch.allclose(first, second)
     torch.testing.assert_close(second, torch_forward(case)[0], rtol=1e-5, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case_id", CASES)
+def test_compiled_kernels_match_torch_reference_on_cuda(case_id: str, dtype) -> None:
+    """The same cases compiled for a GPU (this process imported triton uninterpreted)."""
+    query_lens, seq_lens, heads, kv_heads, head_dim, block_size = CASES[case_id]
+    case = make_paged_batch(query_lens, seq_lens, heads, kv_heads, head_dim, block_size)
+    case = on_device(case, "cuda", dtype)
+    out, cache, _ = triton_forward(case)
+    ref, ref_cache = torch_forward(case)
+    assert torch.equal(cache, ref_cache)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, rtol=tolerance, atol=tolerance)
