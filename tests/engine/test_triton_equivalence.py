@@ -83,7 +83,8 @@ def test_served_cluster_matches_transformers_with_triton(tiny_model_dir: Path) -
         # from start-up (before they import triton).
         patch.setenv("TRITON_INTERPRET", "1")
         config = cluster_config_from_args(build_parser().parse_args(flags))
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        # "local": a fresh instance, never one another process left on this machine.
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     assert config.engine.attention_backend == "triton"
     config.router = replace(config.router, grpc_port=0, http_port=0, warmup_profile=False)
 
