@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from tandem.engine.attention import BatchLayout
+from tandem.engine.attention import AttentionMetadata, BatchLayout
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.prompt_logprobs import record_prompt_logprobs
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 
@@ -64,8 +65,10 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
         input_ids, positions, batch = self._prepare(chunks)
-        meta = self.attention_backend.build_metadata(batch)
+        meta: AttentionMetadata = self.attention_backend.build_metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        starts = torch.tensor(batch.query_start_loc)
+        record_prompt_logprobs(self.model, hidden, chunks, starts)
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return {}
@@ -77,6 +80,7 @@ class ModelRunner:
             logits,
             [c.request.params for c in sampling],
             [c.request.generator for c in sampling],
+            [c.request for c in sampling],
         )
         return {
             c.request.req_id: SampledToken(tok, lp)
