@@ -292,7 +292,12 @@ class EngineConfig:
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
         # Raises when the backend cannot run here (checked again where the engine starts).
-        resolve_attention_backend(self.attention_backend, self.device)
+        backend = resolve_attention_backend(self.attention_backend, self.device)
+        if backend == "triton" and self.device == "cpu" and self.resolved_dtype == "bfloat16":
+            raise ValueError(
+                "attention_backend triton on cpu (Triton's interpreter) computes bfloat16 "
+                "dot products wrongly; use dtype float32 or float16"
+            )
 
     @property
     def resolved_attention_backend(self) -> str:

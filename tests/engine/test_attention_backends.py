@@ -57,6 +57,14 @@ def test_engine_config_refuses_at_construction(tiny_model_dir, no_interpreter) -
     assert isinstance(engine.runner.attention_backend, TorchAttentionBackend)
 
 
+def test_triton_interpreter_refuses_bfloat16(tiny_model_dir, monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="bfloat16"):
+        EngineConfig(model=str(tiny_model_dir), attention_backend="triton", dtype="bfloat16")
+    config = EngineConfig(model=str(tiny_model_dir), attention_backend="triton", dtype="float16")
+    assert config.resolved_attention_backend == "triton"
+
+
 @pytest.mark.parametrize("command", ["serve", "demo"])
 def test_cli_refuses_triton_on_cpu_without_interpreter(
     command, tiny_model_dir, no_interpreter, capsys

@@ -41,6 +41,8 @@ def engine_greedy(model_dir: str, waves: list[list[list[int]]]) -> tuple[list, i
     config = EngineConfig(
         model=model_dir,
         attention_backend="triton",
+        # Pinned: the interpreter's bfloat16 dot is wrong on CPU (`auto` may pick bf16).
+        dtype="float32",
         max_model_len=256,
         max_num_batched_tokens=32,
         num_blocks=64,
@@ -77,7 +79,7 @@ def test_served_cluster_matches_transformers_with_triton(tiny_model_dir: Path) -
     prompts = make_prompts(2048, PROMPT_LENS, seed=5)
     expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
     flags = ["serve", "--model", model_dir, "--device", "cpu", "--threads", "1"]
-    flags += ["--max-model-len", "256", "--attention-backend", "triton"]
+    flags += ["--max-model-len", "256", "--attention-backend", "triton", "--dtype", "float32"]
     with pytest.MonkeyPatch.context() as patch:
         # As `TRITON_INTERPRET=1 tandem serve ...`: Ray's worker processes inherit it
         # from start-up (before they import triton).
