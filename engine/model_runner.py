@@ -15,6 +15,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from tandem.engine.structured.masking import apply_grammar_masks
 
 
 class ModelRunner:
@@ -69,6 +70,7 @@ class ModelRunner:
         rows = [int(ends[i]) - 1 for i, c in enumerate(chunks) if c.samples]
         logits = self.model.compute_logits(hidden[rows])
         self._mask_early_stops(logits, sampling)
+        apply_grammar_masks(logits, [c.request.grammar for c in sampling])
         result = self.sampler.sample(
             logits,
             [c.request.params for c in sampling],

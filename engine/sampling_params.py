@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tandem.engine.structured.spec import GuidedDecoding
+
 MAX_NUM_STOP_STRINGS = 16
 
 
@@ -39,6 +41,8 @@ class SamplingParams:
     logprobs: bool = False
     # Leave special tokens (BOS, EOS, ...) out of the detokenized text.
     skip_special_tokens: bool = True
+    # Structured output: the grammar every generated token must follow (None = free).
+    structured: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -71,6 +75,8 @@ class SamplingParams:
         for stop_str in self.stop:
             if not isinstance(stop_str, str) or not stop_str:
                 raise ValueError(f"stop strings must be non-empty str, got {stop_str!r}")
+        if self.structured is not None and not isinstance(self.structured, GuidedDecoding):
+            raise ValueError(f"structured must be a GuidedDecoding, got {self.structured!r}")
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {token_id!r}")
