@@ -162,9 +162,7 @@ class Engine:
             outputs.append(self._emit_ended(request))
         return outputs
 
-    def _advance_grammars(
-        self, out: SchedulerOutput, sampled: dict[str, SampledToken]
-    ) -> set[str]:
+    def _advance_grammars(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> set[str]:
         """Feed this step's tokens to the matchers; ids of requests that left their grammar."""
         accepted = [
             (c.request, sampled[c.request.req_id].token_id)

@@ -8,7 +8,6 @@ logit of every constrained row to -inf. Unconstrained rows are untouched.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from typing import TYPE_CHECKING
 
 import torch
