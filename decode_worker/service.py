@@ -190,7 +190,11 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     ) -> RequestStream:
         """Prefill prompt + first token here; the stream continues after the first token."""
         rest = dataclasses.replace(
-            params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1)
+            params,
+            max_tokens=params.max_tokens - 1,
+            min_tokens=max(0, params.min_tokens - 1),
+            # The grammar (if any) resumes with the first token accepted.
+            structured=params.structured and params.structured.continued([first]),
         )
         return await self.loop.generate(req_id, [*prompt, first], rest, local_prefill=True)
 

@@ -20,6 +20,7 @@ from tandem.router.errors import (
     abort_with,
 )
 from tandem.router.request_flow import RequestFlow
+from tandem.router.structured_outputs import guided_from_generate
 from tandem.router.tokenization import PromptTokenizer
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             logprobs=request.logprobs,
+            structured=guided_from_generate(request.guided),
         )
         self.tokenizer.check_length(len(prompt_ids), params.max_tokens)
         return prompt_ids, params

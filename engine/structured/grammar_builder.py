@@ -16,6 +16,10 @@ import xgrammar as xgr
 from tandem.engine.structured.spec import MAX_NUM_CHOICES, GuidedDecoding, GuidedKind
 
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
+# A JSON string character as xgrammar writes it for bounded strings, and the same class
+# without the control characters JSON forbids raw.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
@@ -39,11 +43,13 @@ def _build(guided: GuidedDecoding) -> xgr.Grammar:
         schema = _json(spec, "a JSON schema")
         if not isinstance(schema, (dict, bool)):
             raise GrammarSpecError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return xgr.Grammar.from_json_schema(spec, any_whitespace=False)
+        return _json_safe(xgr.Grammar.from_json_schema(spec, any_whitespace=False))
     if kind is GuidedKind.JSON_OBJECT:
         # Not strict: any properties are allowed in a plain JSON object.
-        return xgr.Grammar.from_json_schema(
-            '{"type": "object"}', any_whitespace=False, strict_mode=False
+        return _json_safe(
+            xgr.Grammar.from_json_schema(
+                '{"type": "object"}', any_whitespace=False, strict_mode=False
+            )
         )
     if kind is GuidedKind.REGEX:
         return xgr.Grammar.from_regex(spec)
@@ -52,6 +58,19 @@ def _build(guided: GuidedDecoding) -> xgr.Grammar:
     if kind is GuidedKind.GRAMMAR:
         return xgr.Grammar.from_ebnf(spec)
     raise GrammarSpecError(f"unknown guided decoding kind {kind!r}")
+
+
+def _json_safe(grammar: xgr.Grammar) -> xgr.Grammar:
+    """`grammar` with raw control characters kept out of length-bounded JSON strings.
+
+    xgrammar 0.2.9 writes the characters of a string with `maxLength` / `minLength` as
+    `[^"\\\r\n]`, which admits U+0000-U+001F (invalid raw in JSON: `json.loads`
+    refuses them); its unbounded strings exclude them. Found with random-weight models.
+    """
+    text = str(grammar)
+    if _LOOSE_STRING_CHAR not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR))
 
 
 def _json(spec: str, what: str) -> object:

@@ -29,6 +29,7 @@ from tandem.router.openai.responses import (
     ResponseBuilder,
 )
 from tandem.router.openai.streaming import stream_sse
+from tandem.router.openai.tool_responses import ToolChatResponses
 from tandem.router.request_flow import RequestFlow
 from tandem.router.tokenization import PromptTokenizer
 
@@ -75,12 +76,17 @@ class OpenAIHandlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         generation = self.parser.chat(await self._read_json(request))
-        builder = ChatResponses(
+        args = (
             f"chatcmpl-{uuid.uuid4().hex}",
             self.model_name,
             int(time.time()),
             self._logprobs(generation),
             generation.include_usage,
+        )
+        builder: ChatResponses = (
+            ChatResponses(*args)
+            if generation.tools is None
+            else ToolChatResponses(generation.tools, *args)
         )
         return await self._run(request, generation, builder)
 
