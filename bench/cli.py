@@ -4,6 +4,7 @@
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
+    tandem-bench structured [--quick]                             # JSON-schema cost per token
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
 
 `tandem-bench SUITE --help` lists a suite's options. A suite's module (`main(args) -> int`)
@@ -26,6 +27,7 @@ SUITES = {
     "kv-transfer": ("kv_transfer.bench", "KV transfer pulls against raw TCP"),
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
+    "structured": ("engine.structured", "TPOT with and without a JSON schema, batch 1 and 8"),
     "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
 }
 DOC = "docs/benchmarks.md"
@@ -76,6 +78,7 @@ OPTIONS: dict[str, list[Option]] = {
         (("--duration",), {"type": float, "default": 40.0, "help": "seconds of arrivals"}),
         (("--seed",), {"type": int, "default": 0}),
     ],
+    "structured": [_model("models/tandem-small"), _OUT, _QUICK],
     "experiment": [
         (("name",), {"choices": ("head-of-line", "frontier", "goodput", "all")}),
         _model("models/tandem-small"), _QUICK,

@@ -10,10 +10,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
+from tandem.proto.inference import grpc_service_pb2 as kserve_pb
+from tandem.proto.inference import grpc_service_pb2_grpc as kserve_grpc
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster
 from tests.helpers.json_schemas import MAX_TOKENS, SCHEMAS
 
@@ -264,3 +269,32 @@ def test_bad_specs_are_400s_naming_the_field(client, cluster, kwargs, param):
     # The server keeps serving.
     reply = client.chat.completions.create(model=_model(cluster), messages=MESSAGES, max_tokens=2)
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_guided_through_generate_and_kserve(cluster):
+    schema = SCHEMAS[6]
+    with grpc.insecure_channel(cluster.grpc_endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = gen_pb.GenerateRequest(
+            prompt="the",
+            max_tokens=MAX_TOKENS,
+            guided=gen_pb.GuidedDecoding(json_schema=json.dumps(schema)),
+        )
+        text = "".join(m.text for m in stub.Generate(request, timeout=60))
+        jsonschema.validate(json.loads(text), schema)
+        bad = gen_pb.GenerateRequest(prompt="the", guided=gen_pb.GuidedDecoding(regex=r"\bx"))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(bad, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "guided.regex" in info.value.details()
+
+        infer = kserve_grpc.GRPCInferenceServiceStub(channel)
+        request = kserve_pb.ModelInferRequest(model_name=_model(cluster))
+        sampling = {"max_tokens": 32, "guided_choice": ["yes", "no"]}
+        for name, value in [("text_input", "the"), ("sampling_parameters", json.dumps(sampling))]:
+            tensor = request.inputs.add(name=name, datatype="BYTES", shape=[1])
+            tensor.contents.bytes_contents.append(value.encode())
+        response = infer.ModelInfer(request, timeout=60)
+        names = [o.name for o in response.outputs]
+        text = response.raw_output_contents[names.index("text_output")][4:].decode()
+        assert text in ("yes", "no")
