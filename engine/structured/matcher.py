@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 class GrammarRejected(ValueError):
@@ -16,7 +19,9 @@ class RequestGrammar:
     """An xgrammar matcher for one sequence; advanced with every token it emits."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, replay: Iterable[int] = ()) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled)
+        import xgrammar  # loaded by the compiler already; kept out of engine start-up
+
+        self._matcher = xgrammar.GrammarMatcher(compiled)
         self.num_accepted = 0
         for token_id in replay:
             self.accept(token_id)
