@@ -33,7 +33,7 @@ from tandem.engine.outputs import EngineStats, KvExport, RequestOutput
 from tandem.engine.request import FinishReason, Request, RequestStatus
 from tandem.engine.sampler import make_generator
 from tandem.engine.sampling_params import SamplingParams
-from tandem.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from tandem.engine.scheduler import Scheduler
 from tandem.engine.structured.runtime import StructuredRuntime
 
 logger = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Engine:
                 self.structured.wait()
             return outputs
         sampled = self.runner.execute(out)
-        refused = self._advance_grammars(out, sampled)
+        refused = self.structured.advance(out.chunks, sampled)
         for request in self.scheduler.update(out, sampled):
             self._end_grammar(request, refused)
             outputs.append(self._emit(request))
@@ -161,15 +161,6 @@ class Engine:
             self.scheduler.finish(request, FinishReason.ABORT)
             outputs.append(self._emit_ended(request))
         return outputs
-
-    def _advance_grammars(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> set[str]:
-        """Feed this step's tokens to the matchers; ids of requests that left their grammar."""
-        accepted = [
-            (c.request, sampled[c.request.req_id].token_id)
-            for c in out.chunks
-            if c.request.grammar is not None and c.request.req_id in sampled
-        ]
-        return {r.req_id for r in self.structured.advance(accepted)}
 
     def _end_grammar(self, request: Request, refused: set[str]) -> None:
         """A finished grammar ends its request with `stop` (even past `ignore_eos`, and on

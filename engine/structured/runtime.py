@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tandem.engine.request import Request
+from tandem.engine.scheduler import SampledToken, ScheduledChunk
 from tandem.engine.structured.matcher import GrammarRejected, RequestGrammar
 
 if TYPE_CHECKING:
@@ -124,18 +125,23 @@ class StructuredRuntime:
         """Forget a request still waiting for its grammar (aborted)."""
         return self._waiting.pop(req_id, None) is not None
 
-    def advance(self, accepted: Iterable[tuple[Request, int]]) -> list[Request]:
-        """Advance each request's matcher by its new token; returns the requests whose
-        token the grammar refused (they must be ended: their output is off-grammar)."""
-        refused = []
-        for request, token_id in accepted:
-            if request.grammar is None:
+    def advance(
+        self, chunks: Iterable[ScheduledChunk], sampled: dict[str, SampledToken]
+    ) -> set[str]:
+        """Advance the matchers of this step's constrained requests by their new token;
+        returns the ids of requests whose token the grammar refused (they must end: their
+        output left the grammar)."""
+        refused = set()
+        for chunk in chunks:
+            request = chunk.request
+            token = sampled.get(request.req_id)
+            if request.grammar is None or token is None:
                 continue
             try:
-                request.grammar.accept(token_id)
+                request.grammar.accept(token.token_id)
             except GrammarRejected as exc:
                 logger.error("request %s left its grammar: %s", request.req_id, exc)
-                refused.append(request)
+                refused.add(request.req_id)
         return refused
 
     def close(self) -> None:
