@@ -50,7 +50,7 @@ lint: $(VENV)/.installed
 # [tool.mypy] in pyproject.toml names; the links are rebuilt on every run. PACKAGES is
 # setup.py's TOP_LEVEL.
 PACKAGES := engine worker telemetry prefill_worker decode_worker kv_transfer router proto \
-	cluster bench
+	cluster planner bench
 TYPECHECK_ROOT := build/typecheck
 typecheck: $(VENV)/.installed
 	rm -rf $(TYPECHECK_ROOT)

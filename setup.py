@@ -10,7 +10,7 @@ from setuptools import find_packages, setup
 
 TOP_LEVEL = [
     "engine", "worker", "telemetry", "prefill_worker", "decode_worker", "kv_transfer",
-    "router", "proto", "cluster", "bench",
+    "router", "proto", "cluster", "planner", "bench",
 ]
 
 packages = find_packages(include=[f"{name}*" for name in TOP_LEVEL])

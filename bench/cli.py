@@ -1,11 +1,16 @@
 """`tandem-bench`: one command line for every benchmark suite (the product never imports it).
 
     tandem-bench engine [--quick] [--out docs/benchmarks.md]      # engine vs floor, roofline, HF
+    tandem-bench engine --penalties [--quick]                     # cost of sampling penalties
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
+    tandem-bench threads [--quick]                                # --thread-policy, 1P+1D
+    tandem-bench gpu-check [--dry-run]                            # one prepared GPU run
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
     tandem-bench structured [--quick]                             # JSON-schema cost per token
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
+    tandem-bench planner-fidelity [--quick]                       # simulator vs measured runs
+    tandem-bench pools [--kills N] [--drains N]                   # heal, migration, drain times
 
 `tandem-bench SUITE --help` lists a suite's options. A suite's module (`main(args) -> int`)
 is imported only once it is chosen, so `--help` stays fast.
@@ -25,10 +30,14 @@ from typing import Any
 SUITES = {
     "engine": ("engine.bench", "the engine against its matmul floor, the roofline and HF"),
     "kv-transfer": ("kv_transfer.bench", "KV transfer pulls against raw TCP"),
+    "threads": ("engine.thread_policy", "1P+1D output tok/s per --thread-policy"),
+    "gpu-check": ("gpu_check", "one prepared GPU run: equality, decode roofline, MFU, KV GB/s"),
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
     "structured": ("engine.structured", "TPOT with and without a JSON schema, batch 1 and 8"),
     "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
+    "planner-fidelity": ("planner.fidelity", "the planner's simulator against measured runs"),
+    "pools": ("pools.bench", "elastic pools under load: heal after kill -9, migration, drain"),
 }
 DOC = "docs/benchmarks.md"
 # What `--quick` shortens (the engine's quick plan is its own, see `engine.bench.make_plan`).
@@ -51,11 +60,31 @@ def _model(default: str | None) -> Option:
 
 OPTIONS: dict[str, list[Option]] = {
     # A full engine run writes docs/benchmarks.md unless told otherwise, so --out is None.
-    "engine": [_model("models/tandem-small"), (("--out",), {**_OUT[1], "default": None}), _QUICK],
+    "engine": [
+        _model("models/tandem-small"), (("--out",), {**_OUT[1], "default": None}), _QUICK,
+        (("--dtype",), {"choices": ["auto", "float32", "bfloat16", "float16"], "default": None,
+                        "help": "only this dtype (auto: what `tandem serve` picks here) "
+                        "[float32 and bfloat16; --quick: float32]"}),
+        (("--penalties",), {"action": "store_true",
+                            "help": "only the cost of penalties + logit_bias (TPOT, batch 1/8)"}),
+    ],
     "kv-transfer": [
         _model("models/tandem-small"), _OUT,
         (("--repeats",), {"type": int, "default": 15, "help": "rounds of every variant"}),
         (("--prefill-tokens-per-s",), {"type": float, "help": "else measured"}),
+    ],
+    "threads": [
+        _model("models/tandem-small"), _OUT, _QUICK,
+        (("--concurrency",), {"type": int, "default": 8}),
+        (("--requests",), {"type": int, "default": 48, "help": "requests per run"}),
+        (("--input-len",), {"type": int, "default": 128}),
+        (("--output-len",), {"type": int, "default": 64}),
+        (("--rounds",), {"type": int, "default": 2, "help": "runs of every option"}),
+    ],
+    "gpu-check": [
+        _OUT,
+        (("--dry-run",), {"action": "store_true", "help": "CPU, tiny shapes: exercises the code"}),
+        (("--workdir",), {"default": None, "help": "where the random checkpoints go [tmp]"}),
     ],
     "router": [
         _model("models/tandem-tiny"), _OUT, _QUICK,
@@ -86,6 +115,22 @@ OPTIONS: dict[str, list[Option]] = {
         (("--img-dir",), {"type": Path, "default": Path("docs/img"), "help": "plots"}),
         (("--results-dir",), {"type": Path, "default": Path("bench/results/experiments")}),
     ],
+    "planner-fidelity": [
+        _model("models/tandem-small"), _OUT, _QUICK,
+        (("--num-requests",), {"type": int, "default": 60, "help": "requests per swept rate"}),
+        (("--json",), {"type": Path, "default": Path("bench/results/planner_fidelity.json")}),
+    ],
+    "pools": [
+        (("--preset",), {"default": "small", "choices": ["tiny", "small"]}),
+        (_MODEL, {"type": Path, "help": "default: models/tandem-<preset>"}), _OUT,
+        (("--json",), {"type": Path, "default": Path("bench/results/pools.json")}),
+        (("--kills",), {"type": int, "default": 5, "help": "kill -9s of a decode worker"}),
+        (("--drains",), {"type": int, "default": 3, "help": "scale-downs of decode by one"}),
+        (("--concurrency",), {"type": int, "default": 6, "help": "streams in flight"}),
+        (("--max-tokens",), {"type": int, "default": 128}),
+        (("--prompts",), {"type": int, "default": 8, "help": "distinct prompts"}),
+        (("--settle",), {"type": float, "default": 2.0, "help": "s of load before each event"}),
+    ],
 }  # fmt: skip
 # Not options: fixed settings of the SLO suite's capacity probes (`--quick` shortens them).
 DEFAULTS = {"slo": {"probe_duration": 10.0, "probe_requests": 30, "max_probes": 7,
@@ -108,7 +153,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     if getattr(args, "quick", False):
         for name, value in QUICK.get(args.suite, {}).items():
             setattr(args, name, value)
-    if args.suite == "slo" and args.model is None:
+    if args.suite in ("slo", "pools") and args.model is None:
         args.model = Path(f"models/tandem-{args.preset}")
     args.command = " ".join(["tandem-bench", *argv])
     return args

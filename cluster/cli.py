@@ -4,6 +4,7 @@
     tandem demo --model DIR [--max-tokens N] [--prompt TEXT ...]
     tandem serve [--model DIR] [--prefill N --decode M | --colocated K] [...]
     tandem pools | scale | router ...   (see cluster.pool_commands)
+    tandem profile | plan ...            (see planner.profile_cli, planner.plan_cli)
 
 Each subcommand imports what it needs inside its handler, so `tandem model make`
 works before (or without) the engine and cluster code it does not use.
@@ -54,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tandem.cluster.pool_commands import add_pool_commands
 
     add_pool_commands(commands)
+    from tandem.planner.plan_cli import add_plan_command
+    from tandem.planner.profile_cli import add_profile_command
+
+    add_profile_command(commands)
+    add_plan_command(commands)
     return parser
 
 
@@ -70,8 +76,15 @@ def _add_model_commands(commands: argparse._SubParsersAction) -> None:
     make.set_defaults(handler=_run_model_make)
 
 
+DTYPE_HELP = (
+    "weights and KV: auto = the checkpoint's on CUDA; on CPU bfloat16 where the CPU has bf16 "
+    "matrix units (AMX), else float32 [auto]"
+)
+
+
 def _add_demo_command(commands: argparse._SubParsersAction) -> None:
     from tandem.engine.config import DeviceKind
+    from tandem.engine.dtype import DTYPE_CHOICES
 
     demo = commands.add_parser("demo", help="generate offline with one in-process engine")
     demo.add_argument("--model", required=True, help="Hugging Face model directory")
@@ -86,6 +99,7 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         "--device", choices=[d.value for d in DeviceKind], default=None,
         help="[cuda if present, else cpu]",
     )  # fmt: skip
+    demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     demo.set_defaults(handler=_run_demo, demo_parser=demo)
 
 
@@ -133,9 +147,10 @@ def positive_float(text: str) -> float:
 def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     # Defaults shown in help come from the config classes (argparse default None means
     # "the config's default"), so each is defined once.
-    from tandem.cluster.config import PoolsConfig
+    from tandem.cluster.config import PoolsConfig, RayConfig, ThreadPolicy
     from tandem.cluster.security_flags import add_security_flags
     from tandem.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, DeviceKind
+    from tandem.engine.dtype import DTYPE_CHOICES
     from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
     from tandem.router.policy import AdmissionPolicy
     from tandem.telemetry.tracing import TraceExporter
@@ -175,9 +190,15 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         "--kv-backend", choices=[KvBackend.TCP.value, KvBackend.NCCL.value], default=None,
         help="KV transfer between workers [nccl on cuda, tcp on cpu]",
     )  # fmt: skip
+    serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    serve.add_argument(
+        "--thread-policy", choices=[p.value for p in ThreadPolicy], default=None,
+        help="torch threads per worker without --threads: shared = all cores each, split = "
+        f"cores / workers [{RayConfig.thread_policy}]",
+    )  # fmt: skip
     serve.add_argument(
         "--threads", type=positive_int, default=None,
-        help="torch threads per worker [cores / workers]",
+        help="torch threads per worker [from --thread-policy]",
     )  # fmt: skip
     serve.add_argument(
         "--max-model-len", type=positive_int, default=None,
@@ -196,6 +217,10 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="prefill each prompt in one step (the head-of-line blocking baseline)",
     )
     serve.add_argument("--api-key", default=None, help="require this key (or TANDEM_API_KEY)")
+    serve.add_argument(
+        "--max-n", type=positive_int, default=None,
+        help=f"most choices (n) one OpenAI request may ask for [{router['max_n'].default}]",
+    )  # fmt: skip
     serve.add_argument(
         "--trace-exporter", choices=[e.value for e in TraceExporter], default=None,
         help=f"OpenTelemetry exporter [{router['trace_exporter'].default}]",
@@ -226,6 +251,25 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="the Ray cluster adds nodes on demand: workers ask for tandem_<role> resources "
         "and targets are not checked against the nodes there now",
     )  # fmt: skip
+    serve.add_argument(
+        "--pool-metrics-port", type=port, default=None,
+        help="port of the pool controller's /metrics (0: a free one) "
+        f"[{pools.metrics_port}]",
+    )  # fmt: skip
+    from tandem.planner.live_config import DEFAULT_PLANNER_INTERVAL_S, PlannerMode
+
+    serve.add_argument(
+        "--planner", choices=[m.value for m in PlannerMode], default=PlannerMode.OBSERVE.value,
+        help="live P:D planner: off, observe (recommend) or auto (resize the pools) [observe]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--planner-interval", type=positive_float, default=DEFAULT_PLANNER_INTERVAL_S,
+        help=f"seconds between plans [{DEFAULT_PLANNER_INTERVAL_S:g}]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--max-workers", type=positive_int, default=None,
+        help="the planner's worker budget [the pools' size at start]",
+    )  # fmt: skip
     add_security_flags(serve, generates_token=True)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
 
@@ -254,9 +298,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
 
     import torch
 
-    from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig
+    from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig, ThreadPolicy
     from tandem.cluster.security_flags import cluster_auth_from_args
     from tandem.engine.config import DeviceKind, EngineConfig, default_device
+    from tandem.planner.live_config import PlannerConfig, PlannerMode
     from tandem.router.config import RouterConfig
     from tandem.worker.config import WorkerSettings
 
@@ -270,7 +315,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     try:
         limit = _flag(args.max_workers_per_role, PoolsConfig.max_workers_per_role)
-        limits = {"max_workers_per_role": limit}
+        limits = {
+            "max_workers_per_role": limit,
+            "metrics_port": _flag(args.pool_metrics_port, PoolsConfig.metrics_port),
+        }
         pools = (
             PoolsConfig(num_prefill=0, num_decode=0, num_colocated=args.colocated, **limits)
             if args.colocated is not None
@@ -287,6 +335,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             device=device,
             enable_chunked_prefill=not args.no_chunked_prefill,
             num_threads=args.threads,
+            dtype=args.dtype,
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
         )
@@ -313,6 +362,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             max_local_prefill_tokens=_flag(
                 args.max_local_prefill_tokens, RouterConfig.max_local_prefill_tokens
             ),
+            max_n=_flag(args.max_n, RouterConfig.max_n),
         )
         return ClusterConfig(
             model_dir=args.model,
@@ -324,6 +374,12 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 address=args.ray_address,
                 autoscaling=args.autoscaling,
                 role_resources=True if args.autoscaling else None,
+                thread_policy=ThreadPolicy(_flag(args.thread_policy, RayConfig.thread_policy)),
+            ),
+            planner=PlannerConfig(
+                mode=PlannerMode(args.planner),
+                interval_s=args.planner_interval,
+                max_workers=args.max_workers,
             ),
         )
     except (ValueError, FileNotFoundError) as exc:
@@ -353,6 +409,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from tandem.engine.config import EngineConfig
+    from tandem.engine.dtype import dtype_banner
     from tandem.engine.generate import generate
     from tandem.engine.llm_engine import Engine
     from tandem.engine.sampling_params import SamplingParams
@@ -362,8 +419,11 @@ def _run_demo(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompts = list(args.prompts or DEMO_PROMPTS)
     started = time.perf_counter()
-    engine = Engine(EngineConfig(model=args.model, device=device))
-    print(f"engine ready on {device} in {time.perf_counter() - started:.1f}s: {args.model}")
+    engine = Engine(EngineConfig(model=args.model, device=device, dtype=args.dtype))
+    print(
+        f"engine ready on {device}, {dtype_banner(engine.config)}, in "
+        f"{time.perf_counter() - started:.1f}s: {args.model}"
+    )
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     started = time.perf_counter()

@@ -5,7 +5,8 @@
                   engine=EngineConfig(...),    # every worker's engine; mode set per role
                   worker=WorkerSettings(...),  # what every worker process shares
                   router=RouterConfig(...),    # learns block size / max model len from workers
-                  ray=RayConfig(...))
+                  ray=RayConfig(...),
+                  planner=PlannerConfig(...)) # the live P:D planner `tandem serve` runs
 
 Each default is defined once, in the class that owns it; `tandem serve` builds this
 tree from its flags (a flag left out keeps the class default). No Ray import here, so
@@ -14,10 +15,12 @@ the command line can read defaults without starting Ray.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.config import EngineConfig, default_device
+from tandem.planner.live_config import PlannerConfig
 from tandem.router.config import RouterConfig
 from tandem.worker.config import WorkerRole, WorkerSettings, check_kv_backend
 
@@ -100,6 +103,17 @@ class PoolsConfig:
         return [WorkerRole.PREFILL] * self.num_prefill + [WorkerRole.DECODE] * self.num_decode
 
 
+class ThreadPolicy(enum.StrEnum):
+    """torch threads per worker when `--threads` is not given (workers share a node)."""
+
+    # Every worker gets all the node's cores. Prefill and decode workers mostly take
+    # turns (a decode step waits for nothing; a prefill burst comes now and then), so
+    # each runs at full width when it runs; the default (see docs/architecture.md).
+    SHARED = "shared"
+    # cores / workers each: no oversubscription when every worker is busy at once.
+    SPLIT = "split"
+
+
 @dataclass
 class RayConfig:
     """Where the workers run."""
@@ -118,6 +132,8 @@ class RayConfig:
     # The Ray cluster grows on demand (KubeRay / Ray autoscaler): a target is then not
     # checked against the resources the cluster has now.
     autoscaling: bool = False
+    # torch threads per worker when the engine config names none (`ThreadPolicy`).
+    thread_policy: ThreadPolicy = ThreadPolicy.SHARED
 
     def __post_init__(self) -> None:
         gpus = self.gpus_per_worker
@@ -142,7 +158,7 @@ class ClusterConfig:
     """The whole cluster, built once (by `tandem serve` or a test) and passed down.
 
     cluster -> pools (how many workers of each role), engine (every worker's engine;
-    its `mode` is set per role and `num_threads` None = cores / workers), worker
+    its `mode` is set per role and `num_threads` None = `ray.thread_policy`), worker
     (settings every worker shares), router, ray.
     """
 
@@ -152,6 +168,7 @@ class ClusterConfig:
     worker: WorkerSettings
     router: RouterConfig
     ray: RayConfig
+    planner: PlannerConfig
 
     def __init__(
         self,
@@ -161,6 +178,7 @@ class ClusterConfig:
         worker: WorkerSettings | None = None,
         router: RouterConfig | None = None,
         ray: RayConfig | None = None,
+        planner: PlannerConfig | None = None,
     ) -> None:
         """None = the class default: for `engine`, the engine defaults for `model_dir`
         on cuda when available, else cpu; for `router`, the router defaults for
@@ -169,6 +187,7 @@ class ClusterConfig:
         self.pools = PoolsConfig() if pools is None else pools
         self.worker = WorkerSettings() if worker is None else worker
         self.ray = RayConfig() if ray is None else ray
+        self.planner = PlannerConfig() if planner is None else planner
         model = Path(model_dir).resolve()
         self.engine = (
             EngineConfig(model=model_dir, device=default_device()) if engine is None else engine

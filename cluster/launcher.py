@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from tandem.cluster.config import ClusterConfig, role_resource
+from tandem.cluster.config import ClusterConfig, ThreadPolicy, role_resource
 from tandem.cluster.pool_controller import (
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
@@ -29,6 +29,14 @@ from tandem.router.worker_pool import WorkerEndpoint
 logger = logging.getLogger(__name__)
 
 __all__ = ["ClusterConfig", "LocalCluster"]
+
+
+def threads_per_worker(policy: ThreadPolicy, num_cores: int, num_workers: int) -> int:
+    """torch intra-op threads of each worker on a node of `num_cores` cores running
+    `num_workers` workers (the starting pools)."""
+    if policy is ThreadPolicy.SHARED:
+        return max(1, num_cores)
+    return max(1, num_cores // max(1, num_workers))
 
 
 class LocalCluster:
@@ -49,7 +57,11 @@ class LocalCluster:
         config = self.config
         roles = config.roles
         self._init_ray()
-        threads = config.engine.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
+        threads = config.engine.num_threads or threads_per_worker(
+            config.ray.thread_policy, os.cpu_count() or 1, len(roles)
+        )
+        source = "--threads" if config.engine.num_threads else config.ray.thread_policy.value
+        logger.info("torch threads per worker: %d (%s)", threads, source)
         # Not detached: the controller (and the workers it owns) go with this process.
         self.controller = RemotePoolController.options(
             name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE

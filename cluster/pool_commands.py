@@ -114,7 +114,20 @@ def _run_pools(args: argparse.Namespace) -> int:
         print(f"tandem pools: {exc}", file=sys.stderr)
         return EXIT_REFUSED if isinstance(exc, AdminRefused) else EXIT_TIMEOUT
     print(json.dumps(view, indent=2) if args.json else format_table(view))
+    if not args.json and view.get("planner"):
+        print(planner_line(view["planner"]))
     return 0
+
+
+def planner_line(planner: dict) -> str:
+    """The live planner's recommendation under the table (`"planner"` of /admin/pools)."""
+    best = planner.get("recommended")
+    head = f"planner ({planner.get('mode')}): "
+    if not best:
+        return head + f"no recommendation yet ({planner.get('last_action')})"
+    return (f"{head}recommends {best['prefill']} prefill + {best['decode']} decode of "
+            f"{planner.get('budget')} workers; {planner.get('reason')} "
+            f"[last action: {planner.get('last_action')}]")  # fmt: skip
 
 
 def _run_scale(args: argparse.Namespace) -> int:

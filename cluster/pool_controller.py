@@ -24,13 +24,13 @@ import time
 
 import ray
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from tandem.cluster.config import ClusterConfig, role_resource
-from tandem.cluster.pool_metrics import PoolMetrics
 from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
 from tandem.cluster.worker_actor import RemoteWorkerActor, WorkerPlacement, node_host
 from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
+from tandem.router.pool_gauges import PoolGauges
 from tandem.worker.config import WorkerConfig, WorkerRole
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ class PoolController:
         for role in pools.roles:
             targets[role] = targets.get(role, 0) + 1
         self.state = PoolState(targets, pools.max_workers_per_role)
-        self.metrics = PoolMetrics(list(targets))
+        # The pool gauges routers re-export, served on the controller's own /metrics.
+        self.metrics_registry = CollectorRegistry()
+        self.gauges = PoolGauges(self.metrics_registry)
         self._changed = asyncio.Condition()
         self._loop_task: asyncio.Task | None = None
         self._starts: dict[str, asyncio.Task] = {}
@@ -358,7 +360,8 @@ class PoolController:
 
     def _publish(self) -> None:
         """Wake watchers and refresh the gauges (cheap; called after every change)."""
-        self.metrics.update(self.state)
+        targets = {role.value: n for role, n in self.state.targets.items()}
+        self.gauges.update(self.state.membership(), targets)
 
         async def notify() -> None:
             async with self._changed:
@@ -368,7 +371,7 @@ class PoolController:
 
     async def _start_metrics(self) -> None:
         async def scrape(request: web.Request) -> web.Response:
-            body = generate_latest(self.metrics.registry)
+            body = generate_latest(self.metrics_registry)
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
         app = web.Application()

@@ -107,7 +107,8 @@ class PoolState:
             targets = PoolTargets(
                 prefill=self.targets[WorkerRole.PREFILL], decode=self.targets[WorkerRole.DECODE]
             )
-        return Membership(version=self.version, workers=workers, targets=targets)
+        restarts = {role.value: n for role, n in self.restarts.items()}
+        return Membership(self.version, workers, targets, restarts)
 
     @staticmethod
     def _with_load(record: WorkerRecord) -> WorkerInfo:

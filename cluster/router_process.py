@@ -64,6 +64,9 @@ class AttachedRouter:
         workers = serving_endpoints(membership)
         router = Router(self.config, workers, admin=admin)
         await router.start()
+        # Applied once more: the workers are the same, but the router now holds the
+        # snapshot (its pool gauges and `membership` start from it, not empty).
+        await router.update_membership(membership)
         self.router = router
         self.watcher = MembershipWatcher(
             self.controller, router.update_membership, membership.version

@@ -7,6 +7,10 @@ import logging
 import signal
 
 from tandem.cluster.launcher import ClusterConfig, LocalCluster
+from tandem.engine.dtype import dtype_banner
+from tandem.planner.live import LivePlanner, limits_of
+from tandem.planner.live_config import PlannerMode
+from tandem.router.server import Router
 
 logger = logging.getLogger(__name__)
 
@@ -18,9 +22,11 @@ async def serve(config: ClusterConfig, announce=print) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     cluster = LocalCluster(config)
+    planner = None
     try:
         router = await cluster.start()
-        announce(f"Tandem serving {config.model_dir}")
+        planner = await start_planner(config, router)
+        announce(f"Tandem serving {config.model_dir}, {dtype_banner(config.engine)}")
         for worker in cluster.workers:
             announce(f"  {worker.role:<9} {worker.worker_id:<12} {worker.endpoint}")
         announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")
@@ -30,10 +36,25 @@ async def serve(config: ClusterConfig, announce=print) -> None:
         auth = config.worker.cluster_auth
         announce(f"  internal gRPC + KV transfer: cluster token {auth.fingerprint()} "
                  f"(fingerprint), TLS {'on' if auth.tls else 'off'}")  # fmt: skip
+        if planner is not None:
+            announce(f"  planner ({config.planner.mode.value}) every "
+                     f"{config.planner.interval_s:g} s, budget {planner.budget} workers: "
+                     f"{router.http_endpoint}/admin/pools")  # fmt: skip
         announce("Ctrl-C to stop.")
         await stop.wait()
         announce("stopping: draining requests, then workers and Ray")
     finally:
+        if planner is not None:
+            await planner.stop()
         await cluster.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+
+
+async def start_planner(config: ClusterConfig, router: Router) -> LivePlanner | None:
+    """The live P:D planner beside the router (None when `--planner off`)."""
+    if config.planner.mode is PlannerMode.OFF:
+        return None
+    planner = LivePlanner(config.planner, router, limits_of(config.engine))
+    await planner.start()
+    return planner

@@ -1,8 +1,10 @@
 """gRPC `DecodeWorker` service: admit, pull the KV, join the batch, stream tokens.
 
 With a KvHandle the worker reserves blocks (pull-based admission: it waits until the
-pool can hold the prompt), pulls the KV from the prefill worker, releases it there and
-decodes from the first token. Without one it prefills locally: always in colocated
+pool can hold the prompt), pulls the KV from the prefill worker straight into them
+(a pinned write view the engine hands out while the request is receiving; no engine
+step reads them until the commit, which goes through the engine queue), releases it
+there and decodes from the first token. Without one it prefills locally: always in colocated
 mode, and in decode mode only when the request says `local_prefill` (conditional
 disaggregation; anything else is refused). A failed or timed-out pull is recomputed
 locally, so the client only sees a slower stream.
@@ -18,8 +20,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from tandem.engine.kv_pins import PinnedBlocks
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.sampling_params import SamplingParams
+from tandem.kv_transfer.blocks import CacheBlocks
 from tandem.kv_transfer.client import KvTransferClient
 from tandem.kv_transfer.errors import KvTransferError
 from tandem.kv_transfer.handle import KvHandle
@@ -36,6 +40,16 @@ logger = logging.getLogger(__name__)
 
 _ADMISSION_POLL_S = 0.01
 _RELEASE_TIMEOUT_S = 5.0
+
+
+async def pull_into_pinned(
+    client: KvTransferClient, handle: KvHandle, pinned: PinnedBlocks
+) -> None:
+    """Pull straight into pinned reserved blocks (`Engine.acquire_import_kv`); the
+    client unpins them once its thread stops writing. (The KV transfer benchmark
+    receives through this function too.)"""
+    into = CacheBlocks(pinned.kv_cache, pinned.block_ids, on_done=pinned.unpin)
+    await client.pull(handle, out=into)
 
 
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
@@ -118,6 +132,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             num_cached_tokens=out.num_cached_tokens,
             kv_recomputed=recomputed,
         )
+        if out.prompt_logprobs:
+            msg.prompt_logprobs.extend(out.prompt_logprobs)
         if out.prefill_s is not None:
             msg.prefill_timings.CopyFrom(pb.Timings(queue_s=out.queue_s, compute_s=out.prefill_s))
         if out.finished:
@@ -132,7 +148,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         """Reserve, pull and commit; on a failed pull, a local recompute stream."""
         req_id = request.request_id
         handle = KvHandle.from_proto(request.kv_handle)
-        first = request.first_token_id
+        first = None if request.sample_first_token else request.first_token_id
         try:
             await self._reserve(req_id, prompt, first, params)
         except BaseException:
@@ -142,18 +158,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             raise
         started = time.monotonic()
         try:
-            blocks = await asyncio.wait_for(self.kv_client.pull(handle), self.config.pull_timeout_s)
-            # Written off the engine thread: the blocks are reserved, no step touches them.
-            write = asyncio.ensure_future(
-                asyncio.to_thread(self.loop.engine.write_kv, req_id, blocks)
-            )
-            try:
-                await asyncio.shield(write)
-            except asyncio.CancelledError:
-                await write  # never free blocks a thread is still writing into
-                raise
+            await self._pull_into_reserved(req_id, handle)
         except (KvTransferError, TimeoutError, OSError) as exc:
             logger.warning("KV pull for %s failed (%s); recomputing locally", req_id, exc)
+            # Freed by the engine once the transfer thread (if still writing) lets go.
             await self.loop.call(lambda e: e.cancel_import(req_id))
             self.num_kv_recomputes += 1
             self.metrics.kv_recomputes.inc()
@@ -166,12 +174,22 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         self._release_remote(handle)
         transfer_s = time.monotonic() - started
         self.metrics.kv_transfer_seconds.observe(transfer_s)
-        self.metrics.kv_transfer_bytes.inc(blocks.numel() * blocks.element_size())
+        self.metrics.kv_transfer_bytes.inc(self.kv_client.layout.block_nbytes(handle.num_blocks))
         stream = await self.loop.submit(req_id, lambda e: e.commit_import(req_id))
         return stream, False, transfer_s
 
+    async def _pull_into_reserved(self, req_id: str, handle: KvHandle) -> None:
+        """Receive the KV straight into the request's reserved blocks. The write view is
+        pinned here (a thread-safe call: no await, so no cancellation can strand the
+        pin) and the pull unpins it once its thread stops writing, however it ends."""
+        pinned = self.loop.engine.acquire_import_kv(req_id)
+        # asyncio.timeout, not wait_for: the pull must start in this task so that it owns
+        # the pin even when cancelled at once.
+        async with asyncio.timeout(self.config.pull_timeout_s):
+            await pull_into_pinned(self.kv_client, handle, pinned)
+
     async def _reserve(
-        self, req_id: str, prompt: list[int], first: int, params: SamplingParams
+        self, req_id: str, prompt: list[int], first: int | None, params: SamplingParams
     ) -> None:
         """Wait until the pool can hold the prompt's KV (pull-based admission)."""
         deadline = time.monotonic() + self.config.admission_timeout_s
@@ -186,13 +204,18 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             await asyncio.sleep(_ADMISSION_POLL_S)
 
     async def _recompute(
-        self, req_id: str, prompt: list[int], first: int, params: SamplingParams
+        self, req_id: str, prompt: list[int], first: int | None, params: SamplingParams
     ) -> RequestStream:
-        """Prefill prompt + first token here; the stream continues after the first token."""
+        """Prefill prompt + first token here; the stream continues after the first token
+        (which the penalties still count as generated: `num_resumed_tokens`). Without a
+        first token, the prompt alone (the first token is sampled here)."""
+        if first is None:
+            return await self.loop.generate(req_id, prompt, params, local_prefill=True)
         rest = dataclasses.replace(
             params,
             max_tokens=params.max_tokens - 1,
             min_tokens=max(0, params.min_tokens - 1),
+            num_resumed_tokens=params.num_resumed_tokens + 1,
             # The grammar (if any) resumes with the first token accepted.
             structured=params.structured and params.structured.continued([first]),
         )

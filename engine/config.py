@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from tandem.engine.dtype import auto_dtype
+
 logger = logging.getLogger(__name__)
 
 _DTYPES = {
@@ -192,8 +194,10 @@ class EngineConfig:
     # When off, a prompt is prefilled in one step (the budget must cover max_model_len).
     enable_chunked_prefill: bool = True
     mode: EngineMode = EngineMode.COLOCATED
-    # "auto" = the checkpoint's dtype on CUDA, float32 on CPU.
-    dtype: str = "auto"
+    # float32 | bfloat16 | float16 | "auto" (`auto_dtype`: the checkpoint's dtype on CUDA,
+    # bf16 on CPUs with bf16 matrix units, else float32). The library default is exact
+    # float32 (the equality contract's dtype); the CLIs default to "auto".
+    dtype: str = "float32"
     # "cpu", "cuda" or "cuda:N" (a `DeviceKind`, optionally with a GPU index).
     device: str = DeviceKind.CPU
     # torch intra-op threads; None leaves torch's default.
@@ -294,11 +298,14 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.resolved_dtype]
+
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype the engine runs ("auto" resolved), e.g. "bfloat16"."""
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
-        if self.device == "cpu":
-            return torch.float32
-        return _DTYPES.get(self.model_config.torch_dtype, torch.bfloat16)
+            return str(_DTYPES[self.dtype]).removeprefix("torch.")
+        return auto_dtype(self.device, self.model_config.torch_dtype)
 
     def blocks_for(self, num_tokens: int) -> int:
         """KV blocks needed to hold `num_tokens` tokens."""

@@ -111,8 +111,19 @@ class KVCacheManager:
             self.pool.cache(blocks[i], request.block_hashes[i], tokens)
         self._num_cached_blocks[request.req_id] = num_full
 
+    def share(self, source: Request, twin: Request) -> None:
+        """Give `twin` a reference to every block of `source` (same KV, no copy)."""
+        blocks = list(self.block_ids[source.req_id])
+        self.pool.share(blocks)
+        self.block_ids[twin.req_id] = blocks
+
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (cached blocks stay reusable)."""
-        blocks = self.block_ids.pop(request.req_id, [])
-        self._num_cached_blocks.pop(request.req_id, None)
-        self.pool.free(list(reversed(blocks)))
+        self.pool.free(self.take_blocks(request.req_id))
+
+    def take_blocks(self, req_id: str) -> list[int]:
+        """Forget the request's block table and return its blocks in the order to free
+        them (tail first); the caller frees them, now or once no transfer pins them."""
+        blocks = self.block_ids.pop(req_id, [])
+        self._num_cached_blocks.pop(req_id, None)
+        return list(reversed(blocks))

@@ -5,13 +5,16 @@ synchronous and single-threaded; workers drive it from one thread and feed it
 through a queue. KV hand-off (the narrow interface `kv_transfer` builds on):
 
 * prefill side (`EngineMode.PREFILL_ONLY`): a request finishes with reason
-  `FinishReason.PREFILLED` after its first token; its blocks stay pinned under a lease until
-  `export_kv` + `release` (or expiry, checked every step). Released blocks remain in
-  the prefix cache.
+  `FinishReason.PREFILLED` after its first token; its blocks stay held under a lease
+  until `release` (or expiry, checked every step). While held, a transfer thread may
+  send them straight from the cache: `acquire_held_kv` pins them (`engine.kv_pins`)
+  until the thread unpins. Released blocks remain in the prefix cache.
 * decode side (`EngineMode.DECODE_ONLY`): `reserve_import` allocates blocks for a
-  prompt (None = not now), `write_kv` fills them, `commit_import` joins the running
-  batch with the first token already sampled; `cancel_import` frees them on failure.
-  `add_request` works only with `local_prefill=True`.
+  prompt (None = not now) and puts the request in a receiving state that no step
+  reads; `acquire_import_kv` hands a transfer thread a pinned write view of them (or
+  the engine thread fills them with `write_kv`); `commit_import` joins the running batch
+  with the first token already sampled; `cancel_import` frees them on failure (after
+  the writer unpins). `add_request` works only with `local_prefill=True`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.kv_cache_manager import KVCacheManager
+from tandem.engine.kv_pins import KvPins, PinnedBlocks
 from tandem.engine.model.loader import load_model
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.outputs import EngineStats, KvExport, RequestOutput
@@ -74,6 +78,8 @@ class Engine:
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(config, model, self.kv)
+        # The only engine state KV transfer threads touch (thread-safe).
+        self.kv_pins = KvPins(self.runner.kv_caches)
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, _HeldKv] = {}
@@ -211,10 +217,14 @@ class Engine:
             del self._detokenizers[req_id]
             if reason is FinishReason.PREFILLED:
                 self._held[req_id] = _HeldKv(request, self.clock() + self.config.kv_lease_s)
+                self.kv_pins.open(req_id, self.kv.block_ids[req_id])
         queue_s = prefill_s = None
+        prompt_logprobs = None
         if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
             queue_s = request.first_scheduled_time - request.arrival_time
             prefill_s = time.monotonic() - request.first_scheduled_time
+            if request.params.prompt_logprobs:
+                prompt_logprobs = list(request.prompt_logprobs)
         return RequestOutput(
             req_id=req_id,
             new_token_ids=request.output_token_ids[-1:],
@@ -227,6 +237,7 @@ class Engine:
             num_output_tokens=len(request.output_token_ids),
             queue_s=queue_s,
             prefill_s=prefill_s,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ----- prefill side of the KV hand-off -------------------------------------
@@ -245,27 +256,59 @@ class Engine:
         )
 
     def held_block_ids(self, req_id: str) -> list[int]:
-        """The pinned blocks of a prefilled request (for zero-copy transfer backends)."""
+        """The held blocks of a prefilled request (what its KvHandle names)."""
         if req_id not in self._held:
             raise KeyError(f"no prefilled KV held for request {req_id!r}")
         return list(self.kv.block_ids[req_id])
 
+    def share_held(self, req_id: str, alias: str) -> None:
+        """Hold a prefilled request's KV once more under `alias`, with its own lease and
+        release (the blocks are shared, not copied): one prefill serves `n` sequences,
+        each pulled and released on its own."""
+        held = self._held.get(req_id)
+        if held is None:
+            raise KeyError(f"no prefilled KV held for request {req_id!r}")
+        if alias in self._requests or alias in self._held or alias in self._importing:
+            raise ValueError(f"request id {alias!r} is already in use")
+        source = held.request
+        twin = Request(alias, source.prompt_token_ids, source.params)
+        twin.output_token_ids = list(source.output_token_ids)
+        twin.status = RequestStatus.FINISHED
+        twin.finish_reason = FinishReason.PREFILLED
+        self.kv.share(source, twin)
+        self._held[alias] = _HeldKv(twin, held.expires_at)
+        self.kv_pins.open(alias, self.kv.block_ids[alias])
+
+    def acquire_held_kv(self, req_id: str) -> PinnedBlocks:
+        """Pin a held request's blocks for a send straight from the cache. Thread-safe
+        (a transfer thread calls it, not the engine's); KeyError once released or
+        unknown. The caller must `unpin()` when the send ends, however it ends."""
+        return self.kv_pins.acquire(req_id)
+
     def release(self, req_id: str) -> bool:
-        """Unpin a prefilled request's blocks (they stay in the prefix cache)."""
+        """Unhold a prefilled request's blocks (they stay in the prefix cache); blocks a
+        transfer still sends are freed once it unpins them (`expire_leases`)."""
         held = self._held.pop(req_id, None)
         if held is None:
             return False
-        self.kv.free(held.request)
+        self._retire(req_id)
         return True
 
     def expire_leases(self, now: float) -> list[str]:
-        """Release every held KV whose lease ran out by `now` (on `self.clock`); returns
-        their request ids."""
+        """Release every held KV whose lease ran out by `now` (on `self.clock`) and free
+        blocks whose last transfer pin is gone; returns the expired request ids."""
+        self.kv_pins.collect()
         expired = [r for r, h in self._held.items() if h.expires_at <= now]
         for req_id in expired:
             logger.warning("KV lease of %s expired unpulled; freeing its blocks", req_id)
             self.release(req_id)
         return expired
+
+    def _retire(self, req_id: str) -> None:
+        """Free a held or importing request's blocks now, or after its transfer unpins."""
+        blocks = self.kv.take_blocks(req_id)
+        if not self.kv_pins.retire(req_id, lambda: self.pool.free(blocks)):
+            logger.info("KV of %s still in transfer; its blocks are freed when it ends", req_id)
 
     # ----- decode side of the KV hand-off --------------------------------------
 
@@ -273,45 +316,64 @@ class Engine:
         self,
         req_id: str,
         prompt_token_ids: list[int],
-        first_token_id: int,
+        first_token_id: int | None,
         params: SamplingParams,
     ) -> list[int] | None:
-        """Allocate blocks for a remote prefill's KV; None when the pool is too full now."""
+        """Allocate blocks for a remote prefill's KV; None when the pool is too full now.
+
+        `first_token_id` None: the prefill side sampled no token for this sequence (one
+        of `n` forked from one prefill); this engine recomputes the last prompt position
+        and samples the first token itself."""
         prompt_ids = self._prompt_ids(prompt_token_ids)
-        self._check_token_ids([first_token_id])
+        if first_token_id is not None:
+            self._check_token_ids([first_token_id])
         request = self._new_request(req_id, prompt_ids, params)
         if not self.kv.allocate_slots(request, len(prompt_ids)):
             return None
-        request.output_token_ids.append(first_token_id)
+        if first_token_id is not None:
+            request.output_token_ids.append(first_token_id)
         self._importing[req_id] = request
+        self.kv_pins.open(req_id, self.kv.block_ids[req_id])
         return list(self.kv.block_ids[req_id])
 
+    def acquire_import_kv(self, req_id: str) -> PinnedBlocks:
+        """A pinned write view of a reserved request's blocks, for a transfer thread to
+        receive into in place. Thread-safe; KeyError unless the request is receiving.
+        The writer must `unpin()` when it stops writing, before `commit_import`."""
+        return self.kv_pins.acquire(req_id)
+
     def write_kv(self, req_id: str, blocks: torch.Tensor) -> None:
-        """Fill a reserved request's blocks with KV read by the prefill side's `export_kv`."""
-        request = self._importing.get(req_id)
-        if request is None:
+        """Fill a reserved request's blocks with KV read by the prefill side's `export_kv`
+        (on the engine thread; a copy, where `acquire_import_kv` receives in place)."""
+        if req_id not in self._importing:
             raise KeyError(f"no import reserved for request {req_id!r}")
         self.runner.write_kv_blocks(self.kv.block_ids[req_id], blocks)
 
     def commit_import(self, req_id: str) -> None:
-        """The KV is in place: join the running batch (decoding from the first token)."""
-        request = self._importing.pop(req_id, None)
-        if request is None:
+        """The KV is in place: join the running batch (decoding from the first token).
+        RuntimeError while a transfer thread still holds the write view."""
+        if req_id not in self._importing:
             raise KeyError(f"no import reserved for request {req_id!r}")
-        request.num_computed_tokens = request.num_prompt_tokens
-        self.kv.cache_full_blocks(request)
+        self.kv_pins.close(req_id)
+        request = self._importing.pop(req_id)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
-        # The prefill side already streamed the first token's text.
-        detok.add_token(request.output_token_ids[0])
+        if request.output_token_ids:
+            request.num_computed_tokens = request.num_prompt_tokens
+            # The prefill side already streamed the first token's text.
+            detok.add_token(request.output_token_ids[0])
+        else:
+            # Sample the first token here: the last prompt position runs again.
+            request.num_computed_tokens = request.num_prompt_tokens - 1
+        self.kv.cache_full_blocks(request)
         if request.params.structured is not None:
             # The grammar resumes after the first token (sampled under it by the prefill
-            # side); a token it refuses raises here and the import is cancelled.
+            # side, when it was); a token it refuses raises here and the import is undone.
             try:
                 self.structured.start(
                     request, request.output_token_ids[:1], self.scheduler.add_running
                 )
             except ValueError:
-                self.kv.free(request)
+                self._retire(req_id)
                 request.status = RequestStatus.FINISHED
                 raise
         else:
@@ -323,7 +385,7 @@ class Engine:
         request = self._importing.pop(req_id, None)
         if request is None:
             return False
-        self.kv.free(request)
+        self._retire(req_id)
         request.status = RequestStatus.FINISHED
         request.finish_reason = FinishReason.ABORT
         return True
@@ -391,6 +453,13 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} "
                 "(prompt + at least one output token)"
             )
+        if params.num_resumed_tokens >= len(prompt_ids):
+            raise ValueError(
+                f"num_resumed_tokens ({params.num_resumed_tokens}) must leave at least one "
+                f"client prompt token of the {len(prompt_ids)}"
+            )
+        if params.logit_bias:
+            self._check_token_ids(list(params.logit_bias))
         needed = self.config.blocks_for(min(len(prompt_ids) + params.max_tokens, max_len))
         if needed > self.pool.num_blocks:
             raise ValueError(

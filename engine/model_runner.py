@@ -13,6 +13,7 @@ from tandem.engine.attention import AttentionMetadata, PrefillSpan
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.prompt_logprobs import record_prompt_logprobs
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from tandem.engine.structured.masking import apply_grammar_masks
@@ -63,6 +64,7 @@ class ModelRunner:
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        record_prompt_logprobs(self.model, hidden, chunks, meta.query_start_loc)
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return {}
@@ -75,6 +77,7 @@ class ModelRunner:
             logits,
             [c.request.params for c in sampling],
             [c.request.generator for c in sampling],
+            [c.request for c in sampling],
         )
         return {
             c.request.req_id: SampledToken(tok, lp)

@@ -32,6 +32,8 @@ class RequestOutput:
     # first chunk ran, and from then to the first token (prefill compute, all chunks).
     queue_s: float | None = None
     prefill_s: float | None = None
+    # With the first token, when params.prompt_logprobs: logprob of prompt token i + 1.
+    prompt_logprobs: list[float] | None = None
 
 
 @dataclass

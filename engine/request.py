@@ -54,6 +54,8 @@ class Request:
     generator: torch.Generator | None = None
     # Chained hashes of the request's full blocks, extended as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
+    # With params.prompt_logprobs: the logprob of prompt token i + 1 given tokens 0..i.
+    prompt_logprobs: list[float] = field(default_factory=list)
     # Structured outputs: the request's grammar matcher (None = unconstrained).
     grammar: RequestGrammar | None = None
 
@@ -77,6 +79,21 @@ class Request:
             return self.prompt_token_ids[start:end]
         head = self.prompt_token_ids[start:num_prompt] if start < num_prompt else []
         return head + self.output_token_ids[max(0, start - num_prompt) : end - num_prompt]
+
+    @property
+    def penalty_prompt_token_ids(self) -> list[int]:
+        """The client's prompt: `prompt_token_ids` less the tokens an earlier attempt of
+        this request generated (`params.num_resumed_tokens`, see `SamplingParams`)."""
+        return self.prompt_token_ids[: self.num_prompt_tokens - self.params.num_resumed_tokens]
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """Every token generated for the request, resumed ones first (what the OpenAI
+        presence and frequency penalties count)."""
+        resumed = self.params.num_resumed_tokens
+        if not resumed:
+            return self.output_token_ids
+        return self.prompt_token_ids[self.num_prompt_tokens - resumed :] + self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

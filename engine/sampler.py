@@ -2,18 +2,22 @@
 
 The engine runs the model, gathers logits [num_seqs, vocab] for the sequences that produce
 a token this step, and calls `Sampler.sample` with each sequence's `SamplingParams` and
-its own `torch.Generator`. Greedy rows are a plain argmax so outputs match Hugging Face
-greedy generation; sampled rows go through temperature, top-k and top-p, then an
-exponential race drawn from the row's generator, so a seeded request gets the same token
-whatever else shares the batch.
+its own `torch.Generator`. First `logit_bias` and the penalties change the logits of the
+rows that ask for them (penalties.py: batched tensors, no Python loop over the
+vocabulary), in vLLM's order. Greedy rows are then a plain argmax so outputs match
+Hugging Face greedy generation; sampled rows go through temperature, top-k and top-p,
+then an exponential race drawn from the row's generator, so a seeded request gets the
+same token whatever else shares the batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from tandem.engine.penalties import TokenHistory, apply_logit_bias, apply_penalties
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -23,7 +27,8 @@ class SamplerOutput:
 
     # The chosen next token of each sequence.
     token_ids: list[int]
-    # log_softmax of the unmodified logits at the chosen token (before temperature/top-k/p).
+    # log_softmax of the logits as given at the chosen token (before logit_bias,
+    # penalties, temperature, top-k and top-p), as vLLM reports by default.
     logprobs: list[float]
 
 
@@ -47,8 +52,12 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: Sequence[TokenHistory] | None = None,
     ) -> SamplerOutput:
-        """Choose one token per row of `logits` ([num_seqs, vocab], any float dtype)."""
+        """Choose one token per row of `logits` ([num_seqs, vocab], any float dtype).
+
+        `histories` (the tokens each row's sequence has seen) is needed only when a row
+        has penalties."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_seqs, vocab], got shape {tuple(logits.shape)}")
         num_seqs = logits.shape[0]
@@ -56,7 +65,13 @@ class Sampler:
             raise ValueError(
                 f"got {num_seqs} logit rows, {len(params)} params, {len(generators)} generators"
             )
-        logits = logits.float()
+        raw = logits.float()
+        logits = apply_logit_bias(raw, params)
+        penalised = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalised:
+            if histories is None or len(histories) != num_seqs:
+                raise ValueError("rows with penalties need one token history per row")
+            logits = apply_penalties(logits, params, histories, penalised)
         token_ids = logits.argmax(dim=-1)
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sample_rows:
@@ -65,8 +80,8 @@ class Sampler:
                 logits[rows], [params[i] for i in sample_rows], [generators[i] for i in sample_rows]
             )
             token_ids[rows] = sampled
-        chosen_logits = logits.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        logprobs = chosen_logits - torch.logsumexp(logits, dim=-1)
+        chosen_logits = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+        logprobs = chosen_logits - torch.logsumexp(raw, dim=-1)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs.tolist())
 
     def _sample_rows(

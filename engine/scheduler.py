@@ -114,7 +114,8 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv.find_cached_prefix(req)
+            # Prompt logprobs need the logits of every prompt position: no cache hits.
+            cached = [] if req.params.prompt_logprobs else self.kv.find_cached_prefix(req)
             num_cached_tokens = len(cached) * self.kv.block_size
             num_new = self._chunk_len(req.num_tokens - num_cached_tokens, budget)
             if num_new == 0 or not self.kv.allocate_slots(req, num_new, cached):

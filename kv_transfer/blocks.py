@@ -3,10 +3,15 @@
 `read_blocks(request_id)` returns either
 * a tensor `[layers, 2, n, block_size, kv_heads, head_dim]` (e.g. `Engine.export_kv`'s
   copy), sent as is; or
-* `CacheBlocks(kv_cache, block_ids)` (e.g. the runner's cache and
-  `Engine.held_block_ids`): zero-copy, sent straight from the cache (see
-  `PayloadReader`); the blocks must stay pinned until the pull completes.
+* `CacheBlocks(kv_cache, block_ids, on_done)` (e.g. `Engine.acquire_held_kv`'s pinned
+  blocks, what prefill workers serve): zero-copy, sent straight from the cache (see
+  `PayloadReader`). The blocks stay pinned until the transfer calls `on_done`, exactly
+  once, when it stops reading them: sent, failed, refused or cut off.
 It raises KeyError when the request holds no KV. It is called from transfer threads.
+
+The same type names a decode worker's reserved blocks, the destination of
+`KvTransferClient.pull(handle, out=...)`; its `on_done` is called once the transfer
+stops writing them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import math
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +37,13 @@ class CacheBlocks:
     kv_cache: torch.Tensor
     # The request's blocks in position order.
     block_ids: list[int]
+    # Called once by the transfer when it stops touching the blocks (their unpin).
+    on_done: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def done(self) -> None:
+        """The transfer no longer touches these blocks (calls `on_done`, if any)."""
+        if self.on_done is not None:
+            self.on_done()
 
     def check(self, layout: KvLayout) -> None:
         """ValueError unless the cache has the layout and every block id is in it."""
@@ -61,6 +73,12 @@ class CacheBlocks:
 ReadBlocks = Callable[[str], "torch.Tensor | CacheBlocks"]
 
 
+def finished_with(result: torch.Tensor | CacheBlocks | None) -> None:
+    """A `read_blocks` result is no longer used (unpins `CacheBlocks`)."""
+    if isinstance(result, CacheBlocks):
+        result.done()
+
+
 def check_shape(tensor: torch.Tensor, layout: KvLayout, what: str) -> None:
     """ValueError unless `tensor` is [layers, 2, *, block_size, heads, dim] of the layout."""
     expected = layout.block_shape(tensor.shape[2] if tensor.dim() == 6 else 0)
@@ -71,7 +89,8 @@ def check_shape(tensor: torch.Tensor, layout: KvLayout, what: str) -> None:
         )
 
 
-SendPayload = Callable[[socket.socket], int]
+# Sends the payload on a socket, by a deadline (monotonic s); returns the bytes sent.
+SendPayload = Callable[[socket.socket, float], int]
 
 
 class PayloadReader:
@@ -93,7 +112,7 @@ class PayloadReader:
         check_shape(result, self.layout, "read_blocks result")
         blocks = result.detach().to("cpu").contiguous()
         reply = self._reply(tuple(blocks.shape), blocks.nbytes)
-        return reply, lambda sock: send_payload(sock, [byte_view(blocks)])
+        return reply, lambda sock, deadline: send_payload(sock, [byte_view(blocks)], deadline)
 
     def _prepare_held(self, held: CacheBlocks) -> tuple[DataReply, SendPayload]:
         held.check(self.layout)
@@ -103,8 +122,10 @@ class PayloadReader:
             self.layout.block_shape(num_blocks), self.layout.block_nbytes(num_blocks)
         )
         if held.is_scatterable:
-            return reply, lambda sock: send_buffers(sock, block_views(held))
-        return reply, lambda sock: send_payload(sock, self._gather(cache, held.block_ids))
+            return reply, lambda sock, deadline: send_buffers(sock, block_views(held), deadline)
+        return reply, lambda sock, deadline: send_payload(
+            sock, self._gather(cache, held.block_ids), deadline
+        )
 
     def _gather(self, cache: torch.Tensor, block_ids: list[int]) -> Iterator[memoryview]:
         """One slab [n, block_size, heads, dim] at a time, in payload order."""

@@ -92,19 +92,36 @@ class KvTransferClient:
 
         By default a new tensor on recycled memory (`kv_transfer.buffers`). `out`
         receives them instead: a contiguous tensor of that shape, or
-        `CacheBlocks(kv_cache, block_ids)`, the decode engine's reserved blocks, written
-        in place (tcp and a CPU cache: straight from the socket), then `kv_cache` is
-        returned and no `write_kv` is needed.
+        `CacheBlocks(kv_cache, block_ids, on_done)`, the decode engine's reserved blocks
+        (`Engine.acquire_import_kv`), written in place (tcp and a CPU cache: straight
+        from the socket), then `kv_cache` is returned and no `write_kv` is needed.
+        `out.done()` is then called exactly once, when nothing writes into the blocks any
+        more: after the pull, or after a failed or cancelled one's thread has stopped.
         Raises LayoutMismatchError, KvPullError (KV gone, peer dead or timed out)."""
+        if not isinstance(out, CacheBlocks):
+            return await self._pull(handle, out)
+        writer = _Writer(out)
+        try:
+            return await self._pull(handle, out, writer)
+        finally:
+            if not writer.handed_off:
+                out.done()
+
+    async def _pull(
+        self,
+        handle: KvHandle,
+        out: torch.Tensor | CacheBlocks | None,
+        writer: _Writer | None = None,
+    ) -> torch.Tensor:
         self.layout.check_matches(
             handle.layout_fingerprint, self_role="decode", other_role="prefill"
         )
         if self._closed:
             raise KvTransferError("KV transfer client is closed")
         self._check_out(out, handle.num_blocks)
-        if isinstance(out, CacheBlocks) and not (self.backend == "tcp" and out.is_scatterable):
-            await self._run(out.scatter, await self.pull(handle))
-            return out.kv_cache
+        if writer is not None and not (self.backend == "tcp" and writer.blocks.is_scatterable):
+            await writer.run(self._executor, writer.blocks.scatter, await self._pull(handle, None))
+            return writer.blocks.kv_cache
         key = (handle.worker_id, handle.endpoint)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
@@ -116,6 +133,10 @@ class KvTransferClient:
                 channel = await self._open(handle)
                 self._channels[key] = channel
             try:
+                if writer is not None and isinstance(channel, TcpChannel):
+                    return await writer.run(
+                        self._executor, channel.pull, handle.request_id, handle.num_blocks, out
+                    )
                 return await self._pull_on(channel, handle, out)
             except KvPullError:
                 if not channel.is_open:
@@ -291,3 +312,20 @@ class KvTransferClient:
             raise ValueError("out must be contiguous")
         if self.backend == "tcp" and out.device.type != "cpu":
             raise ValueError("the tcp backend receives into CPU memory")
+
+
+class _Writer:
+    """Hands a pull into `CacheBlocks` to a transfer thread and calls `blocks.done()`
+    once that thread is finished with them (or will never start)."""
+
+    def __init__(self, blocks: CacheBlocks) -> None:
+        self.blocks = blocks
+        self.handed_off = False
+
+    async def run(self, executor: concurrent.futures.Executor, fn: Any, *args: Any) -> Any:
+        future = executor.submit(functools.partial(fn, *args))
+        self.handed_off = True
+        # Registered before asyncio's own callback: the blocks are released by the time
+        # the await returns. Also runs if the work is cancelled before it starts.
+        future.add_done_callback(lambda _: self.blocks.done())
+        return await asyncio.wrap_future(future)

@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from tandem.kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape
+from tandem.kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape, finished_with
 from tandem.kv_transfer.errors import KvPullError
 from tandem.kv_transfer.layout import KvLayout
 
@@ -72,13 +72,16 @@ class LocalChannel:
             raise KvPullError(
                 f"no KV held for request {request_id!r} (expired, released or unknown)"
             ) from None
-        if isinstance(result, CacheBlocks):
-            result.check(self.layout)
-            blocks = result.gather()  # already a copy
-            fresh = True
-        else:
-            check_shape(result, self.layout, "read_blocks result")
-            blocks, fresh = result.detach(), False
+        try:
+            if isinstance(result, CacheBlocks):
+                result.check(self.layout)
+                blocks = result.gather()  # already a copy
+                fresh = True
+            else:
+                check_shape(result, self.layout, "read_blocks result")
+                blocks, fresh = result.detach(), False
+        finally:
+            finished_with(result)
         if blocks.shape[2] != num_blocks:
             raise KvPullError(
                 f"pull of {request_id!r} returned {blocks.shape[2]} blocks, handle names "

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from tandem.kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape
+from tandem.kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape, finished_with
 from tandem.kv_transfer.errors import LayoutMismatchError
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, load_nccl
@@ -155,10 +155,9 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         loop = asyncio.get_running_loop()
         async with channel.lock:
             try:
-                result = await loop.run_in_executor(
-                    self._nccl_executor(), self.read_blocks, request.request_id
+                blocks = await loop.run_in_executor(
+                    self._nccl_executor(), self._read_gathered, request.request_id
                 )
-                blocks = self._gather(result)
             except KeyError:
                 await context.abort(
                     grpc.StatusCode.NOT_FOUND, f"no KV held for request {request.request_id!r}"
@@ -173,12 +172,18 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"NCCL send failed: {e!r}")
         return worker_pb2.PullResponse(num_bytes=num_bytes)
 
-    def _gather(self, result: torch.Tensor | CacheBlocks) -> torch.Tensor:
-        if isinstance(result, CacheBlocks):
-            result.check(self.layout)
-            return result.gather()
-        check_shape(result, self.layout, "read_blocks result")
-        return result
+    def _read_gathered(self, request_id: str) -> torch.Tensor:
+        """`read_blocks` as one contiguous tensor; cache blocks are gathered into a copy
+        (ordered before any later write on the device's stream), then unpinned."""
+        result = self.read_blocks(request_id)
+        try:
+            if isinstance(result, CacheBlocks):
+                result.check(self.layout)
+                return result.gather()
+            check_shape(result, self.layout, "read_blocks result")
+            return result
+        finally:
+            finished_with(result)
 
     async def CloseChannel(
         self, request: worker_pb2.CloseChannelRequest, context: grpc.aio.ServicerContext

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from tandem.kv_transfer.blocks import PayloadReader, ReadBlocks, SendPayload
+from tandem.kv_transfer.blocks import PayloadReader, ReadBlocks, finished_with
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.wire import (
     DataReply,
@@ -213,11 +213,7 @@ class TcpDataServer:
                 request = recv_message(conn, self.timeout_s, wait_idle=True)
                 if not isinstance(request, DataRequest):
                     raise ProtocolError(f"expected a DataRequest, got {request}")
-                reply, send = self._read(reader, request.request_id)
-                send_message(conn, reply)
-                sent = send(conn)
-                if sent != reply.nbytes:
-                    raise ProtocolError(f"sent {sent} bytes, announced {reply.nbytes}")
+                self._serve_pull(conn, reader, request.request_id)
         except PeerClosed:
             logger.debug("KV channel %s closed by the decode side", channel_id)
         except (OSError, ProtocolError) as e:
@@ -241,25 +237,35 @@ class TcpDataServer:
             self._attached[channel_id] = conn
             return True
 
-    def _read(self, reader: PayloadReader, request_id: str) -> tuple[DataReply, SendPayload]:
+    def _serve_pull(self, conn: socket.socket, reader: PayloadReader, request_id: str) -> None:
+        """Reply and send one pull. Blocks read in place are released (unpinned) when
+        the send ends, however it ends; a send is cut off (socket closed) after
+        `timeout_s`, so a stalled puller cannot pin blocks for longer."""
         try:
             result = self.read_blocks(request_id)
         except KeyError:
             message = f"no KV held for request {request_id!r} (expired, released or unknown)"
-            return DataReply("not_found", message), _send_nothing
+            send_message(conn, DataReply("not_found", message))
+            return
         except Exception as e:
             logger.exception("read_blocks(%r) failed", request_id)
-            return DataReply(
-                "error", f"reading the KV of {request_id!r} failed: {e}"
-            ), _send_nothing
+            send_message(conn, DataReply("error", f"reading the KV of {request_id!r} failed: {e}"))
+            return
         try:
-            return reader.prepare(result)
-        except ValueError as e:
-            logger.error("read_blocks(%r) returned unusable KV: %s", request_id, e)
-            return DataReply("error", str(e)), _send_nothing
+            try:
+                reply, send = reader.prepare(result)
+            except ValueError as e:
+                logger.error("read_blocks(%r) returned unusable KV: %s", request_id, e)
+                reply, send = DataReply("error", str(e)), _send_nothing
+            send_message(conn, reply)
+            sent = send(conn, time.monotonic() + self.timeout_s)
+            if sent != reply.nbytes:
+                raise ProtocolError(f"sent {sent} bytes, announced {reply.nbytes}")
+        finally:
+            finished_with(result)
 
 
-def _send_nothing(sock: socket.socket) -> int:
+def _send_nothing(sock: socket.socket, deadline: float) -> int:
     return 0
 
 

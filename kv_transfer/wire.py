@@ -12,8 +12,10 @@ No pickle, no per-block round trips.
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -131,6 +133,11 @@ def recv_buffers(sock: socket.socket, buffers: list[memoryview]) -> int:
     return received
 
 
+def _check_deadline(deadline: float, sent: int) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"send cut off at its deadline after {sent} bytes")
+
+
 def _batch(buffers: list[memoryview], index: int) -> list[memoryview]:
     """The buffers one call can plausibly fill: each call passes its whole list to the
     kernel, so offering far more than a socket buffer holds only costs time."""
@@ -154,22 +161,28 @@ def _advance(buffers: list[memoryview], index: int, done: int) -> int:
     return index
 
 
-def send_payload(sock: socket.socket, chunks: Iterable[memoryview]) -> int:
-    """Send chunk after chunk (each may be reused once sent); returns the bytes sent."""
+def send_payload(
+    sock: socket.socket, chunks: Iterable[memoryview], deadline: float = math.inf
+) -> int:
+    """Send chunk after chunk (each may be reused once sent); returns the bytes sent.
+    TimeoutError once `deadline` (monotonic s) passes between slices."""
     sent = 0
     for chunk in chunks:
         for start in range(0, len(chunk), SEND_SLICE_BYTES):
             piece = chunk[start : start + SEND_SLICE_BYTES]
+            _check_deadline(deadline, sent)
             sock.sendall(piece)
             sent += len(piece)
     return sent
 
 
-def send_buffers(sock: socket.socket, buffers: list[memoryview]) -> int:
+def send_buffers(sock: socket.socket, buffers: list[memoryview], deadline: float = math.inf) -> int:
     """Vectored send (`sendmsg`, up to IOV_MAX buffers a call) of memory that stays put
-    until sent: the kernel reads each buffer in place, with no gather copy."""
+    until sent: the kernel reads each buffer in place, with no gather copy.
+    TimeoutError once `deadline` (monotonic s) passes between calls."""
     sent, index, pending = 0, 0, [b for b in buffers if len(b)]
     while index < len(pending):
+        _check_deadline(deadline, sent)
         done = sock.sendmsg(_batch(pending, index))
         if done == 0:
             raise ConnectionError("socket accepted no bytes")

@@ -6,6 +6,8 @@ import functools
 import time
 from collections.abc import Callable
 
+from tandem.engine.kv_pins import PinnedBlocks
+from tandem.kv_transfer.blocks import CacheBlocks
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.service import KvTransferService
 from tandem.prefill_worker.service import PrefillService
@@ -14,6 +16,17 @@ from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerConfig, WorkerRole
 from tandem.worker.host import WorkerHost
 from tandem.worker.metrics import WorkerMetrics
+
+
+def serve_held_kv(acquire: Callable[[str], PinnedBlocks], req_id: str) -> CacheBlocks:
+    """A pull's source: the request's held blocks, sent straight from the paged cache.
+
+    `acquire` is `Engine.acquire_held_kv`, called on a transfer thread without waiting
+    for the engine thread: the blocks stay pinned until the transfer calls `done()`, so
+    a release, lease expiry or prefix-cache eviction during the send cannot reuse them.
+    (The KV transfer benchmark serves through this function too.)"""
+    pinned = acquire(req_id)
+    return CacheBlocks(pinned.kv_cache, pinned.block_ids, on_done=pinned.unpin)
 
 
 class PrefillWorker:
@@ -47,7 +60,7 @@ class PrefillWorker:
         layout = KvLayout.from_engine_config(config.engine)
         self._transfer = KvTransferService(
             layout,
-            read_blocks=lambda req_id: loop.call_threadsafe(lambda e: e.export_kv(req_id).blocks),
+            read_blocks=functools.partial(serve_held_kv, loop.engine.acquire_held_kv),
             host=config.host,
             auth=config.cluster_auth,
             on_refused=functools.partial(self.host.metrics.refused, "kv_data"),

@@ -7,12 +7,14 @@ them; `Release` (or lease expiry) unpins them, leaving them in the prefix cache.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
 
 import grpc
 
+from tandem.engine.llm_engine import Engine
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.request import FinishReason
 from tandem.kv_transfer.handle import KvHandle
@@ -26,6 +28,9 @@ from tandem.worker.convert import FINISH_REASONS, sampling_params_from_proto, st
 from tandem.worker.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
+
+# Most sequences one prefill may serve (the router's `max_n` is far below).
+MAX_NUM_SEQUENCES = 128
 
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
@@ -52,6 +57,11 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> pb.PrefillResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        if request.num_sequences > MAX_NUM_SEQUENCES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_sequences must be <= {MAX_NUM_SEQUENCES}, got {request.num_sequences}",
+            )
         try:
             params = sampling_params_from_proto(request.params)
         except ValueError as exc:
@@ -85,29 +95,44 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 queue_s=last.queue_s or 0.0,
                 compute_s=last.prefill_s if last.prefill_s is not None else 0.0,
             ),
+            prompt_logprobs=last.prompt_logprobs or [],
         )
         if last.finish_reason is not FinishReason.PREFILLED:
             response.finish_reason = FINISH_REASONS[last.finish_reason]
             return response
+        held = [req_id] + [f"{req_id}#{i}" for i in range(1, request.num_sequences or 1)]
         try:
-            block_ids = await self.loop.call(lambda e: e.held_block_ids(req_id))
-            handle = KvHandle(
-                worker_id=self.config.worker_id,
-                endpoint=self.endpoint,
-                request_id=req_id,
-                block_ids=block_ids,
-                num_tokens=last.num_prompt_tokens,
-                layout_fingerprint=self.fingerprint,
-                lease_expiry_unix_s=time.time() + self.config.engine.kv_lease_s,
-            )
-            response.kv_handle.CopyFrom(handle.to_proto())
+            for i, held_id in enumerate(held):
+                if i:  # the same blocks, held once more for sequence i
+                    await self.loop.call(
+                        functools.partial(Engine.share_held, req_id=req_id, alias=held_id)
+                    )
+                handle = await self._handle(held_id, last.num_prompt_tokens)
+                target = response.kv_handle if i == 0 else response.sequence_kv_handles.add()
+                target.CopyFrom(handle.to_proto())
         except BaseException:
-            # The caller never gets the handle (cancelled, or the lease already ran out).
-            await self.loop.call(lambda e: e.release(req_id))
+            # The caller never gets the handles (cancelled, or the lease already ran out).
+            await self._release_all(held)
             raise
         if context.cancelled():
-            await self.loop.call(lambda e: e.release(req_id))
+            await self._release_all(held)
         return response
+
+    async def _handle(self, held_id: str, num_tokens: int) -> KvHandle:
+        block_ids = await self.loop.call(lambda e: e.held_block_ids(held_id))
+        return KvHandle(
+            worker_id=self.config.worker_id,
+            endpoint=self.endpoint,
+            request_id=held_id,
+            block_ids=block_ids,
+            num_tokens=num_tokens,
+            layout_fingerprint=self.fingerprint,
+            lease_expiry_unix_s=time.time() + self.config.engine.kv_lease_s,
+        )
+
+    async def _release_all(self, held_ids: list[str]) -> None:
+        for held_id in held_ids:
+            await self.loop.call(functools.partial(Engine.release, req_id=held_id))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         released = await self.loop.call(lambda e: e.release(request.request_id))

@@ -78,11 +78,16 @@ class PoolsAdmin:
     """Checks admin calls and forwards them to the pools' owner."""
 
     def __init__(
-        self, backend: AdminBackend | None, load: Callable[[str], WorkerLoad | None]
+        self,
+        backend: AdminBackend | None,
+        load: Callable[[str], WorkerLoad | None],
+        planner: Callable[[], dict[str, Any] | None] | None = None,
     ) -> None:
         self.backend = backend
         # This router's view of a worker's load (None: not polled by this router).
         self.load = load
+        # The live planner's recommendation (the "planner" key), when one runs here.
+        self.planner = planner
 
     def _owner(self) -> AdminBackend:
         if self.backend is None:
@@ -138,4 +143,8 @@ class PoolsAdmin:
             if targets is not None
             else None,
             "version": membership.version,
-        }
+        } | self._planner_json()
+
+    def _planner_json(self) -> dict[str, Any]:
+        view = self.planner() if self.planner is not None else None
+        return {} if view is None else {"planner": view}

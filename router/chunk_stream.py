@@ -26,6 +26,11 @@ class GenerationChunk:
     # STOP, LENGTH or ABORT on the last chunk; None before.
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    # Which of the request's `n` sequences (choices) the tokens belong to.
+    index: int = 0
+    # With the first token when asked (SamplingParams.prompt_logprobs): the logprob of
+    # prompt token i + 1 given tokens 0..i.
+    prompt_logprobs: list[float] | None = None
 
 
 _END = object()

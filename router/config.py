@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tandem.engine.config import parse_enum
 from tandem.proto.cluster_auth import ClusterAuth
+from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.policy import (
     DEFAULT_ADMISSION_POLICY,
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
@@ -64,6 +65,8 @@ class RouterConfig:
     # Times one request may move to another worker after its worker failed (0: never);
     # past them the client gets one retriable UNAVAILABLE / 503.
     max_migrations: int = 3
+    # Most choices (`n`) one OpenAI request may ask for (each decodes on its own).
+    max_n: int = DEFAULT_MAX_N
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster_auth, ClusterAuth):
@@ -98,5 +101,7 @@ class RouterConfig:
         if isinstance(self.max_migrations, bool) or not isinstance(self.max_migrations, int) \
                 or self.max_migrations < 0:  # fmt: skip
             raise ValueError(f"max_migrations must be an integer >= 0, got {self.max_migrations!r}")
+        if isinstance(self.max_n, bool) or not isinstance(self.max_n, int) or self.max_n < 1:
+            raise ValueError(f"max_n must be an integer >= 1, got {self.max_n!r}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")

@@ -19,6 +19,7 @@ from tandem.router.errors import (
     RouterError,
     abort_with,
 )
+from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.request_flow import RequestFlow
 from tandem.router.structured_outputs import guided_from_generate
 from tandem.router.tokenization import PromptTokenizer
@@ -34,10 +35,17 @@ _FINISH = {
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, flow: RequestFlow, tokenizer: PromptTokenizer, model_name: str) -> None:
+    def __init__(
+        self,
+        flow: RequestFlow,
+        tokenizer: PromptTokenizer,
+        model_name: str,
+        max_n: int = DEFAULT_MAX_N,
+    ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.max_n = max_n
 
     async def Generate(
         self, request: gen_pb.GenerateRequest, context
@@ -52,7 +60,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except RouterError as exc:
             await abort_with(context, exc)
         req_id = request.request_id or uuid.uuid4().hex
-        stream = self.flow.generate(req_id, prompt_ids, params, slo)
+        stream = self.flow.generate(req_id, prompt_ids, params, slo, n=request.n or 1)
         # Client cancel or deadline: the RPC ends while we may be parked at a yield.
         context.add_done_callback(lambda _: stream.cancel())
         try:
@@ -63,6 +71,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     text=chunk.text,
                     logprobs=chunk.logprobs,
                     finish_reason=_FINISH[chunk.finish_reason],
+                    index=chunk.index,
                 )
                 if chunk.usage is not None:
                     msg.usage.CopyFrom(
@@ -112,6 +121,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def _validate(self, request: gen_pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Prompt ids and sampling params, or InvalidRequest naming the bad field."""
         self._check_model(request.model)
+        if request.n > self.max_n:
+            raise InvalidRequest(f"n must be <= {self.max_n}, got {request.n}", "n")
         try:
             return self._parse(request)
         except RouterError:
@@ -134,7 +145,25 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             logprobs=request.logprobs,
+            min_tokens=request.min_tokens,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty
+            if request.HasField("repetition_penalty")
+            else 1.0,
+            logit_bias=self._logit_bias(request),
             structured=guided_from_generate(request.guided),
         )
         self.tokenizer.check_length(len(prompt_ids), params.max_tokens)
         return prompt_ids, params
+
+    def _logit_bias(self, request: gen_pb.GenerateRequest) -> dict[int, float]:
+        vocab_size = self.tokenizer.vocab_size
+        for token_id in request.logit_bias:
+            if token_id >= vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias holds token id {token_id}, outside the vocabulary "
+                    f"[0, {vocab_size})",
+                    "logit_bias",
+                )
+        return dict(request.logit_bias)

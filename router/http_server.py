@@ -19,8 +19,13 @@ from tandem.router.worker_pool import WorkerPool
 
 
 def make_http_app(
-    pool: WorkerPool, flow: RequestFlow, tokenizer: PromptTokenizer, config: RouterConfig
+    pool: WorkerPool,
+    flow: RequestFlow,
+    tokenizer: PromptTokenizer,
+    config: RouterConfig,
+    dtype: str = "",
 ) -> web.Application:
+    """`dtype`: the workers' dtype, shown on `/v1/models`."""
     async def health(request: web.Request) -> web.Response:
         if await pool.is_ready(config.probe_timeout_s):
             return web.json_response({"status": "ok", "workers": len(pool.workers)})
@@ -33,6 +38,7 @@ def make_http_app(
     app[MAX_BODY_BYTES] = config.max_body_bytes
     app.router.add_get("/health", health)
     OpenAIHandlers(
-        flow, tokenizer, config.model_name, config.model_dir, config.max_body_bytes
-    ).add_routes(app)
+        flow, tokenizer, config.model_name, config.model_dir, config.max_body_bytes, dtype,
+        max_n=config.max_n,
+    ).add_routes(app)  # fmt: skip
     return app

@@ -57,15 +57,14 @@ _SAMPLING_INPUTS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 # sampling_parameters keys by value type (string values are converted, as Triton's
 # vLLM backend does: clients send {"temperature": "0.1"}).
 _INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens"}
-_FLOAT_KEYS = {"temperature", "top_p"}
+_FLOAT_KEYS = {
+    "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+}  # fmt: skip
 _BOOL_KEYS = {"ignore_eos", "skip_special_tokens"}
 # vLLM settings Tandem does not implement: accepted only at their no-op value.
 _NEUTRAL_KEYS = {
     "n": 1,
     "best_of": 1,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
 }
 _INT_RANGES = {"seed": (0, 2**64 - 1), "stop_token_ids": (0, 2**31 - 1)}
 _DEFAULT_INT_RANGE = (-(2**31), 2**31 - 1)
@@ -113,6 +112,13 @@ def parse_request(
         params = SamplingParams(**settings)
     except ValueError as exc:
         raise InvalidRequest(f"invalid sampling parameters: {exc}", "sampling_parameters") from exc
+    for token_id in params.logit_bias:
+        if token_id >= tokenizer.vocab_size:
+            raise InvalidRequest(
+                f"sampling parameter 'logit_bias' holds token id {token_id}, outside the "
+                f"vocabulary [0, {tokenizer.vocab_size})",
+                param="logit_bias",
+            )
     try:
         prompt_ids = tokenizer.encode(prompt)
         tokenizer.check_length(len(prompt_ids), params.max_tokens)
@@ -214,6 +220,8 @@ def _sampling_settings(text: str) -> dict[str, Any]:
                 )
         elif key == "stop":
             settings["stop"] = [value] if isinstance(value, str) else value
+        elif key == "logit_bias":
+            settings["logit_bias"] = _logit_bias(value)
         elif key == "stop_token_ids":
             if not isinstance(value, list):
                 raise InvalidRequest(f"'stop_token_ids' must be a list, got {value!r}", key)
@@ -223,6 +231,21 @@ def _sampling_settings(text: str) -> dict[str, Any]:
         else:
             raise InvalidRequest(f"unknown sampling parameter {key!r}", param=key)
     return settings
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """{"token id": bias} (keys as strings, as JSON objects have them) -> {id: bias}."""
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"'logit_bias' must be an object, got {value!r}", "logit_bias")
+    bias = {}
+    for key, number in value.items():
+        token_id = _number(key) if isinstance(key, str) else key
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise InvalidRequest(
+                f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias"
+            )
+        bias[token_id] = _convert("logit_bias", number, float)
+    return bias
 
 
 def _convert(key: str, value: Any, kind: type | None = None) -> Any:

@@ -73,6 +73,10 @@ class Membership:
     version: int
     workers: list[WorkerInfo] = field(default_factory=list)
     targets: PoolTargets | None = None
+    # Workers replaced after they died, by role value, since the owner started
+    # (`tandem:worker_restarts_total`). A restart alone does not bump `version`: the
+    # dead worker's state change that comes with it does.
+    restarts: dict[str, int] = field(default_factory=dict)
 
 
 class AdminBackend(Protocol):

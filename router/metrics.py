@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tandem.router.pool_gauges import PoolGauges
+
 # Bucket bounds follow vLLM's, so dashboards and alerts port unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -22,8 +24,15 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0)  # fmt: skip
+# Queue and prefill time of a request (vLLM's request_queue/prefill_time buckets).
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 # Finished requests the SLO-attainment gauge averages over.
 SLO_WINDOW = 1000
+# Label values exported at 0 from the start, so dashboards and alerts see a series
+# before the first event (a counter that does not exist yet reads as "No data").
+DISAGG_DECISIONS = ("disaggregated", "local_prefill")
+MIGRATION_REASONS = ("prefill_failed", "decode_failed", "worker_lost")
 
 
 class RouterMetrics:
@@ -103,17 +112,80 @@ class RouterMetrics:
             labels,
             registry=r,
         )
+        # TTFT's parts: waiting (router admission + the prefilling engine's queue), then
+        # prefill compute; the KV transfer that follows is `kv_transfer_seconds`.
+        self.queue_time = Histogram(
+            "tandem:request_queue_time_seconds",
+            "Admission wait at the router plus queue time in the prefilling engine.",
+            labels,
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.prefill_time = Histogram(
+            "tandem:request_prefill_time_seconds",
+            "Prefill compute: first chunk scheduled to first token.",
+            labels,
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "tandem:time_per_output_token_seconds",
+            "Mean gap between output tokens of a finished request (TPOT).",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        # Per worker, as this router placed work on it (sum over routers for the total).
+        self.worker_prompt_tokens = Counter(
+            "tandem:worker_prompt_tokens",
+            "Prompt tokens a worker computed (cached ones excluded) for this router.",
+            [*labels, "worker_id", "role"],
+            registry=r,
+        )
+        self.worker_generation_tokens = Counter(
+            "tandem:worker_generation_tokens",
+            "Tokens a decode worker streamed for this router.",
+            [*labels, "worker_id"],
+            registry=r,
+        )
+        for decision in DISAGG_DECISIONS:
+            self.disagg_decisions.labels(model_name, decision)
+        for reason in MIGRATION_REASONS:
+            self.migrations.labels(model_name, reason)
         self._slo_window: deque[bool] = deque(maxlen=SLO_WINDOW)
+        # The live P:D planner's view (`tandem.planner.live` sets them when it runs).
+        self.planner_recommended_workers = Gauge(
+            "tandem:planner_recommended_workers",
+            "Workers per role (prefill, decode) the planner recommends.",
+            ["role"],
+            registry=r,
+        )
+        self.planner_predicted_goodput = Gauge(
+            "tandem:planner_predicted_goodput",
+            "Requests/s within SLO the planner predicts for its recommendation at the "
+            "observed load.",
+            registry=r,
+        )
+        self.planner_observed_goodput = Gauge(
+            "tandem:planner_observed_goodput",
+            "Requests/s within SLO over the planner's last interval.",
+            registry=r,
+        )
+        # tandem:pool_workers / pool_target_workers / worker_restarts_total, re-exported
+        # from the membership the router follows (fed by `Router.update_membership`).
+        self.pools = PoolGauges(r)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
     def record(self, num_prompt_tokens: int, ttft_target_s: float | None = None,
-               itl_target_s: float | None = None) -> RequestRecord:  # fmt: skip
-        """Start tracking one admitted request."""
+               itl_target_s: float | None = None,
+               admission_wait_s: float = 0.0) -> RequestRecord:  # fmt: skip
+        """Start tracking one admitted request (`admission_wait_s`: how long it waited
+        at the router before it was placed)."""
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
         self.running.labels(self.model_name).inc()
-        return RequestRecord(self, ttft_target_s, itl_target_s)
+        return RequestRecord(self, ttft_target_s, itl_target_s, admission_wait_s)
 
     def _finish(self, record: RequestRecord, reason: str) -> None:
         name = self.model_name
@@ -121,6 +193,9 @@ class RouterMetrics:
         self.request_success.labels(name, reason).inc()
         if record.first_token_at is not None:
             self.e2e.labels(name).observe(record.last_token_at - record.arrival)
+        if record.num_tokens > 1 and record.first_token_at is not None:
+            gaps_s = record.last_token_at - record.first_token_at
+            self.tpot.labels(name).observe(gaps_s / (record.num_tokens - 1))
         met = record.met_slo()
         self._slo_window.append(met)
         if met:
@@ -135,11 +210,14 @@ class RequestRecord:
     metrics: RouterMetrics
     ttft_target_s: float | None
     itl_target_s: float | None
+    admission_wait_s: float = 0.0
     arrival: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     last_token_at: float = 0.0
     num_tokens: int = 0
     finished: bool = False
+    # Whether the request's first prefill was counted in the TTFT split.
+    _prefilled: bool = False
 
     def on_tokens(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -162,6 +240,23 @@ class RequestRecord:
 
     def on_kv_transfer(self, seconds: float) -> None:
         self.metrics.kv_transfer.labels(self.metrics.model_name).observe(seconds)
+
+    def on_prefill(self, worker_id: str, role: str, num_computed_tokens: int,
+                   queue_s: float, compute_s: float) -> None:  # fmt: skip
+        """A prefill finished on `worker_id` (a prefill worker, or a decode worker
+        prefilling locally); the first one of a request also feeds the TTFT split."""
+        m, name = self.metrics, self.metrics.model_name
+        m.worker_prompt_tokens.labels(name, worker_id, role).inc(max(0, num_computed_tokens))
+        if not self._prefilled:
+            self._prefilled = True
+            m.queue_time.labels(name).observe(self.admission_wait_s + queue_s)
+            m.prefill_time.labels(name).observe(compute_s)
+
+    def on_decoded(self, worker_id: str, num_tokens: int) -> None:
+        """`num_tokens` streamed from decode worker `worker_id`."""
+        if num_tokens > 0:
+            name = self.metrics.model_name
+            self.metrics.worker_generation_tokens.labels(name, worker_id).inc(num_tokens)
 
     def met_slo(self) -> bool:
         """TTFT within target, and mean inter-token time (TPOT, as DistServe) within

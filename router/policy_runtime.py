@@ -66,6 +66,8 @@ class WorkerLimits:
     block_size: int
     # Longest prompt + output a request may ask for.
     max_model_len: int
+    # The workers' weights/KV dtype ("" when they do not say); shown on /v1/models.
+    dtype: str = ""
 
 
 def worker_limits(
@@ -90,7 +92,11 @@ def worker_limits(
             listed = ", ".join(f"{w}={v}" for w, v in sorted(seen.items()))
             raise ValueError(f"workers disagree on {name} ({listed}); serve one value")
         values[name] = next(iter(seen.values()))
-    return WorkerLimits(**values)
+    dtypes = {worker_id: reply.dtype for worker_id, reply in stats.items() if reply.dtype}
+    if len(set(dtypes.values())) > 1:
+        listed = ", ".join(f"{w}={v}" for w, v in sorted(dtypes.items()))
+        raise ValueError(f"workers disagree on dtype ({listed}); serve one value")
+    return WorkerLimits(**values, dtype=next(iter(dtypes.values()), ""))
 
 
 class PolicyRuntime:

@@ -24,7 +24,7 @@ import dataclasses
 import enum
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import grpc
@@ -41,6 +41,7 @@ from tandem.router.errors import (
     WorkerUnavailable,
     from_worker_error,
 )
+from tandem.router.forked_flow import generate_forked
 from tandem.router.metrics import RequestRecord, RouterMetrics
 from tandem.router.policy import GoodputPolicy, Placement, RequestSlo, SloConfig
 from tandem.router.worker_pool import WorkerPair, WorkerPool
@@ -181,14 +182,19 @@ class RequestFlow:
         prompt_ids: list[int],
         params: SamplingParams,
         slo: RequestSlo | None = None,
+        n: int = 1,
     ) -> ChunkStream:
         """The request's chunks; a shed request raises `Overloaded`, worker failures
-        other `RouterError`s. `slo` None = the default class.
+        other `RouterError`s. `slo` None = the default class. `n` > 1: n sequences from
+        one prefill (forked_flow.py), each chunk tagged with its sequence's `index`.
 
         The request runs in a task the returned stream owns, so cancelling or closing the
         stream stops it wherever it is (worker calls cancelled, held KV released).
         """
-        return ChunkStream(self._traced(req_id, prompt_ids, params, slo or self.slo.resolve()))
+        slo = slo or self.slo.resolve()
+        if n > 1:
+            return ChunkStream(generate_forked(self, req_id, prompt_ids, params, slo, n))
+        return ChunkStream(self._traced(req_id, prompt_ids, params, slo))
 
     async def _traced(
         self, req_id: str, prompt_ids: list[int], params: SamplingParams, slo: RequestSlo
@@ -202,8 +208,10 @@ class RequestFlow:
                 "gen_ai.usage.input_tokens": len(prompt_ids),
             },
         )
+        arrived_at = time.monotonic()
         placement = await self._place(req_id, prompt_ids, params, slo, span)
-        record = self.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s)
+        record = self.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s,
+                                     admission_wait_s=time.monotonic() - arrived_at)  # fmt: skip
         self.metrics.disagg_decisions.labels(self.metrics.model_name, placement.decision).inc()
         reason = FinishReason.ABORT.value
         output_ids: list[int] = []
@@ -370,6 +378,11 @@ class RequestFlow:
         )
         if pair.prefill_stub is not None:
             prefill = await self._prefill(pair, req_id, prompt_ids, wire_params, span, attempt)
+            record.on_prefill(
+                pair.prefill_target()[0].worker_id, "prefill",
+                len(prompt_ids) - prefill.num_cached_tokens,
+                prefill.timings.queue_s, prefill.timings.compute_s,
+            )  # fmt: skip
             self.policy.on_prefill_done(
                 req_id,
                 num_cached_tokens=prefill.num_cached_tokens,
@@ -382,6 +395,7 @@ class RequestFlow:
                 [prefill.first_token_id],
                 prefill.first_token_text,
                 [prefill.first_token_logprob] if params.logprobs else [],
+                prompt_logprobs=list(prefill.prompt_logprobs) if params.prompt_logprobs else None,
             )
             if finish is not None:
                 first_chunk.finish_reason, first_chunk.usage = finish, usage
@@ -415,8 +429,14 @@ class RequestFlow:
         params: pb.SamplingParams,
         parent: Span,
         attempt: _Attempt,
+        num_sequences: int = 1,
     ) -> pb.PrefillResponse:
-        request = pb.PrefillRequest(request_id=req_id, prompt_token_ids=prompt_ids, params=params)
+        request = pb.PrefillRequest(
+            request_id=req_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            num_sequences=num_sequences,
+        )
         worker, stub = pair.prefill_target()
         span = self.tracing.start_span("prefill", parent, **{"tandem.worker": worker.worker_id})
         reason = MigrationReason.PREFILL_FAILED
@@ -446,7 +466,7 @@ class RequestFlow:
         span: Span,
         attempt: _Attempt,
         first: bool,
-    ) -> AsyncIterator[GenerationChunk]:
+    ) -> AsyncGenerator[GenerationChunk, None]:
         worker_id = pair.decode.worker_id
         reason = MigrationReason.DECODE_FAILED
         call = pair.decode_stub.Decode(
@@ -473,6 +493,12 @@ class RequestFlow:
                         request.request_id, (now - last_at) / len(msg.token_ids)
                     )
                 last_at = now
+                if local and msg.HasField("prefill_timings"):
+                    timings = msg.prefill_timings
+                    num_computed = len(request.prompt_token_ids) - msg.num_cached_tokens
+                    record.on_prefill(worker_id, "decode", num_computed, timings.queue_s,
+                                      timings.compute_s)  # fmt: skip
+                record.on_decoded(worker_id, len(msg.token_ids))
                 if local and first:
                     usage.cached_prompt_tokens = msg.num_cached_tokens
                 finish = finish_reason_from_proto(msg.finish_reason)
@@ -484,6 +510,7 @@ class RequestFlow:
                     list(msg.logprobs) if logprobs else [],
                     finish,
                     usage if finish is not None else None,
+                    prompt_logprobs=list(msg.prompt_logprobs) or None,
                 )
                 if finish is not None:
                     return
@@ -522,8 +549,10 @@ def _rest(params: SamplingParams, streamed: list[int], router_stops: bool) -> Sa
     """The sampling params of a continuation after the `streamed` tokens.
 
     With `router_stops`, stop strings are left to the router's detokenizer, which sees
-    the whole output (the new worker would see only the part it generates). A grammar
-    resumes with the streamed tokens accepted (they end the new prompt).
+    the whole output (the new worker would see only the part it generates). The streamed
+    tokens end the new prompt; `num_resumed_tokens` tells the workers' penalties that
+    they were generated. A grammar
+    resumes with the streamed tokens accepted.
     """
     num_streamed = len(streamed)
     structured = params.structured
@@ -532,6 +561,8 @@ def _rest(params: SamplingParams, streamed: list[int], router_stops: bool) -> Sa
         max_tokens=params.max_tokens - num_streamed,
         min_tokens=max(0, params.min_tokens - num_streamed),
         stop=[] if router_stops else list(params.stop),
+        num_resumed_tokens=params.num_resumed_tokens + num_streamed,
+        prompt_logprobs=False,  # the client has them from the first attempt
         structured=None if structured is None else structured.continued(streamed),
     )
 

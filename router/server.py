@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 from aiohttp import web
@@ -80,6 +82,8 @@ class Router:
         self._server: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self.policy_runtime: PolicyRuntime | None = None
+        # The live planner's view for `/admin/pools` (set by whoever runs one).
+        self.planner_view: Callable[[], dict[str, Any] | None] | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -100,10 +104,10 @@ class Router:
             max_migrations=config.max_migrations,
             on_worker_failed=self.policy_runtime.mark_unreachable,
         )
-        admin = PoolsAdmin(self.admin_backend, self._worker_load)
+        admin = PoolsAdmin(self.admin_backend, self._worker_load, self._planner_json)
         self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(flow, tokenizer, config.model_name), server
+            GenerationService(flow, tokenizer, config.model_name, config.max_n), server
         )
         add_GRPCInferenceServiceServicer_to_server(
             KserveService(flow, tokenizer, self.pool, config.model_name, config.probe_timeout_s),
@@ -126,7 +130,9 @@ class Router:
         self.grpc_endpoint = f"{config.host}:{port}"
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        app = make_http_app(self.pool, flow, tokenizer, config)
+        app = make_http_app(
+            self.pool, flow, tokenizer, config, dtype=self.policy_runtime.limits.dtype
+        )
         app.router.add_get("/metrics", self._metrics_handler)
         add_admin_routes(app, admin)
         # A client that disconnects cancels its handler, which cancels its worker calls.
@@ -156,6 +162,7 @@ class Router:
                              membership.version, self.membership.version)  # fmt: skip
                 return
             self.membership = membership
+            self.metrics.pools.update(membership)
             self._pending.clear()
             wanted = {
                 w.worker_id: w
@@ -228,6 +235,9 @@ class Router:
             waiting=stats.num_waiting,
             kv_usage=used / stats.num_blocks if stats.num_blocks else 0.0,
         )
+
+    def _planner_json(self) -> dict[str, Any] | None:
+        return self.planner_view() if self.planner_view is not None else None
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         return web.Response(

@@ -88,6 +88,15 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         logprobs=msg.logprobs,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        logit_bias=dict(msg.logit_bias),
+        num_resumed_tokens=msg.num_resumed_tokens,
+        skip_special_tokens=(
+            msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
+        ),
+        prompt_logprobs=msg.prompt_logprobs,
         structured=guided_from_proto(msg),
     )
 
@@ -103,6 +112,13 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=params.logit_bias,
+        num_resumed_tokens=params.num_resumed_tokens,
+        skip_special_tokens=params.skip_special_tokens,
+        prompt_logprobs=params.prompt_logprobs,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -120,6 +136,7 @@ def stats_to_proto(
         role=WORKER_ROLES[role],
         block_size=engine.block_size,
         max_model_len=engine.max_model_len,
+        dtype=engine.resolved_dtype,
         num_waiting=stats.num_waiting,
         num_running=stats.num_running,
         num_held=stats.num_held,

@@ -3,11 +3,16 @@
 Engine numbers are read from `Engine.stats()` on the engine thread at scrape time,
 so they are exact and cost nothing between scrapes. Names follow vLLM's, under
 `tandem:`, labelled with the worker id and role.
+
+A worker whose config leaves the metrics port at 0 takes `$TANDEM_WORKER_METRICS_PORT`
+when it is set: on Kubernetes each Ray pod hosts one worker, and a PodMonitor needs a
+fixed, named port to scrape (the Helm chart sets it on the worker pods).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 
 from aiohttp import web
 from prometheus_client import (
@@ -23,6 +28,7 @@ from prometheus_client.registry import Collector
 from tandem.engine.outputs import EngineStats
 from tandem.worker.engine_loop import EngineLoop
 
+METRICS_PORT_ENV = "TANDEM_WORKER_METRICS_PORT"
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0)  # fmt: skip
 
@@ -110,7 +116,9 @@ class WorkerMetrics:
         self._unauthenticated.labels(**self._labels, kind=kind).inc()
 
     async def start(self, loop: EngineLoop, host: str, port: int) -> str:
-        """Serve GET /metrics; returns http://host:port."""
+        """Serve GET /metrics; returns http://host:port (`port` 0: the port in
+        $TANDEM_WORKER_METRICS_PORT, else a free one)."""
+        port = port or metrics_port_from_env(os.environ)
 
         async def scrape(request: web.Request) -> web.Response:
             self._engine.snapshot = await loop.call(lambda e: e.stats(), timeout_s=5.0)
@@ -129,3 +137,14 @@ class WorkerMetrics:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+
+def metrics_port_from_env(environ: Mapping[str, str]) -> int:
+    """The port in $TANDEM_WORKER_METRICS_PORT (0 when unset); ValueError naming the
+    variable when it is not a port."""
+    text = environ.get(METRICS_PORT_ENV, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit() or not 0 < int(text) <= 65535:
+        raise ValueError(f"{METRICS_PORT_ENV} must be a port in [1, 65535], got {text!r}")
+    return int(text)

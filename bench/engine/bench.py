@@ -18,6 +18,7 @@ from tandem.bench.engine.measure import RepeatPolicy, Subjects
 from tandem.bench.harness import ensure_model
 from tandem.bench.report import machine_facts, publish, write_json
 from tandem.engine.config import ModelConfig
+from tandem.engine.dtype import auto_dtype
 
 DEFAULT_OUT = "docs/benchmarks.md"
 RESULTS_DIR = Path("bench/results")
@@ -50,9 +51,12 @@ def make_plan(args: argparse.Namespace) -> BenchPlan:
     """`--quick`: float32 only, batch 1 and 8, few repeats, no waiting for quiet. Two
     torch threads (the published machine's cores)."""
     quick = bool(args.quick)
+    dtypes = ("float32",) if quick else ("float32", "bfloat16")
+    if getattr(args, "dtype", None):
+        dtypes = (auto_dtype("cpu", "float32") if args.dtype == "auto" else args.dtype,)
     return BenchPlan(
         model_dir=str(args.model),
-        dtypes=("float32",) if quick else ("float32", "bfloat16"),
+        dtypes=dtypes,
         batch_sizes=(1, 8) if quick else (1, 8, 32),
         num_threads=2,
         prefill=RepeatPolicy(1, 2, 3, budget_s=3.0) if quick else RepeatPolicy(1, 3, 5, 15.0),
@@ -146,6 +150,10 @@ def run(plan: BenchPlan, command: str) -> report.BenchReport:
 
 
 def main(args: argparse.Namespace) -> int:
+    if getattr(args, "penalties", False):
+        from tandem.bench.engine import penalties
+
+        return penalties.main(args)
     # A full run updates the doc unless told otherwise; a quick one only when told.
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
     ensure_model(args.model, "small")

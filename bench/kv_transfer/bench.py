@@ -1,4 +1,12 @@
-"""KV transfer benchmark: tcp pulls on loopback against raw socket throughput."""
+"""KV transfer benchmark: tcp pulls on loopback against raw socket throughput.
+
+"production" is what workers do: the prefill side serves pinned held blocks through
+`prefill_worker.server.serve_held_kv` (an engine's `KvPins` over a paged cache) and the
+decode side receives straight into pinned reserved blocks through
+`decode_worker.service.pull_into_pinned`. The other variants isolate parts of it and
+"export" is the path workers took before (copy on the prefill side, receive into a
+buffer, copy into the cache).
+"""
 
 from __future__ import annotations
 
@@ -22,17 +30,20 @@ import grpc
 import torch
 
 from tandem.bench.report import publish, render_table
+from tandem.decode_worker.service import pull_into_pinned
 from tandem.engine.config import EngineConfig
+from tandem.engine.kv_pins import KvPins
 from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferClient, KvTransferService
 from tandem.kv_transfer.tcp_server import tune_socket
 from tandem.kv_transfer.wire import byte_view, recv_exact, send_payload
+from tandem.prefill_worker.server import serve_held_kv
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 SECTION_HEADING = "## KV transfer"
 PROMPT_TOKENS = (1024, 8192, 32768)
-VARIANTS = ("pull", "fresh", "into", "export")
+VARIANTS = ("production", "adjacent", "pull", "fresh", "export")
 
 
 def _serve_main(fingerprint: str, max_blocks: int, conn: mp.connection.Connection) -> None:
@@ -43,12 +54,17 @@ async def _serve(layout: KvLayout, max_blocks: int, conn: mp.connection.Connecti
     # A paged cache with spare blocks; requests own a shuffled subset, as in a real pool.
     cache = torch.randn(layout.block_shape(max_blocks + 64), dtype=layout.torch_dtype)
     block_ids = torch.randperm(max_blocks + 64)[:max_blocks].tolist()
+    pins = KvPins(cache)  # as a prefill engine holds each prefilled request's blocks
+    for num_tokens in PROMPT_TOKENS:
+        num_blocks = math.ceil(num_tokens / layout.block_size)
+        pins.open(f"held-{num_blocks}", block_ids[:num_blocks])
+        pins.open(f"run-{num_blocks}", list(range(num_blocks)))  # a fresh pool's allocation
 
     def read_blocks(request_id: str) -> torch.Tensor | CacheBlocks:
         kind, num_blocks = request_id.split("-")
+        if kind in ("held", "run"):
+            return serve_held_kv(pins.acquire, request_id)
         ids = block_ids[: int(num_blocks)]
-        if kind == "held":
-            return CacheBlocks(cache, ids)
         return cache.index_select(2, torch.tensor(ids))  # a fresh copy, as export_kv makes
 
     service = KvTransferService(layout, read_blocks)
@@ -80,8 +96,10 @@ def _raw_server(listener: socket.socket, payload: torch.Tensor) -> None:
 class Row:
     num_tokens: int
     nbytes: int
-    # "raw", "pull" (default: recycled memory), "fresh" (no recycling), "into" (decode
-    # cache blocks), "export" (prefill serves a full copy) -> seconds, one per round
+    # "raw", "production" (pinned cache blocks -> pinned reserved cache blocks, both
+    # shuffled), "adjacent" (the same, ascending adjacent blocks on both sides), "pull"
+    # (into recycled memory), "fresh" (no recycling), "export" (the old path: a copy
+    # served, received into memory, copied into the cache) -> seconds, one per round
     times_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     def gbps(self, name: str) -> float:
@@ -111,6 +129,7 @@ async def measure_transfers(layout: KvLayout, repeats: int) -> list[Row]:
     # The decode side's paged cache (touched, like an engine's), shuffled reserved blocks.
     decode_cache = torch.zeros(layout.block_shape(max_blocks + 64), dtype=layout.torch_dtype)
     reserved = torch.randperm(max_blocks + 64)[:max_blocks].tolist()
+    decode_pins = KvPins(decode_cache)  # as a decode engine reserves an import's blocks
     rows = []
     try:
         for num_tokens in PROMPT_TOKENS:
@@ -120,13 +139,30 @@ async def measure_transfers(layout: KvLayout, repeats: int) -> list[Row]:
             held = KvHandle("bench", f"127.0.0.1:{port}", f"held-{num_blocks}", ids, num_tokens, fp)
             export = dataclasses.replace(held, request_id=f"export-{num_blocks}")
             got = (await client.pull(held))[:, :, : first_blocks.shape[2]].clone()
-            into = CacheBlocks(decode_cache, reserved[:num_blocks])
+            into_ids = reserved[:num_blocks]
+            decode_pins.open(held.request_id, into_ids)
+
+            run = dataclasses.replace(held, request_id=f"run-{num_blocks}")
+            decode_pins.open(run.request_id, list(range(num_blocks)))
+
+            async def production(handle: KvHandle = held) -> None:
+                pinned = decode_pins.acquire(handle.request_id)
+                await pull_into_pinned(client, handle, pinned)
+
+            async def export_then_write(
+                handle: KvHandle = export, into_ids: list[int] = into_ids
+            ) -> None:
+                blocks = await client.pull(handle)
+                index = torch.tensor(into_ids)
+                await asyncio.to_thread(decode_cache.index_copy_, 2, index, blocks)
+
             fns: dict[str, Callable[[], Awaitable[object]]] = {
                 "raw": functools.partial(asyncio.to_thread, _raw_pull, raw, raw_buf, row.nbytes),
+                "production": production,
+                "adjacent": functools.partial(production, run),
                 "pull": functools.partial(client.pull, held),
                 "fresh": functools.partial(fresh_client.pull, held),
-                "into": functools.partial(client.pull, held, out=into),
-                "export": functools.partial(client.pull, export),
+                "export": export_then_write,
             }
             for round_ in range(repeats + 1):  # round 0 warms up buffers and the channel
                 for name, fn in fns.items():
@@ -134,9 +170,12 @@ async def measure_transfers(layout: KvLayout, repeats: int) -> list[Row]:
                     await fn()
                     if round_:
                         row.times_s.setdefault(name, []).append(time.perf_counter() - start)
-            cached = decode_cache[:, :, into.block_ids[: first_blocks.shape[2]]]
+            await production()  # last: what the decode cache holds now
+            cached = decode_cache[:, :, into_ids[: first_blocks.shape[2]]]
             if not (torch.equal(got, first_blocks) and torch.equal(cached, first_blocks)):
                 raise RuntimeError("pulled blocks differ from the served ones")
+            if decode_pins.num_pinned:
+                raise RuntimeError("a pull left its reserved blocks pinned")
             logger.info("%d tokens: %s", num_tokens, {n: f"{row.gbps(n):.2f}" for n in fns})
             rows.append(row)
     finally:
@@ -192,16 +231,21 @@ def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], f
     ]
     cells = []
     for r in rows:
-        pull_s, prefill_s = statistics.median(r.times_s["pull"]), prefill(r.num_tokens)
+        pull_s, prefill_s = statistics.median(r.times_s["production"]), prefill(r.num_tokens)
         cells.append(
             [f"{r.num_tokens:,}", f"{r.nbytes / 2**20:.0f}", f"{r.gbps('raw'):.2f}",
              *(f"{r.gbps(n):.2f} ({r.vs_raw(n):.0%})" for n in VARIANTS),
              f"{prefill_s:.1f}{'' if r.num_tokens in args.measured else '*'}",
              f"{pull_s / prefill_s:.2%}"]
         )  # fmt: skip
-    header = "prompt tokens|KV MiB|raw GB/s|pull GB/s (vs raw)|fresh memory|into cache blocks"
+    header = (
+        "prompt tokens|KV MiB|raw GB/s|production GB/s (vs raw)|production, adjacent blocks|"
+        "into memory|fresh memory"
+    )
     lines.append(
-        render_table([*header.split("|"), "export copy", "prefill s", "transfer / prefill"], cells)
+        render_table(
+            [*header.split("|"), "export + write (old)", "prefill s", "transfer / prefill"], cells
+        )
     )
     lines += ["", f"Prefill time (* = extrapolated): {args.prefill_note}"]
     return "\n".join(lines)

@@ -34,9 +34,6 @@ class ClientConfig:
     prompt_format: str = "ids"  # "ids" (token ids) or "text" (`RequestSpec.prompt_text`)
     temperature: float = 0.0
     request_timeout_s: float = 600.0  # per request; past it: "timeout"/DEADLINE_EXCEEDED
-    # HTTP only: ask for logprobs so each chunk says how many tokens it carries (exact
-    # arrivals even when a server merges tokens into one chunk; costs the server a little).
-    http_logprobs: bool = False
     # HTTP only: send only OpenAI's own request fields (no `ignore_eos`), for servers that
     # refuse unknown ones (`transformers serve`); outputs may then end early at EOS.
     strict_openai: bool = False

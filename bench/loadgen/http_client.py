@@ -55,8 +55,6 @@ class HttpClient:
         }
         if not self.config.strict_openai:
             body["ignore_eos"] = spec.ignore_eos
-        if self.config.http_logprobs:
-            body["logprobs"] = 1
         return body
 
     async def stream(self, spec: RequestSpec) -> RequestTrace:
@@ -134,7 +132,8 @@ class _StreamState:
 
 
 def _num_tokens(choice: dict[str, Any]) -> int:
-    """How many tokens one streamed choice carries (see the module docstring)."""
+    """How many tokens one streamed choice carries: logprobs' tokens or `token_ids` when
+    the server sends them, else one per non-empty text chunk."""
     logprobs = choice.get("logprobs")
     if isinstance(logprobs, dict) and logprobs.get("tokens") is not None:
         return len(logprobs["tokens"])

@@ -28,6 +28,7 @@ from tandem.router.openai.responses import (
     LogprobsFormatter,
     ResponseBuilder,
 )
+from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.openai.streaming import stream_sse
 from tandem.router.openai.tool_responses import ToolChatResponses
 from tandem.router.request_flow import RequestFlow
@@ -46,13 +47,17 @@ class OpenAIHandlers:
         model_name: str,
         model_dir: str,
         max_body_bytes: int,
+        dtype: str = "",
+        max_n: int = DEFAULT_MAX_N,
     ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
-        self.parser = RequestParser(tokenizer, model_name, flow.slo)
+        self.parser = RequestParser(tokenizer, model_name, flow.slo, max_n)
         self.model_name = model_name
         self.model_dir = model_dir
         self.max_body_bytes = max_body_bytes
+        # The workers' weights/KV dtype ("" when unknown), on the model card.
+        self.dtype = dtype
         # Reported as the model's `created` time.
         self.started = int(time.time())
 
@@ -72,6 +77,8 @@ class OpenAIHandlers:
             self._logprobs(generation),
             generation.include_usage,
         )
+        builder.echo_text = generation.echo_text
+        builder.echo_prompt_ids = generation.prompt_ids
         return await self._run(request, generation, builder)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -117,6 +124,7 @@ class OpenAIHandlers:
             "root": self.model_dir,
             "parent": None,
             "max_model_len": self.tokenizer.max_model_len,
+            **({"dtype": self.dtype} if self.dtype else {}),
         }
 
     def _logprobs(self, generation: GenerationRequest) -> LogprobsFormatter | None:
@@ -128,17 +136,19 @@ class OpenAIHandlers:
         self, request: web.Request, generation: GenerationRequest, builder: ResponseBuilder
     ) -> web.StreamResponse:
         headers = {"X-Request-Id": builder.id}
+        builder.n = generation.extras.n
         chunks = self.flow.generate(
-            builder.id, generation.prompt_ids, generation.params, generation.slo
-        )
+            builder.id, generation.prompt_ids, generation.params, generation.slo,
+            n=generation.extras.n,
+        )  # fmt: skip
         # Closing the generator (on any exit, cancellation included) cancels the worker calls.
         async with contextlib.aclosing(chunks):
             if generation.stream:
                 return await stream_sse(request, chunks, builder, headers)
-            collected = Collected()
+            choices = [Collected() for _ in range(generation.extras.n)]
             async for chunk in chunks:
-                collected.add(chunk)
-        return web.json_response(builder.response(collected), headers=headers, dumps=dumps)
+                choices[chunk.index].add(chunk)
+        return web.json_response(builder.response(choices), headers=headers, dumps=dumps)
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
         """The body as a JSON object; 400 if it is not one, 413 if it is too large."""

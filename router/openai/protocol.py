@@ -30,6 +30,7 @@ from tandem.router.openai.fields import (
     show,
 )
 from tandem.router.openai.guided import guided_from_body
+from tandem.router.openai.sampling_fields import DEFAULT_MAX_N, SamplingExtras, parse_extras
 from tandem.router.openai.tools import ToolPlan, parse_tools
 from tandem.router.policy import RequestSlo, SloConfig
 from tandem.router.tokenization import PromptTokenizer
@@ -42,18 +43,9 @@ MAX_SEED = 2**64 - 1
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 # Field → values that mean "feature not used"; any other value is refused.
-_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1),
-}
-_COMPLETION_UNSUPPORTED = {
-    **_COMMON_UNSUPPORTED,
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "best_of": (None, 1),
-}
+# (Penalties, logit_bias, n, best_of, echo, suffix: sampling_fields.py.)
+_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {}
+_COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED}
 _CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
     "functions": (None, []),
@@ -76,6 +68,10 @@ class GenerationRequest:
     num_top_logprobs: int
     # The request's SLO (Tandem extension fields `slo_class`, `ttft_slo_s`, `itl_slo_s`).
     slo: RequestSlo
+    # Penalties, logit_bias (already in `params`), n, echo.
+    extras: SamplingExtras
+    # Completions with `echo`: the prompt's text, sent before the completion's.
+    echo_text: str | None = None
     # Chat `tools` / `tool_choice` (None: no tools).
     tools: ToolPlan | None = None
 
@@ -83,13 +79,21 @@ class GenerationRequest:
 class RequestParser:
     """Validates request bodies against the served model (name, vocabulary, context)."""
 
-    def __init__(self, tokenizer: PromptTokenizer, model_name: str, slo: SloConfig) -> None:
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        model_name: str,
+        slo: SloConfig,
+        max_n: int = DEFAULT_MAX_N,
+    ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.slo = slo
+        self.max_n = max_n
 
     def completion(self, body: dict[str, Any]) -> GenerationRequest:
         self._check_common(body, _COMPLETION_UNSUPPORTED)
+        extras = parse_extras(body, self.tokenizer.vocab_size, self.max_n, completion=True)
         prompt_ids = self._prompt_ids(body)
         logprobs = get_int(body, "logprobs", min_value=0, max_value=MAX_LOGPROBS)
         generation = self._generation(
@@ -99,11 +103,26 @@ class RequestParser:
             default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
             logprobs=logprobs is not None,
             num_top_logprobs=logprobs or 0,
+            extras=extras,
         )
+        if extras.echo:
+            generation.echo_text = self._echo_text(body, prompt_ids)
+            # With logprobs, the prompt tokens' own logprobs lead the choice's.
+            generation.params.prompt_logprobs = logprobs is not None
         return _constrained(generation, body, chat=False, tools=None)
+
+    def _echo_text(self, body: dict[str, Any], prompt_ids: list[int]) -> str:
+        """The prompt as the client wrote it (a text prompt), or its tokens' text."""
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
     def chat(self, body: dict[str, Any]) -> GenerationRequest:
         self._check_common(body, _CHAT_UNSUPPORTED)
+        extras = parse_extras(body, self.tokenizer.vocab_size, self.max_n, completion=False)
         tools = parse_tools(body)
         prompt_ids = self._chat_ids(body, tools)
         logprobs = bool(get_bool(body, "logprobs"))
@@ -117,6 +136,7 @@ class RequestParser:
             default_max_tokens=None,
             logprobs=logprobs,
             num_top_logprobs=top_logprobs or 0,
+            extras=extras,
         )
         return _constrained(generation, body, chat=True, tools=tools)
 
@@ -139,9 +159,6 @@ class RequestParser:
 
     def _check_common(self, body: dict[str, Any], unsupported: dict[str, tuple[Any, ...]]) -> None:
         self.check_model(body)
-        n = get_int(body, "n")
-        if n is not None and n != 1:
-            raise invalid("n", f"must be 1 (one choice per request is supported), got {n}")
         for name, neutral in unsupported.items():
             value = body.get(name)
             if not any(_same(value, v) for v in neutral):
@@ -212,6 +229,7 @@ class RequestParser:
         default_max_tokens: int | None,
         logprobs: bool,
         num_top_logprobs: int,
+        extras: SamplingExtras,
     ) -> GenerationRequest:
         stream = bool(get_bool(body, "stream"))
         stream_options = get_object(body, "stream_options")
@@ -226,7 +244,7 @@ class RequestParser:
                     f"field 'include_usage' must be true or false, got {show(include_usage)}",
                 )
         max_tokens = self._max_tokens(body, len(prompt_ids), prompt_field, default_max_tokens)
-        params = self._sampling_params(body, max_tokens, logprobs)
+        params = self._sampling_params(body, max_tokens, logprobs, extras)
         return GenerationRequest(
             prompt_ids=prompt_ids,
             params=params,
@@ -234,6 +252,7 @@ class RequestParser:
             include_usage=include_usage,
             logprobs=logprobs,
             num_top_logprobs=num_top_logprobs,
+            extras=extras,
             slo=self.slo.resolve(
                 get_str(body, "slo_class"),
                 ttft_s=get_float(body, "ttft_slo_s"),
@@ -281,7 +300,7 @@ class RequestParser:
         return max_tokens
 
     def _sampling_params(
-        self, body: dict[str, Any], max_tokens: int, logprobs: bool
+        self, body: dict[str, Any], max_tokens: int, logprobs: bool, extras: SamplingExtras
     ) -> SamplingParams:
         temperature = get_float(body, "temperature")
         if temperature is not None and temperature < 0:
@@ -313,6 +332,7 @@ class RequestParser:
                 min_tokens=min_tokens or 0,
                 logprobs=logprobs,
                 skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
+                **extras.params_kwargs(),
             )
         except ValueError as exc:  # its message names the fields
             raise InvalidRequest(str(exc)) from exc

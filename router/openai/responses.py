@@ -9,7 +9,9 @@ that one token however many alternatives were asked for.
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +42,11 @@ class Collected:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    prompt_logprobs: list[float] | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
@@ -60,9 +65,10 @@ class LogprobsFormatter:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    def completion(self, token_ids: list[int], logprobs: Sequence[float | None]) -> dict[str, Any]:
+        """None for a token without a logprob (the first token of an echoed prompt)."""
         tokens = [self._token_text(t) for t in token_ids]
-        values = [_finite(lp) for lp in logprobs]
+        values = [None if lp is None else _finite(lp) for lp in logprobs]
         offsets = []
         for token in tokens:
             offsets.append(self._text_offset)
@@ -70,7 +76,9 @@ class LogprobsFormatter:
         return {
             "tokens": tokens,
             "token_logprobs": values,
-            "top_logprobs": [{t: lp} for t, lp in zip(tokens, values, strict=True)],
+            "top_logprobs": [
+                None if lp is None else {t: lp} for t, lp in zip(tokens, values, strict=True)
+            ],
             "text_offset": offsets,
         }
 
@@ -104,6 +112,13 @@ class ResponseBuilder:
         self.created = created
         self.logprobs = logprobs
         self.include_usage = include_usage
+        # Choices (`n`); each one's logprobs keep their own text offsets.
+        self.n = 1
+        self._formatters: dict[int, LogprobsFormatter] = {}
+        # Completions with echo + logprobs: the prompt's logprobs once seen, and the
+        # choices whose first chunk already carried the prompt.
+        self._prompt_logprobs: list[float] | None = None
+        self._echoed_indexes: set[int] = set()
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -114,8 +129,8 @@ class ResponseBuilder:
             "choices": choices,
         }
 
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        body = self._envelope(self.chunk_object_name, [{"index": 0, **choice}])
+    def _chunk(self, choice: dict[str, Any], index: int = 0) -> dict[str, Any]:
+        body = self._envelope(self.chunk_object_name, [{"index": index, **choice}])
         if self.include_usage:
             body["usage"] = None
         return body
@@ -129,56 +144,108 @@ class ResponseBuilder:
         wants_logprobs = self.logprobs is not None and chunk.token_ids
         if not chunk.text and chunk.finish_reason is None and not wants_logprobs:
             return None
-        return self._chunk(self._choice_delta(chunk))
+        return self._chunk(self._choice_delta(chunk), chunk.index)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name, [])
         body["usage"] = usage_json(usage)
         return body
 
-    def response(self, collected: Collected) -> dict[str, Any]:
-        body = self._envelope(self.object_name, [{"index": 0, **self._choice_whole(collected)}])
-        if collected.usage is not None:
-            body["usage"] = usage_json(collected.usage)
+    def response(self, choices: list[Collected]) -> dict[str, Any]:
+        """The whole response; `choices` in index order."""
+        body = self._envelope(
+            self.object_name,
+            [{"index": i, **self._choice_whole(c, i)} for i, c in enumerate(choices)],
+        )
+        usage = next((c.usage for c in reversed(choices) if c.usage is not None), None)
+        if usage is not None:
+            body["usage"] = usage_json(usage)
         return body
 
     def _logprobs_json(
-        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: list[float]
+        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: Sequence[float | None]
     ) -> Any:
         raise NotImplementedError
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+    def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _logprobs_of(self, token_ids: list[int], logprobs: list[float]) -> Any:
+    def _logprobs_of(
+        self, token_ids: list[int], logprobs: Sequence[float | None], index: int
+    ) -> Any:
         if self.logprobs is None:
             return None
-        return self._logprobs_json(self.logprobs, token_ids, logprobs)
+        formatter = self._formatters.get(index)
+        if formatter is None:
+            formatter = self._formatters[index] = copy.copy(self.logprobs)
+        return self._logprobs_json(formatter, token_ids, logprobs)
 
 
 class CompletionResponses(ResponseBuilder):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
+    # `echo`: the prompt's text and tokens, before the completion's (set by the handler).
+    echo_text: str | None = None
+    echo_prompt_ids: list[int] | None = None
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        if self.echo_text is None or self.logprobs is not None:
+            return []  # with logprobs, the prompt leads each choice's first chunk
+        choice = {"text": self.echo_text, "logprobs": None, "finish_reason": None}
+        return [self._chunk(choice, i) for i in range(self.n)]
+
+    def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
+        if chunk.prompt_logprobs is not None:
+            self._prompt_logprobs = chunk.prompt_logprobs
+        return super().chunk(chunk)
+
+    def _echoed(
+        self, text: str, token_ids: list[int], logprobs: list[float], index: int, first: bool
+    ) -> tuple[str, Any]:
+        """Text and logprobs JSON, the echoed prompt in front when `first`."""
+        if first and self.echo_text is not None and self.logprobs is not None:
+            prompt_ids = self.echo_prompt_ids or []
+            prompt_lps: list[float | None] = [None, *(self._prompt_logprobs or [])]
+            values = [*prompt_lps[: len(prompt_ids)], *logprobs]
+            logprobs_json = self._logprobs_of([*prompt_ids, *token_ids], values, index)
+            return self.echo_text + text, logprobs_json
+        if first and self.echo_text is not None:
+            text = self.echo_text + text
+        return text, self._logprobs_of(token_ids, logprobs, index)
 
     def _logprobs_json(
-        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: list[float]
+        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: Sequence[float | None]
     ) -> Any:
         return formatter.completion(token_ids, logprobs)
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
+        first = self.logprobs is not None and chunk.index not in self._echoed_indexes
+        self._echoed_indexes.add(chunk.index)
+        text, logprobs = self._echoed(
+            chunk.text, chunk.token_ids, chunk.logprobs, chunk.index, first
+        )
         return {
-            "text": chunk.text,
-            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": public_finish_reason(chunk.finish_reason),
         }
 
-    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+    def response(self, choices: list[Collected]) -> dict[str, Any]:
+        self._prompt_logprobs = next(
+            (c.prompt_logprobs for c in choices if c.prompt_logprobs is not None), None
+        )
+        return super().response(choices)
+
+    def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
+        text, logprobs = self._echoed(
+            collected.text, collected.token_ids, collected.logprobs, index, first=True
+        )
         return {
-            "text": collected.text,
-            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
+            "text": text,
+            "logprobs": logprobs,
             "finish_reason": public_finish_reason(collected.finish_reason),
         }
 
@@ -188,25 +255,27 @@ class ChatResponses(ResponseBuilder):
     chunk_object_name = "chat.completion.chunk"
 
     def _logprobs_json(
-        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: list[float]
+        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: Sequence[float | None]
     ) -> Any:
-        return formatter.chat(token_ids, logprobs)
+        # Chat never echoes the prompt, so every generated token has its logprob.
+        return formatter.chat(token_ids, [lp for lp in logprobs if lp is not None])
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
-        return [self._chunk({"delta": delta, "logprobs": None, "finish_reason": None})]
+        choice = {"delta": delta, "logprobs": None, "finish_reason": None}
+        return [self._chunk(choice, i) for i in range(self.n)]
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
         return {
             "delta": {"content": chunk.text} if chunk.text else {},
-            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs),
+            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs, chunk.index),
             "finish_reason": public_finish_reason(chunk.finish_reason),
         }
 
-    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+    def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         return {
             "message": {"role": "assistant", "content": collected.text},
-            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
+            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs, index),
             "finish_reason": public_finish_reason(collected.finish_reason),
         }
 

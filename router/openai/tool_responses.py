@@ -41,44 +41,46 @@ class ToolChatResponses(ChatResponses):
     ) -> None:
         super().__init__(req_id, model, created, logprobs, include_usage)
         self.plan = plan
-        # Streaming state: output held back, and whether it turned out to be content.
-        self._held = Collected()
-        self._content = plan.choice is ToolChoice.NONE
-        # A named call's id, fixed when its first delta is sent.
-        self._named_call: ToolCall | None = None
+        # Streaming state per choice index: output held back, the choices that turned
+        # out to be content, a named call's id (fixed by its first delta).
+        self._held: dict[int, Collected] = {}
+        self._content: set[int] = set()
+        self._named_calls: dict[int, ToolCall] = {}
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
-        if self._content:
+        index = chunk.index
+        if self.plan.choice is ToolChoice.NONE or index in self._content:
             return super().chunk(chunk)
         if self.plan.choice is ToolChoice.NAMED:
             return self._named_delta(chunk)
-        self._held.add(chunk)
-        if self.plan.choice is ToolChoice.AUTO and not may_be_tool_call(self._held.text):
-            self._content = True  # not a call: release what was held, then stream
-            return super().chunk(self._released())
+        held = self._held.setdefault(index, Collected())
+        held.add(chunk)
+        if self.plan.choice is ToolChoice.AUTO and not may_be_tool_call(held.text):
+            self._content.add(index)  # not a call: release what was held, then stream
+            return super().chunk(self._released(index))
         if chunk.finish_reason is None:
             return None
-        parsed = parse_output(self.plan, self._held.text)
+        parsed = parse_output(self.plan, held.text)
         if not parsed.calls:
-            return super().chunk(self._released())
+            return super().chunk(self._released(index))
         delta: dict[str, Any] = {"tool_calls": [c.json(i) for i, c in enumerate(parsed.calls)]}
         if parsed.content:
             delta["content"] = parsed.content
-        return self._delta(delta, self._held.token_ids, self._held.logprobs, chunk, True)
+        return self._delta(delta, held.token_ids, held.logprobs, chunk)
 
     def _named_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         if not chunk.text and chunk.finish_reason is None:
             return None
         delta: dict[str, Any] = {}
         if chunk.text:
-            if self._named_call is None:
+            if chunk.index not in self._named_calls:
                 assert self.plan.named is not None
-                self._named_call = ToolCall(self.plan.named.name, chunk.text)
-                entry = self._named_call.json(0)
+                call = self._named_calls[chunk.index] = ToolCall(self.plan.named.name, chunk.text)
+                entry = call.json(0)
             else:
                 entry = {"index": 0, "function": {"arguments": chunk.text}}
             delta["tool_calls"] = [entry]
-        return self._delta(delta, chunk.token_ids, chunk.logprobs, chunk, True)
+        return self._delta(delta, chunk.token_ids, chunk.logprobs, chunk)
 
     def _delta(
         self,
@@ -86,33 +88,31 @@ class ToolChatResponses(ChatResponses):
         token_ids: list[int],
         logprobs: list[float],
         chunk: GenerationChunk,
-        has_calls: bool,
     ) -> dict[str, Any]:
-        return self._chunk(
-            {
-                "delta": delta,
-                "logprobs": self._logprobs_of(token_ids, logprobs),
-                "finish_reason": _finish(chunk.finish_reason, has_calls),
-            }
-        )
+        """A chunk of tool-call deltas (finishing with `tool_calls` on a stop)."""
+        body = {
+            "delta": delta,
+            "logprobs": self._logprobs_of(token_ids, logprobs, chunk.index),
+            "finish_reason": _finish(chunk.finish_reason, True),
+        }
+        return self._chunk(body, chunk.index)
 
-    def _released(self) -> GenerationChunk:
-        held = self._held
-        self._held = Collected()
+    def _released(self, index: int) -> GenerationChunk:
+        held = self._held.pop(index)
         return GenerationChunk(
-            held.token_ids, held.text, held.logprobs, held.finish_reason, held.usage
+            held.token_ids, held.text, held.logprobs, held.finish_reason, held.usage, index
         )
 
-    def _choice_whole(self, collected: Collected) -> dict[str, Any]:
+    def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         parsed = parse_output(self.plan, collected.text)
         if not parsed.calls:
-            return super()._choice_whole(collected)
+            return super()._choice_whole(collected, index)
         return {
             "message": {
                 "role": "assistant",
                 "content": parsed.content,
                 "tool_calls": [c.json() for c in parsed.calls],
             },
-            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs),
+            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs, index),
             "finish_reason": _finish(collected.finish_reason, True),
         }

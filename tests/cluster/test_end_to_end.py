@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 @pytest.fixture(scope="module")
 def ray_session():
     """One local Ray instance for the module (clusters come and go on it)."""
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

@@ -1,14 +1,10 @@
-"""`tandem pools`, `tandem scale` and `tandem router` against a running cluster on real Ray."""
+"""`tandem pools` and `tandem scale` against a running cluster on real Ray (`tandem router`:
+`test_routers.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import ray
@@ -16,8 +12,6 @@ import ray
 from tandem.cluster.cli import main
 from tandem.cluster.launcher import LocalCluster
 from tandem.router.membership import PoolTargets
-from tests.helpers.grpc_calls import generate_tokens
-from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import assert_idle, cluster_config, init_ray_with_role_slots
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -93,42 +87,3 @@ def test_pools_and_scale_commands_through_the_controller(ray_session, tiny_model
             await cluster.stop()
 
     asyncio.run(scenario())
-
-
-def test_second_router_process_serves_the_same_cluster(ray_session, tiny_model_dir):
-    async def scenario() -> None:
-        cluster = LocalCluster(cluster_config(tiny_model_dir))
-        process = None
-        try:
-            await cluster.start()
-            process = subprocess.Popen(
-                [sys.executable, "-m", "tandem.cluster.cli", "router", "--ray-address",
-                 cluster.ray_address, "--grpc-port", "0", "--http-port", "0"],
-                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )  # fmt: skip
-            endpoint = await asyncio.wait_for(asyncio.to_thread(_grpc_line, process), 120.0)
-            prompts = make_prompts(2048, (3, 30, 70), seed=5)
-            first = await generate_tokens(cluster.router.grpc_endpoint, prompts, 6)
-            second = await generate_tokens(endpoint, prompts, 6)
-            assert first == second and all(len(t) == 6 for t in first)
-            process.send_signal(signal.SIGTERM)
-            assert await asyncio.to_thread(process.wait, 120) == 0
-            await assert_idle(await cluster.membership(), auth=cluster.config.worker.cluster_auth)
-        finally:
-            if process is not None and process.poll() is None:
-                process.kill()
-                process.wait(10)
-            await cluster.stop()
-
-    asyncio.run(scenario())
-
-
-def _grpc_line(process: subprocess.Popen) -> str:
-    """The second router's gRPC endpoint, from its announcement."""
-    deadline = time.monotonic() + 120
-    for line in process.stdout:
-        if "tandem.v1.Generation" in line:
-            return line.split()[-1]
-        if time.monotonic() > deadline:
-            break
-    raise AssertionError(f"the router process announced no endpoint (exit {process.poll()})")

@@ -41,7 +41,7 @@ def test_serve_secures_its_ray_workers_with_a_generated_token(tiny_model_dir, mo
     monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
     args = build_parser().parse_args(
         ["serve", "--model", str(tiny_model_dir), "--device", "cpu", "--threads", "1",
-         "--max-model-len", "1024", "--grpc-port", "0", "--http-port", "0"]
+         "--dtype", "float32", "--max-model-len", "1024", "--grpc-port", "0", "--http-port", "0"]
     )  # fmt: skip
     config = cluster_config_from_args(args)
     config.router.warmup_profile = False  # a few seconds of probes this test does not need

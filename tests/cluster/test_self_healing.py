@@ -1,4 +1,5 @@
-"""Self-healing pools end to end: kill -9 under load, drain under load, two routers.
+"""Self-healing pools end to end: kill -9 under load, drain under load (several
+routers: `test_routers.py`).
 
 Real Ray actor workers, the real pool controller, routers that follow membership and
 migrate requests. Every text is checked against `transformers` greedy generation;
@@ -21,9 +22,7 @@ import grpc
 import pytest
 import ray
 
-from tandem.cluster.cli import main
 from tandem.cluster.launcher import LocalCluster
-from tandem.cluster.router_process import AttachedRouter
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.membership import Membership, PoolTargets, WorkerLifecycle
@@ -355,48 +354,6 @@ def test_chaos_random_kills_under_steady_load(ray_session, tiny_model_dir, promp
             assert sum(restarts.values()) == 3
             await assert_idle(final, auth=cluster.config.worker.cluster_auth)
         finally:
-            await cluster.stop()
-
-    asyncio.run(scenario())
-
-
-def test_two_routers_see_the_same_scale_event(ray_session, tiny_model_dir, prompts, expected,
-                                              capsys):  # fmt: skip
-    async def scenario() -> None:
-        cluster = LocalCluster(config_for(tiny_model_dir, 1, 1))
-        other = None
-        try:
-            await cluster.start()
-            second_config = dataclasses.replace(cluster.config.router, grpc_port=0, http_port=0)
-            other = AttachedRouter(second_config, cluster.controller)
-            second = await other.start(60.0)
-            http_a = cluster.router.http_endpoint.removeprefix("http://")
-            http_b = second.http_endpoint.removeprefix("http://")
-            rc = await asyncio.to_thread(
-                main, ["scale", "--prefill", "1", "--decode", "2", "--address", http_a,
-                       "--timeout", "120"],
-            )  # fmt: skip
-            assert rc == 0, capsys.readouterr().err
-            capsys.readouterr()
-            assert await asyncio.to_thread(main, ["pools", "--address", http_b, "--json"]) == 0
-            view = json.loads(capsys.readouterr().out)
-            assert view["targets"] == {"prefill": 1, "decode": 2}
-            assert [w["state"] for w in view["workers"]].count("serving") == 3
-            # Both routers serve, with their own prefix index and latency models.
-            for router in (cluster.router, second):
-                got = await Streams(router.grpc_endpoint, prompts, MAX_TOKENS).run()
-                assert got == expected
-            rc = await asyncio.to_thread(
-                main, ["scale", "--prefill", "1", "--decode", "9", "--address", http_b]
-            )
-            assert rc == 2 and "decode" in capsys.readouterr().err
-            await assert_idle(
-                await cluster.controller.wait_at_target.remote(60.0),
-                auth=cluster.config.worker.cluster_auth,
-            )
-        finally:
-            if other is not None:
-                await other.stop()
             await cluster.stop()
 
     asyncio.run(scenario())

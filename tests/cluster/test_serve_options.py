@@ -154,3 +154,10 @@ def test_nccl_on_the_default_cpu_device_is_refused(tiny_model_dir, capsys):
 def test_a_missing_model_directory_is_refused(tmp_path, capsys):
     err = refused(capsys, tmp_path / "nowhere", "--device", "cpu")
     assert "no config.json" in err
+
+
+def test_pool_metrics_port_is_fixed_by_a_flag(tiny_model_dir):
+    # On Kubernetes a PodMonitor scrapes the pool controller on a fixed, named port.
+    config = config_of(tiny_model_dir, "--device", "cpu", "--pool-metrics-port", "9101")
+    assert config.pools.metrics_port == 9101
+    assert config_of(tiny_model_dir, "--device", "cpu").pools.metrics_port == 0

@@ -88,3 +88,34 @@ def test_rejects_bad_values_naming_field_and_value(
     message = str(excinfo.value)
     assert field_name in message
     assert bad_value in message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"logit_bias": {3: 101.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"3": 1.0}}, "logit_bias"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias"),
+        ({"num_resumed_tokens": -1}, "num_resumed_tokens"),
+    ],
+)
+def test_rejects_bad_penalties_and_bias(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_penalty_ranges_accept_their_bounds() -> None:
+    params = SamplingParams(
+        presence_penalty=-2.0,
+        frequency_penalty=2,
+        repetition_penalty=1.3,
+        logit_bias={0: -100, 5: 100.0},
+    )
+    assert params.has_penalties
+    assert not SamplingParams(logit_bias={1: 5.0}).has_penalties

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import grpc
 
@@ -44,9 +45,11 @@ async def stream_tokens(
     prompt: list[int],
     progress: dict[str, int] | None = None,
     max_tokens: int = 160,
+    **sampling: Any,
 ) -> tuple[list[int], str]:
     """Greedy-generate one stream over `Generate` (EOS ignored); (token ids, text).
-    `progress[req_id]` follows the tokens received so far."""
+    `progress[req_id]` follows the tokens received so far; `sampling`: more
+    `GenerateRequest` fields (penalties, logit_bias, ...)."""
     async with grpc.aio.insecure_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = gen_pb.GenerateRequest(
@@ -55,6 +58,7 @@ async def stream_tokens(
             max_tokens=max_tokens,
             temperature=0.0,
             ignore_eos=True,
+            **sampling,
         )
         tokens: list[int] = []
         text = ""
@@ -70,6 +74,35 @@ async def stream_tokens(
                 assert msg.usage.prompt_tokens == len(prompt)
         assert finished, "stream ended without a finish reason"
         return tokens, text
+
+
+async def wait_streaming(
+    progress: dict[str, int], req_ids: list[str], min_tokens: int = 4, timeout_s: float = 60.0
+) -> None:
+    """Until every stream in `req_ids` has `min_tokens` in `progress` (see `stream_tokens`)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not all(progress.get(rid, 0) >= min_tokens for rid in req_ids):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"streams did not start: {progress}")
+        await asyncio.sleep(0.005)
+
+
+async def start_streams(
+    endpoint: str,
+    req_ids: list[str],
+    prompts: list[list[int]],
+    sampling: list[dict[str, Any]] | None = None,
+) -> list[asyncio.Future]:
+    """One `stream_tokens` per (id, prompt), returned once every stream is under way;
+    `sampling[i]`: more `GenerateRequest` fields of stream i."""
+    progress: dict[str, int] = {}
+    extra = sampling or [{} for _ in req_ids]
+    tasks = [
+        asyncio.ensure_future(stream_tokens(endpoint, rid, p, progress, **fields))
+        for rid, p, fields in zip(req_ids, prompts, extra, strict=True)
+    ]
+    await wait_streaming(progress, req_ids)
+    return tasks
 
 
 async def worker_stats(

@@ -1,12 +1,16 @@
 """Shared by the pool tests on real Ray: a Ray session with role slots, a small
-cluster config, and bounded waits on the pool controller's membership."""
+cluster config, bounded waits on the pool controller's membership, and what a pools
+view (`/admin/pools` JSON or a `/metrics` scrape) says about the pools."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
+import re
 import time
 import urllib.request
+from typing import Any
 
 import ray
 
@@ -23,7 +27,9 @@ ROLE_SLOTS = 3
 
 def init_ray_with_role_slots() -> None:
     """A local Ray whose nodes can place ROLE_SLOTS workers of each role."""
+    # "local": a fresh instance, never one another process left running on this machine.
     ray.init(
+        address="local",
         num_cpus=2 * ROLE_SLOTS,
         resources={"tandem_prefill": ROLE_SLOTS, "tandem_decode": ROLE_SLOTS},
         include_dashboard=False,
@@ -79,6 +85,29 @@ def scrape(url: str) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
+
+
+# (counts of workers by (role, state), targets by role), states with no worker left out.
+PoolCounts = tuple[dict[tuple[str, str], int], dict[str, int]]
+
+
+def admin_pool_counts(view: dict[str, Any]) -> PoolCounts:
+    """What an `/admin/pools` JSON view says."""
+    counts = collections.Counter((w["role"], w["state"]) for w in view["workers"])
+    return dict(counts), dict(view["targets"] or {})
+
+
+def metrics_pool_counts(samples: dict[str, float]) -> PoolCounts:
+    """What the `tandem:pool_*` gauges of a `scrape()` say (absent: no such gauges)."""
+    counts: dict[tuple[str, str], int] = {}
+    targets: dict[str, int] = {}
+    for name, value in samples.items():
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', name))
+        if name.startswith("tandem:pool_workers{") and value:
+            counts[(labels["role"], labels["state"])] = int(value)
+        elif name.startswith("tandem:pool_target_workers{"):
+            targets[labels["role"]] = int(value)
+    return counts, targets
 
 
 def pid_gone(pid: int) -> bool:

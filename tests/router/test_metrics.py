@@ -78,6 +78,18 @@ def test_metrics_match_a_known_workload(tiny_model_dir):
         assert prefill[f"tandem:prefix_cache_queries_total{{{p_labels}}}"] == sum(map(len, prompts))
         assert prefill[f"tandem:kv_cache_usage_perc{{{p_labels}}}"] == 0.0
         assert decode[f"tandem:kv_transfer_seconds_count{{{d_labels}}}"] == num_remote
+        # The TTFT split, TPOT, and per-worker token counts (what the Grafana board reads).
+        for split in ("request_queue_time", "request_prefill_time", "time_per_output_token"):
+            assert metrics[f"tandem:{split}_seconds_count{{{model}}}"] == n
+        hits = prefill[f"tandem:prefix_cache_hits_total{{{p_labels}}}"]
+        computed = f"tandem:worker_prompt_tokens_total{{{model},role=prefill,worker_id=prefill-0}}"
+        assert metrics[computed] == sum(map(len, prompts)) - hits
+        streamed = f"tandem:worker_generation_tokens_total{{{model},worker_id=decode-0}}"
+        # The first token of each request comes from the prefill worker.
+        assert metrics[streamed] == n * (MAX_TOKENS - 1)
+        # Known label values exist before their first event (no "No data" panels).
+        assert metrics[f"tandem:disagg_decisions_total{{decision=local_prefill,{model}}}"] == 0
+        assert metrics[f"tandem:request_migrations_total{{{model},reason=worker_lost}}"] == 0
         assert decode[f"tandem:kv_transfer_bytes_total{{{d_labels}}}"] > 0
         assert decode[f"tandem:num_requests_running{{{d_labels}}}"] == 0
         cluster.assert_idle()

@@ -183,6 +183,7 @@ def test_models_and_tokenize(client, cluster, model_dir, tokenizer):
     assert card["object"] == "model" and card["owned_by"] == "tandem"
     assert card["root"] == str(model_dir)
     assert card["max_model_len"] == 1024  # what the workers serve, not the model limit
+    assert card["dtype"] == "float32"  # what the workers run (EngineConfig default)
     assert isinstance(card["created"], int)
     assert client.models.retrieve(model_name(cluster)).id == model_name(cluster)
     with pytest.raises(openai.NotFoundError):

@@ -171,7 +171,7 @@ CASES = [
         ("batched prompts are not supported", "2 prompts"),
         param="prompt",
     ),
-    Bad("n=2", {"prompt": "hi", "n": 2}, 400, ("'n'", "2"), param="n"),
+    Bad("n=0", {"prompt": "hi", "n": 0}, 400, ("'n'", ">= 1"), param="n"),
     Bad(
         "17 stop strings",
         {"prompt": "hi", "stop": [f"s{i}" for i in range(17)]},
@@ -202,12 +202,62 @@ CASES = [
         400,
         ("'ignore_eos'", '"yes"'),
     ),
-    Bad("echo unsupported", {"prompt": "hi", "echo": True}, 400, ("'echo'", "not supported")),
     Bad(
-        "presence_penalty unsupported",
-        {"prompt": "hi", "presence_penalty": 0.5},
+        "presence_penalty out of range",
+        {"prompt": "hi", "presence_penalty": 2.5},
         400,
-        ("'presence_penalty'", "not supported", "0.5"),
+        ("'presence_penalty'", "[-2, 2]", "2.5"),
+        param="presence_penalty",
+    ),
+    Bad(
+        "frequency_penalty not a number",
+        {"prompt": "hi", "frequency_penalty": "1"},
+        400,
+        ("'frequency_penalty'", "number"),
+        param="frequency_penalty",
+    ),
+    Bad(
+        "repetition_penalty zero",
+        {"prompt": "hi", "repetition_penalty": 0},
+        400,
+        ("'repetition_penalty'", "> 0"),
+        param="repetition_penalty",
+    ),
+    Bad(
+        "logit_bias token outside the vocabulary",
+        {"prompt": "hi", "logit_bias": {"5": 1, "2048": -100}},
+        400,
+        ("'logit_bias'", "2048", "vocabulary [0, 2048)"),
+        param="logit_bias",
+    ),
+    Bad(
+        "logit_bias value out of range",
+        {"prompt": "hi", "logit_bias": {"5": 150}},
+        400,
+        ("'logit_bias'", "[-100, 100]", "150"),
+        param="logit_bias",
+    ),
+    Bad(
+        "logit_bias key not a token id",
+        {"prompt": "hi", "logit_bias": {"hello": 1}},
+        400,
+        ("'logit_bias'", '"hello"'),
+        param="logit_bias",
+    ),
+    Bad("n above the maximum", {"prompt": "hi", "n": 17}, 400, ("'n'", "<= 16"), param="n"),
+    Bad(
+        "best_of other than n",
+        {"prompt": "hi", "best_of": 3},
+        400,
+        ("'best_of'", "must equal 'n'"),
+        param="best_of",
+    ),
+    Bad(
+        "suffix without a FIM model",
+        {"prompt": "def f(", "suffix": "return x"},
+        400,
+        ("'suffix'", "fill-in-the-middle"),
+        param="suffix",
     ),
     Bad(
         "oversized body",
@@ -335,7 +385,9 @@ class FailingFlow:
         self.closed = False
         self.slo = SloConfig()
 
-    async def generate(self, req_id: str, prompt_ids: list[int], params, slo) -> AsyncIterator:
+    async def generate(
+        self, req_id: str, prompt_ids: list[int], params, slo, n: int = 1
+    ) -> AsyncIterator:
         try:
             for _ in range(self.num_chunks):
                 yield GenerationChunk([5], "x", usage=Usage(len(prompt_ids)))

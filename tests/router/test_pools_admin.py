@@ -20,6 +20,7 @@ from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens, strea
 from tests.helpers.inproc_cluster import SHARED_API_KEY
 from tests.helpers.inproc_pools import InprocPools
 from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import admin_pool_counts, metrics_pool_counts, scrape
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -151,6 +152,12 @@ def test_scale_up_then_down_under_load_fails_nothing(pools):
     assert len(decode_ids) == 2
     router_view = {w.worker_id for w in pools.router.pool.workers}
     assert set(decode_ids) <= router_view
+    # The router's pool gauges say what /admin/pools says.
+    _, view = pools.run(http(pools, "GET", "/admin/pools"))
+    gauges = metrics_pool_counts(scrape(f"{pools.router.http_endpoint}/metrics"))
+    assert gauges == admin_pool_counts(view) == ({("prefill", "serving"): 1,
+                                                  ("decode", "serving"): 2},
+                                                 {"prefill": 1, "decode": 2})  # fmt: skip
 
     async def land_on_each() -> set[str]:
         # Long streams so both decode workers hold some at once.

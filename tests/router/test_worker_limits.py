@@ -120,9 +120,18 @@ def test_router_checks_prompts_against_the_workers_max_model_len(tiny_model_dir)
 
     try:
         runtime = cluster.router.policy_runtime
-        assert runtime.limits == WorkerLimits(block_size=16, max_model_len=256)
+        assert runtime.limits == WorkerLimits(block_size=16, max_model_len=256, dtype="float32")
         assert cluster.run(generate(250, 6)) == grpc.StatusCode.OK
         assert cluster.run(generate(250, 7)) == grpc.StatusCode.INVALID_ARGUMENT
         cluster.assert_idle()
     finally:
         cluster.stop()
+
+
+def test_workers_must_agree_on_their_dtype():
+    replies = {"p0": stats(pb.WORKER_ROLE_PREFILL), "d0": stats(pb.WORKER_ROLE_DECODE)}
+    replies["p0"].dtype, replies["d0"].dtype = "bfloat16", "bfloat16"
+    assert worker_limits(replies, ROLES).dtype == "bfloat16"
+    replies["d0"].dtype = "float32"
+    with pytest.raises(ValueError, match=r"disagree on dtype \(d0=float32, p0=bfloat16\)"):
+        worker_limits(replies, ROLES)

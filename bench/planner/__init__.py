@@ -1,0 +1,1 @@
+"""Benchmarks of the P:D planner (`tandem-bench planner-fidelity`)."""

@@ -1,0 +1,69 @@
+"""When the live planner in `auto` may resize the pools, and to what (pure, no I/O).
+
+A change happens only when all hold:
+- the pools are at their targets (no worker starting or draining: one change at a time);
+- at least `min_change_interval_s` since the last change;
+- the last `confirmations` plans all recommended the same split, different from now;
+- that split's predicted goodput beats the current split's by more than `min_gain`.
+Then the pools move **one worker** toward it (one role -1, the other +1, or one more
+or fewer when the budget differs from the pools' size; never below one per role); the
+pool controller drains a removed worker before stopping it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+Split = tuple[int, int]  # (prefill, decode)
+
+
+@dataclass
+class ResizeGate:
+    min_change_interval_s: float
+    min_gain: float
+    confirmations: int
+    last_change_s: float = float("-inf")
+    _recent: list[Split] = field(default_factory=list)
+
+    def decide(
+        self,
+        now_s: float,
+        current: Split,
+        recommended: Split,
+        goodput: dict[Split, float],
+        at_target: bool,
+    ) -> tuple[Split | None, str]:
+        """The next targets (or None) and why."""
+        self._recent = [*self._recent, recommended][-self.confirmations :]
+        if recommended == current:
+            return None, "already at the recommended split"
+        if not at_target:
+            return None, "waiting for the last change to finish"
+        if now_s - self.last_change_s < self.min_change_interval_s:
+            return None, "too soon after the last change"
+        if len(self._recent) < self.confirmations or len(set(self._recent)) > 1:
+            return None, f"waiting for {self.confirmations} plans in a row to agree"
+        now_goodput = goodput.get(current, 0.0)
+        best = goodput.get(recommended, 0.0)
+        if now_goodput > 0 and best <= now_goodput * (1 + self.min_gain):
+            return None, f"predicted gain below {self.min_gain:.0%}"
+        target = one_step(current, recommended)
+        if min(target) < 1:
+            return None, "would leave a role without workers"
+        self.last_change_s = now_s
+        self._recent = []
+        return target, f"moving one worker toward {recommended[0]}P+{recommended[1]}D"
+
+
+def one_step(current: Split, recommended: Split) -> Split:
+    """One worker toward `recommended`: move one between the roles, or add or remove one
+    when the budget differs from the pools' size."""
+    (prefill, decode), (want_p, want_d) = current, recommended
+    grow_p, grow_d = want_p - prefill, want_d - decode
+    if grow_p > 0 and grow_d < 0:
+        return prefill + 1, decode - 1
+    if grow_p < 0 and grow_d > 0:
+        return prefill - 1, decode + 1
+    if grow_p > 0 or grow_d > 0:
+        return (prefill + 1, decode) if grow_p > 0 else (prefill, decode + 1)
+    return (prefill - 1, decode) if grow_p < 0 else (prefill, decode - 1)

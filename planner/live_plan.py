@@ -1,0 +1,73 @@
+"""One live plan, from observed traffic and the router's latency models (runs in a
+separate process so the search never stalls the router's event loop)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.planner.hysteresis import Split
+from tandem.planner.observe import ObservedLoad
+from tandem.planner.profile_format import EngineLimits
+from tandem.planner.profile_model import LatencyLaws
+from tandem.planner.search import max_goodput, plan
+from tandem.planner.simulator import ClusterSimulation, Layout, SimSettings, SloTargets
+from tandem.planner.workload import synthetic_workload
+
+# Spread of the synthetic lengths around the observed means (the router counts means only).
+_LENGTH_SPREAD = 0.25
+
+
+@dataclass(frozen=True)
+class LivePlanInput:
+    laws: LatencyLaws
+    limits: EngineLimits
+    budget: int
+    slo: SloTargets
+    load: ObservedLoad
+    # The pools' split now (None: colocated or unknown).
+    current: Split | None
+    max_local_prefill_tokens: int
+    num_requests: int
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class LivePlanResult:
+    recommended: Split
+    reason: str
+    # Goodput (req/s within SLO) the search found per split, the current one included.
+    goodput: dict[Split, float]
+    # The recommendation's goodput at the observed arrival rate.
+    predicted_goodput_rps: float
+
+
+def compute_plan(given: LivePlanInput) -> LivePlanResult:
+    load = given.load
+    workload = synthetic_workload(
+        max(1.0, load.mean_prompt_tokens),
+        max(1.0, load.mean_output_tokens),
+        isl_std=_LENGTH_SPREAD * load.mean_prompt_tokens,
+        osl_std=_LENGTH_SPREAD * load.mean_output_tokens,
+        num_requests=given.num_requests,
+        max_model_len=given.limits.max_model_len,
+        prefix_share=min(load.prefix_hit_share, 0.9),
+        seed=given.seed,
+    )
+    settings = SimSettings(given.limits, max_local_prefill_tokens=given.max_local_prefill_tokens)
+    result = plan(given.laws, settings, given.budget, given.slo, workload)
+    goodput = {(s.layout.num_prefill, s.layout.num_decode): s.goodput_rps for s in result.splits}
+    if given.current is not None and given.current not in goodput:
+        layout = Layout(*given.current)
+        now = max_goodput(given.laws, settings, layout, given.slo, workload)
+        goodput[given.current] = now.goodput_rps
+    best = result.recommended.layout
+    predicted = 0.0
+    if load.arrival_rate_rps > 0:
+        sim = ClusterSimulation(given.laws, settings, best, given.slo)
+        predicted = sim.run(workload, load.arrival_rate_rps).goodput_rps
+    return LivePlanResult((best.num_prefill, best.num_decode), result.reason, goodput, predicted)
+
+
+def warm_up() -> None:
+    """Run once in the planner's process at start, so its imports are done before the
+    first interval's plan."""

@@ -1,0 +1,75 @@
+"""What the live planner sees of the traffic: deltas of the router's own counters.
+
+Each interval it reads the router's Prometheus registry (requests that got a first
+token, prompt and generated tokens, finished requests, those within SLO) and the
+policy's reported prefix-cache hits, and turns the change since the last reading into
+an `ObservedLoad`: arrival rate, mean prompt and output lengths, prefix-hit share,
+goodput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+
+@dataclass(frozen=True)
+class Counters:
+    first_tokens: float = 0.0
+    prompt_tokens: float = 0.0
+    generation_tokens: float = 0.0
+    finished: float = 0.0
+    goodput: float = 0.0
+    cached_tokens: float = 0.0
+
+
+@dataclass(frozen=True)
+class ObservedLoad:
+    interval_s: float
+    num_requests: int
+    arrival_rate_rps: float
+    mean_prompt_tokens: float
+    mean_output_tokens: float
+    # Share of prompt tokens the prefix caches served.
+    prefix_hit_share: float
+    goodput_rps: float
+
+
+def _total(registry: CollectorRegistry, sample_name: str) -> float:
+    """Sum of one sample name over all label sets."""
+    total = 0.0
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name == sample_name:
+                total += sample.value
+    return total
+
+
+def read_counters(registry: CollectorRegistry, cached_tokens: float) -> Counters:
+    return Counters(
+        first_tokens=_total(registry, "tandem:time_to_first_token_seconds_count"),
+        prompt_tokens=_total(registry, "tandem:prompt_tokens_total"),
+        generation_tokens=_total(registry, "tandem:generation_tokens_total"),
+        finished=_total(registry, "tandem:request_success_total"),
+        goodput=_total(registry, "tandem:goodput_requests_total"),
+        cached_tokens=cached_tokens,
+    )
+
+
+def load_between(before: Counters, after: Counters, interval_s: float) -> ObservedLoad:
+    """The traffic between two readings `interval_s` apart."""
+    started = after.first_tokens - before.first_tokens
+    finished = after.finished - before.finished
+    prompt = after.prompt_tokens - before.prompt_tokens
+    generated = after.generation_tokens - before.generation_tokens
+    cached = after.cached_tokens - before.cached_tokens
+    return ObservedLoad(
+        interval_s=interval_s,
+        num_requests=int(started),
+        arrival_rate_rps=started / interval_s,
+        mean_prompt_tokens=prompt / started if started > 0 else 0.0,
+        mean_output_tokens=generated / finished if finished > 0 else 0.0,
+        prefix_hit_share=min(0.95, max(0.0, cached / prompt)) if prompt > 0 else 0.0,
+        goodput_rps=(after.goodput - before.goodput) / interval_s,
+    )

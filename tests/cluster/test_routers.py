@@ -1,0 +1,125 @@
+"""Several routers on one cluster behind a cluster token: `tandem router --ray-address`
+as its own process serves, follows a scale event made through the first router, and
+re-exports the same pool gauges that `/admin/pools` and the controller show; a router
+without the token is refused by the workers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import urllib.request
+
+import grpc
+import pytest
+import ray
+
+from tandem.cluster.cli import main
+from tandem.cluster.launcher import LocalCluster
+from tandem.cluster.router_process import serving_endpoints
+from tandem.proto.cluster_auth import ClusterAuth, generate_token
+from tandem.router.server import Router
+from tests.helpers.grpc_calls import generate_tokens
+from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import (
+    admin_pool_counts,
+    assert_idle,
+    cluster_config,
+    init_ray_with_role_slots,
+    metrics_pool_counts,
+    scrape,
+    until,
+)
+from tests.helpers.router_command import RouterCommand
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+MAX_TOKENS = 12
+
+
+def admin_view(http_endpoint: str) -> dict:
+    with urllib.request.urlopen(f"{http_endpoint}/admin/pools", timeout=10) as reply:
+        return json.loads(reply.read())
+
+
+def refusals(metrics_url: str) -> float:
+    return sum(
+        value
+        for name, value in scrape(metrics_url).items()
+        if name.startswith("tandem:unauthenticated_requests_total")
+    )
+
+
+def test_second_router_command_serves_and_follows_a_scale_event(tiny_model_dir, tmp_path,
+                                                              capsys):  # fmt: skip
+    prompts = make_prompts(2048, (9, 40, 75), seed=31)
+    expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
+    config = cluster_config(tiny_model_dir)
+    auth = ClusterAuth(token=generate_token())
+    config.worker = dataclasses.replace(config.worker, cluster_auth=auth)
+    config.router = dataclasses.replace(config.router, cluster_auth=auth)
+
+    async def scenario() -> None:
+        cluster = LocalCluster(config)
+        second = None
+        try:
+            first = await cluster.start()
+            second = RouterCommand(cluster.ray_address, tmp_path / "router.log")
+            await asyncio.to_thread(second.wait_ready)
+            assert await generate_tokens(second.grpc_endpoint, prompts, MAX_TOKENS) == expected
+
+            # A scale event through the first router ...
+            http_a = first.http_endpoint.removeprefix("http://")
+            scale = ["scale", "--prefill", "1", "--decode", "2", "--address", http_a,
+                     "--timeout", "120"]  # fmt: skip
+            assert await asyncio.to_thread(main, scale) == 0, capsys.readouterr().err
+            want = ({("prefill", "serving"): 1, ("decode", "serving"): 2},
+                    {"prefill": 1, "decode": 2})  # fmt: skip
+            # ... reaches the second one through its own watcher (its gauges follow the
+            # membership it applied), and every view agrees. (Blocking HTTP calls go
+            # through a thread: the first router serves from this event loop.)
+            second_metrics = f"{second.http_endpoint}/metrics"
+            await until(
+                lambda: metrics_pool_counts(scrape(second_metrics)) == want, 30.0,
+                "the second router's gauges at 1P+2D",
+            )  # fmt: skip
+            for http in (first.http_endpoint, second.http_endpoint):
+                assert admin_pool_counts(await asyncio.to_thread(admin_view, http)) == want
+                gauges = await asyncio.to_thread(scrape, f"{http}/metrics")
+                assert metrics_pool_counts(gauges) == want
+                assert gauges['tandem:worker_restarts_total{role="decode"}'] == 0
+            assert metrics_pool_counts(scrape(cluster.controller_metrics_url)) == want
+            capsys.readouterr()
+            http_b = second.http_endpoint.removeprefix("http://")
+            assert await asyncio.to_thread(main, ["pools", "--address", http_b, "--json"]) == 0
+            assert admin_pool_counts(json.loads(capsys.readouterr().out)) == want
+            assert await generate_tokens(second.grpc_endpoint, prompts, MAX_TOKENS) == expected
+            # A refusal through the second router names the field.
+            refused = ["scale", "--prefill", "1", "--decode", "9", "--address", http_b]
+            assert await asyncio.to_thread(main, refused) == 2
+            assert "decode" in capsys.readouterr().err
+
+            # A router that lacks the token: every worker refuses it.
+            membership = await cluster.membership()
+            before = sum(refusals(w.metrics_url) for w in membership.workers)
+            stranger = Router(
+                dataclasses.replace(config.router, cluster_auth=ClusterAuth()),
+                serving_endpoints(membership),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refusal:
+                await stranger.start()
+            await stranger.stop()
+            assert refusal.value.code() is grpc.StatusCode.UNAUTHENTICATED
+            assert sum(refusals(w.metrics_url) for w in membership.workers) > before
+            await assert_idle(await cluster.controller.wait_at_target.remote(60.0), auth=auth)
+        finally:
+            if second is not None:
+                assert await asyncio.to_thread(second.stop) == 0, second.output
+            await cluster.stop()
+
+    init_ray_with_role_slots()
+    try:
+        asyncio.run(scenario())
+    finally:
+        ray.shutdown()

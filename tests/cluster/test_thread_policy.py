@@ -1,0 +1,25 @@
+"""Threads per worker when workers share a node: `--thread-policy` (default shared)."""
+
+from __future__ import annotations
+
+from tandem.cluster.cli import build_parser, cluster_config_from_args
+from tandem.cluster.config import RayConfig, ThreadPolicy
+from tandem.cluster.launcher import threads_per_worker
+
+
+def test_shared_gives_every_worker_the_node_and_split_divides_it() -> None:
+    assert threads_per_worker(ThreadPolicy.SHARED, 16, 2) == 16
+    assert threads_per_worker(ThreadPolicy.SPLIT, 16, 2) == 8
+    assert threads_per_worker(ThreadPolicy.SPLIT, 2, 3) == 1
+    assert threads_per_worker(ThreadPolicy.SHARED, 0, 2) == 1
+
+
+def test_thread_policy_flag(tiny_model_dir) -> None:
+    def config(*flags: str):
+        argv = ["serve", "--model", str(tiny_model_dir), "--device", "cpu", *flags]
+        return cluster_config_from_args(build_parser().parse_args(argv))
+
+    assert RayConfig().thread_policy is ThreadPolicy.SHARED
+    assert config().ray.thread_policy is ThreadPolicy.SHARED
+    assert config("--thread-policy", "split").ray.thread_policy is ThreadPolicy.SPLIT
+    assert config("--threads", "3").engine.num_threads == 3  # --threads wins over a policy

@@ -1,0 +1,47 @@
+"""Prompt logprobs (OpenAI `echo` + `logprobs`): every prompt position, chunked or not,
+equal to `transformers`' log-softmax over the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.engine.config import EngineConfig, EngineMode
+from tandem.engine.llm_engine import Engine
+from tandem.engine.sampling_params import SamplingParams
+from tests.helpers.prompts import make_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def prompt_logprobs(engine: Engine, prompt: list[int]) -> list[float]:
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=True)
+    engine.add_request("p", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (out,) = outputs
+    engine.release("p")
+    assert engine.is_idle()
+    return out.prompt_logprobs
+
+
+def test_prompt_logprobs_equal_transformers_chunked_and_cached(tiny_model_dir):
+    prompt = make_prompts(2048, (70,), seed=9)[0]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt])).logits[0, :-1].float()
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:]).unsqueeze(1))
+    # Chunks of 16 tokens, prefill-only (the prefill worker's engine); the second run
+    # would hit the prefix cache, which prompt logprobs bypass.
+    engine = Engine(
+        EngineConfig(
+            model=str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=16, num_threads=1,
+            mode=EngineMode.PREFILL_ONLY,
+        )
+    )  # fmt: skip
+    for _ in range(2):
+        got = prompt_logprobs(engine, prompt)
+        assert len(got) == len(prompt) - 1
+        assert got == pytest.approx(expected.squeeze(1).tolist(), abs=1e-4)

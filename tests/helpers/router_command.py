@@ -1,0 +1,71 @@
+"""`tandem router --ray-address ADDR` as a process of its own (what a Kubernetes router
+Deployment runs): started on free ports, its endpoints read from what it announces
+(its output goes to a file, so a chatty log never blocks it on a full pipe), stopped
+with Ctrl-C (SIGINT) and killed if that does not end it in time."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers.worker_process import REPO_ROOT
+
+# What `tandem router` prints once it serves.
+_GRPC_LINE = re.compile(r"gRPC\s+tandem\.v1\.Generation\s+(\S+:\d+)")
+_HTTP_LINE = re.compile(r"HTTP\s+(http://\S+:\d+)/health")
+
+
+class RouterCommand:
+    def __init__(self, ray_address: str, log_path: Path, *flags: str) -> None:
+        argv = [sys.executable, "-m", "tandem.cluster.cli", "router", "--ray-address",
+                ray_address, "--grpc-port", "0", "--http-port", "0", *flags]  # fmt: skip
+        self.grpc_endpoint = ""
+        self.http_endpoint = ""
+        self.log_path = log_path
+        # The child keeps its own descriptor of the log; this one closes at once.
+        with log_path.open("w") as log:
+            self._proc = subprocess.Popen(
+                argv,
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+            )
+
+    @property
+    def output(self) -> str:
+        return self.log_path.read_text("utf-8", "replace")
+
+    def wait_ready(self, timeout_s: float = 120.0) -> RouterCommand:
+        """Until both endpoints are announced; AssertionError (with its output) when the
+        process exits first or time is up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            output = self.output
+            grpc_line, http_line = _GRPC_LINE.search(output), _HTTP_LINE.search(output)
+            if grpc_line and http_line:
+                self.grpc_endpoint, self.http_endpoint = grpc_line[1], http_line[1]
+                return self
+            if self._proc.poll() is not None:
+                raise AssertionError(
+                    f"tandem router exited with {self._proc.returncode}:\n{output}"
+                )
+            if time.monotonic() > deadline:
+                raise AssertionError(f"tandem router not ready in {timeout_s:g} s:\n{output}")
+            time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """Ctrl-C, then its exit status (SIGKILL, and -9, past `timeout_s`)."""
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGINT)
+            try:
+                self._proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(10)
+        return self._proc.returncode

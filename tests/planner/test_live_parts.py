@@ -1,0 +1,72 @@
+"""The live planner's parts without a cluster: counter deltas, serve flags, models."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from tandem.cluster.cli import CliError, build_parser, cluster_config_from_args
+from tandem.planner.live import laws_from_router
+from tandem.planner.live_config import PlannerMode
+from tandem.planner.observe import load_between, read_counters
+from tandem.router.policy import DecodeLatencyModel, PrefillLatencyModel, WorkerState
+
+
+def test_counter_deltas_become_the_observed_load():
+    registry = CollectorRegistry()
+    ttft = Histogram("tandem:time_to_first_token_seconds", "", ["model_name"], registry=registry)
+    prompt = Counter("tandem:prompt_tokens", "", ["model_name"], registry=registry)
+    generated = Counter("tandem:generation_tokens", "", ["model_name"], registry=registry)
+    done = Counter("tandem:request_success", "", ["model_name", "finished_reason"],
+                   registry=registry)  # fmt: skip
+    good = Counter("tandem:goodput_requests", "", ["model_name"], registry=registry)
+    before = read_counters(registry, cached_tokens=0)
+    for _ in range(10):
+        ttft.labels("m").observe(0.1)
+    prompt.labels("m").inc(1000)
+    generated.labels("m").inc(400)
+    done.labels("m", "length").inc(6)
+    done.labels("m", "stop").inc(2)
+    good.labels("m").inc(4)
+    load = load_between(before, read_counters(registry, cached_tokens=250), interval_s=2.0)
+    assert load.num_requests == 10 and load.arrival_rate_rps == 5.0
+    assert load.mean_prompt_tokens == 100.0
+    assert load.mean_output_tokens == 50.0  # 400 tokens over 8 finished requests
+    assert load.prefix_hit_share == 0.25
+    assert load.goodput_rps == 2.0
+
+
+def test_models_are_averaged_per_role():
+    def worker(wid, role, prefill, decode):
+        return WorkerState(wid, role, block_size=16, num_blocks=100,
+                           prefill_model=PrefillLatencyModel(prefill),
+                           decode_model=DecodeLatencyModel(decode))  # fmt: skip
+
+    laws = laws_from_router(
+        [worker("p0", "prefill", (0.01, 1e-4, 0.0), (9, 9, 9)),
+         worker("p1", "prefill", (0.03, 3e-4, 0.0), (9, 9, 9)),
+         worker("d0", "decode", (9, 9, 9), (0.02, 1e-3, 1e-7))],
+        transfer_s_per_token=1e-6,
+    )  # fmt: skip
+    assert laws.prefill_fixed_s == pytest.approx(0.02)
+    assert laws.prefill_per_token_s == pytest.approx(2e-4)
+    assert laws.decode_fixed_s == pytest.approx(0.02)
+    assert laws.transfer_s_per_token == 1e-6
+
+
+def serve_config(model_dir, *flags):
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), *flags])
+    return cluster_config_from_args(args)
+
+
+def test_serve_planner_flags(tiny_model_dir):
+    default = serve_config(tiny_model_dir).planner
+    assert default.mode is PlannerMode.OBSERVE and default.interval_s == 60
+    assert default.max_workers is None
+    chosen = serve_config(tiny_model_dir, "--planner", "auto", "--planner-interval", "5",
+                          "--max-workers", "4").planner  # fmt: skip
+    assert (chosen.mode, chosen.interval_s, chosen.max_workers) == (PlannerMode.AUTO, 5, 4)
+    with pytest.raises(CliError, match="max_workers must be >= 2"):
+        serve_config(tiny_model_dir, "--max-workers", "1")
+    with pytest.raises(SystemExit):
+        serve_config(tiny_model_dir, "--planner", "sometimes")

@@ -1,0 +1,345 @@
+"""Penalties, logit_bias and echo through a served 1P + 1D cluster, with the official
+`openai` client (and `tandem.v1.Generate`, KServe's `sampling_parameters`).
+
+The module's cluster sends every prompt through the prefill worker (no local prefill),
+so the first token is chosen there and the rest on the decode worker; a colocated
+engine on the same weights is the reference, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.generate import generate
+from tandem.engine.llm_engine import Engine
+from tandem.engine.sampling_params import SamplingParams
+from tandem.proto.cluster_auth import ClusterAuth, generate_token
+from tandem.proto.inference import grpc_service_pb2 as kserve_pb
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tandem.router.errors import InvalidRequest
+from tandem.router.kserve_request import parse_request
+from tandem.router.tokenization import PromptTokenizer
+from tandem.worker.convert import sampling_params_from_proto, sampling_params_to_proto
+from tests.helpers.grpc_calls import worker_stats
+from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster, shared_router_config
+from tests.helpers.prompts import make_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_TOKENS = 20
+PENALTIES = {"presence_penalty": 0.6, "frequency_penalty": 1.1}
+REPETITION = 1.3
+MAX_N = 4  # the module cluster's --max-n
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path) -> Iterator[InprocCluster]:
+    """1P + 1D where every prompt is prefilled by the prefill worker."""
+    model_dir = str(tiny_model_dir)
+    router = replace(shared_router_config(model_dir), max_local_prefill_tokens=0, max_n=MAX_N)
+    cluster = InprocCluster(
+        model_dir, router_config=router, cluster_auth=ClusterAuth(token=generate_token())
+    )
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_model_dir: Path) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model_dir), num_threads=1, max_model_len=1024))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> PromptTokenizer:
+    return PromptTokenizer(str(tiny_model_dir))
+
+
+@pytest.fixture
+def client(cluster: InprocCluster) -> Iterator[openai.OpenAI]:
+    client = openai.OpenAI(
+        base_url=f"{cluster.http_endpoint}/v1", api_key=SHARED_API_KEY, max_retries=0, timeout=60
+    )
+    yield client
+    client.close()
+
+
+PROMPT = make_prompts(2048, (29,), seed=41)[0]
+
+
+def colocated_run(engine: Engine, **settings) -> list[int]:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, **settings)
+    (out,) = generate(engine, [PROMPT], params)
+    return out.token_ids
+
+
+def completion_tokens(client: openai.OpenAI, cluster: InprocCluster, **settings) -> list[str]:
+    """The greedy completion's tokens (as the API shows them: one string each)."""
+    response = client.completions.create(
+        model=cluster.router.config.model_name,
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        logprobs=0,
+        **settings,
+    )
+    return response.choices[0].logprobs.tokens
+
+
+def token_texts(tokenizer: PromptTokenizer, ids: list[int]) -> list[str]:
+    return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+
+def prompt_tokens_prefilled(cluster: InprocCluster) -> int:
+    prefill = next(w for w in cluster.workers if w.role == "prefill")
+    stats = cluster.run(worker_stats(prefill.endpoint, "prefill", cluster.cluster_auth))
+    return stats.prefix_cache_queries
+
+
+def test_penalties_change_greedy_output_and_equal_a_colocated_run(
+    client, cluster, colocated, tokenizer
+):
+    before = prompt_tokens_prefilled(cluster)
+    extra = {"ignore_eos": True, "repetition_penalty": REPETITION}
+    penalised = completion_tokens(client, cluster, extra_body=extra, **PENALTIES)
+    # The prefill worker chose the first token (disaggregated path).
+    assert prompt_tokens_prefilled(cluster) == before + len(PROMPT)
+    greedy = completion_tokens(client, cluster, extra_body={"ignore_eos": True})
+    expected = colocated_run(colocated, repetition_penalty=REPETITION, **PENALTIES)
+    assert penalised == token_texts(tokenizer, expected)
+    assert greedy == token_texts(tokenizer, colocated_run(colocated))
+    assert penalised != greedy
+
+
+def test_logit_bias_minus_100_bans_the_greedy_token(client, cluster, colocated, tokenizer):
+    greedy = colocated_run(colocated)
+    # The token greedy produces first, and the one it repeats most.
+    banned = {greedy[0], Counter(greedy).most_common(1)[0][0]}
+    bias = {str(t): -100 for t in banned}
+    tokens = completion_tokens(client, cluster, logit_bias=bias, extra_body={"ignore_eos": True})
+    assert len(tokens) == MAX_TOKENS
+    assert not set(tokens) & set(token_texts(tokenizer, sorted(banned)))
+    # The same through tandem.v1.Generate, by token id.
+    request = gen_pb.GenerateRequest(
+        prompt_token_ids=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        logit_bias={t: -100.0 for t in banned},
+        presence_penalty=PENALTIES["presence_penalty"],
+        frequency_penalty=PENALTIES["frequency_penalty"],
+        repetition_penalty=REPETITION,
+    )
+    ids = cluster.run(_generate_ids(cluster.grpc_endpoint, request))
+    assert len(ids) == MAX_TOKENS and not set(ids) & banned
+    expected = colocated_run(
+        colocated,
+        logit_bias={t: -100.0 for t in banned},
+        repetition_penalty=REPETITION,
+        **PENALTIES,
+    )
+    assert ids == expected
+
+
+def test_n_choices_come_from_one_prefill(client, cluster, colocated, tokenizer):
+    model = cluster.router.config.model_name
+    before = prompt_tokens_prefilled(cluster)
+    sampled = client.completions.create(
+        model=model, prompt=PROMPT, n=3, max_tokens=8, temperature=1.0, seed=11,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    # One prompt's worth of tokens went through the prefill worker, not three.
+    assert prompt_tokens_prefilled(cluster) == before + len(PROMPT)
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in sampled.choices)
+    assert len({c.text for c in sampled.choices}) > 1  # each sequence samples on its own
+    assert sampled.usage.completion_tokens == 3 * 8
+    assert sampled.usage.prompt_tokens == len(PROMPT)
+    # Greedy: every sequence (those sampling their first token on the decode worker
+    # too) is the colocated greedy run.
+    greedy = client.completions.create(
+        model=model, prompt=PROMPT, n=3, max_tokens=MAX_TOKENS, temperature=0.0, logprobs=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    expected = token_texts(tokenizer, colocated_run(colocated))
+    assert [c.logprobs.tokens for c in greedy.choices] == [expected] * 3
+
+
+def test_n_choices_stream_with_their_index(client, cluster):
+    stream = client.chat.completions.create(
+        model=cluster.router.config.model_name,
+        messages=[{"role": "user", "content": "name three caches"}],
+        n=2, max_tokens=6, temperature=0.8, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    texts = {0: "", 1: ""}
+    finished = set()
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finished.add(choice.index)
+    assert finished == {0, 1}
+    assert usage is not None and usage.completion_tokens <= 12
+
+
+def test_n_stream_closed_early_frees_every_sequence(client, cluster):
+    """The client leaves after the first chunk: all n decode calls end, every held KV
+    is released (the idle check after each test asserts it)."""
+    stream = client.completions.create(
+        model=cluster.router.config.model_name, prompt=PROMPT, n=MAX_N, max_tokens=200,
+        temperature=1.0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    first = next(iter(stream))
+    assert first.choices[0].index in range(MAX_N)
+    stream.close()
+    cluster.assert_idle(timeout_s=10)
+
+
+def test_grpc_generate_n_sequences_by_index(cluster, colocated):
+    request = gen_pb.GenerateRequest(
+        prompt_token_ids=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2
+    )
+    by_index = cluster.run(_generate_by_index(cluster.grpc_endpoint, request))
+    assert by_index == {0: colocated_run(colocated), 1: colocated_run(colocated)}
+    request.n = MAX_N + 1
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        cluster.run(_generate_by_index(cluster.grpc_endpoint, request))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "n must be <=" in (info.value.details() or "")
+
+
+def test_grpc_refuses_bias_outside_the_vocabulary(cluster):
+    request = gen_pb.GenerateRequest(prompt="hi", logit_bias={5000: 1.0})
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        cluster.run(_generate_ids(cluster.grpc_endpoint, request))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "logit_bias" in (info.value.details() or "")
+
+
+def test_echo_returns_the_prompt_then_the_completion(client, cluster):
+    args = dict(model=cluster.router.config.model_name, max_tokens=8, temperature=0.0)
+    prompt = "the paged cache"
+    plain = client.completions.create(prompt=prompt, **args).choices[0].text
+    echoed = client.completions.create(prompt=prompt, echo=True, **args).choices[0].text
+    assert echoed == prompt + plain
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(prompt=prompt, echo=True, stream=True, **args)
+    )
+    assert streamed == prompt + plain
+
+
+def test_echo_with_logprobs_returns_the_prompt_logprobs(client, cluster, tokenizer, tiny_model_dir):
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT])).logits[0, :-1].float()
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(PROMPT[1:]).unsqueeze(1))
+    args = dict(
+        model=cluster.router.config.model_name, prompt=PROMPT, max_tokens=4, temperature=0.0,
+        logprobs=0, echo=True,
+    )  # fmt: skip
+    whole = client.completions.create(**args).choices[0]
+    streamed = list(client.completions.create(**args, stream=True))
+    for logprobs in (whole.logprobs, streamed[0].choices[0].logprobs):
+        assert logprobs.tokens[: len(PROMPT)] == token_texts(tokenizer, PROMPT)
+        assert logprobs.token_logprobs[0] is None
+        prompt_part = logprobs.token_logprobs[1 : len(PROMPT)]
+        assert prompt_part == pytest.approx(expected.squeeze(1).tolist(), abs=1e-4)
+    assert len(whole.logprobs.tokens) == len(PROMPT) + 4
+    assert whole.text == "".join(c.choices[0].text for c in streamed)
+
+
+def test_bad_sampling_fields_get_400_and_the_server_keeps_serving(client, cluster):
+    model = cluster.router.config.model_name
+    for bad in (
+        {"logit_bias": {"2048": -100}},
+        {"logit_bias": {"3": -101}},
+        {"presence_penalty": -2.5},
+        {"n": MAX_N + 1},
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt="hi", max_tokens=2, **bad)
+        assert info.value.body["param"] == next(iter(bad))
+        if "n" in bad:
+            assert f"<= {MAX_N}" in info.value.body["message"]
+    ok = client.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_kserve_sampling_parameters_carry_penalties_and_bias(tokenizer):
+    def request(sampling: dict) -> kserve_pb.ModelInferRequest:
+        msg = kserve_pb.ModelInferRequest(model_name="tiny")
+        text = msg.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+        text.contents.bytes_contents.append(b"the cache")
+        tensor = msg.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
+        tensor.contents.bytes_contents.append(json.dumps(sampling).encode())
+        return msg
+
+    params = parse_request(
+        request(
+            {
+                "presence_penalty": "0.5",
+                "frequency_penalty": 1,
+                "repetition_penalty": 1.2,
+                "logit_bias": {"7": -100, "9": "2.5"},
+            }
+        ),
+        tokenizer,
+    ).params
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, 1.0)
+    assert params.repetition_penalty == 1.2 and params.logit_bias == {7: -100.0, 9: 2.5}
+    for bad, word in [
+        ({"logit_bias": {"4096": 1}}, "vocabulary"),
+        ({"logit_bias": {"x": 1}}, "token ids"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"1": 200}}, "logit_bias"),
+    ]:
+        with pytest.raises(InvalidRequest, match=word):
+            parse_request(request(bad), tokenizer)
+
+
+async def _generate_ids(endpoint: str, request: gen_pb.GenerateRequest) -> list[int]:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        ids: list[int] = []
+        async for msg in stub.Generate(request, timeout=60):
+            ids += msg.token_ids
+        return ids
+
+
+def test_worker_wire_keeps_every_sampling_field():
+    params = SamplingParams(
+        max_tokens=9, temperature=0.5, presence_penalty=-1.5, frequency_penalty=0.25,
+        repetition_penalty=1.25, logit_bias={3: -100.0, 7: 2.5}, num_resumed_tokens=4,
+        min_tokens=2, skip_special_tokens=False, seed=3,
+    )  # fmt: skip
+    assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
+    assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (
+        SamplingParams()
+    )
+
+
+async def _generate_by_index(
+    endpoint: str, request: gen_pb.GenerateRequest
+) -> dict[int, list[int]]:
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        ids: dict[int, list[int]] = {}
+        async for msg in stub.Generate(request, timeout=60):
+            ids.setdefault(msg.index, []).extend(msg.token_ids)
+        return ids
