@@ -298,3 +298,21 @@ def test_guided_through_generate_and_kserve(cluster):
         names = [o.name for o in response.outputs]
         text = response.raw_output_contents[names.index("text_output")][4:].decode()
         assert text in ("yes", "no")
+
+
+def test_every_choice_of_n_follows_the_grammar(client, cluster):
+    """n > 1 shares one prefill; the decode side samples sequences 1..n-1's first token
+    itself, under the same grammar."""
+    options = ["decode prefill", "batch queue", "router"]
+    reply = client.completions.create(
+        model=_model(cluster),
+        prompt="the",
+        n=3,
+        max_tokens=32,
+        temperature=1.0,
+        seed=5,
+        extra_body={"guided_choice": options},
+    )
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        assert choice.text in options and choice.finish_reason == "stop"
