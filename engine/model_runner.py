@@ -18,6 +18,7 @@ from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.prompt_logprobs import record_prompt_logprobs
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from tandem.engine.structured.masking import apply_grammar_masks
 
 
 class ModelRunner:
@@ -76,6 +77,7 @@ class ModelRunner:
         rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
         logits = self.model.compute_logits(hidden[rows])
         self._mask_early_stops(logits, sampling)
+        apply_grammar_masks(logits, [c.request.grammar for c in sampling])
         result = self.sampler.sample(
             logits,
             [c.request.params for c in sampling],
