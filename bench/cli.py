@@ -7,6 +7,7 @@
     tandem-bench gpu-check [--dry-run]                            # one prepared GPU run
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
+    tandem-bench structured [--quick]                             # JSON-schema cost per token
     tandem-bench experiment all|head-of-line|frontier|goodput    # the published experiments
     tandem-bench planner-fidelity [--quick]                       # simulator vs measured runs
     tandem-bench pools [--kills N] [--drains N]                   # heal, migration, drain times
@@ -33,6 +34,7 @@ SUITES = {
     "gpu-check": ("gpu_check", "one prepared GPU run: equality, decode roofline, MFU, KV GB/s"),
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
+    "structured": ("engine.structured", "TPOT with and without a JSON schema, batch 1 and 8"),
     "experiment": ("experiments.cli", "a published experiment: servers, load, plots, section"),
     "planner-fidelity": ("planner.fidelity", "the planner's simulator against measured runs"),
     "pools": ("pools.bench", "elastic pools under load: heal after kill -9, migration, drain"),
@@ -105,6 +107,7 @@ OPTIONS: dict[str, list[Option]] = {
         (("--duration",), {"type": float, "default": 40.0, "help": "seconds of arrivals"}),
         (("--seed",), {"type": int, "default": 0}),
     ],
+    "structured": [_model("models/tandem-small"), _OUT, _QUICK],
     "experiment": [
         (("name",), {"choices": ("head-of-line", "frontier", "goodput", "all")}),
         _model("models/tandem-small"), _QUICK,

@@ -100,7 +100,18 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         help="[cuda if present, else cpu]",
     )  # fmt: skip
     demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    add_attention_backend_flag(demo)
     demo.set_defaults(handler=_run_demo, demo_parser=demo)
+
+
+def add_attention_backend_flag(parser: argparse.ArgumentParser) -> None:
+    from tandem.engine.attention import AttentionBackendName
+
+    parser.add_argument(
+        "--attention-backend", choices=[b.value for b in AttentionBackendName], default="auto",
+        help="attention kernels: triton (CUDA; CPU only under TRITON_INTERPRET=1) or the torch "
+        "reference [auto: triton on cuda, torch on cpu]",
+    )  # fmt: skip
 
 
 def _int_at_least(minimum: int, text: str) -> int:
@@ -185,6 +196,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         "--device", choices=[d.value for d in DeviceKind], default=None,
         help="where the engines run [cuda if present, else cpu]",
     )  # fmt: skip
+    add_attention_backend_flag(serve)
     # `local` is in-process only (tests, benchmarks): a cluster's workers are processes.
     serve.add_argument(
         "--kv-backend", choices=[KvBackend.TCP.value, KvBackend.NCCL.value], default=None,
@@ -338,6 +350,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            attention_backend=args.attention_backend,
         )
         # One token for the whole cluster: the workers check it, the router presents it.
         auth = cluster_auth_from_args(args, os.environ, generate=True)
@@ -419,9 +432,19 @@ def _run_demo(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     prompts = list(args.prompts or DEMO_PROMPTS)
     started = time.perf_counter()
-    engine = Engine(EngineConfig(model=args.model, device=device, dtype=args.dtype))
+    try:
+        config = EngineConfig(
+            model=args.model,
+            device=device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+        )
+    except ValueError as exc:
+        args.demo_parser.error(str(exc))
+    engine = Engine(config)
     print(
-        f"engine ready on {device}, {dtype_banner(engine.config)}, in "
+        f"engine ready on {device}, {dtype_banner(engine.config)}, "
+        f"attention {config.resolved_attention_backend}, in "
         f"{time.perf_counter() - started:.1f}s: {args.model}"
     )
 

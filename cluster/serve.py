@@ -26,7 +26,10 @@ async def serve(config: ClusterConfig, announce=print) -> None:
     try:
         router = await cluster.start()
         planner = await start_planner(config, router)
-        announce(f"Tandem serving {config.model_dir}, {dtype_banner(config.engine)}")
+        announce(
+            f"Tandem serving {config.model_dir}, {dtype_banner(config.engine)}, "
+            f"attention {config.engine.resolved_attention_backend}"
+        )
         for worker in cluster.workers:
             announce(f"  {worker.role:<9} {worker.worker_id:<12} {worker.endpoint}")
         announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")

@@ -216,6 +216,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             max_tokens=params.max_tokens - 1,
             min_tokens=max(0, params.min_tokens - 1),
             num_resumed_tokens=params.num_resumed_tokens + 1,
+            # The grammar (if any) resumes with the first token accepted.
+            structured=params.structured and params.structured.continued([first]),
         )
         return await self.loop.generate(req_id, [*prompt, first], rest, local_prefill=True)
 

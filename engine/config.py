@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from tandem.engine.attention.selector import resolve_attention_backend
 from tandem.engine.dtype import auto_dtype
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,8 @@ class EngineConfig:
     num_threads: int | None = None
     # How long a prefill-only engine keeps unpulled KV before freeing it.
     kv_lease_s: float = 30.0
+    # "auto" (triton on CUDA, torch on CPU), "torch" or "triton"; see engine/attention.
+    attention_backend: str = "auto"
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __init__(
@@ -222,6 +225,7 @@ class EngineConfig:
         device: str = device,
         num_threads: int | None = num_threads,
         kv_lease_s: float = kv_lease_s,
+        attention_backend: str = attention_backend,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -234,6 +238,7 @@ class EngineConfig:
         self.device = device
         self.num_threads = num_threads
         self.kv_lease_s = kv_lease_s
+        self.attention_backend = attention_backend
         self.model_config = ModelConfig.from_model_dir(model)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
@@ -286,6 +291,18 @@ class EngineConfig:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.kv_lease_s <= 0:
             raise ValueError(f"kv_lease_s must be > 0, got {self.kv_lease_s}")
+        # Raises when the backend cannot run here (checked again where the engine starts).
+        backend = resolve_attention_backend(self.attention_backend, self.device)
+        if backend == "triton" and self.device == "cpu" and self.resolved_dtype == "bfloat16":
+            raise ValueError(
+                "attention_backend triton on cpu (Triton's interpreter) computes bfloat16 "
+                "dot products wrongly; use dtype float32 or float16"
+            )
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """The backend `attention_backend` stands for on this device ('torch' or 'triton')."""
+        return resolve_attention_backend(self.attention_backend, self.device).value
 
     def _resolve_num_blocks(self, requested: int | None) -> int:
         if requested is None:

@@ -38,6 +38,7 @@ from tandem.engine.request import FinishReason, Request, RequestStatus
 from tandem.engine.sampler import make_generator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
+from tandem.engine.structured.runtime import StructuredRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Engine:
             config.torch_dtype,
             torch.device(config.device),
             self.max_model_len,
+            attention_backend=config.attention_backend,
         )
         self.pool = BlockPool(config.num_blocks)
         self.kv = KVCacheManager(self.pool, config.block_size, config.enable_prefix_caching)
@@ -83,6 +85,11 @@ class Engine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._held: dict[str, _HeldKv] = {}
         self._importing: dict[str, Request] = {}
+        # Grammar-constrained requests: compile wait, matchers (see engine/structured/).
+        self.structured = StructuredRuntime(
+            tokenizer, config.model_config.vocab_size, list(config.model_config.eos_token_ids),
+            clock,
+        )  # fmt: skip
 
     # ----- requests -------------------------------------------------------------
 
@@ -106,9 +113,12 @@ class Engine:
             )
         prompt_ids = self._prompt_ids(prompt)
         request = self._new_request(req_id, prompt_ids, params)
+        if params.structured is not None:
+            self.structured.start(request, [], self.scheduler.add)
+        else:
+            self.scheduler.add(request)
         self._requests[req_id] = request
         self._detokenizers[req_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
-        self.scheduler.add(request)
         return request
 
     def abort(self, req_id: str) -> bool:
@@ -123,6 +133,7 @@ class Engine:
         if request is None:
             return False
         self._detokenizers.pop(req_id, None)
+        self.structured.discard(req_id)
         self.scheduler.finish(request, FinishReason.ABORT)
         return True
 
@@ -132,14 +143,65 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns the requests that produced a token."""
         self.expire_leases(self.clock())
+        outputs = self._poll_grammars()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            if self.structured.num_waiting:
+                self.structured.wait()
+            return outputs
         sampled = self.runner.execute(out)
-        outputs = []
+        refused = self.structured.advance(out.chunks, sampled)
         for request in self.scheduler.update(out, sampled):
+            self._end_grammar(request, refused)
             outputs.append(self._emit(request))
         return outputs
+
+    # ----- structured outputs ----------------------------------------------------
+
+    def _poll_grammars(self) -> list[RequestOutput]:
+        """Start requests whose grammar compiled; end (abort) those that cannot start."""
+        if not self.structured.num_waiting:
+            return []
+        outputs = []
+        for request, reason in self.structured.poll():
+            logger.warning("request %s cannot start: %s", request.req_id, reason)
+            self.scheduler.finish(request, FinishReason.ABORT)
+            outputs.append(self._emit_ended(request))
+        return outputs
+
+    def _end_grammar(self, request: Request, refused: set[str]) -> None:
+        """A finished grammar ends its request with `stop` (even past `ignore_eos`, and on
+        a prefill worker: nothing is left to decode, so the KV is not held)."""
+        grammar = request.grammar
+        if grammar is None:
+            return
+        if request.req_id in refused:
+            if not request.is_finished:
+                self.scheduler.finish(request, FinishReason.ABORT)
+            return
+        if not grammar.is_terminated:
+            return
+        if request.finish_reason is FinishReason.PREFILLED:
+            self.kv.free(request)
+            request.finish_reason = FinishReason.STOP
+        elif not request.is_finished:
+            self.scheduler.finish(request, FinishReason.STOP)
+
+    def _emit_ended(self, request: Request) -> RequestOutput:
+        """The last output of a request that ends without a new token."""
+        del self._requests[request.req_id]
+        self._detokenizers.pop(request.req_id, None)
+        return RequestOutput(
+            req_id=request.req_id,
+            new_token_ids=[],
+            new_logprobs=[],
+            delta_text="",
+            finished=True,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            num_output_tokens=len(request.output_token_ids),
+        )
 
     def _emit(self, request: Request) -> RequestOutput:
         req_id = request.req_id
@@ -304,9 +366,21 @@ class Engine:
             # Sample the first token here: the last prompt position runs again.
             request.num_computed_tokens = request.num_prompt_tokens - 1
         self.kv.cache_full_blocks(request)
+        if request.params.structured is not None:
+            # The grammar resumes after the first token (sampled under it by the prefill
+            # side, when it was); a token it refuses raises here and the import is undone.
+            try:
+                self.structured.start(
+                    request, request.output_token_ids[:1], self.scheduler.add_running
+                )
+            except ValueError:
+                self._retire(req_id)
+                request.status = RequestStatus.FINISHED
+                raise
+        else:
+            self.scheduler.add_running(request)
         self._requests[req_id] = request
         self._detokenizers[req_id] = detok
-        self.scheduler.add_running(request)
 
     def cancel_import(self, req_id: str) -> bool:
         request = self._importing.pop(req_id, None)

@@ -1,21 +1,24 @@
 """Turns a `SchedulerOutput` into tensors, runs the model, samples next tokens.
 
 Decodes (one query token) are laid out first so the attention backend batches them;
-prefill chunks follow. Logits are computed only for rows that sample (the last token
-of each sequence that reaches its end this step), never for whole prompts.
+prefill chunks follow. The step's `BatchLayout` goes to the model's attention backend,
+which builds its own metadata once for all layers. Logits are computed only for rows
+that sample (the last token of each sequence that reaches its end this step), never
+for whole prompts.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.engine.attention import AttentionMetadata, PrefillSpan
+from tandem.engine.attention import AttentionMetadata, BatchLayout
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.prompt_logprobs import record_prompt_logprobs
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from tandem.engine.structured.masking import apply_grammar_masks
 
 
 class ModelRunner:
@@ -39,6 +42,7 @@ class ModelRunner:
             dtype=config.torch_dtype,
             device=self.device,
         )
+        self.attention_backend = model.attention_backend
         self.sampler = Sampler()
         self.eos_token_ids = list(cfg.eos_token_ids)
 
@@ -61,16 +65,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
-        input_ids, positions, meta = self._prepare(chunks)
+        input_ids, positions, batch = self._prepare(chunks)
+        meta: AttentionMetadata = self.attention_backend.build_metadata(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        record_prompt_logprobs(self.model, hidden, chunks, meta.query_start_loc)
+        starts = torch.tensor(batch.query_start_loc)
+        record_prompt_logprobs(self.model, hidden, chunks, starts)
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return {}
-        ends = meta.query_start_loc[1:]
-        rows = [int(ends[i]) - 1 for i, c in enumerate(chunks) if c.samples]
+        ends = batch.query_start_loc[1:]
+        rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
         logits = self.model.compute_logits(hidden[rows])
         self._mask_early_stops(logits, sampling)
+        apply_grammar_masks(logits, [c.request.grammar for c in sampling])
         result = self.sampler.sample(
             logits,
             [c.request.params for c in sampling],
@@ -96,7 +103,7 @@ class ModelRunner:
 
     def _prepare(
         self, chunks: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
         block_size = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -120,53 +127,17 @@ class ModelRunner:
             seq_lens.append(end)
             tables.append(blocks)
             num_decodes += chunk.num_new_tokens == 1
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=block_tables.to(self.device),
+        batch = BatchLayout(
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            block_tables=tables,
             slot_mapping=torch.tensor(slots, device=self.device),
             num_decodes=num_decodes,
-            decode_mask=_decode_mask(seq_lens[:num_decodes], self.device),
-            max_decode_len=max(seq_lens[:num_decodes], default=0),
-            prefills=[
-                _prefill_span(
-                    starts[i],
-                    seq_lens[i],
-                    chunks[i].num_new_tokens,
-                    block_tables[i, : -(-seq_lens[i] // block_size)],
-                )
-                for i in range(num_decodes, len(chunks))
-            ],
+            block_size=block_size,
+            device=self.device,
         )
-        for span in meta.prefills:
-            span.block_table = span.block_table.to(self.device)
-            if span.mask is not None:
-                span.mask = span.mask.to(self.device)
         return (
             torch.tensor(token_ids, device=self.device),
             torch.tensor(positions, device=self.device),
-            meta,
+            batch,
         )
-
-
-def _decode_mask(seq_lens: list[int], device: torch.device) -> torch.Tensor | None:
-    """Key-padding mask for batched decodes; None when no padding is needed."""
-    if len(seq_lens) <= 1 or min(seq_lens) == max(seq_lens):
-        return None
-    lens = torch.tensor(seq_lens)
-    mask = torch.arange(max(seq_lens)) < lens[:, None]
-    return mask[:, None, None, :].to(device)
-
-
-def _prefill_span(
-    query_start: int, seq_len: int, query_len: int, block_table: torch.Tensor
-) -> PrefillSpan:
-    context_len = seq_len - query_len
-    mask = None
-    if context_len:
-        # Query i sits at absolute position context_len + i and sees keys 0..that position.
-        rows = torch.arange(query_len)[:, None] + context_len
-        mask = torch.arange(seq_len)[None, :] <= rows
-    return PrefillSpan(query_start, query_len, context_len, block_table, mask)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.structured.matcher import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +56,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # With params.prompt_logprobs: the logprob of prompt token i + 1 given tokens 0..i.
     prompt_logprobs: list[float] = field(default_factory=list)
+    # Structured outputs: the request's grammar matcher (None = unconstrained).
+    grammar: RequestGrammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tandem.engine.structured.spec import GuidedDecoding
+
 MAX_NUM_STOP_STRINGS = 16
 # OpenAI's ranges: presence/frequency penalty in [-2, 2], a logit bias in [-100, 100].
 MAX_ABS_PENALTY = 2.0
@@ -44,6 +46,8 @@ class SamplingParams:
     logprobs: bool = False
     # Leave special tokens (BOS, EOS, ...) out of the detokenized text.
     skip_special_tokens: bool = True
+    # Structured output: the grammar every generated token must follow (None = free).
+    structured: GuidedDecoding | None = None
 
     # ----- penalties and logit bias (applied by the Sampler before choosing) -----
     # OpenAI: subtract this once from the logit of every token already generated.
@@ -94,6 +98,8 @@ class SamplingParams:
         for stop_str in self.stop:
             if not isinstance(stop_str, str) or not stop_str:
                 raise ValueError(f"stop strings must be non-empty str, got {stop_str!r}")
+        if self.structured is not None and not isinstance(self.structured, GuidedDecoding):
+            raise ValueError(f"structured must be a GuidedDecoding, got {self.structured!r}")
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {token_id!r}")

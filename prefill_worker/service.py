@@ -83,6 +83,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             span.end()
         if last is None or not last.finished:
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {req_id} did not finish")
+        if not last.new_token_ids:
+            # Ended before its first token (its grammar could not start; see the log).
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {req_id} was aborted")
         response = pb.PrefillResponse(
             first_token_id=last.new_token_ids[0],
             first_token_logprob=last.new_logprobs[0],

@@ -21,6 +21,7 @@ from tandem.router.errors import (
 )
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.request_flow import RequestFlow
+from tandem.router.structured_outputs import guided_from_generate
 from tandem.router.tokenization import PromptTokenizer
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             if request.HasField("repetition_penalty")
             else 1.0,
             logit_bias=self._logit_bias(request),
+            structured=guided_from_generate(request.guided),
         )
         self.tokenizer.check_length(len(prompt_ids), params.max_tokens)
         return prompt_ids, params

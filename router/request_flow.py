@@ -225,7 +225,7 @@ class RequestFlow:
                 attempt = self._begin(placement)
                 run_params = params
                 if output_ids:
-                    run_params = _rest(params, len(output_ids), router_stops=detok is not None)
+                    run_params = _rest(params, output_ids, router_stops=detok is not None)
                 chunks = self._generate(
                     req_id,
                     [*prompt_ids, *output_ids],
@@ -545,14 +545,17 @@ def _failed(worker_id: str, reason: MigrationReason, exc: grpc.aio.AioRpcError) 
     )
 
 
-def _rest(params: SamplingParams, num_streamed: int, router_stops: bool) -> SamplingParams:
-    """The sampling params of a continuation after `num_streamed` tokens.
+def _rest(params: SamplingParams, streamed: list[int], router_stops: bool) -> SamplingParams:
+    """The sampling params of a continuation after the `streamed` tokens.
 
     With `router_stops`, stop strings are left to the router's detokenizer, which sees
     the whole output (the new worker would see only the part it generates). The streamed
     tokens end the new prompt; `num_resumed_tokens` tells the workers' penalties that
-    they were generated.
+    they were generated. A grammar
+    resumes with the streamed tokens accepted.
     """
+    num_streamed = len(streamed)
+    structured = params.structured
     return dataclasses.replace(
         params,
         max_tokens=params.max_tokens - num_streamed,
@@ -560,6 +563,7 @@ def _rest(params: SamplingParams, num_streamed: int, router_stops: bool) -> Samp
         stop=[] if router_stops else list(params.stop),
         num_resumed_tokens=params.num_resumed_tokens + num_streamed,
         prompt_logprobs=False,  # the client has them from the first attempt
+        structured=None if structured is None else structured.continued(streamed),
     )
 
 

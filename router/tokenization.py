@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import AutoTokenizer
 
 from tandem.engine.config import ModelConfig
@@ -22,14 +24,21 @@ class PromptTokenizer:
             raise ValueError("prompt must be a non-empty string")
         return list(self.tokenizer.encode(prompt))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat (the model's chat template, with the assistant prompt)."""
+    def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a chat (the model's chat template, with the assistant prompt);
+        `tools` (OpenAI tool objects) are handed to templates that render them."""
         if not messages:
             raise ValueError("messages must not be empty")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("this model has no chat template; use /v1/completions")
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages,
+            tools=None if tools is None else [*tools],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
         )
         return list(ids)
 

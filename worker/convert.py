@@ -6,6 +6,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import EngineStats
 from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.worker.config import WorkerRole
 
@@ -45,6 +46,35 @@ def worker_role_from_proto(value: int) -> WorkerRole:
         raise ValueError(f"worker role {value} on the wire is not a known role") from None
 
 
+GUIDED_KINDS: dict[GuidedKind, pb.GuidedKind] = {
+    GuidedKind.JSON_SCHEMA: pb.GUIDED_KIND_JSON_SCHEMA,
+    GuidedKind.JSON_OBJECT: pb.GUIDED_KIND_JSON_OBJECT,
+    GuidedKind.REGEX: pb.GUIDED_KIND_REGEX,
+    GuidedKind.CHOICE: pb.GUIDED_KIND_CHOICE,
+    GuidedKind.GRAMMAR: pb.GUIDED_KIND_GRAMMAR,
+}
+GUIDED_KIND_FROM_PROTO: dict[int, GuidedKind] = {v: k for k, v in GUIDED_KINDS.items()}
+
+
+def guided_from_proto(msg: pb.SamplingParams) -> GuidedDecoding | None:
+    """The structured-output spec on the wire (None when absent); ValueError if bad."""
+    if not msg.HasField("structured"):
+        return None
+    wire = msg.structured
+    kind = GUIDED_KIND_FROM_PROTO.get(wire.kind)
+    if kind is None:
+        raise ValueError(f"structured.kind {wire.kind} is not a known guided-decoding kind")
+    return GuidedDecoding(kind, wire.spec, tuple(wire.accepted_token_ids))
+
+
+def guided_to_proto(guided: GuidedDecoding) -> pb.GuidedDecoding:
+    return pb.GuidedDecoding(
+        kind=GUIDED_KINDS[guided.kind],
+        spec=guided.spec,
+        accepted_token_ids=list(guided.accepted_token_ids),
+    )
+
+
 def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Engine params from the wire; raises ValueError naming a bad field."""
     return SamplingParams(
@@ -67,6 +97,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         ),
         prompt_logprobs=msg.prompt_logprobs,
+        structured=guided_from_proto(msg),
     )
 
 
@@ -91,6 +122,8 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.structured is not None:
+        msg.structured.CopyFrom(guided_to_proto(params.structured))
     return msg
 
 

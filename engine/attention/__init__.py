@@ -1,6 +1,18 @@
-"""Attention backends over the paged KV cache (torch reference now; Triton on GPU later)."""
+"""Attention backends over the paged KV cache: torch (reference) and Triton kernels."""
 
-from tandem.engine.attention.backend import AttentionBackend, get_attention_backend
-from tandem.engine.attention.metadata import AttentionMetadata, PrefillSpan
+from tandem.engine.attention.backend import AttentionBackend
+from tandem.engine.attention.metadata import AttentionMetadata, BatchLayout
+from tandem.engine.attention.selector import (
+    AttentionBackendName,
+    get_attention_backend,
+    resolve_attention_backend,
+)
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillSpan", "get_attention_backend"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionBackendName",
+    "AttentionMetadata",
+    "BatchLayout",
+    "get_attention_backend",
+    "resolve_attention_backend",
+]

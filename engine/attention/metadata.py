@@ -1,8 +1,12 @@
-"""The flattened, unpadded batch layout that every attention backend reads.
+"""The flattened, unpadded batch layout that every attention backend starts from.
 
 Tokens of all scheduled sequences are concatenated: sequence `i` owns tokens
 `query_start_loc[i]:query_start_loc[i + 1]`. Decodes (exactly one query token) come
 first, prefill chunks after, so backends can batch the decodes in one call.
+
+The model runner fills a `BatchLayout` (host-side lists, built once per step); each
+backend's `build_metadata` turns it into that backend's own `AttentionMetadata`
+subclass (tensors on the device, masks or launch sizes), which all layers share.
 """
 
 from __future__ import annotations
@@ -13,40 +17,40 @@ import torch
 
 
 @dataclass
-class PrefillSpan:
-    """One prefill chunk inside the flattened batch (derived from the fields below)."""
+class BatchLayout:
+    """One step's batch as the scheduler laid it out (Python ints, no device syncs)."""
 
-    query_start: int
-    query_len: int
-    # Tokens already in the cache before this chunk (prefix hits + earlier chunks).
-    context_len: int
-    # Block ids covering `context_len + query_len` positions.
-    block_table: torch.Tensor
-    # [query_len, context_len + query_len] bool, True = may attend; None when causal
-    # from position 0 (context_len == 0).
-    mask: torch.Tensor | None
+    # [num_seqs + 1]: start offset of each sequence's query tokens.
+    query_start_loc: list[int]
+    # [num_seqs]: context + query length of each sequence after this step.
+    seq_lens: list[int]
+    # Block ids per sequence (unpadded; each covers at least its seq_len positions).
+    block_tables: list[list[int]]
+    # [num_tokens] int64 on the device: cache slot (block_id * block_size + offset).
+    slot_mapping: torch.Tensor
+    # The first `num_decodes` sequences have exactly one query token.
+    num_decodes: int
+    block_size: int
+    device: torch.device
 
     @property
-    def seq_len(self) -> int:
-        return self.context_len + self.query_len
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+    def padded_block_tables(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """[num_seqs, max_num_blocks] on the host, padded with block 0."""
+        width = max(len(t) for t in self.block_tables)
+        rows = [t + [0] * (width - len(t)) for t in self.block_tables]
+        return torch.tensor(rows, dtype=dtype)
 
 
 @dataclass
 class AttentionMetadata:
-    """Per-step batch description, built once by the model runner, shared by all layers."""
+    """What every backend's metadata has; subclasses add their own fields."""
 
-    # [num_seqs + 1] int32: start offset of each sequence's query tokens.
-    query_start_loc: torch.Tensor
-    # [num_seqs] int32: context + query length of each sequence after this step.
-    seq_lens: torch.Tensor
-    # [num_seqs, max_num_blocks] int64: block ids per sequence, padded with 0.
-    block_tables: torch.Tensor
-    # [num_tokens] int64: cache slot (block_id * block_size + offset) of each new token.
+    # [num_tokens] int64: cache slot of each new token (BatchLayout.slot_mapping).
     slot_mapping: torch.Tensor
-    # The first `num_decodes` sequences have exactly one query token.
     num_decodes: int
-    # [num_decodes, 1, 1, max_decode_len] bool key mask, or None when num_decodes <= 1.
-    decode_mask: torch.Tensor | None
-    # Longest decode context (keys gathered per decode sequence).
-    max_decode_len: int
-    prefills: list[PrefillSpan]

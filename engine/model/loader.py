@@ -49,7 +49,9 @@ def load_model(
         hf_config = AutoConfig.from_pretrained(str(model_dir))
     inv_freq, scaling = inverse_frequencies(cfg.head_dim, cfg.rope_parameters, hf_config)
     with torch.device("meta"):
-        backend = get_attention_backend(attention_backend, scale=cfg.head_dim**-0.5)
+        backend = get_attention_backend(
+            attention_backend, scale=cfg.head_dim**-0.5, device=device.type
+        )
         placeholder = RotaryEmbedding(inv_freq.to("meta"), scaling, 1)
         model = LlamaForCausalLM(cfg, placeholder, backend)
     model.to_empty(device=device)

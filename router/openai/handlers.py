@@ -30,6 +30,7 @@ from tandem.router.openai.responses import (
 )
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.openai.streaming import stream_sse
+from tandem.router.openai.tool_responses import ToolChatResponses
 from tandem.router.request_flow import RequestFlow
 from tandem.router.tokenization import PromptTokenizer
 
@@ -82,12 +83,17 @@ class OpenAIHandlers:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         generation = self.parser.chat(await self._read_json(request))
-        builder = ChatResponses(
+        args = (
             f"chatcmpl-{uuid.uuid4().hex}",
             self.model_name,
             int(time.time()),
             self._logprobs(generation),
             generation.include_usage,
+        )
+        builder: ChatResponses = (
+            ChatResponses(*args)
+            if generation.tools is None
+            else ToolChatResponses(generation.tools, *args)
         )
         return await self._run(request, generation, builder)
 

@@ -8,6 +8,7 @@ a request never silently means something else than what its sender asked for.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from jinja2 import TemplateError
 
 from tandem.engine.sampling_params import MAX_NUM_STOP_STRINGS, SamplingParams
 from tandem.router.errors import InvalidRequest, ModelNotFound
+from tandem.router.openai.chat_messages import chat_message
 from tandem.router.openai.errors import ContextLengthExceeded
 from tandem.router.openai.fields import (
     get_bool,
@@ -27,7 +29,9 @@ from tandem.router.openai.fields import (
     invalid,
     show,
 )
+from tandem.router.openai.guided import guided_from_body
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N, SamplingExtras, parse_extras
+from tandem.router.openai.tools import ToolPlan, parse_tools
 from tandem.router.policy import RequestSlo, SloConfig
 from tandem.router.tokenization import PromptTokenizer
 
@@ -37,7 +41,6 @@ MAX_LOGPROBS = 20
 MAX_SEED = 2**64 - 1
 # OpenAI's default for /v1/completions when `max_tokens` is absent.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
-CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Field → values that mean "feature not used"; any other value is refused.
 # (Penalties, logit_bias, n, best_of, echo, suffix: sampling_fields.py.)
@@ -45,11 +48,8 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {}
 _COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED}
 _CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
-    "tools": (None, []),
-    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -72,6 +72,8 @@ class GenerationRequest:
     extras: SamplingExtras
     # Completions with `echo`: the prompt's text, sent before the completion's.
     echo_text: str | None = None
+    # Chat `tools` / `tool_choice` (None: no tools).
+    tools: ToolPlan | None = None
 
 
 class RequestParser:
@@ -107,7 +109,7 @@ class RequestParser:
             generation.echo_text = self._echo_text(body, prompt_ids)
             # With logprobs, the prompt tokens' own logprobs lead the choice's.
             generation.params.prompt_logprobs = logprobs is not None
-        return generation
+        return _constrained(generation, body, chat=False, tools=None)
 
     def _echo_text(self, body: dict[str, Any], prompt_ids: list[int]) -> str:
         """The prompt as the client wrote it (a text prompt), or its tokens' text."""
@@ -121,12 +123,13 @@ class RequestParser:
     def chat(self, body: dict[str, Any]) -> GenerationRequest:
         self._check_common(body, _CHAT_UNSUPPORTED)
         extras = parse_extras(body, self.tokenizer.vocab_size, self.max_n, completion=False)
-        prompt_ids = self._chat_ids(body)
+        tools = parse_tools(body)
+        prompt_ids = self._chat_ids(body, tools)
         logprobs = bool(get_bool(body, "logprobs"))
         top_logprobs = get_int(body, "top_logprobs", min_value=0, max_value=MAX_LOGPROBS)
         if top_logprobs and not logprobs:
             raise invalid("top_logprobs", "requires 'logprobs': true")
-        return self._generation(
+        generation = self._generation(
             body,
             prompt_ids,
             prompt_field="messages",
@@ -135,6 +138,7 @@ class RequestParser:
             num_top_logprobs=top_logprobs or 0,
             extras=extras,
         )
+        return _constrained(generation, body, chat=True, tools=tools)
 
     def tokenize(self, body: dict[str, Any]) -> list[int]:
         """Token ids of `prompt` or `messages` (no context-length check: this is for counting)."""
@@ -200,7 +204,7 @@ class RequestParser:
                     f"outside the vocabulary [0, {vocab_size})",
                 )
 
-    def _chat_ids(self, body: dict[str, Any]) -> list[int]:
+    def _chat_ids(self, body: dict[str, Any], tools: ToolPlan | None = None) -> list[int]:
         messages = body.get("messages")
         if messages is None:
             raise invalid("messages", "is required")
@@ -208,9 +212,9 @@ class RequestParser:
             raise invalid("messages", f"must be a list of message objects, got {show(messages)}")
         if not messages:
             raise invalid("messages", "must not be empty")
-        chat = [_chat_message(i, message) for i, message in enumerate(messages)]
+        chat = [chat_message(i, message) for i, message in enumerate(messages)]
         try:
-            ids = self.tokenizer.encode_chat(chat)
+            ids = self.tokenizer.encode_chat(chat, tools.template_tools() if tools else None)
         except (ValueError, TemplateError) as exc:
             raise invalid("messages", f"cannot be encoded with the chat template: {exc}") from exc
         if not ids:
@@ -334,36 +338,22 @@ class RequestParser:
             raise InvalidRequest(str(exc)) from exc
 
 
-def _chat_message(index: int, message: Any) -> dict[str, str]:
-    """One chat message as the chat template takes it: {role, content: str}."""
-    label = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise invalid(label, f"must be an object with 'role' and 'content', got {show(message)}")
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        allowed = ", ".join(repr(r) for r in CHAT_ROLES)
-        raise invalid(f"{label}.role", f"must be one of {allowed}; got {show(role)}")
-    content = message.get("content")
-    if content is None and role == "assistant":
-        content = ""
-    if isinstance(content, list):
-        content = "\n".join(_text_part(f"{label}.content[{i}]", p) for i, p in enumerate(content))
-    if not isinstance(content, str):
-        raise invalid(
-            f"{label}.content", f"must be a string or a list of text parts, got {show(content)}"
-        )
-    return {"role": role, "content": content}
-
-
-def _text_part(label: str, part: Any) -> str:
-    if not isinstance(part, dict) or part.get("type") != "text":
-        raise invalid(
-            label, f"must be a text part {{'type': 'text', 'text': ...}}, got {show(part)}"
-        )
-    text = part.get("text")
-    if not isinstance(text, str):
-        raise invalid(f"{label}.text", f"must be a string, got {show(text)}")
-    return text
+def _constrained(
+    generation: GenerationRequest, body: dict[str, Any], chat: bool, tools: ToolPlan | None
+) -> GenerationRequest:
+    """The request with its structured-output grammar (response_format / guided_* / a
+    forced tool call) and tool plan attached."""
+    given = guided_from_body(body, chat)
+    forced = tools.guided() if tools is not None else None
+    if given is not None and forced is not None:
+        raise invalid(given[0], "cannot be combined with a forced 'tool_choice'")
+    structured = forced if forced is not None else (given[1] if given else None)
+    if structured is not None:
+        params = dataclasses.replace(generation.params, structured=structured)
+        generation = dataclasses.replace(generation, params=params)
+    if tools is not None:
+        generation = dataclasses.replace(generation, tools=tools)
+    return generation
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -321,11 +321,12 @@ CASES = [
         path="/v1/chat/completions",
     ),
     Bad(
-        "chat tools unsupported",
-        _chat(tools=[{"type": "function", "function": {"name": "f"}}]),
+        "chat tool schema that does not compile",
+        _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]),
         400,
-        ("'tools'", "not supported"),
+        ("'tools[0].function.parameters'", "not a valid JSON schema"),
         path="/v1/chat/completions",
+        param="tools[0].function.parameters",
     ),
     Bad(
         "chat max_completion_tokens above the limit",

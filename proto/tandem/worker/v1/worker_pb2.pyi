@@ -27,6 +27,15 @@ class KvBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_BACKEND_TCP: _ClassVar[KvBackend]
     KV_BACKEND_NCCL: _ClassVar[KvBackend]
     KV_BACKEND_LOCAL: _ClassVar[KvBackend]
+
+class GuidedKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GUIDED_KIND_UNSPECIFIED: _ClassVar[GuidedKind]
+    GUIDED_KIND_JSON_SCHEMA: _ClassVar[GuidedKind]
+    GUIDED_KIND_JSON_OBJECT: _ClassVar[GuidedKind]
+    GUIDED_KIND_REGEX: _ClassVar[GuidedKind]
+    GUIDED_KIND_CHOICE: _ClassVar[GuidedKind]
+    GUIDED_KIND_GRAMMAR: _ClassVar[GuidedKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -39,9 +48,25 @@ KV_BACKEND_UNSPECIFIED: KvBackend
 KV_BACKEND_TCP: KvBackend
 KV_BACKEND_NCCL: KvBackend
 KV_BACKEND_LOCAL: KvBackend
+GUIDED_KIND_UNSPECIFIED: GuidedKind
+GUIDED_KIND_JSON_SCHEMA: GuidedKind
+GUIDED_KIND_JSON_OBJECT: GuidedKind
+GUIDED_KIND_REGEX: GuidedKind
+GUIDED_KIND_CHOICE: GuidedKind
+GUIDED_KIND_GRAMMAR: GuidedKind
+
+class GuidedDecoding(_message.Message):
+    __slots__ = ("kind", "spec", "accepted_token_ids")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    kind: GuidedKind
+    spec: str
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[GuidedKind, str]] = ..., spec: _Optional[str] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "num_resumed_tokens", "skip_special_tokens", "prompt_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "num_resumed_tokens", "skip_special_tokens", "prompt_logprobs", "structured")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +91,7 @@ class SamplingParams(_message.Message):
     NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -83,7 +109,8 @@ class SamplingParams(_message.Message):
     num_resumed_tokens: int
     skip_special_tokens: bool
     prompt_logprobs: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_resumed_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    structured: GuidedDecoding
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_resumed_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ..., structured: _Optional[_Union[GuidedDecoding, _Mapping]] = ...) -> None: ...
 
 class KvHandle(_message.Message):
     __slots__ = ("worker_id", "endpoint", "request_id", "block_ids", "num_tokens", "layout_fingerprint", "lease_expiry_unix_s")

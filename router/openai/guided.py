@@ -1,0 +1,56 @@
+"""OpenAI structured-output fields → the request's `GuidedDecoding`.
+
+Chat's `response_format` (`text`, `json_object`, `json_schema`) and the vLLM extras
+(`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) on both endpoints;
+at most one constraint per request (a forced tool call brings its own, see tools.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
+from tandem.router.openai.fields import get_object, invalid, show
+from tandem.router.structured_outputs import checked, guided_from_fields
+
+_RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
+def guided_from_body(body: dict[str, Any], chat: bool) -> tuple[str, GuidedDecoding] | None:
+    """(field that set it, constraint), or None; raises InvalidRequest naming the field."""
+    extra = guided_from_fields(body)
+    response_format = _response_format(body) if chat else None
+    if extra is not None and response_format is not None:
+        raise invalid(extra[0], "cannot be combined with 'response_format'; send one of them")
+    return extra or response_format
+
+
+def _response_format(body: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
+    value = get_object(body, "response_format")
+    if value is None:
+        return None
+    kind = value.get("type")
+    if kind not in _RESPONSE_FORMAT_TYPES:
+        allowed = ", ".join(repr(t) for t in _RESPONSE_FORMAT_TYPES)
+        raise invalid("response_format.type", f"must be one of {allowed}; got {show(kind)}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", GuidedDecoding(GuidedKind.JSON_OBJECT)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise invalid(
+            "response_format.json_schema",
+            f"must be an object with 'name' and 'schema', got {show(spec)}",
+        )
+    name = spec.get("name")
+    if name is not None and not isinstance(name, str):
+        raise invalid("response_format.json_schema.name", f"must be a string, got {show(name)}")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise invalid(
+            "response_format.json_schema.schema",
+            f"must be a JSON schema object, got {show(schema)}",
+        )
+    field = "response_format.json_schema.schema"
+    return field, checked(field, GuidedDecoding.json_schema(schema))

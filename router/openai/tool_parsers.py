@@ -1,0 +1,107 @@
+"""Reading tool calls out of a model's text, per `tool_choice`.
+
+Forced choices produce grammar-shaped text (tools.py), so they always parse. `auto`
+recognises the two formats chat templates teach models: Hermes / Qwen
+(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number) and Llama 3
+JSON (the whole reply is `{"name": ..., "parameters": {...}}`, or a list of them). A
+call naming no declared tool, or text that does not parse, stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.router.openai.tools import ToolChoice, ToolPlan
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*" + re.escape(HERMES_CLOSE), re.S)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    # The arguments as a JSON object text (what OpenAI sends in `arguments`).
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def json(self, index: int | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+        return body if index is None else {"index": index, **body}
+
+
+@dataclass
+class ParsedOutput:
+    content: str | None
+    calls: list[ToolCall]
+
+
+def parse_output(plan: ToolPlan, text: str) -> ParsedOutput:
+    """The reply split into content and tool calls, according to `plan.choice`."""
+    if plan.choice is ToolChoice.NONE:
+        return ParsedOutput(text, [])
+    if plan.choice is ToolChoice.NAMED and plan.named is not None:
+        return ParsedOutput(None, [ToolCall(plan.named.name, text)])
+    if plan.choice is ToolChoice.REQUIRED:
+        calls = _calls_from_json(_loads(text), plan.names, args_keys=("arguments",))
+        return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
+    return _parse_auto(plan, text)
+
+
+def _parse_auto(plan: ToolPlan, text: str) -> ParsedOutput:
+    if HERMES_OPEN in text:
+        calls = []
+        for body in _HERMES_CALL.findall(text):
+            calls += _calls_from_json(_loads(body), plan.names)
+        if calls:
+            rest = _HERMES_CALL.sub("", text).strip()
+            return ParsedOutput(rest or None, calls)
+    stripped = text.strip()
+    if stripped.startswith(("{", "[")):
+        calls = _calls_from_json(_loads(stripped), plan.names)
+        if calls:
+            return ParsedOutput(None, calls)
+    return ParsedOutput(text, [])
+
+
+def may_be_tool_call(text: str) -> bool:
+    """Whether streamed text so far could still turn into an `auto` tool call (so it is
+    held back instead of streamed as content)."""
+    head = text.lstrip()
+    if not head:
+        return True
+    return head.startswith(("{", "[")) or HERMES_OPEN.startswith(head[: len(HERMES_OPEN)])
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _calls_from_json(
+    value: Any, names: frozenset[str], args_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> list[ToolCall]:
+    """Calls from `{"name", "arguments"|"parameters"}` objects (one or a list); [] when
+    anything in it is not such a call of a declared tool."""
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if not isinstance(item, dict) or item.get("name") not in names:
+            return []
+        key = next((k for k in args_keys if k in item), None)
+        arguments = item.get(key) if key is not None else {}
+        if isinstance(arguments, str):
+            arguments = _loads(arguments)
+        if not isinstance(arguments, dict):
+            return []
+        calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+    return calls

@@ -1,0 +1,118 @@
+"""Chat responses of a request with tools: `tool_calls` in messages and stream deltas.
+
+Streaming follows OpenAI: a call's first delta carries `index`, `id`, `type` and the
+function `name`; later deltas carry pieces of `arguments`; the last chunk says
+`finish_reason: "tool_calls"`. A named choice streams its arguments as they are
+generated; `required` output is a JSON list whose calls are known only once it is
+complete, and `auto` output is held back while it may still be a call, so those calls
+are sent whole when the reply ends (content that turns out not to be a call is
+released as soon as that is clear).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tandem.engine.request import FinishReason
+from tandem.router.chunk_stream import public_finish_reason
+from tandem.router.openai.responses import ChatResponses, Collected, LogprobsFormatter
+from tandem.router.openai.tool_parsers import ToolCall, may_be_tool_call, parse_output
+from tandem.router.openai.tools import ToolChoice, ToolPlan
+from tandem.router.request_flow import GenerationChunk
+
+
+def _finish(reason: FinishReason | None, has_calls: bool) -> str | None:
+    if has_calls and reason is FinishReason.STOP:
+        return "tool_calls"
+    return public_finish_reason(reason)
+
+
+class ToolChatResponses(ChatResponses):
+    """`ChatResponses` for a request whose output may be (or must be) tool calls."""
+
+    def __init__(
+        self,
+        plan: ToolPlan,
+        req_id: str,
+        model: str,
+        created: int,
+        logprobs: LogprobsFormatter | None,
+        include_usage: bool = False,
+    ) -> None:
+        super().__init__(req_id, model, created, logprobs, include_usage)
+        self.plan = plan
+        # Streaming state per choice index: output held back, the choices that turned
+        # out to be content, a named call's id (fixed by its first delta).
+        self._held: dict[int, Collected] = {}
+        self._content: set[int] = set()
+        self._named_calls: dict[int, ToolCall] = {}
+
+    def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
+        index = chunk.index
+        if self.plan.choice is ToolChoice.NONE or index in self._content:
+            return super().chunk(chunk)
+        if self.plan.choice is ToolChoice.NAMED:
+            return self._named_delta(chunk)
+        held = self._held.setdefault(index, Collected())
+        held.add(chunk)
+        if self.plan.choice is ToolChoice.AUTO and not may_be_tool_call(held.text):
+            self._content.add(index)  # not a call: release what was held, then stream
+            return super().chunk(self._released(index))
+        if chunk.finish_reason is None:
+            return None
+        parsed = parse_output(self.plan, held.text)
+        if not parsed.calls:
+            return super().chunk(self._released(index))
+        delta: dict[str, Any] = {"tool_calls": [c.json(i) for i, c in enumerate(parsed.calls)]}
+        if parsed.content:
+            delta["content"] = parsed.content
+        return self._delta(delta, held.token_ids, held.logprobs, chunk)
+
+    def _named_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
+        if not chunk.text and chunk.finish_reason is None:
+            return None
+        delta: dict[str, Any] = {}
+        if chunk.text:
+            if chunk.index not in self._named_calls:
+                assert self.plan.named is not None
+                call = self._named_calls[chunk.index] = ToolCall(self.plan.named.name, chunk.text)
+                entry = call.json(0)
+            else:
+                entry = {"index": 0, "function": {"arguments": chunk.text}}
+            delta["tool_calls"] = [entry]
+        return self._delta(delta, chunk.token_ids, chunk.logprobs, chunk)
+
+    def _delta(
+        self,
+        delta: dict[str, Any],
+        token_ids: list[int],
+        logprobs: list[float],
+        chunk: GenerationChunk,
+    ) -> dict[str, Any]:
+        """A chunk of tool-call deltas (finishing with `tool_calls` on a stop)."""
+        body = {
+            "delta": delta,
+            "logprobs": self._logprobs_of(token_ids, logprobs, chunk.index),
+            "finish_reason": _finish(chunk.finish_reason, True),
+        }
+        return self._chunk(body, chunk.index)
+
+    def _released(self, index: int) -> GenerationChunk:
+        held = self._held.pop(index)
+        return GenerationChunk(
+            held.token_ids, held.text, held.logprobs, held.finish_reason, held.usage, index
+        )
+
+    def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
+        parsed = parse_output(self.plan, collected.text)
+        if not parsed.calls:
+            return super()._choice_whole(collected, index)
+        return {
+            "message": {
+                "role": "assistant",
+                "content": parsed.content,
+                "tool_calls": [c.json() for c in parsed.calls],
+            },
+            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs, index),
+            "finish_reason": _finish(collected.finish_reason, True),
+        }

@@ -1,0 +1,113 @@
+"""Structured-output fields of the public APIs → a validated `GuidedDecoding`.
+
+vLLM's extras `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (EBNF)
+and Tandem's `guided_json_object` come in the same shape on every API (OpenAI bodies,
+KServe `sampling_parameters`), so one parser serves all of them; OpenAI's
+`response_format` maps onto it (router/openai/guided.py). Every spec is checked here
+by building its grammar (no tokenizer needed), so a bad schema, an unsupported regex
+feature or a broken grammar is a 400 / INVALID_ARGUMENT naming the field, before any
+worker sees it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from tandem.engine.structured.grammar_builder import GrammarSpecError, build_grammar
+from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.router.errors import InvalidRequest
+from tandem.router.openai.fields import invalid, show
+
+# The vLLM-style request keys and the kind each asks for.
+GUIDED_FIELDS: dict[str, GuidedKind] = {
+    "guided_json": GuidedKind.JSON_SCHEMA,
+    "guided_regex": GuidedKind.REGEX,
+    "guided_choice": GuidedKind.CHOICE,
+    "guided_grammar": GuidedKind.GRAMMAR,
+    "guided_json_object": GuidedKind.JSON_OBJECT,
+}
+# Distinct specs whose check is remembered (a client repeats its schema).
+_MAX_CHECKED_SPECS = 512
+
+
+def guided_from_fields(fields: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
+    """The one guided-decoding key set in `fields` (None: none), checked; raises
+    InvalidRequest naming the key when it is malformed, or when several are set."""
+    given = [name for name in GUIDED_FIELDS if fields.get(name) not in (None, False)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise invalid(given[1], f"cannot be combined with '{given[0]}'; send one constraint")
+    name = given[0]
+    return name, checked(name, _spec(name, fields[name], name))
+
+
+def guided_from_generate(msg: gen_pb.GuidedDecoding) -> GuidedDecoding | None:
+    """The `guided` field of a `tandem.v1.GenerateRequest` (None: unset), checked."""
+    which = msg.WhichOneof("constraint")
+    if which is None:
+        return None
+    name = f"guided.{which}"
+    if which == "json_object":
+        return GuidedDecoding(GuidedKind.JSON_OBJECT) if msg.json_object else None
+    if which == "choice":
+        value: Any = list(msg.choice.options)
+    else:
+        value = getattr(msg, which)
+    key = {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}
+    return checked(name, _spec(key.get(which, "guided_choice"), value, name))
+
+
+def checked(field_name: str, guided: GuidedDecoding) -> GuidedDecoding:
+    """`guided` if its grammar builds; otherwise InvalidRequest naming `field_name`."""
+    error = _grammar_error(guided.kind, guided.spec)
+    if error is not None:
+        raise invalid(field_name, error)
+    return guided
+
+
+def _spec(key: str, value: Any, name: str) -> GuidedDecoding:
+    """The constraint `key` (a GUIDED_FIELDS key) asks for; errors name `name`."""
+    kind = GUIDED_FIELDS[key]
+    try:
+        if kind is GuidedKind.JSON_OBJECT:
+            if value is not True:
+                raise invalid(name, f"must be true or false, got {show(value)}")
+            return GuidedDecoding(kind)
+        if kind is GuidedKind.JSON_SCHEMA:
+            if isinstance(value, str):
+                return GuidedDecoding(kind, value)
+            if not isinstance(value, (dict, bool)):
+                raise invalid(name, f"must be a JSON schema object, got {show(value)}")
+            return GuidedDecoding.json_schema(value)
+        if kind is GuidedKind.CHOICE:
+            if not isinstance(value, list) or not value:
+                raise invalid(name, f"must be a non-empty list of strings, got {show(value)}")
+            return GuidedDecoding.choice(value)
+        if not isinstance(value, str) or not value:
+            raise invalid(name, f"must be a non-empty string, got {show(value)}")
+        return GuidedDecoding(kind, value)
+    except InvalidRequest:
+        raise
+    except ValueError as exc:  # GuidedDecoding's own checks (size)
+        raise invalid(name, str(exc)) from exc
+
+
+@functools.lru_cache(maxsize=_MAX_CHECKED_SPECS)
+def _grammar_error(kind: GuidedKind, spec: str) -> str | None:
+    try:
+        build_grammar(GuidedDecoding(kind, spec))
+    except GrammarSpecError as exc:
+        return f"is not a valid {_KIND_NAMES[kind]}: {exc}"
+    return None
+
+
+_KIND_NAMES = {
+    GuidedKind.JSON_SCHEMA: "JSON schema",
+    GuidedKind.JSON_OBJECT: "JSON object constraint",
+    GuidedKind.REGEX: "regular expression (or uses an unsupported feature)",
+    GuidedKind.CHOICE: "choice list",
+    GuidedKind.GRAMMAR: "EBNF grammar",
+}

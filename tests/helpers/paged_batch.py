@@ -1,0 +1,58 @@
+"""Random paged-attention batches for backend tests: ragged sequences, shuffled blocks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tandem.engine.attention import BatchLayout
+
+
+@dataclass
+class PagedBatch:
+    batch: BatchLayout
+    query: torch.Tensor  # [T, Hq, D]
+    key: torch.Tensor  # [T, Hkv, D]
+    value: torch.Tensor  # [T, Hkv, D]
+    kv_cache: torch.Tensor  # [2, blocks, block_size, Hkv, D]: random, holding the contexts
+
+
+def make_paged_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    seed: int = 0,
+) -> PagedBatch:
+    """Sequence i has seq_lens[i] - query_lens[i] cached tokens (random K/V in the cache)
+    and query_lens[i] new ones; one-token queries must come first (the engine's order).
+    Blocks are drawn in shuffled order from a pool with spare blocks, block 0 unused."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(counts) + 4
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables, starts, slots = [], [0], []
+    for count, q_len, s_len in zip(counts, query_lens, seq_lens, strict=True):
+        table, order = order[:count], order[count:]
+        tables.append(table)
+        starts.append(starts[-1] + q_len)
+        new_positions = range(s_len - q_len, s_len)
+        slots += [table[p // block_size] * block_size + p % block_size for p in new_positions]
+    num_tokens = starts[-1]
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    batch = BatchLayout(
+        query_start_loc=starts,
+        seq_lens=list(seq_lens),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots),
+        num_decodes=sum(1 for n in query_lens if n == 1),
+        block_size=block_size,
+        device=torch.device("cpu"),
+    )
+    # Views of one fused tensor, strided like the model's q/k/v (a fused projection).
+    qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    query, key, value = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
+    return PagedBatch(batch, query, key, value, torch.randn(shape, generator=gen))

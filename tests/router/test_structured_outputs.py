@@ -1,0 +1,318 @@
+"""Structured outputs and tool calls through a 1P+1D cluster, with the official client.
+
+The tiny model's random weights never produce valid JSON by themselves, so every
+response that parses and validates shows the grammar at work; the forced-choice tests
+show the mask on both sides of the prefill → decode hand-off.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from tandem.proto.inference import grpc_service_pb2 as kserve_pb
+from tandem.proto.inference import grpc_service_pb2_grpc as kserve_grpc
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
+from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster
+from tests.helpers.json_schemas import MAX_TOKENS, SCHEMAS
+
+pytestmark = pytest.mark.timeout(600)
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "unit", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"enum": ["utc", "local"]}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+MESSAGES = [{"role": "user", "content": "the cache block decode worker"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Path) -> Path:
+    return tiny_model_dir
+
+
+@pytest.fixture
+def client(cluster: InprocCluster):
+    client = openai.OpenAI(
+        base_url=f"{cluster.http_endpoint}/v1", api_key=SHARED_API_KEY, max_retries=0, timeout=120
+    )
+    yield client
+    client.close()
+
+
+def _model(cluster: InprocCluster) -> str:
+    return cluster.router.config.model_name
+
+
+def test_json_schema_responses_parse_and_validate(client, cluster):
+    for i, schema in enumerate(SCHEMAS):
+        reply = client.chat.completions.create(
+            model=_model(cluster),
+            messages=MESSAGES,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": f"schema_{i}", "schema": schema, "strict": True},
+            },
+            max_tokens=MAX_TOKENS,
+            temperature=1.0,
+            seed=i,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "stop", (i, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_guided_json_and_json_object_on_completions(client, cluster):
+    schema = SCHEMAS[7]
+    reply = client.completions.create(
+        model=_model(cluster),
+        prompt="router latency is the",
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"guided_json": schema},
+    )
+    jsonschema.validate(json.loads(reply.choices[0].text), schema)
+    reply = client.chat.completions.create(
+        model=_model(cluster),
+        messages=MESSAGES,
+        response_format={"type": "json_object"},
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    if reply.choices[0].finish_reason == "stop":  # an open object may be cut by max_tokens
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    assert reply.choices[0].message.content.startswith("{")
+
+
+def test_forced_first_token_and_decode_side_continues(client, cluster):
+    """A single-option choice makes every token, the prefill worker's first one included,
+    the only legal one; the decode worker must resume right after it."""
+    option = "decode prefill batch queue"
+    for stream in (False, True):
+        kwargs = dict(
+            model=_model(cluster),
+            prompt="the",
+            max_tokens=64,
+            temperature=1.0,
+            extra_body={"guided_choice": [option]},
+        )
+        if stream:
+            text = "".join(
+                c.choices[0].text for c in client.completions.create(stream=True, **kwargs)
+            )
+        else:
+            reply = client.completions.create(**kwargs)
+            text = reply.choices[0].text
+            assert reply.choices[0].finish_reason == "stop"
+            assert reply.usage.completion_tokens > 2  # decoded past the prefill's token
+        assert text == option
+    reply = client.completions.create(
+        model=_model(cluster),
+        prompt="the",
+        max_tokens=32,
+        temperature=1.0,
+        extra_body={"guided_regex": r"worker-[0-9]{3}(ab|cd)"},
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    assert len(reply.choices[0].text) == 12
+    assert reply.choices[0].text.startswith("worker-")
+
+
+def test_named_tool_choice_returns_valid_arguments(client, cluster):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    schema = WEATHER["function"]["parameters"]
+    reply = client.chat.completions.create(
+        model=_model(cluster),
+        messages=MESSAGES,
+        tools=[WEATHER, CLOCK],
+        tool_choice=named,
+        max_tokens=MAX_TOKENS,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    # Streamed: the first delta names the call, later ones carry pieces of its arguments.
+    chunks = list(
+        client.chat.completions.create(
+            model=_model(cluster),
+            messages=MESSAGES,
+            tools=[WEATHER, CLOCK],
+            tool_choice=named,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+        )
+    )
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None for d in deltas[1:])
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), schema)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_tool_choice_calls_declared_tools(client, cluster):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
+    for stream in (False, True):
+        kwargs = dict(
+            model=_model(cluster),
+            messages=MESSAGES,
+            tools=[WEATHER, CLOCK],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=MAX_TOKENS,
+            seed=3,
+        )
+        if stream:
+            chunks = list(client.chat.completions.create(stream=True, **kwargs))
+            calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            choice = client.chat.completions.create(**kwargs).choices[0]
+            calls, finish = choice.message.tool_calls, choice.finish_reason
+        assert finish == "tool_calls"
+        assert len(calls) == 1
+        jsonschema.validate(
+            json.loads(calls[0].function.arguments), schemas[calls[0].function.name]
+        )
+
+
+def test_tool_choice_none_and_tool_messages_are_plain_chat(client, cluster):
+    messages = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"zone": "utc"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
+    ]
+    reply = client.chat.completions.create(
+        model=_model(cluster), messages=messages, tools=[CLOCK], tool_choice="none", max_tokens=8
+    )
+    assert reply.choices[0].message.tool_calls is None
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"extra_body": {"guided_json": {"type": "wat"}}}, "guided_json"),
+        ({"extra_body": {"guided_regex": r"(?<=a)b"}}, "guided_regex"),
+        ({"extra_body": {"guided_grammar": 'root ::= "a" |'}}, "guided_grammar"),
+        ({"extra_body": {"guided_choice": []}}, "guided_choice"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"$ref": "#/x"}},
+                }
+            },
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice.function.name",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ],
+)
+def test_bad_specs_are_400s_naming_the_field(client, cluster, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=_model(cluster), messages=MESSAGES, max_tokens=4, **kwargs
+        )
+    assert info.value.body["param"] == param, info.value.body
+    # The server keeps serving.
+    reply = client.chat.completions.create(model=_model(cluster), messages=MESSAGES, max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_guided_through_generate_and_kserve(cluster):
+    schema = SCHEMAS[6]
+    with grpc.insecure_channel(cluster.grpc_endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = gen_pb.GenerateRequest(
+            prompt="the",
+            max_tokens=MAX_TOKENS,
+            guided=gen_pb.GuidedDecoding(json_schema=json.dumps(schema)),
+        )
+        text = "".join(m.text for m in stub.Generate(request, timeout=60))
+        jsonschema.validate(json.loads(text), schema)
+        bad = gen_pb.GenerateRequest(prompt="the", guided=gen_pb.GuidedDecoding(regex=r"\bx"))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(bad, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "guided.regex" in info.value.details()
+
+        infer = kserve_grpc.GRPCInferenceServiceStub(channel)
+        request = kserve_pb.ModelInferRequest(model_name=_model(cluster))
+        sampling = {"max_tokens": 32, "guided_choice": ["yes", "no"]}
+        for name, value in [("text_input", "the"), ("sampling_parameters", json.dumps(sampling))]:
+            tensor = request.inputs.add(name=name, datatype="BYTES", shape=[1])
+            tensor.contents.bytes_contents.append(value.encode())
+        response = infer.ModelInfer(request, timeout=60)
+        names = [o.name for o in response.outputs]
+        text = response.raw_output_contents[names.index("text_output")][4:].decode()
+        assert text in ("yes", "no")
+
+
+def test_every_choice_of_n_follows_the_grammar(client, cluster):
+    """n > 1 shares one prefill; the decode side samples sequences 1..n-1's first token
+    itself, under the same grammar."""
+    options = ["decode prefill", "batch queue", "router"]
+    reply = client.completions.create(
+        model=_model(cluster),
+        prompt="the",
+        n=3,
+        max_tokens=32,
+        temperature=1.0,
+        seed=5,
+        extra_body={"guided_choice": options},
+    )
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        assert choice.text in options and choice.finish_reason == "stop"

@@ -1,0 +1,52 @@
+"""`tool_choice: auto` output parsing (Hermes and Llama 3 JSON) and the streamed shape."""
+
+from __future__ import annotations
+
+import json
+
+from tandem.engine.request import FinishReason
+from tandem.router.openai.tool_parsers import may_be_tool_call, parse_output
+from tandem.router.openai.tool_responses import ToolChatResponses
+from tandem.router.openai.tools import parse_tools
+from tandem.router.request_flow import GenerationChunk
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+    {"type": "function", "function": {"name": "add"}},
+]
+
+
+def _plan(choice="auto"):
+    plan = parse_tools({"tools": TOOLS, "tool_choice": choice})
+    assert plan is not None
+    return plan
+
+
+def test_auto_reads_hermes_and_llama3_calls_and_leaves_other_text_as_content():
+    hermes = 'ok <tool_call>{"name": "get_time", "arguments": {"zone": "utc"}}</tool_call>'
+    parsed = parse_output(_plan(), hermes)
+    assert parsed.content == "ok"
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("get_time", {"zone": "utc"})
+    ]
+    llama3 = ' {"name": "add", "parameters": {"a": 1}}'
+    (call,) = parse_output(_plan(), llama3).calls
+    assert (call.name, json.loads(call.arguments)) == ("add", {"a": 1})
+    for text in ('{"name": "nope", "parameters": {}}', "plain words", "<tool_call>{bad"):
+        parsed = parse_output(_plan(), text)
+        assert parsed.calls == [] and parsed.content == text
+    assert may_be_tool_call("  <tool_") and may_be_tool_call('{"na')
+    assert not may_be_tool_call("hello")
+
+
+def test_auto_stream_releases_content_and_sends_whole_calls_at_the_end():
+    builder = ToolChatResponses(_plan(), "id", "m", 0, None)
+    assert builder.chunk(GenerationChunk([1], "hel")) is not None  # clearly content
+    builder = ToolChatResponses(_plan(), "id", "m", 0, None)
+    assert builder.chunk(GenerationChunk([1], '{"name": "add", ')) is None  # held back
+    last = builder.chunk(GenerationChunk([2], '"parameters": {}}', [], FinishReason.STOP))
+    assert last is not None
+    choice = last["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    (call,) = choice["delta"]["tool_calls"]
+    assert call["index"] == 0 and call["function"] == {"name": "add", "arguments": "{}"}
