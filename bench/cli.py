@@ -118,6 +118,8 @@ OPTIONS: dict[str, list[Option]] = {
     "planner-fidelity": [
         _model("models/tandem-small"), _OUT, _QUICK,
         (("--num-requests",), {"type": int, "default": 60, "help": "requests per swept rate"}),
+        (("--profile",), {"type": Path, "default": None,
+                          "help": "a `tandem profile` file of this machine [measure one]"}),
         (("--json",), {"type": Path, "default": Path("bench/results/planner_fidelity.json")}),
     ],
     "pools": [

@@ -33,6 +33,7 @@ from tandem.bench.loadgen.runner import sweep_points as to_points
 from tandem.bench.loadgen.workloads import take
 from tandem.bench.report import machine_facts, machine_sentence, publish, render_table, run_block
 from tandem.planner.profile import measure_profile
+from tandem.planner.profile_format import load_profile
 from tandem.planner.profile_model import LatencyLaws
 from tandem.planner.search import max_goodput
 from tandem.planner.simulator import ClusterSimulation, Layout, SimSettings
@@ -133,8 +134,15 @@ def main(args: argparse.Namespace) -> int:
     started, facts = time.perf_counter(), machine_facts()
     model = ensure_model(args.model, "tiny" if "tiny" in str(args.model) else "small")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    threads = max(1, (os.cpu_count() or 2) // 2)
-    profile = measure_profile(str(model), "cpu", threads, quick=args.quick)
+    if args.profile is not None:
+        # A profile `tandem profile` wrote on this machine (e.g. a `--quick` one, when the
+        # full grid would not fit the time there is).
+        profile = load_profile(args.profile)
+        profile_note = f"Profile: `{args.profile}` (`tandem profile`), read at the start."
+    else:
+        threads = max(1, (os.cpu_count() or 2) // 2)
+        profile = measure_profile(str(model), "cpu", threads, quick=args.quick)
+        profile_note = "Profile: measured at the start of this run."
     laws = LatencyLaws.fit(profile)
     settings = SimSettings(profile.engine)
     layouts = dict(list(LAYOUTS.items())[:1]) if args.quick else LAYOUTS
@@ -168,6 +176,7 @@ def main(args: argparse.Namespace) -> int:
     machine = machine_sentence(facts, list(os.getloadavg()))
     blocks = [
         run_block(command, args.command, wall_s, machine),
+        f"{profile_note} "
         f"SLO: TTFT <= {SLO[0]:g} s, TPOT <= {SLO[1]:g} s. Goodput: highest rate with >= 90% "
         f"within SLO; latencies at {factors[0]:g}x the predicted goodput. Error = "
         "(simulated - measured) / measured; targets: goodput within 15%, percentiles within 25%.",
