@@ -28,7 +28,7 @@ from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.helm_chart import ROOT
 from tests.helpers.prometheus_server import PrometheusServer
 from tests.helpers.prompts import make_prompts
-from tests.helpers.ray_pools import ROLE_SLOTS, assert_idle, cluster_config
+from tests.helpers.ray_pools import assert_idle, cluster_config, init_ray_with_role_slots
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -95,14 +95,7 @@ def test_the_board_has_no_hard_coded_uids_or_namespaces():
 
 @pytest.fixture(scope="module")
 def ray_session():
-    # A fresh local instance ("local"), never a Ray cluster another process left running.
-    ray.init(
-        address="local",
-        num_cpus=2 * ROLE_SLOTS,
-        resources={"tandem_prefill": ROLE_SLOTS, "tandem_decode": ROLE_SLOTS},
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    init_ray_with_role_slots()
     yield
     ray.shutdown()
 
@@ -166,9 +159,7 @@ def test_every_panel_and_recording_rule_has_data_under_load(
                 await planner.stop()
             await cluster.stop()
 
-    started = time.monotonic()
     asyncio.run(scenario())
-    assert time.monotonic() - started < 200
 
 
 def check_panels_and_rules(prometheus: PrometheusServer, model: str) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+import openai
 
 from tandem.decode_worker.server import DecodeWorker
 from tandem.engine.config import EngineConfig
@@ -142,3 +144,15 @@ class InprocCluster:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
             self._loop.close()
+
+
+def openai_client(http_endpoint: str, timeout_s: float = 120.0) -> Iterator[openai.OpenAI]:
+    """For a fixture to `yield from`: the official `openai` client of a router's HTTP API
+    (the shared cluster's API key; no retries), closed afterwards."""
+    client = openai.OpenAI(
+        base_url=f"{http_endpoint}/v1", api_key=SHARED_API_KEY, max_retries=0, timeout=timeout_s
+    )
+    try:
+        yield client
+    finally:
+        client.close()

@@ -10,6 +10,7 @@ import json
 import socket
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -19,7 +20,7 @@ import pytest
 from tandem.router.tokenization import PromptTokenizer
 from tests.helpers.grpc_calls import worker_stats
 from tests.helpers.hf_reference import hf_greedy
-from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster
+from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster, openai_client
 from tests.helpers.prompts import make_prompts
 
 API_KEY = SHARED_API_KEY
@@ -34,12 +35,8 @@ def model_dir(tiny_model_dir: Path) -> Path:
 
 
 @pytest.fixture
-def client(cluster: InprocCluster):
-    client = openai.OpenAI(
-        base_url=f"{cluster.http_endpoint}/v1", api_key=API_KEY, max_retries=0, timeout=60
-    )
-    yield client
-    client.close()
+def client(cluster: InprocCluster) -> Iterator[openai.OpenAI]:
+    yield from openai_client(cluster.http_endpoint)
 
 
 @pytest.fixture(scope="module")

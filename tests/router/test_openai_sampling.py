@@ -33,7 +33,11 @@ from tandem.router.kserve_request import parse_request
 from tandem.router.tokenization import PromptTokenizer
 from tandem.worker.convert import sampling_params_from_proto, sampling_params_to_proto
 from tests.helpers.grpc_calls import worker_stats
-from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster, shared_router_config
+from tests.helpers.inproc_cluster import (
+    InprocCluster,
+    openai_client,
+    shared_router_config,
+)
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -69,11 +73,7 @@ def tokenizer(tiny_model_dir: Path) -> PromptTokenizer:
 
 @pytest.fixture
 def client(cluster: InprocCluster) -> Iterator[openai.OpenAI]:
-    client = openai.OpenAI(
-        base_url=f"{cluster.http_endpoint}/v1", api_key=SHARED_API_KEY, max_retries=0, timeout=60
-    )
-    yield client
-    client.close()
+    yield from openai_client(cluster.http_endpoint)
 
 
 PROMPT = make_prompts(2048, (29,), seed=41)[0]

@@ -8,6 +8,7 @@ show the mask on both sides of the prefill → decode hand-off.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,7 +20,7 @@ from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.proto.inference import grpc_service_pb2_grpc as kserve_grpc
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
-from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster
+from tests.helpers.inproc_cluster import InprocCluster, openai_client
 from tests.helpers.json_schemas import MAX_TOKENS, SCHEMAS
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,12 +63,8 @@ def model_dir(tiny_model_dir: Path) -> Path:
 
 
 @pytest.fixture
-def client(cluster: InprocCluster):
-    client = openai.OpenAI(
-        base_url=f"{cluster.http_endpoint}/v1", api_key=SHARED_API_KEY, max_retries=0, timeout=120
-    )
-    yield client
-    client.close()
+def client(cluster: InprocCluster) -> Iterator[openai.OpenAI]:
+    yield from openai_client(cluster.http_endpoint)
 
 
 def _model(cluster: InprocCluster) -> str:
