@@ -9,11 +9,14 @@ position: one token, not a prefill). The decode side holds a copy of the prompt'
 per sequence: the pulls are n, the prefill is one.
 
 Local prefill (no prefill worker in the pair, or the first token already ended sequence
-0): sequence 0 prefills on the decode worker; the others start after its first token,
-so they find the prompt's full blocks in that worker's prefix cache.
+0): the first local sequence prefills on the decode worker; the others start after its
+first token, so they find the prompt's full blocks in that worker's prefix cache.
 
-Every chunk carries its sequence's `index`. Seeded requests give sequence i the seed
-`seed + i`. Not migrated: a worker failure ends the request with its error.
+Only the first attempt is shared: each sequence is driven by `SequenceFlow.run`, so a
+worker failure migrates each sequence on its own (placed under its own policy key,
+`req#i`), keeping the tokens it already sent. A failed shared prefill migrates every
+sequence. Every chunk carries its sequence's `index`. Seeded requests give sequence i
+the seed `seed + i`.
 """
 
 from __future__ import annotations
@@ -22,191 +25,177 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING
 
-import grpc
-
-from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
-from tandem.router.chunk_stream import GenerationChunk, Usage
-from tandem.router.errors import from_worker_error
-from tandem.router.policy import RequestSlo
-from tandem.worker.convert import finish_reason_from_proto, sampling_params_to_proto
-
-if TYPE_CHECKING:
-    from tandem.router.metrics import RequestRecord
-    from tandem.router.request_flow import RequestFlow, _Attempt
-    from tandem.router.worker_pool import WorkerPair
-
-_MAX_SEED = 2**64
-
-
-def sequence_id(req_id: str, index: int) -> str:
-    """The worker-side request id of sequence `index` (0 keeps the request's own)."""
-    return req_id if index == 0 else f"{req_id}#{index}"
-
-
-def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Sequence `index`'s params: its own seed; prompt logprobs only from sequence 0."""
-    if index == 0:
-        return params
-    seed = None if params.seed is None else (params.seed + index) % _MAX_SEED
-    return dataclasses.replace(params, seed=seed, prompt_logprobs=False)
+from tandem.router.attempts import Attempt, AttemptFailed
+from tandem.router.chunk_stream import GenerationChunk
+from tandem.router.policy import Placement
+from tandem.router.sequence import Sequence
+from tandem.router.sequence_flow import Chunks, SequenceFlow
+from tandem.router.worker_pool import WorkerPair
+from tandem.worker.convert import sampling_params_to_proto
 
 
 async def generate_forked(
-    flow: RequestFlow,
-    req_id: str,
-    prompt_ids: list[int],
-    params: SamplingParams,
-    slo: RequestSlo,
-    n: int,
-) -> AsyncGenerator[GenerationChunk, None]:
-    """The chunks of all n sequences, interleaved as they come (see the module doc)."""
-    from tandem.router.request_flow import _AttemptFailed, _lost
-
-    span = flow.tracing.start_span("tandem.request", None, **{"tandem.request_id": req_id})
-    # The decode worker holds n copies of prompt + output: charge the placement that.
-    num_charged = n * (len(prompt_ids) + params.max_tokens) - len(prompt_ids)
-    charged = dataclasses.replace(params, max_tokens=num_charged)
-    placement = await flow._place(req_id, prompt_ids, charged, slo, span)
-    record = flow.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s)
-    flow.metrics.disagg_decisions.labels(flow.metrics.model_name, placement.decision).inc()
-    run = _Sequences(flow, req_id, params, record, Usage(prompt_tokens=len(prompt_ids)))
-    attempts = [flow._begin(placement) for _ in range(n)]
-    reason = "abort"  # a metrics / span label: stays "abort" if the client leaves
-    last_reason = "stop"
-    pair: WorkerPair | None = None
+    flow: SequenceFlow, sequences: list[Sequence], placement: Placement
+) -> Chunks:
+    """The chunks of all sequences, interleaved as they come (see the module doc).
+    `placement` is the request's (charged for all n sequences; the caller frees it)."""
+    start = _SharedStart(flow, sequences, placement)
+    await start.prefill()
+    merged = _Merged()
     try:
-        try:
-            pair = flow.pool.pair(placement.prefill_worker_id, placement.decode_worker_id)
-        except KeyError as exc:
-            raise _lost(str(exc.args[0])).error from None
-        requests = [
-            pb.DecodeRequest(
-                request_id=sequence_id(req_id, i),
-                prompt_token_ids=prompt_ids,
-                params=sampling_params_to_proto(sequence_params(params, i)),
-            )
-            for i in range(n)
-        ]
-        local = list(range(n))  # sequences that prefill on the decode worker
-        if pair.prefill_stub is not None:
-            prefill = await flow._prefill(
-                pair, req_id, prompt_ids, requests[0].params, span, attempts[0], n
-            )
-            flow.policy.on_prefill_done(
-                req_id, num_cached_tokens=prefill.num_cached_tokens,
-                compute_s=prefill.timings.compute_s,
-            )  # fmt: skip
-            run.usage.cached_prompt_tokens = prefill.num_cached_tokens
-            finish = finish_reason_from_proto(prefill.finish_reason)
-            run.queue.put_nowait(
-                GenerationChunk(
-                    [prefill.first_token_id],
-                    prefill.first_token_text,
-                    [prefill.first_token_logprob] if params.logprobs else [],
-                    finish,
-                    prompt_logprobs=list(prefill.prompt_logprobs) or None,
-                )
-            )
-            local = local[1:]
-            if finish is None:  # the KV is held once per sequence
-                handles = [prefill.kv_handle, *prefill.sequence_kv_handles]
-                run.held = [h.request_id for h in handles]
-                for i, (request, handle) in enumerate(zip(requests, handles, strict=True)):
-                    request.kv_handle.CopyFrom(handle)
-                    if i == 0:
-                        request.first_token_id = prefill.first_token_id
-                    else:
-                        request.sample_first_token = True
-                    run.start(pair, request, i, attempts[i])
-                local = []
-        for i in local:
-            requests[i].local_prefill = True
-        if local:
-            run.start(pair, requests[local[0]], local[0], attempts[local[0]])
-        num_open = n
-        while num_open:
-            item = await run.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if local and item.index == local[0]:
-                # Its prompt's full blocks are cached on the decode worker now.
-                for i in local[1:]:
-                    run.start(pair, requests[i], i, attempts[i])
-                local = []
-            run.usage.completion_tokens += len(item.token_ids)
-            record.on_tokens(len(item.token_ids))
-            if item.finish_reason is not None:
-                num_open -= 1
-                item.usage = run.usage
-                last_reason = item.finish_reason.value
-            yield item
-        reason = last_reason
-    except _AttemptFailed as failure:  # a worker call failed: no migration for n > 1
-        reason = "error"
-        raise failure.error from failure.__cause__
-    except grpc.aio.AioRpcError as exc:
-        reason = "error"
-        raise from_worker_error(exc) from exc
+        for seq in sequences:
+            merged.start(seq.index, flow.run(seq, placement, start.first_attempt))
+        async with contextlib.aclosing(merged.chunks()) as chunks:
+            async for chunk in chunks:
+                yield chunk
     finally:
-        await run.close(pair)
-        for attempt in attempts:
-            flow._end(attempt)
-        flow.policy.on_finish(req_id)
-        record.finish(reason)
-        span.end()
+        await merged.close()
+        await start.release_unclaimed()
 
 
-class _Sequences:
-    """The decode calls of one forked request, feeding one queue."""
+class _SharedStart:
+    """The one prefill of a forked request, and each sequence's first attempt from it."""
 
-    def __init__(
-        self,
-        flow: RequestFlow,
-        req_id: str,
-        params: SamplingParams,
-        record: RequestRecord,
-        usage: Usage,
-    ) -> None:
+    def __init__(self, flow: SequenceFlow, sequences: list[Sequence], placement: Placement) -> None:
         self.flow = flow
-        self.req_id = req_id
-        self.params = params
-        self.record = record
-        self.usage = usage
-        self.queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
-        self.tasks: list[asyncio.Task] = []
-        # Worker-side ids of KV the prefill worker holds for us.
-        self.held: list[str] = []
+        self.sequences = sequences
+        self.placement = placement
+        self.pair: WorkerPair | None = None
+        # Why the shared start failed (every sequence then migrates, or fails, with it).
+        self.failure: AttemptFailed | None = None
+        # Sequence 0's first token, from the prefill worker.
+        self.first: GenerationChunk | None = None
+        self.first_token_id = 0
+        # KV handles the prefill worker holds for sequences not yet decoding, by index.
+        self.unclaimed: dict[int, pb.KvHandle] = {}
+        # Sequences that prefill on the decode worker; the first of them goes first.
+        self.local: list[int] = []
+        # Set once the first local sequence has its first token (or ended).
+        self.cache_warm = asyncio.Event()
 
-    def start(
-        self, pair: WorkerPair, request: pb.DecodeRequest, index: int, attempt: _Attempt
-    ) -> None:
-        self.tasks.append(asyncio.create_task(self._stream(pair, request, index, attempt)))
+    async def prefill(self) -> None:
+        lead = self.sequences[0]
+        attempt = self.flow.attempts.begin(self.placement)
+        try:
+            self.pair = self.flow.pair_of(self.placement)
+            if self.pair.prefill_stub is None:
+                self.local = [seq.index for seq in self.sequences]
+                return
+            request = pb.PrefillRequest(
+                request_id=lead.req_id,
+                prompt_token_ids=lead.prompt_ids,
+                params=sampling_params_to_proto(lead.params),
+                num_sequences=len(self.sequences),
+            )
+            response = await self.flow.calls.prefill(self.pair, request, lead.span, attempt)
+        except AttemptFailed as failure:
+            self.failure = failure
+            return
+        finally:
+            self.flow.attempts.end(attempt)
+        num_prompt_tokens = len(lead.prompt_ids)
+        self.first = self.flow.prefilled(lead, lead.params, self.pair, response, num_prompt_tokens)
+        if self.first.finish_reason is None:  # the KV is held once per sequence
+            handles = [response.kv_handle, *response.sequence_kv_handles]
+            self.unclaimed = dict(enumerate(handles))
+            self.first_token_id = response.first_token_id
+        else:
+            self.local = [seq.index for seq in self.sequences[1:]]
 
-    async def _stream(
-        self, pair: WorkerPair, request: pb.DecodeRequest, index: int, attempt: _Attempt
-    ) -> None:
-        span = self.flow.tracing.start_span("decode", None, **{"tandem.sequence": index})
-        chunks = self.flow._decode(
-            pair, request, self.usage, self.params.logprobs, self.record, span, attempt, index == 0
+    async def first_attempt(self, seq: Sequence, attempt: Attempt) -> Chunks:
+        """Sequence `seq`'s part of the shared start (`FirstAttempt` of `SequenceFlow`)."""
+        if self.failure is not None:
+            f = self.failure
+            raise AttemptFailed(f.worker_id, f.reason, f.error, f.migratable) from f.__cause__
+        assert self.pair is not None  # set whenever there is no failure
+        if seq.index == 0 and self.first is not None and self.first.finish_reason is not None:
+            yield self.first
+            return
+        request = pb.DecodeRequest(
+            request_id=seq.req_id,
+            prompt_token_ids=seq.prompt_ids,
+            params=sampling_params_to_proto(seq.params),
         )
+        if seq.index in self.local:
+            chunks = self._local(request, seq, attempt)
+        else:
+            request.kv_handle.CopyFrom(self.unclaimed.pop(seq.index))
+            first = None
+            if seq.index == 0:
+                request.first_token_id, first = self.first_token_id, self.first
+            else:
+                request.sample_first_token = True
+            chunks = self.flow.decode_held(self.pair, request, seq, attempt, first)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    async def _local(self, request: pb.DecodeRequest, seq: Sequence, attempt: Attempt) -> Chunks:
+        assert self.pair is not None
+        request.local_prefill = True
+        leads = seq.index == self.local[0]
+        if not leads:
+            # Bounded: the lead's decode call has the request timeout, and its end sets it.
+            await self.cache_warm.wait()
+        try:
+            async with contextlib.aclosing(
+                self.flow.decode_local(self.pair, request, seq, attempt)
+            ) as chunks:
+                async for chunk in chunks:
+                    if leads:  # its prompt's full blocks are cached on the decode worker now
+                        self.cache_warm.set()
+                    yield chunk
+        finally:
+            if leads:
+                self.cache_warm.set()
+
+    async def release_unclaimed(self) -> None:
+        """Unpin the KV of sequences that never started decoding from it."""
+        if self.pair is not None:
+            for handle in self.unclaimed.values():
+                await self.flow.calls.release(self.pair, handle.request_id)
+        self.unclaimed.clear()
+
+
+_DONE = object()
+
+
+class _Merged:
+    """Several sequences' chunk streams run as tasks, merged into one as they come."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self, index: int, chunks: Chunks) -> None:
+        self.tasks.append(asyncio.create_task(self._pump(index, chunks)))
+
+    async def _pump(self, index: int, chunks: Chunks) -> None:
         try:
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    self.queue.put_nowait(dataclasses.replace(chunk, index=index, usage=None))
+                    self.queue.put_nowait(dataclasses.replace(chunk, index=index))
+            self.queue.put_nowait(_DONE)
         except Exception as exc:  # handed to the consumer, never swallowed
             self.queue.put_nowait(exc)
-        finally:
-            span.end()
 
-    async def close(self, pair: WorkerPair | None) -> None:
+    async def chunks(self) -> AsyncGenerator[GenerationChunk, None]:
+        """Every sequence's chunks until all ended; the first error ends the stream."""
+        num_open = len(self.tasks)
+        while num_open:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is _DONE:
+                num_open -= 1
+                continue
+            assert isinstance(item, GenerationChunk)
+            yield item
+
+    async def close(self) -> None:
         for task in self.tasks:
             task.cancel()
         if self.tasks:
             await asyncio.gather(*self.tasks, return_exceptions=True)
-        if pair is not None and pair.prefill_stub is not None:
-            for held_id in self.held:  # a no-op for each one a decode worker pulled
-                await self.flow._release(pair, held_id)
-        self.flow.policy.on_kv_pulled(self.req_id)

@@ -102,8 +102,7 @@ class WorkerMetrics:
         # "grpc" (an internal call) or "kv_data" (a TCP KV data connection).
         self._unauthenticated = Counter(
             "tandem:unauthenticated_requests",
-            "Internal calls and KV data connections refused for a missing or wrong "
-            "cluster token.",
+            "Internal calls and KV data connections refused for a missing or wrong cluster token.",
             [*names, "kind"],
             registry=self.registry,
         )

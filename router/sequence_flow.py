@@ -1,0 +1,282 @@
+"""One sequence through the cluster, migrating when a worker fails.
+
+An attempt is a prefill on the placement's prefill worker (or none: the decode worker
+prefills locally), then the decode stream. The first token is yielded as soon as the
+prefill worker returns it (TTFT never waits for the KV transfer). Cancelling the
+consumer cancels the worker calls, and the workers free what they hold; a prefill whose
+handle is never used is released here (its lease is the backstop if even that fails).
+
+Migration: when a worker call fails because the worker (or the connection to it) did,
+or the membership owner declares the worker lost (`worker_lost`), the sequence is
+placed again without admission and continues from where the client is: the new pair
+prefills prompt + every token already streamed and generates the rest. The client's
+stream goes on with no duplicated or missing token (with greedy sampling, the text of
+an uninterrupted run). After a migration the router detokenizes the output itself
+(`continuation.py`). At most `max_migrations` per sequence; past them, one
+`WorkerUnavailable`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable
+
+from opentelemetry.trace import Span
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.request import FinishReason
+from tandem.engine.sampling_params import SamplingParams
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.router.attempts import (
+    Attempt,
+    AttemptFailed,
+    AttemptRegistry,
+    MigrationReason,
+    worker_lost_failure,
+)
+from tandem.router.chunk_stream import GenerationChunk
+from tandem.router.continuation import (
+    continuation_params,
+    final_chunk,
+    redetokenize,
+    replay_detokenizer,
+)
+from tandem.router.errors import WorkerUnavailable
+from tandem.router.metrics import RouterMetrics
+from tandem.router.policy import GoodputPolicy, Placement
+from tandem.router.sequence import Sequence
+from tandem.router.worker_calls import WorkerCalls
+from tandem.router.worker_pool import WorkerPair, WorkerPool
+from tandem.worker.convert import finish_reason_from_proto, sampling_params_to_proto
+
+logger = logging.getLogger(__name__)
+
+# Retry-After of the error a sequence gets when it ran out of migrations.
+_EXHAUSTED_RETRY_AFTER_S = 1.0
+
+Chunks = AsyncGenerator[GenerationChunk, None]
+# How a sequence's first attempt runs when its caller starts it (a forked request's
+# sequences share one prefill); migrated attempts always run `SequenceFlow.attempt`.
+FirstAttempt = Callable[[Sequence, Attempt], Chunks]
+
+
+class SequenceFlow:
+    """Drives sequences over the worker pool: attempts, and migrations between them."""
+
+    def __init__(
+        self,
+        pool: WorkerPool,
+        policy: GoodputPolicy,
+        metrics: RouterMetrics,
+        calls: WorkerCalls,
+        attempts: AttemptRegistry,
+        *,
+        tokenizer: object,
+        max_migrations: int,
+        on_worker_failed: Callable[[str], None] | None,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics
+        self.calls = calls
+        self.attempts = attempts
+        # None: migrated sequences keep the new worker's text.
+        self.tokenizer = tokenizer
+        self.max_migrations = max_migrations
+        self.on_worker_failed = on_worker_failed
+
+    async def run(
+        self, seq: Sequence, placement: Placement, first_attempt: FirstAttempt | None = None
+    ) -> Chunks:
+        """The sequence's chunks until it finishes; a failure it cannot migrate past
+        raises a `RouterError`. Appends what it yields to `seq.output_ids`."""
+        # Set at the first migration that follows streamed tokens (see the module doc).
+        detok: IncrementalDetokenizer | None = None
+        placed_at = time.monotonic()
+        try:
+            while True:
+                attempt = self.attempts.begin(placement)
+                try:
+                    if first_attempt is not None and seq.first_attempt:
+                        chunks = first_attempt(seq, attempt)
+                    else:
+                        chunks = self.attempt(seq, placement, attempt, detok is not None)
+                    async with contextlib.aclosing(chunks):
+                        async for chunk in chunks:
+                            if detok is not None:
+                                chunk = redetokenize(chunk, detok)
+                            if not seq.output_ids and chunk.token_ids and seq.index == 0:
+                                ttft_s = time.monotonic() - placed_at
+                                self.policy.observe_ttft(seq.placement_key, ttft_s)
+                            seq.output_ids += chunk.token_ids
+                            yield chunk
+                            if chunk.finish_reason is not None:
+                                return
+                    return
+                except AttemptFailed as failure:
+                    self._count_migration(seq, failure)
+                    if seq.output_ids and detok is None and self.tokenizer is not None:
+                        detok = replay_detokenizer(
+                            self.tokenizer, seq.prompt_ids, seq.params, seq.output_ids
+                        )
+                    num_left = seq.params.max_tokens - len(seq.output_ids)
+                    if num_left <= 0:
+                        # Every token was streamed; only the finish message was lost.
+                        yield final_chunk(detok, FinishReason.LENGTH)
+                        return
+                    placement = self.policy.place_migrated(
+                        seq.migration_key, [*seq.prompt_ids, *seq.output_ids], num_left, seq.slo
+                    )
+                    seq.placement_key, seq.owns_placement = seq.migration_key, True
+                finally:
+                    self.attempts.end(attempt)
+        finally:
+            if seq.owns_placement:
+                self.policy.on_finish(seq.placement_key, seq.output_ids)
+
+    def _count_migration(self, seq: Sequence, failure: AttemptFailed) -> None:
+        """Raise the client's error if the sequence may not move; else count the
+        migration, keep new requests off the failed worker, and free the old placement's
+        accounting (the next placement charges the new pair)."""
+        if not failure.migratable:
+            raise failure.error from failure.__cause__
+        if seq.num_migrations >= self.max_migrations:
+            raise WorkerUnavailable(
+                f"request failed after {seq.num_migrations} migrations: {failure.error}",
+                retry_after_s=_EXHAUSTED_RETRY_AFTER_S,
+            ) from failure.__cause__
+        seq.num_migrations += 1
+        logger.warning(
+            "request %s: worker %s failed (%s: %s); migrating after %d tokens",
+            seq.req_id, failure.worker_id, failure.reason.value, failure.error,
+            len(seq.output_ids),
+        )  # fmt: skip
+        self.metrics.migrations.labels(self.metrics.model_name, failure.reason.value).inc()
+        seq.span.add_event(
+            "tandem.migration",
+            {"tandem.worker": failure.worker_id, "tandem.reason": failure.reason.value},
+        )
+        if self.on_worker_failed is not None and failure.reason is not MigrationReason.WORKER_LOST:
+            self.on_worker_failed(failure.worker_id)
+        if seq.owns_placement:
+            self.policy.on_finish(seq.placement_key)
+            seq.owns_placement = False
+
+    def pair_of(self, placement: Placement) -> WorkerPair:
+        """The placement's workers; a worker that already left the pools is lost."""
+        try:
+            return self.pool.pair(placement.prefill_worker_id, placement.decode_worker_id)
+        except KeyError as exc:
+            raise worker_lost_failure(str(exc.args[0])) from None
+
+    async def attempt(
+        self, seq: Sequence, placement: Placement, attempt: Attempt, router_stops: bool
+    ) -> Chunks:
+        """One attempt of a single sequence on `placement`, after what it streamed."""
+        params = seq.params
+        if seq.output_ids:
+            params = continuation_params(params, seq.output_ids, router_stops)
+        prompt_ids = [*seq.prompt_ids, *seq.output_ids]
+        pair = self.pair_of(placement)
+        wire_params = sampling_params_to_proto(params)
+        # Without a prefill worker the decode worker must be told it may prefill itself.
+        request = pb.DecodeRequest(
+            request_id=seq.req_id,
+            prompt_token_ids=prompt_ids,
+            params=wire_params,
+            local_prefill=pair.prefill_stub is None,
+        )
+        if pair.prefill_stub is None:
+            chunks = self.decode_local(pair, request, seq, attempt)
+        else:
+            prefill_request = pb.PrefillRequest(
+                request_id=seq.req_id, prompt_token_ids=prompt_ids, params=wire_params
+            )
+            prefill = await self.calls.prefill(pair, prefill_request, seq.span, attempt)
+            first = self.prefilled(seq, params, pair, prefill, len(prompt_ids))
+            if first.finish_reason is not None:
+                yield first
+                return
+            request.kv_handle.CopyFrom(prefill.kv_handle)
+            request.first_token_id = prefill.first_token_id
+            chunks = self.decode_held(pair, request, seq, attempt, first)
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                yield chunk
+
+    def prefilled(
+        self,
+        seq: Sequence,
+        params: SamplingParams,
+        pair: WorkerPair,
+        prefill: pb.PrefillResponse,
+        num_prompt_tokens: int,
+    ) -> GenerationChunk:
+        """Account a finished prefill; the chunk of its first token."""
+        seq.record.on_prefill(
+            pair.prefill_target()[0].worker_id, "prefill",
+            num_prompt_tokens - prefill.num_cached_tokens,
+            prefill.timings.queue_s, prefill.timings.compute_s,
+        )  # fmt: skip
+        self.policy.on_prefill_done(
+            seq.placement_key,
+            num_cached_tokens=prefill.num_cached_tokens,
+            compute_s=prefill.timings.compute_s,
+        )
+        if seq.reports_cached_tokens:
+            seq.usage.cached_prompt_tokens = prefill.num_cached_tokens
+        return GenerationChunk(
+            [prefill.first_token_id],
+            prefill.first_token_text,
+            [prefill.first_token_logprob] if params.logprobs else [],
+            finish_reason_from_proto(prefill.finish_reason),
+            prompt_logprobs=list(prefill.prompt_logprobs) if params.prompt_logprobs else None,
+        )
+
+    async def decode_held(
+        self,
+        pair: WorkerPair,
+        request: pb.DecodeRequest,
+        seq: Sequence,
+        attempt: Attempt,
+        first: GenerationChunk | None,
+    ) -> Chunks:
+        """Decode from KV the prefill worker holds (`request.kv_handle`), after `first`
+        (the prefill's token, if this sequence has it)."""
+        span = self._decode_span(pair, seq)
+        try:
+            if first is not None:
+                yield first
+            async with contextlib.aclosing(
+                self.calls.decode(pair, request, seq, span, attempt)
+            ) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        except BaseException:
+            # The decode side may never have pulled: unpin (a no-op if it did).
+            await self.calls.release(pair, request.kv_handle.request_id)
+            raise
+        finally:
+            span.end()
+
+    async def decode_local(
+        self, pair: WorkerPair, request: pb.DecodeRequest, seq: Sequence, attempt: Attempt
+    ) -> Chunks:
+        """Decode on a worker that prefills the prompt itself."""
+        span = self._decode_span(pair, seq)
+        try:
+            async with contextlib.aclosing(
+                self.calls.decode(pair, request, seq, span, attempt)
+            ) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            span.end()
+
+    def _decode_span(self, pair: WorkerPair, seq: Sequence) -> Span:
+        return self.calls.tracing.start_span(
+            "decode", seq.span, **{"tandem.worker": pair.decode.worker_id,
+                                   "tandem.sequence": seq.index}
+        )  # fmt: skip

@@ -1,0 +1,147 @@
+"""The gRPC calls of one attempt: `Prefill`, the `Decode` stream, `Release`.
+
+Each call feeds the policy's progress hooks and the request's metrics record as its
+answers arrive. A failed call leaves as `AttemptFailed` (migratable or not); a call
+cancelled because its worker was declared lost leaves the same way. Our own
+cancellation (the client left) goes on as `asyncio.CancelledError`, and the worker
+aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+
+import grpc
+from opentelemetry.trace import Span
+
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.router.attempts import Attempt, MigrationReason, call_failure
+from tandem.router.chunk_stream import GenerationChunk
+from tandem.router.policy import GoodputPolicy
+from tandem.router.sequence import Sequence
+from tandem.router.worker_pool import WorkerPair
+from tandem.telemetry.tracing import Tracing
+from tandem.worker.convert import finish_reason_from_proto
+
+logger = logging.getLogger(__name__)
+
+_RELEASE_TIMEOUT_S = 5.0
+
+
+class WorkerCalls:
+    """Makes one attempt's worker calls, with the router's timeouts and tracing."""
+
+    def __init__(
+        self,
+        policy: GoodputPolicy,
+        tracing: Tracing,
+        prefill_timeout_s: float,
+        request_timeout_s: float,
+    ) -> None:
+        self.policy = policy
+        self.tracing = tracing
+        self.prefill_timeout_s = prefill_timeout_s
+        self.request_timeout_s = request_timeout_s
+
+    async def prefill(
+        self,
+        pair: WorkerPair,
+        request: pb.PrefillRequest,
+        parent: Span,
+        attempt: Attempt,
+    ) -> pb.PrefillResponse:
+        worker, stub = pair.prefill_target()
+        span = self.tracing.start_span("prefill", parent, **{"tandem.worker": worker.worker_id})
+        try:
+            call = stub.Prefill(
+                request, timeout=self.prefill_timeout_s, metadata=self.tracing.metadata(span)
+            )
+            attempt.start_call(worker.worker_id, call)
+            return await call
+        except grpc.aio.AioRpcError as exc:
+            raise call_failure(worker.worker_id, MigrationReason.PREFILL_FAILED, exc) from exc
+        except asyncio.CancelledError:
+            if (failure := attempt.failure_on_cancel(worker.worker_id)) is not None:
+                raise failure from None
+            raise
+        finally:
+            attempt.end_call()
+            span.end()
+
+    async def decode(
+        self,
+        pair: WorkerPair,
+        request: pb.DecodeRequest,
+        seq: Sequence,
+        span: Span,
+        attempt: Attempt,
+    ) -> AsyncGenerator[GenerationChunk, None]:
+        """The decode stream's chunks (no `usage`: the request flow sets it)."""
+        worker_id = pair.decode.worker_id
+        call = pair.decode_stub.Decode(
+            request, timeout=self.request_timeout_s, metadata=self.tracing.metadata(span)
+        )
+        key, record = seq.placement_key, seq.record
+        local = not request.HasField("kv_handle")
+        last_at: float | None = None
+        try:
+            attempt.start_call(worker_id, call)
+            async for msg in call:
+                now = time.monotonic()
+                if last_at is None:
+                    if local:
+                        self.policy.on_prefill_done(
+                            key,
+                            num_cached_tokens=msg.num_cached_tokens,
+                            compute_s=msg.prefill_timings.compute_s
+                            if msg.HasField("prefill_timings")
+                            else None,
+                        )
+                    self.policy.on_kv_pulled(key)
+                elif msg.token_ids:
+                    self.policy.observe_itl(key, (now - last_at) / len(msg.token_ids))
+                last_at = now
+                if local and msg.HasField("prefill_timings"):
+                    timings = msg.prefill_timings
+                    num_computed = len(request.prompt_token_ids) - msg.num_cached_tokens
+                    record.on_prefill(worker_id, "decode", num_computed, timings.queue_s,
+                                      timings.compute_s)  # fmt: skip
+                record.on_decoded(worker_id, len(msg.token_ids))
+                if local and seq.reports_cached_tokens:
+                    seq.usage.cached_prompt_tokens = msg.num_cached_tokens
+                finish = finish_reason_from_proto(msg.finish_reason)
+                if msg.timings.transfer_s > 0:
+                    record.on_kv_transfer(msg.timings.transfer_s)
+                yield GenerationChunk(
+                    list(msg.token_ids),
+                    msg.text,
+                    list(msg.logprobs) if seq.params.logprobs else [],
+                    finish,
+                    prompt_logprobs=list(msg.prompt_logprobs) or None,
+                )
+                if finish is not None:
+                    return
+        except grpc.aio.AioRpcError as exc:
+            raise call_failure(worker_id, MigrationReason.DECODE_FAILED, exc) from exc
+        except asyncio.CancelledError:
+            if (failure := attempt.failure_on_cancel(worker_id)) is not None:
+                raise failure from None
+            raise
+        finally:
+            attempt.end_call()
+            # Client gone or finished early: the decode worker aborts on cancellation.
+            call.cancel()
+
+    async def release(self, pair: WorkerPair, held_id: str) -> None:
+        """Unpin a prefill nobody will pull (a no-op on the worker if it was pulled)."""
+        _, stub = pair.prefill_target()
+        try:
+            await asyncio.shield(
+                stub.Release(pb.ReleaseRequest(request_id=held_id), timeout=_RELEASE_TIMEOUT_S)
+            )
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
+            # (UsageError: the worker left the pool and its channel is closed.)
+            logger.info("release of %s failed (%s); its lease will expire", held_id, exc)
