@@ -35,7 +35,7 @@ SECTION_HEADING = "## Elastic pools: healing, migration, drain"
 FULL_COMMAND = ".venv/bin/tandem-bench pools --kills 5 --drains 3"
 SERVE_FLAGS = ("--prefill", "1", "--decode", "2", "--device", "cpu", "--kv-backend", "tcp",
                "--max-model-len", "1024")  # fmt: skip
-# What the router logs when it moves a request (router/request_flow.py).
+# What the router logs when it moves a request (router/sequence_flow.py).
 _MIGRATION = re.compile(r"request (\S+): worker \S+ failed \(.*; migrating after (\d+) tokens")
 MIN_MEASURED_KILLS = 5
 

@@ -10,7 +10,7 @@ from tandem.bench.pools.bench import migrations
 from tandem.bench.pools.scenario import at_target
 
 LOG = (
-    "2026-12-01 10:01:20,611 tandem.router.request_flow request load-7-p1: worker decode-0 "
+    "2026-12-01 10:01:20,611 tandem.router.sequence_flow request load-7-p1: worker decode-0 "
     "failed (decode_failed: UNAVAILABLE: Socket closed; x); migrating after 3 tokens\n"
     "... request load-9-p0: worker decode-0 failed (worker_lost: gone); migrating after 0 tokens\n"
     "... request ref-p0: worker decode-0 failed (decode_failed: x); migrating after 9 tokens\n"
