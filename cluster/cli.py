@@ -204,6 +204,11 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster")
     serve.add_argument(
+        "--gpus-per-worker", type=float, default=None,
+        help="GPUs each worker asks Ray for with --device cuda; a fraction lets workers "
+        f"share one GPU (then KV moves by cuda_ipc) [{RayConfig.gpus_per_worker}]",
+    )  # fmt: skip
+    serve.add_argument(
         "--device", choices=[d.value for d in DeviceKind], default=None,
         help="where the engines run [cuda if present, else cpu]",
     )  # fmt: skip
@@ -405,6 +410,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 autoscaling=args.autoscaling,
                 role_resources=True if args.autoscaling else None,
                 thread_policy=ThreadPolicy(_flag(args.thread_policy, RayConfig.thread_policy)),
+                gpus_per_worker=_flag(args.gpus_per_worker, RayConfig.gpus_per_worker),
             ),
             planner=PlannerConfig(
                 mode=PlannerMode(args.planner),

@@ -160,18 +160,19 @@ class DecodeGraphs:
         top = self.sizes[-1]
         hidden = model.config.hidden_size
         dtype = kv_caches.dtype
-        on = {"device": self.device}
-        self.input_ids = torch.zeros(top, dtype=torch.long, **on)
-        self.positions = torch.zeros(top, dtype=torch.long, **on)
-        self.slot_mapping = torch.full((top,), PAD_SLOT, dtype=torch.long, **on)
-        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, **on)
-        self.seq_lens = torch.ones(top, dtype=torch.int32, **on)
-        self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, **on)
-        self.hidden = torch.zeros(top, hidden, dtype=dtype, **on)
+        on = self.device
+        self.input_ids = torch.zeros(top, dtype=torch.long, device=on)
+        self.positions = torch.zeros(top, dtype=torch.long, device=on)
+        self.slot_mapping = torch.full((top,), PAD_SLOT, dtype=torch.long, device=on)
+        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=on)
+        self.seq_lens = torch.ones(top, dtype=torch.int32, device=on)
+        self.block_tables = torch.zeros(top, self.width, dtype=torch.int32, device=on)
+        self.hidden = torch.zeros(top, hidden, dtype=dtype, device=on)
         self._graphs: dict[int, Any] = {}  # bucket -> torch.cuda.CUDAGraph
         # Decode steps run through the static buffers (replayed or, uncaptured, eager).
         self.num_runs = 0
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Warm up and capture every bucket, largest first (smaller graphs reuse the
         shared memory pool). A no-op with `capture=False`."""

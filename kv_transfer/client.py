@@ -232,7 +232,7 @@ class KvTransferClient:
                 self._buffers,
                 self._auth,
             )
-        except KvPullError:
+        except KvTransferError:  # a pull error, or a cuda_ipc GPU not visible here
             await self._close_rpc(handle.endpoint, response.channel_id)
             raise
 
@@ -324,7 +324,9 @@ class KvTransferClient:
 
     def _cuda_device(self) -> torch.device:
         device = torch.device(self._device or "cuda")
-        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def _check_out(self, out: torch.Tensor | CacheBlocks | None, num_blocks: int) -> None:
         if out is None:

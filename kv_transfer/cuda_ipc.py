@@ -134,7 +134,7 @@ class CudaIpcCache:
         """The IPC description of a CUDA tensor (its memory must outlive every importer)."""
         if not tensor.is_cuda:
             raise ValueError("only a CUDA tensor can be shared by CUDA IPC")
-        shared = tensor.untyped_storage()._share_cuda_()  # type: ignore[attr-defined]
+        shared = tensor.untyped_storage()._share_cuda_()
         _, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event, sync = shared
         return cls(
             gpu_uuid=gpu_uuid(tensor.device),
@@ -143,26 +143,27 @@ class CudaIpcCache:
             storage_offset_bytes=int(offset_bytes),
             ref_counter_handle=bytes(ref_handle).hex(),
             ref_counter_offset=int(ref_offset),
-            event_handle=bytes(event).hex() if event else "",
+            event_handle=bytes(event or b"").hex(),
             event_sync_required=bool(sync),
             size=tuple(tensor.shape),
             stride=tuple(tensor.stride()),
-            offset=tensor.storage_offset(),
+            offset=int(tensor.storage_offset()),
             dtype=dtype_name(tensor.dtype),
         )
 
     def open(self) -> torch.Tensor:
         """The exporter's tensor, mapped into this process (another process than the
         exporter's); KvTransferError when its GPU is not visible here."""
+        torch.cuda.init()
         index = local_device_index(self.gpu_uuid, visible_gpu_uuids())
-        storage = torch.UntypedStorage._new_shared_cuda(  # type: ignore[attr-defined]
+        storage = torch.UntypedStorage._new_shared_cuda(
             index,
             bytes.fromhex(self.mem_handle),
             self.storage_size_bytes,
             self.storage_offset_bytes,
             bytes.fromhex(self.ref_counter_handle),
             self.ref_counter_offset,
-            bytes.fromhex(self.event_handle) if self.event_handle else None,
+            bytes.fromhex(self.event_handle),  # bytes even when unused (torch checks)
             self.event_sync_required,
         )
         dtype = getattr(torch, self.dtype)
