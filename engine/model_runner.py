@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.attention import AttentionMetadata, BatchLayout
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
@@ -46,9 +46,10 @@ class ModelRunner:
         self.attention_backend = model.attention_backend
         self.sampler = Sampler()
         self.eos_token_ids = list(cfg.eos_token_ids)
-        # Decode-only steps replay CUDA graphs when the config asks for them (CUDA only).
+        # Decode-only steps replay CUDA graphs when the config asks for them (CUDA only;
+        # a prefill-only engine never decodes).
         self.decode_graphs: DecodeGraphs | None = None
-        if config.use_cuda_graphs:
+        if config.use_cuda_graphs and config.mode is not EngineMode.PREFILL_ONLY:
             self.decode_graphs = DecodeGraphs(
                 model, self.kv_caches, config.max_num_seqs, config.max_model_len, self.block_size
             )

@@ -130,3 +130,23 @@ def test_graph_path_matches_eager_and_transformers(tiny_model_dir: Path) -> None
     assert isinstance(got["num_runs"], int) and got["num_runs"] >= MAX_TOKENS - 2
     assert got["graphed"] == got["eager"]
     assert got["graphed"] == hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_graphs_match_eager_on_cuda(tiny_model_dir: Path) -> None:
+    from tandem.engine.generate import generate
+    from tandem.engine.llm_engine import Engine
+    from tandem.engine.sampling_params import SamplingParams
+
+    prompts = make_prompts(2048, (3, 19, 40, 7, 90), seed=4)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for mode in ("on", "off"):
+        config = EngineConfig(
+            model=str(tiny_model_dir), device="cuda", dtype="float32", cuda_graphs=mode
+        )
+        engine = Engine(config)
+        tokens[mode] = [o.token_ids for o in generate(engine, prompts, params)]
+        graphs = engine.runner.decode_graphs
+        assert (graphs is not None and graphs.num_runs > 0) == (mode == "on")
+    assert tokens["on"] == tokens["off"] == hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
