@@ -132,6 +132,7 @@ def test_graph_path_matches_eager_and_transformers(tiny_model_dir: Path) -> None
     assert got["graphed"] == hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_graphs_match_eager_on_cuda(tiny_model_dir: Path) -> None:
     from tandem.engine.generate import generate

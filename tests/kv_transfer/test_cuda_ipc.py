@@ -146,6 +146,7 @@ def test_cpu_workers_negotiate_tcp_and_refuse_gpu_backends() -> None:
     asyncio.run(asyncio.wait_for(run(), 30))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_ipc_pulls_between_two_processes_are_bit_exact() -> None:
     from tandem.bench.gpu_serving import two_process_kv_gbps
