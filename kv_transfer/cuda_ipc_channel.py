@@ -10,6 +10,7 @@ decode worker died) is dropped after `timeout_s`, or when the channel closes.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -148,7 +149,8 @@ async def pull_over_ipc(
     run: Callable[..., Awaitable[Any]],
 ) -> torch.Tensor:
     """One pull: the Pull RPC pins and names the blocks, `run` (the client's executor)
-    copies them, FinishPull unpins them (also after a failed copy)."""
+    copies them, FinishPull unpins them (also after a failed copy; after a cancelled one
+    once its copy thread has finished)."""
     request = worker_pb2.PullRequest(channel_id=channel.channel_id, request_id=handle.request_id)
     try:
         response = await stub.Pull(request, timeout=timeout_s)
@@ -156,15 +158,19 @@ async def pull_over_ipc(
         if e.code() != grpc.StatusCode.NOT_FOUND:
             channel.abort()  # the next pull reopens (and re-maps) the channel
         raise KvPullError(f"cuda_ipc pull of {handle.request_id!r}: {e.details()}") from e
+    copy: asyncio.Future[torch.Tensor] | None = None
     try:
         if len(response.block_ids) != handle.num_blocks:
             raise KvPullError(
                 f"prefill pinned {len(response.block_ids)} blocks, handle names "
                 f"{handle.num_blocks}"
             )
-        blocks: torch.Tensor = await run(channel.copy_blocks, list(response.block_ids), out)
-        return blocks
+        copy = asyncio.ensure_future(run(channel.copy_blocks, list(response.block_ids), out))
+        return await asyncio.shield(copy)
     finally:
+        if copy is not None and not copy.done():
+            # Cancelled: the copy thread still reads the prefill's blocks; unpin after it.
+            await asyncio.wait([copy], timeout=timeout_s)
         finish = worker_pb2.FinishPullRequest(
             channel_id=channel.channel_id, request_id=handle.request_id
         )
