@@ -1,16 +1,19 @@
 """`tandem-bench gpu-check`: one prepared run on one GPU (about 8 minutes on an H200).
 
-1. Token equality on the device: the engine's greedy output vs `transformers` on the
-   `tiny` preset (float32).
+1. Token equality on the device vs `transformers` on the `tiny` preset (float32): the
+   engine with decode CUDA graphs on and off, and a served 1 prefill + 1 decode cluster
+   whose workers share the GPU and move KV by `cuda_ipc` (bench/gpu_serving.py).
 2. An 8B-shaped (Llama 3 8B) random-weight bf16 checkpoint, written to `--workdir`; its
    decode step at batch 1/32/128 against the HBM roofline (weights + KV read once per
    step at the measured copy bandwidth), and its prefill of 2,048 tokens as MFU
    (model FLOPs / time / the measured bf16 GEMM peak).
-3. KV transfer: a tcp pull of 2,048 tokens' KV served from the GPU cache (gathered slab
-   by slab on the device), GB/s.
+3. KV transfer of 2,048 tokens' KV, GB/s: a tcp pull served from the GPU cache
+   (gathered slab by slab on the device), and `cuda_ipc` pulls between two processes
+   (checked bit for bit).
 It writes the "## GPU check" section of `--out`. `--dry-run` runs every step on the CPU
-with tiny shapes (what the test suite does); its numbers mean nothing.
-Not covered (not built): CUDA graphs, `cuda_ipc` between workers on one GPU.
+with tiny shapes (what the test suite does); its numbers mean nothing. There graphs
+are `auto` (off on a CPU) and the cluster and the two-process pulls use
+`--kv-backend auto` (tcp on a CPU).
 """
 
 from __future__ import annotations
@@ -28,13 +31,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tandem.bench import gpu_serving
 from tandem.bench.engine import measure
 from tandem.bench.report import publish, render_table
 from tandem.engine.config import EngineConfig
-from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.model_maker import make_model
-from tandem.engine.sampling_params import SamplingParams
 from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferClient, KvTransferService
 
 logger = logging.getLogger(__name__)
@@ -153,20 +155,36 @@ def gemm_peak(device: str, size: int) -> float:
     return 2 * size**3 / best
 
 
-def check_equality(model_dir: Path, device: str, max_tokens: int) -> tuple[int, int]:
-    """(prompts whose greedy tokens equal transformers', prompts) on the tiny preset."""
-    prompts = [measure.random_prompt(n, 2048, seed=n) for n in (5, 40, 200)]
-    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", device=device))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ours = [o.token_ids for o in generate(engine, prompts, params)]
-    hf = measure.load_hf_model(str(model_dir), torch.float32).to(device)  # type: ignore[arg-type]
-    same = 0
-    for prompt, got in zip(prompts, ours, strict=True):
-        ids = torch.tensor([prompt], device=device)
-        out = hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                          do_sample=False, pad_token_id=0)  # fmt: skip
-        same += out[0, len(prompt) :].tolist() == list(got)
-    return same, len(prompts)
+@dataclass
+class EqualityResult:
+    """Token equality vs transformers on the tiny preset."""
+
+    graphs_on: gpu_serving.Equality
+    graphs_off: gpu_serving.Equality
+    disagg: gpu_serving.Equality
+    # What "graphs on" and the cluster's KV backend were (the dry run cannot have them).
+    graph_mode: str
+    kv_backend: str
+
+    @property
+    def ok(self) -> bool:
+        return self.graphs_on.ok and self.graphs_off.ok and self.disagg.ok
+
+
+def check_equality(model_dir: Path, device: str, max_tokens: int, log_dir: Path) -> EqualityResult:
+    """The engine with graphs on and off, and a 1P+1D cluster over cuda_ipc, vs transformers."""
+    on_cuda = device.startswith("cuda")
+    graph_mode, kv_backend = ("on", "cuda_ipc") if on_cuda else ("auto", "auto")
+    want = gpu_serving.hf_greedy(model_dir, device, max_tokens)
+    return EqualityResult(
+        graphs_on=gpu_serving.engine_equality(model_dir, device, max_tokens, graph_mode, want),
+        graphs_off=gpu_serving.engine_equality(model_dir, device, max_tokens, "off", want),
+        disagg=gpu_serving.disagg_equality(
+            model_dir, "cuda" if on_cuda else "cpu", kv_backend, max_tokens, log_dir, want
+        ),
+        graph_mode=graph_mode,
+        kv_backend=kv_backend,
+    )
 
 
 @dataclass
@@ -260,18 +278,30 @@ async def kv_transfer_gbps(shape: Shape, device: str, num_tokens: int) -> float:
     return layout.block_nbytes(num_blocks) / statistics.median(times) / 1e9
 
 
+@dataclass
+class KvResult:
+    tcp_gbps: float
+    ipc_gbps: float  # the two-process pulls (cuda_ipc; tcp in the dry run)
+    ipc_exact: bool
+
+
 def render(
-    args: argparse.Namespace, plan: Plan, equal: tuple[int, int], model: ModelResult, kv: float
+    args: argparse.Namespace, plan: Plan, equal: EqualityResult, model: ModelResult, kv: KvResult
 ) -> str:
     decode = model.decode
     device_name = torch.cuda.get_device_name() if plan.device.startswith("cuda") else "CPU"
     dry = " (dry run on the CPU, tiny shapes: numbers mean nothing)" if args.dry_run else ""
     rows = [[str(b), f"{s * 1e3:.2f}", f"{f * 1e3:.2f}", f"{s / f:.2f}x"] for b, s, f in decode]
+    on, off, pair = equal.graphs_on, equal.graphs_off, equal.disagg
+    exact = "bit-exact" if kv.ipc_exact else "**not bit-exact**"
     lines = [
         f"`{args.command}`{dry}",
         "",
         f"Device {device_name}; torch {torch.__version__}. Token equality vs transformers "
-        f"(tiny preset, float32): **{equal[0]}/{equal[1]} prompts equal**. Random "
+        f"(tiny preset, float32): engine with CUDA graphs `{equal.graph_mode}` "
+        f"**{on.num_equal}/{on.num_prompts} prompts equal** ({on.num_graph_runs} decode steps "
+        f"through the graphs), graphs off **{off.num_equal}/{off.num_prompts}**, 1P+1D with "
+        f"`--kv-backend {equal.kv_backend}` **{pair.num_equal}/{pair.num_prompts}**. Random "
         f"{plan.shape} in bfloat16, {model.weight_bytes / 1e9:.2f} GB of weights; "
         f"measured copy bandwidth {model.bandwidth / 1e12:.2f} TB/s, bf16 GEMM peak "
         f"{model.peak / 1e12:.1f} TFLOP/s.",
@@ -279,9 +309,9 @@ def render(
         render_table(["decode batch", "step ms", "roofline ms", "step / roofline"], rows),
         "",
         f"Prefill of {plan.prefill_len:,} tokens: {model.prefill_s * 1e3:.1f} ms, "
-        f"**MFU {model.mfu:.0%}**. KV transfer (tcp, served from the device cache, "
-        f"{plan.prefill_len:,} tokens): **{kv:.2f} GB/s**. Not built, so not checked: CUDA "
-        "graphs for decode, `cuda_ipc` between workers on one GPU (and 1P+1D equality over it).",
+        f"**MFU {model.mfu:.0%}**. KV transfer of {plan.prefill_len:,} tokens: tcp served "
+        f"from the device cache **{kv.tcp_gbps:.2f} GB/s**; between two processes over "
+        f"`{equal.kv_backend}` **{kv.ipc_gbps:.2f} GB/s** ({exact}).",
     ]  # fmt: skip
     return "\n".join(lines)
 
@@ -298,13 +328,24 @@ def main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         workdir = Path(tmp)
         tiny = make_model("tiny", workdir / "tandem-tiny", seed=0)
-        equal = check_equality(tiny, plan.device, max_tokens=8 if args.dry_run else 32)
-        logger.info("equality: %d/%d", *equal)
+        max_tokens = 8 if args.dry_run else 32
+        equal = check_equality(tiny, plan.device, max_tokens, workdir / "logs")
+        logger.info("equality: %s", equal)
         max_len = max(plan.prefill_len, plan.prompt_len + plan.num_steps + 8) + 1
         model_dir = write_random_checkpoint(
             workdir / "random", plan.shape, max_len, plan.device, tiny
         )
         model = measure_model(model_dir, plan)
-    kv = asyncio.run(kv_transfer_gbps(plan.shape, plan.device, plan.prefill_len))
+    shape = plan.shape
+    layout = KvLayout("gpu-check", "bfloat16", 16, shape.num_layers, shape.num_kv_heads,
+                      shape.head_dim)  # fmt: skip
+    ipc_gbps, ipc_exact = gpu_serving.two_process_kv_gbps(
+        layout, plan.prefill_len, plan.device, equal.kv_backend
+    )
+    kv = KvResult(
+        asyncio.run(kv_transfer_gbps(plan.shape, plan.device, plan.prefill_len)),
+        ipc_gbps,
+        ipc_exact,
+    )
     publish(args.out, SECTION_HEADING, [render(args, plan, equal, model, kv)])
-    return 0 if equal[0] == equal[1] else 1
+    return 0 if equal.ok and ipc_exact else 1

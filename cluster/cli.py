@@ -101,6 +101,7 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     add_attention_backend_flag(demo)
+    add_cuda_graphs_flag(demo)
     demo.set_defaults(handler=_run_demo, demo_parser=demo)
 
 
@@ -111,6 +112,16 @@ def add_attention_backend_flag(parser: argparse.ArgumentParser) -> None:
         "--attention-backend", choices=[b.value for b in AttentionBackendName], default="auto",
         help="attention kernels: triton (CUDA; CPU only under TRITON_INTERPRET=1) or the torch "
         "reference [auto: triton on cuda, torch on cpu]",
+    )  # fmt: skip
+
+
+def add_cuda_graphs_flag(parser: argparse.ArgumentParser) -> None:
+    from tandem.engine.cuda_graphs import CudaGraphMode
+
+    parser.add_argument(
+        "--cuda-graphs", choices=[m.value for m in CudaGraphMode], default="auto",
+        help="replay CUDA graphs for decode steps (needs cuda and the triton attention "
+        "backend; off = always eager) [auto: on where it can run]",
     )  # fmt: skip
 
 
@@ -193,14 +204,22 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster")
     serve.add_argument(
+        "--gpus-per-worker", type=float, default=None,
+        help="GPUs each worker asks Ray for with --device cuda; a fraction lets workers "
+        f"share one GPU (then KV moves by cuda_ipc) [{RayConfig.gpus_per_worker}]",
+    )  # fmt: skip
+    serve.add_argument(
         "--device", choices=[d.value for d in DeviceKind], default=None,
         help="where the engines run [cuda if present, else cpu]",
     )  # fmt: skip
     add_attention_backend_flag(serve)
+    add_cuda_graphs_flag(serve)
     # `local` is in-process only (tests, benchmarks): a cluster's workers are processes.
     serve.add_argument(
-        "--kv-backend", choices=[KvBackend.TCP.value, KvBackend.NCCL.value], default=None,
-        help="KV transfer between workers [nccl on cuda, tcp on cpu]",
+        "--kv-backend", choices=[b.value for b in KvBackend if b is not KvBackend.LOCAL],
+        default=None,
+        help="KV transfer between workers: auto = per worker pair, cuda_ipc on one node "
+        "(different processes), nccl between nodes, tcp on cpu [auto]",
     )  # fmt: skip
     serve.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
     serve.add_argument(
@@ -322,8 +341,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     if args.device == DeviceKind.CUDA and not torch.cuda.is_available():
         raise CliError("--device cuda: this machine has no CUDA device (use --device cpu)")
     device = DeviceKind(args.device) if args.device else default_device()
-    if args.kv_backend == "nccl" and device is not DeviceKind.CUDA:
-        raise CliError("--kv-backend nccl moves KV between GPUs; with --device cpu use tcp")
+    if args.kv_backend in ("nccl", "cuda_ipc") and device is not DeviceKind.CUDA:
+        raise CliError(
+            f"--kv-backend {args.kv_backend} moves KV between GPUs; with --device cpu use tcp"
+        )
     api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
     try:
         limit = _flag(args.max_workers_per_role, PoolsConfig.max_workers_per_role)
@@ -351,6 +372,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
             attention_backend=args.attention_backend,
+            cuda_graphs=args.cuda_graphs,
         )
         # One token for the whole cluster: the workers check it, the router presents it.
         auth = cluster_auth_from_args(args, os.environ, generate=True)
@@ -388,6 +410,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 autoscaling=args.autoscaling,
                 role_resources=True if args.autoscaling else None,
                 thread_policy=ThreadPolicy(_flag(args.thread_policy, RayConfig.thread_policy)),
+                gpus_per_worker=_flag(args.gpus_per_worker, RayConfig.gpus_per_worker),
             ),
             planner=PlannerConfig(
                 mode=PlannerMode(args.planner),
@@ -438,13 +461,15 @@ def _run_demo(args: argparse.Namespace) -> int:
             device=device,
             dtype=args.dtype,
             attention_backend=args.attention_backend,
+            cuda_graphs=args.cuda_graphs,
         )
     except ValueError as exc:
         args.demo_parser.error(str(exc))
     engine = Engine(config)
     print(
         f"engine ready on {device}, {dtype_banner(engine.config)}, "
-        f"attention {config.resolved_attention_backend}, in "
+        f"attention {config.resolved_attention_backend}, "
+        f"cuda graphs {'on' if config.use_cuda_graphs else 'off'}, in "
         f"{time.perf_counter() - started:.1f}s: {args.model}"
     )
 

@@ -42,6 +42,8 @@ class DecodeWorker:
             layout,
             config.worker_id,
             backend=config.kv_backend,
+            # Places this worker on its GPU for the backend choice (and NCCL's buffers).
+            device=config.engine.device if config.engine.device.startswith("cuda") else None,
             timeout_s=config.pull_timeout_s,
             auth=config.cluster_auth,
         )

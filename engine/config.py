@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from tandem.engine.attention.selector import resolve_attention_backend
+from tandem.engine.cuda_graphs import resolve_cuda_graphs
 from tandem.engine.dtype import auto_dtype
 
 logger = logging.getLogger(__name__)
@@ -207,6 +208,9 @@ class EngineConfig:
     kv_lease_s: float = 30.0
     # "auto" (triton on CUDA, torch on CPU), "torch" or "triton"; see engine/attention.
     attention_backend: str = "auto"
+    # "auto" (decode CUDA graphs on CUDA with the triton backend), "on" or "off"; see
+    # engine/cuda_graphs.py.
+    cuda_graphs: str = "auto"
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __init__(
@@ -226,6 +230,7 @@ class EngineConfig:
         num_threads: int | None = num_threads,
         kv_lease_s: float = kv_lease_s,
         attention_backend: str = attention_backend,
+        cuda_graphs: str = cuda_graphs,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -239,6 +244,7 @@ class EngineConfig:
         self.num_threads = num_threads
         self.kv_lease_s = kv_lease_s
         self.attention_backend = attention_backend
+        self.cuda_graphs = cuda_graphs
         self.model_config = ModelConfig.from_model_dir(model)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
@@ -298,6 +304,12 @@ class EngineConfig:
                 "attention_backend triton on cpu (Triton's interpreter) computes bfloat16 "
                 "dot products wrongly; use dtype float32 or float16"
             )
+        resolve_cuda_graphs(self.cuda_graphs, self.device, backend.value)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (`cuda_graphs` resolved here)."""
+        return resolve_cuda_graphs(self.cuda_graphs, self.device, self.resolved_attention_backend)
 
     @property
     def resolved_attention_backend(self) -> str:

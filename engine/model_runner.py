@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.attention import AttentionMetadata, BatchLayout
-from tandem.engine.config import EngineConfig
+from tandem.engine.config import EngineConfig, EngineMode
+from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.prompt_logprobs import record_prompt_logprobs
@@ -45,6 +46,14 @@ class ModelRunner:
         self.attention_backend = model.attention_backend
         self.sampler = Sampler()
         self.eos_token_ids = list(cfg.eos_token_ids)
+        # Decode-only steps replay CUDA graphs when the config asks for them (CUDA only;
+        # a prefill-only engine never decodes).
+        self.decode_graphs: DecodeGraphs | None = None
+        if config.use_cuda_graphs and config.mode is not EngineMode.PREFILL_ONLY:
+            self.decode_graphs = DecodeGraphs(
+                model, self.kv_caches, config.max_num_seqs, config.max_model_len, self.block_size
+            )
+            self.decode_graphs.capture_all()
 
     def read_kv_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A contiguous copy [layers, 2, len(block_ids), block_size, kv_heads, head_dim]."""
@@ -66,8 +75,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
         chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
         input_ids, positions, batch = self._prepare(chunks)
-        meta: AttentionMetadata = self.attention_backend.build_metadata(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._forward(input_ids, positions, batch)
         starts = torch.tensor(batch.query_start_loc)
         record_prompt_logprobs(self.model, hidden, chunks, starts)
         sampling = [c for c in chunks if c.samples]
@@ -88,6 +96,18 @@ class ModelRunner:
             c.request.req_id: SampledToken(tok, lp)
             for c, tok, lp in zip(sampling, result.token_ids, result.logprobs, strict=True)
         }
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchLayout
+    ) -> torch.Tensor:
+        """Final hidden states: a graph replay for a decode-only step that fits a bucket,
+        else the model run eagerly."""
+        graphs = self.decode_graphs
+        bucket = graphs.bucket_for(batch) if graphs is not None else None
+        if graphs is not None and bucket is not None:
+            return graphs.run(bucket, input_ids, positions, batch)
+        meta: AttentionMetadata = self.attention_backend.build_metadata(batch)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _mask_early_stops(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> None:
         """Forbid EOS and stop token ids while a request is below its `min_tokens`."""

@@ -19,10 +19,13 @@ import torch
 
 from tandem.kv_transfer.blocks import CacheBlocks
 from tandem.kv_transfer.buffers import BufferPool
+from tandem.kv_transfer.cuda_ipc import Placement
+from tandem.kv_transfer.cuda_ipc_channel import CudaIpcClientChannel, pull_over_ipc
 from tandem.kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
 from tandem.kv_transfer.handle import KvHandle
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.local import LocalChannel, LocalRegistry
+from tandem.kv_transfer.nccl import NcclError
 from tandem.kv_transfer.nccl_channel import NcclClientChannel
 from tandem.kv_transfer.stats import TransferStats, count_threads, wait_threads_gone
 from tandem.kv_transfer.tcp_channel import TcpChannel
@@ -35,8 +38,11 @@ BACKENDS = {
     "tcp": worker_pb2.KV_BACKEND_TCP,
     "nccl": worker_pb2.KV_BACKEND_NCCL,
     "local": worker_pb2.KV_BACKEND_LOCAL,
+    "cuda_ipc": worker_pb2.KV_BACKEND_CUDA_IPC,
+    # The prefill side picks per pair (see `kv_transfer.cuda_ipc.choose_channel_backend`).
+    "auto": worker_pb2.KV_BACKEND_AUTO,
 }
-Channel = TcpChannel | LocalChannel | NcclClientChannel
+Channel = TcpChannel | LocalChannel | NcclClientChannel | CudaIpcClientChannel
 _ChannelKey = tuple[str, str]  # (prefill worker id, endpoint)
 
 
@@ -182,16 +188,33 @@ class KvTransferClient:
         if self.backend == "local":
             assert self._registry is not None
             return LocalChannel.open(self._registry, handle.worker_id, self.layout)
+        place = Placement.here(self._cuda_device() if torch.cuda.is_available() else None)
         request = worker_pb2.OpenChannelRequest(
             decode_worker_id=self.worker_id,
             layout_fingerprint=self.layout.fingerprint(),
             backend=BACKENDS[self.backend],
+            node_id=place.node_id,
+            pid=place.pid,
+            gpu_uuid=place.gpu_uuid,
         )
         if self.backend == "nccl":
             request.nccl_unique_id = NcclClientChannel.new_unique_id()
+        elif self.backend == "auto" and place.gpu_uuid:
+            try:  # offered in case the prefill side picks nccl
+                request.nccl_unique_id = NcclClientChannel.new_unique_id()
+            except NcclError as e:
+                logger.info("NCCL not offered: %s", e)
         response = await self._open_rpc(handle.endpoint, request)
+        chosen = response.backend or BACKENDS[self.backend]
         try:
-            if self.backend == "nccl":
+            if chosen == worker_pb2.KV_BACKEND_CUDA_IPC:
+                return await self._run(
+                    CudaIpcClientChannel.open,
+                    response.channel_id,
+                    response.cuda_ipc_cache,
+                    self.layout,
+                )
+            if chosen == worker_pb2.KV_BACKEND_NCCL:
                 return await NcclClientChannel.init(
                     response.channel_id,
                     request.nccl_unique_id,
@@ -209,7 +232,7 @@ class KvTransferClient:
                 self._buffers,
                 self._auth,
             )
-        except KvPullError:
+        except KvTransferError:  # a pull error, or a cuda_ipc GPU not visible here
             await self._close_rpc(handle.endpoint, response.channel_id)
             raise
 
@@ -236,6 +259,11 @@ class KvTransferClient:
     async def _pull_on(
         self, channel: Channel, handle: KvHandle, out: torch.Tensor | CacheBlocks | None
     ) -> torch.Tensor:
+        if isinstance(channel, CudaIpcClientChannel):
+            target = out if isinstance(out, torch.Tensor) else None
+            return await pull_over_ipc(
+                channel, self._stub(handle.endpoint), handle, target, self.timeout_s, self._run
+            )
         if not isinstance(channel, NcclClientChannel):
             return await self._run(channel.pull, handle.request_id, handle.num_blocks, out)
         shape = self.layout.block_shape(handle.num_blocks)
@@ -295,7 +323,10 @@ class KvTransferClient:
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
     def _cuda_device(self) -> torch.device:
-        return torch.device(self._device or f"cuda:{torch.cuda.current_device()}")
+        device = torch.device(self._device or "cuda")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def _check_out(self, out: torch.Tensor | CacheBlocks | None, num_blocks: int) -> None:
         if out is None:

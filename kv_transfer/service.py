@@ -3,8 +3,11 @@
 `OpenChannel` checks the layout fingerprint (FAILED_PRECONDITION on mismatch, with
 every differing field) and sets up the data plane of the chosen backend: for TCP the
 host:port of the service's data server (one socket per channel), for NCCL a 2-rank
-communicator. `Pull` is NCCL's send trigger (TCP pulls on its socket).
-`CloseChannel` frees a channel; `stop()` frees everything.
+communicator, for CUDA IPC the cache's IPC description; AUTO (and every explicit
+GPU choice) is settled by `cuda_ipc.choose_channel_backend` from both workers'
+placements. `Pull` is NCCL's send trigger and CUDA IPC's pin (TCP pulls on its
+socket); `FinishPull` ends a CUDA IPC pull. `CloseChannel` frees a channel; `stop()`
+frees everything.
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ import grpc
 import torch
 
 from tandem.kv_transfer.blocks import CacheBlocks, ReadBlocks, check_shape, finished_with
+from tandem.kv_transfer.cuda_ipc import (
+    BackendRefused,
+    CudaIpcCache,
+    Placement,
+    choose_channel_backend,
+)
+from tandem.kv_transfer.cuda_ipc_channel import CudaIpcServerChannel
 from tandem.kv_transfer.errors import LayoutMismatchError
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, load_nccl
@@ -29,6 +39,14 @@ from tandem.proto.cluster_auth import ClusterAuth
 from tandem.proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+# The backends a decode worker may ask for beyond tcp; AUTO is settled here.
+_GPU_BACKENDS = {
+    worker_pb2.KV_BACKEND_NCCL: "nccl",
+    worker_pb2.KV_BACKEND_CUDA_IPC: "cuda_ipc",
+    worker_pb2.KV_BACKEND_AUTO: "auto",
+}
 
 
 class KvTransferService(worker_pb2_grpc.KvTransferServicer):
@@ -45,6 +63,7 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         device: str | None = None,
         auth: ClusterAuth | None = None,
         on_refused: Callable[[], None] | None = None,
+        kv_cache: torch.Tensor | None = None,
     ) -> None:
         """`read_blocks(request_id)`: see `kv_transfer.blocks` (called from transfer
         threads, so it must be thread-safe; KeyError when nothing is held).
@@ -52,7 +71,9 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         `host`). `device`: CUDA device of NCCL channels (default the current one).
         `auth`: the cluster token every TCP data connection must prove (the gRPC calls
         are checked by the server's interceptor, see `tandem.proto.cluster_auth`);
-        `on_refused` is called (from a transfer thread) for each connection refused."""
+        `on_refused` is called (from a transfer thread) for each connection refused.
+        `kv_cache`: the paged cache `read_blocks` serves from; a CUDA one is shared with
+        decode workers on this node (cuda_ipc) and places this worker on its GPU."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.layout = layout
@@ -63,6 +84,11 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
             layout, read_blocks, host, timeout_s, advertise_host, auth, on_refused
         )
         self._nccl: dict[str, NcclServerChannel] = {}
+        self._ipc: dict[str, CudaIpcServerChannel] = {}
+        self._kv_cache = kv_cache
+        self._ipc_export: bytes | None = None  # the cache's IPC description, made once
+        gpu = kv_cache.device if kv_cache is not None and kv_cache.is_cuda else device
+        self.placement = Placement.here(gpu)
         self._thread_prefix = f"kv-service-{id(self):x}"
         # NCCL init and GPU gathers only; created on the first NCCL channel.
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -78,6 +104,9 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         for channel in self._nccl.values():
             channel.close(abort=True)
         self._nccl.clear()
+        for ipc in self._ipc.values():
+            ipc.close()
+        self._ipc.clear()
         await self._tcp.stop()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -91,7 +120,7 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
 
     def stats(self) -> TransferStats:
         return TransferStats(
-            num_open_channels=self._tcp.num_channels + len(self._nccl),
+            num_open_channels=self._tcp.num_channels + len(self._nccl) + len(self._ipc),
             num_transfer_threads=self._tcp.num_threads + count_threads(self._thread_prefix),
         )
 
@@ -115,13 +144,46 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
             endpoint = self._tcp.open_channel(channel_id)
             logger.info("KV channel %s (tcp) for %s", channel_id, request.decode_worker_id)
             return worker_pb2.OpenChannelResponse(channel_id=channel_id, tcp_endpoint=endpoint)
-        if backend == worker_pb2.KV_BACKEND_NCCL:
+        requested = _GPU_BACKENDS.get(backend)
+        if requested is None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"backend {backend} is not served over gRPC"
+            )
+        decode = Placement(request.node_id, request.pid, request.gpu_uuid)
+        try:
+            chosen = choose_channel_backend(
+                requested, decode, self.placement, bool(request.nccl_unique_id)
+            )
+        except BackendRefused as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        logger.info("KV channel %s (%s) for %s", channel_id, chosen, request.decode_worker_id)
+        if chosen == "nccl":
             await self._open_nccl(channel_id, request, context)
-            return worker_pb2.OpenChannelResponse(channel_id=channel_id, nccl_rank=PREFILL_RANK)
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT, f"backend {backend} is not served over gRPC"
+            return worker_pb2.OpenChannelResponse(
+                channel_id=channel_id, nccl_rank=PREFILL_RANK, backend=worker_pb2.KV_BACKEND_NCCL
+            )
+        if chosen == "cuda_ipc":
+            description = await self._cuda_ipc_export(context)
+            self._ipc[channel_id] = CudaIpcServerChannel(channel_id, self.timeout_s)
+            return worker_pb2.OpenChannelResponse(
+                channel_id=channel_id,
+                backend=worker_pb2.KV_BACKEND_CUDA_IPC,
+                cuda_ipc_cache=description,
+            )
+        endpoint = self._tcp.open_channel(channel_id)
+        return worker_pb2.OpenChannelResponse(
+            channel_id=channel_id, tcp_endpoint=endpoint, backend=worker_pb2.KV_BACKEND_TCP
         )
-        raise AssertionError("unreachable")  # context.abort raises
+
+    async def _cuda_ipc_export(self, context: grpc.aio.ServicerContext) -> bytes:
+        if self._ipc_export is None:
+            if self._kv_cache is None or not self._kv_cache.is_cuda:
+                await context.abort(
+                    grpc.StatusCode.UNIMPLEMENTED, "this prefill worker has no CUDA cache to share"
+                )
+            assert self._kv_cache is not None
+            self._ipc_export = CudaIpcCache.export(self._kv_cache).to_bytes()
+        return self._ipc_export
 
     async def _open_nccl(
         self,
@@ -147,6 +209,8 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
     async def Pull(
         self, request: worker_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PullResponse:
+        if request.channel_id in self._ipc:
+            return await self._pull_ipc(request, context)
         channel = self._nccl.get(request.channel_id)
         if channel is None:
             await context.abort(
@@ -172,6 +236,44 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"NCCL send failed: {e!r}")
         return worker_pb2.PullResponse(num_bytes=num_bytes)
 
+    async def _pull_ipc(
+        self, request: worker_pb2.PullRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.PullResponse:
+        """Pin the request's held blocks for the decode side's copy (until FinishPull)."""
+        channel = self._ipc[request.channel_id]
+        channel.expire()
+        loop = asyncio.get_running_loop()
+        try:
+            result = await loop.run_in_executor(
+                self._nccl_executor(), self.read_blocks, request.request_id
+            )
+        except KeyError:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no KV held for request {request.request_id!r}"
+            )
+        if not isinstance(result, CacheBlocks) or result.kv_cache is not self._kv_cache:
+            finished_with(result)
+            await context.abort(
+                grpc.StatusCode.INTERNAL, "cuda_ipc serves only blocks of the shared cache"
+            )
+        assert isinstance(result, CacheBlocks)
+        block_ids = channel.pin(request.request_id, result)
+        return worker_pb2.PullResponse(
+            num_bytes=self.layout.block_nbytes(len(block_ids)), block_ids=block_ids
+        )
+
+    async def FinishPull(
+        self, request: worker_pb2.FinishPullRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.FinishPullResponse:
+        channel = self._ipc.get(request.channel_id)
+        if channel is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no cuda_ipc channel {request.channel_id!r}"
+            )
+        if not channel.finish(request.request_id):
+            logger.warning("FinishPull of %s: not pinned (expired?)", request.request_id)
+        return worker_pb2.FinishPullResponse()
+
     def _read_gathered(self, request_id: str) -> torch.Tensor:
         """`read_blocks` as one contiguous tensor; cache blocks are gathered into a copy
         (ordered before any later write on the device's stream), then unpinned."""
@@ -188,6 +290,10 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
     async def CloseChannel(
         self, request: worker_pb2.CloseChannelRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.CloseChannelResponse:
+        ipc = self._ipc.pop(request.channel_id, None)
+        if ipc is not None:
+            ipc.close()
+            return worker_pb2.CloseChannelResponse()
         channel = self._nccl.pop(request.channel_id, None)
         if channel is not None:
             async with channel.lock:

@@ -64,6 +64,8 @@ class PrefillWorker:
             host=config.host,
             auth=config.cluster_auth,
             on_refused=functools.partial(self.host.metrics.refused, "kv_data"),
+            # Shared with decode workers on this node by CUDA IPC (a CUDA cache only).
+            kv_cache=loop.engine.runner.kv_caches,
         )
         service = PrefillService(
             config, loop, layout, self.host.endpoint, self._transfer.stats, self.host.tracing

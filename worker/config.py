@@ -32,10 +32,16 @@ class WorkerRole(enum.StrEnum):
 class KvBackend(enum.StrEnum):
     """How a decode worker pulls KV from a prefill worker."""
 
+    # Per worker pair, settled when a channel opens (`kv_transfer.cuda_ipc`): cuda_ipc
+    # on one node (two processes), nccl between nodes, tcp with a CPU engine.
+    AUTO = "auto"
     # Raw bytes over a socket (CPU, or GPU through host memory).
     TCP = "tcp"
-    # ncclSend/ncclRecv between GPUs.
+    # ncclSend/ncclRecv between GPUs (not two workers on one GPU: NCCL refuses that).
     NCCL = "nccl"
+    # Device-to-device copies out of the prefill worker's cache, mapped by CUDA IPC
+    # (workers on one node, in different processes).
+    CUDA_IPC = "cuda_ipc"
     # Engines in one process (`kv_transfer.local`, tests and benchmarks); no worker
     # server can use it (WorkerSettings refuses it).
     LOCAL = "local"
@@ -45,14 +51,25 @@ DEFAULT_HOST = "127.0.0.1"
 
 
 def default_kv_backend(device: str) -> KvBackend:
-    """NCCL between GPUs, TCP otherwise."""
-    return KvBackend.NCCL if device.startswith("cuda") else KvBackend.TCP
+    """AUTO (chosen per worker pair) between GPUs, TCP otherwise."""
+    return KvBackend.AUTO if device.startswith("cuda") else KvBackend.TCP
+
+
+def resolve_kv_backend(backend: KvBackend | None, device: str) -> KvBackend:
+    """The backend a worker's KV client asks for: None and AUTO are TCP on a CPU engine."""
+    if backend is None or (backend is KvBackend.AUTO and not device.startswith("cuda")):
+        return default_kv_backend(device)
+    return backend
 
 
 def check_kv_backend(backend: KvBackend | None, device: str) -> None:
-    """ValueError when `backend` cannot move KV between engines on `device`."""
-    if backend is KvBackend.NCCL and not device.startswith("cuda"):
-        raise ValueError(f"kv_backend nccl needs GPU engines; the engines run on {device}")
+    """ValueError when `backend` cannot move KV between engines on `device` (pair-level
+    impossibilities, such as nccl on one GPU, are refused when a channel opens)."""
+    gpu_only = (KvBackend.NCCL, KvBackend.CUDA_IPC)
+    if backend in gpu_only and not device.startswith("cuda"):
+        raise ValueError(
+            f"kv_backend {backend} needs GPU engines; the engines run on {device} (use tcp)"
+        )
 
 
 @dataclass
@@ -83,7 +100,7 @@ class WorkerSettings:
         if self.kv_backend is KvBackend.LOCAL:
             raise ValueError(
                 "kv_backend local moves KV between engines inside one process; worker "
-                "servers pull from each other over tcp or nccl"
+                "servers pull from each other over tcp, nccl or cuda_ipc"
             )
         self.trace_exporter = parse_enum(TraceExporter, self.trace_exporter, "trace_exporter")
         if not self.host:
@@ -127,7 +144,7 @@ class WorkerConfig:
 
     @property
     def kv_backend(self) -> KvBackend:
-        return self.settings.kv_backend or default_kv_backend(self.engine.device)
+        return resolve_kv_backend(self.settings.kv_backend, self.engine.device)
 
     @property
     def admission_timeout_s(self) -> float:

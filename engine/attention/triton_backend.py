@@ -61,10 +61,7 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
     def build_metadata(self, batch: BatchLayout) -> TritonAttentionMetadata:
         num_decodes = batch.num_decodes
         device = batch.device
-        max_decode_len = max(batch.seq_lens[:num_decodes], default=0)
-        num_splits = max(1, min(self.max_splits, -(-max_decode_len // self.split_tokens)))
-        per_split = -(-max_decode_len // num_splits)
-        split_len = max(TILE_N, -(-per_split // TILE_N) * TILE_N)
+        num_splits, split_len = self.split_plan(max(batch.seq_lens[:num_decodes], default=0))
         prefill_lens = [batch.query_len(i) for i in range(num_decodes, batch.num_seqs)]
         return TritonAttentionMetadata(
             slot_mapping=batch.slot_mapping,
@@ -77,6 +74,13 @@ class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
             num_splits=num_splits,
             split_len=split_len,
         )
+
+    def split_plan(self, max_decode_len: int) -> tuple[int, int]:
+        """(context splits per decode, tokens per split: a multiple of the tile) for
+        decodes of up to `max_decode_len` tokens (CUDA graphs fix it per graph)."""
+        num_splits = max(1, min(self.max_splits, -(-max_decode_len // self.split_tokens)))
+        per_split = -(-max_decode_len // num_splits)
+        return num_splits, max(TILE_N, -(-per_split // TILE_N) * TILE_N)
 
     def forward(
         self,

@@ -33,6 +33,8 @@ def write_kv_kernel(
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = tokens < num_tokens
     slot = tl.load(slot_ptr + tokens, mask=t_mask, other=0).to(tl.int64)
+    # A negative slot is a padding row (CUDA graphs' padded batches): nothing to write.
+    t_mask = t_mask & (slot >= 0)
     heads = tl.arange(0, H_PAD)
     dims = tl.arange(0, D_PAD)
     hd_mask = (heads[:, None] < num_kv_heads) & (dims[None, :] < HEAD_DIM)

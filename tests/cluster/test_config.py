@@ -51,7 +51,8 @@ def test_cluster_refuses_parts_for_another_model(tiny_model_dir, tmp_path):
 def test_worker_settings_refuse_backends_no_worker_can_run(tiny_model_dir):
     with pytest.raises(ValueError, match="kv_backend local moves KV between engines inside one"):
         WorkerSettings(kv_backend="local")
-    with pytest.raises(ValueError, match="kv_backend must be one of tcp, nccl, local"):
+    choices = "auto, tcp, nccl, cuda_ipc, local"
+    with pytest.raises(ValueError, match=f"kv_backend must be one of {choices}"):
         WorkerSettings(kv_backend="udp")
     with pytest.raises(ValueError, match="kv_backend nccl needs GPU engines"):
         ClusterConfig(

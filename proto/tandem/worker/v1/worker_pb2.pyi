@@ -27,6 +27,8 @@ class KvBackend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_BACKEND_TCP: _ClassVar[KvBackend]
     KV_BACKEND_NCCL: _ClassVar[KvBackend]
     KV_BACKEND_LOCAL: _ClassVar[KvBackend]
+    KV_BACKEND_CUDA_IPC: _ClassVar[KvBackend]
+    KV_BACKEND_AUTO: _ClassVar[KvBackend]
 
 class GuidedKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -48,6 +50,8 @@ KV_BACKEND_UNSPECIFIED: KvBackend
 KV_BACKEND_TCP: KvBackend
 KV_BACKEND_NCCL: KvBackend
 KV_BACKEND_LOCAL: KvBackend
+KV_BACKEND_CUDA_IPC: KvBackend
+KV_BACKEND_AUTO: KvBackend
 GUIDED_KIND_UNSPECIFIED: GuidedKind
 GUIDED_KIND_JSON_SCHEMA: GuidedKind
 GUIDED_KIND_JSON_OBJECT: GuidedKind
@@ -287,26 +291,36 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[bool] = ...) -> None: ...
 
 class OpenChannelRequest(_message.Message):
-    __slots__ = ("decode_worker_id", "layout_fingerprint", "backend", "nccl_unique_id")
+    __slots__ = ("decode_worker_id", "layout_fingerprint", "backend", "nccl_unique_id", "node_id", "pid", "gpu_uuid")
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     NCCL_UNIQUE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    GPU_UUID_FIELD_NUMBER: _ClassVar[int]
     decode_worker_id: str
     layout_fingerprint: str
     backend: KvBackend
     nccl_unique_id: bytes
-    def __init__(self, decode_worker_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., backend: _Optional[_Union[KvBackend, str]] = ..., nccl_unique_id: _Optional[bytes] = ...) -> None: ...
+    node_id: str
+    pid: int
+    gpu_uuid: str
+    def __init__(self, decode_worker_id: _Optional[str] = ..., layout_fingerprint: _Optional[str] = ..., backend: _Optional[_Union[KvBackend, str]] = ..., nccl_unique_id: _Optional[bytes] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., gpu_uuid: _Optional[str] = ...) -> None: ...
 
 class OpenChannelResponse(_message.Message):
-    __slots__ = ("channel_id", "tcp_endpoint", "nccl_rank")
+    __slots__ = ("channel_id", "tcp_endpoint", "nccl_rank", "backend", "cuda_ipc_cache")
     CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
     TCP_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     NCCL_RANK_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_CACHE_FIELD_NUMBER: _ClassVar[int]
     channel_id: str
     tcp_endpoint: str
     nccl_rank: int
-    def __init__(self, channel_id: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., nccl_rank: _Optional[int] = ...) -> None: ...
+    backend: KvBackend
+    cuda_ipc_cache: bytes
+    def __init__(self, channel_id: _Optional[str] = ..., tcp_endpoint: _Optional[str] = ..., nccl_rank: _Optional[int] = ..., backend: _Optional[_Union[KvBackend, str]] = ..., cuda_ipc_cache: _Optional[bytes] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("channel_id", "request_id")
@@ -317,10 +331,24 @@ class PullRequest(_message.Message):
     def __init__(self, channel_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("num_bytes",)
+    __slots__ = ("num_bytes", "block_ids")
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     num_bytes: int
-    def __init__(self, num_bytes: _Optional[int] = ...) -> None: ...
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_bytes: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FinishPullRequest(_message.Message):
+    __slots__ = ("channel_id", "request_id")
+    CHANNEL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    channel_id: str
+    request_id: str
+    def __init__(self, channel_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class FinishPullResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class CloseChannelRequest(_message.Message):
     __slots__ = ("channel_id",)

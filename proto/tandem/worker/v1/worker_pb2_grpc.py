@@ -369,6 +369,11 @@ class KvTransferStub:
                 request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelRequest.SerializeToString,
                 response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelResponse.FromString,
                 _registered_method=True)
+        self.FinishPull = channel.unary_unary(
+                '/tandem.worker.v1.KvTransfer/FinishPull',
+                request_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.FinishPullRequest.SerializeToString,
+                response_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.FinishPullResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer:
@@ -383,7 +388,8 @@ class KvTransferServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Pull(self, request, context):
-        """NCCL: send a held request's blocks on the channel (TCP pulls on its socket).
+        """NCCL: send a held request's blocks on the channel (TCP pulls on its socket);
+        CUDA_IPC: pin them and name them (the decode side copies, then FinishPull).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -391,6 +397,13 @@ class KvTransferServicer:
 
     def CloseChannel(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishPull(self, request, context):
+        """CUDA_IPC: the decode side finished copying a pull's blocks (they are unpinned).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -412,6 +425,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.CloseChannel,
                     request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelRequest.FromString,
                     response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelResponse.SerializeToString,
+            ),
+            'FinishPull': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishPull,
+                    request_deserializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.FinishPullRequest.FromString,
+                    response_serializer=tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.FinishPullResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -496,6 +514,33 @@ class KvTransfer:
             '/tandem.worker.v1.KvTransfer/CloseChannel',
             tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelRequest.SerializeToString,
             tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.CloseChannelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishPull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.worker.v1.KvTransfer/FinishPull',
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.FinishPullRequest.SerializeToString,
+            tandem_dot_proto_dot_tandem_dot_worker_dot_v1_dot_worker__pb2.FinishPullResponse.FromString,
             options,
             channel_credentials,
             insecure,
