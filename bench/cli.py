@@ -4,6 +4,7 @@
     tandem-bench engine --penalties [--quick]                     # cost of sampling penalties
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
     tandem-bench threads [--quick]                                # --thread-policy, 1P+1D
+    tandem-bench topology [--quick] [--variants split ...]        # make serve vs transformers
     tandem-bench gpu-check [--dry-run]                            # one prepared GPU run
     tandem-bench router [--quick]                                 # router overhead
     tandem-bench slo [--quick]                                    # SLO admission under overload
@@ -31,6 +32,7 @@ SUITES = {
     "engine": ("engine.bench", "the engine against its matmul floor, the roofline and HF"),
     "kv-transfer": ("kv_transfer.bench", "KV transfer pulls against raw TCP"),
     "threads": ("engine.thread_policy", "1P+1D output tok/s per --thread-policy"),
+    "topology": ("experiments.topology", "make serve's topology vs transformers serve, c=1/8"),
     "gpu-check": ("gpu_check", "one prepared GPU run: equality, decode roofline, MFU, KV GB/s"),
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
     "slo": ("router.slo", "SLO admission under overload: shed vs admit everything"),
@@ -80,6 +82,20 @@ OPTIONS: dict[str, list[Option]] = {
         (("--input-len",), {"type": int, "default": 128}),
         (("--output-len",), {"type": int, "default": 64}),
         (("--rounds",), {"type": int, "default": 2, "help": "runs of every option"}),
+    ],
+    "topology": [
+        _model("models/tandem-small"), _OUT, _QUICK,
+        (("--variants",), {"nargs": "*", "default": [], "choices": ["split", "one-thread",
+                           "colocated-1", "colocated-2", "all-remote", "spin-wait"],
+                           "help": "more `tandem serve` layouts measured alike"}),
+        (("--no-peer",), {"action": "store_true", "help": "Tandem layouts only (A/B runs)"}),
+        (("--concurrency",), {"type": int, "nargs": "+", "default": [1, 8]}),
+        (("--input-len",), {"type": int, "default": 128}),
+        (("--output-len",), {"type": int, "default": 64}),
+        (("--requests-per-slot",), {"type": int, "default": 4,
+                                    "help": "requests per level: max(8, this x concurrency)"}),
+        (("--rounds",), {"type": int, "default": 3, "help": "runs of every system"}),
+        (("--results-dir",), {"type": Path, "default": Path("bench/results/topology")}),
     ],
     "gpu-check": [
         _OUT,

@@ -207,15 +207,33 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _exit)
 
 
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process `pid` (all its threads), None if unreadable."""
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/PID/stat after the ")" that closes the command name (state is field 1)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
+            return stat.read().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    # After the ")" that closes the command name, utime and stime are fields 12 and 13.
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` (all its threads), None if unreadable."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    # utime and stime are fields 12 and 13 (counted from the state).
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def session_cpu_s(session_id: int) -> float:
+    """CPU seconds of every live process of session `session_id` (a server started by
+    `ServerProcess` leads its own session; Ray's daemons and workers stay in it)."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(entry) if entry.isdigit() else None
+        if fields is not None and int(fields[3]) == session_id:  # field 3: session id
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def ensure_model(model_dir: Path, preset: str) -> Path:

@@ -22,6 +22,7 @@ from tandem.cluster.pool_controller import (
     RemotePoolController,
 )
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
+from tandem.cluster.worker_env import worker_env_vars
 from tandem.router.membership import Membership
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
@@ -57,15 +58,17 @@ class LocalCluster:
         config = self.config
         roles = config.roles
         self._init_ray()
+        num_cores = os.cpu_count() or 1
         threads = config.engine.num_threads or threads_per_worker(
-            config.ray.thread_policy, os.cpu_count() or 1, len(roles)
+            config.ray.thread_policy, num_cores, len(roles)
         )
         source = "--threads" if config.engine.num_threads else config.ray.thread_policy.value
-        logger.info("torch threads per worker: %d (%s)", threads, source)
+        env = worker_env_vars(threads, len(roles), num_cores, config.engine.device, os.environ)
+        logger.info("torch threads per worker: %d (%s); worker env %s", threads, source, env)
         # Not detached: the controller (and the workers it owns) go with this process.
         self.controller = RemotePoolController.options(
             name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE
-        ).remote(config, threads)
+        ).remote(config, threads, env)
         self.controller_metrics_url = await self.controller.start.remote()
         timeout_s = config.ray.worker_start_timeout_s
         membership: Membership = await self.controller.wait_at_target.remote(timeout_s)

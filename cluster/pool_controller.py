@@ -46,11 +46,15 @@ class PoolController:
     two awaits, so a scale call is applied whole or not at all (the last one wins).
     """
 
-    def __init__(self, config: ClusterConfig, num_threads: int) -> None:
+    def __init__(
+        self, config: ClusterConfig, num_threads: int, worker_env: dict[str, str] | None = None
+    ) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.config = config
         # torch threads per worker, fixed at cluster start.
         self.num_threads = num_threads
+        # Added to every worker process's environment (`cluster.worker_env`).
+        self.worker_env = dict(worker_env or {})
         pools = config.pools
         targets: dict[WorkerRole, int] = {}
         for role in pools.roles:
@@ -204,6 +208,8 @@ class PoolController:
             options["num_gpus"] = ray_config.gpus_per_worker
         if self._role_resources:
             options["resources"] = {role_resource(role): 1}
+        if self.worker_env:
+            options["runtime_env"] = {"env_vars": self.worker_env}
         actor = RemoteWorkerActor.options(**options).remote(
             worker_config, advertise_node_ip=self._advertise_node_ip
         )

@@ -1,0 +1,44 @@
+"""The topology suite: what it starts, and how it turns rounds into ratios."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from tandem.bench.experiments import topology
+from tandem.bench.harness import session_cpu_s
+from tandem.bench.loadgen.metrics import summarize
+
+
+def test_the_default_system_is_make_serve_and_variants_add_flags_and_env(tiny_model_dir):
+    default, spin = topology.tandem_specs(str(tiny_model_dir), ["spin-wait"])
+    serve_at = default.argv.index("serve")
+    # Nothing but the model and the ports: every other setting is `make serve`'s default.
+    assert default.argv[serve_at + 1 :: 2] == ("--model", "--grpc-port", "--http-port")
+    assert spin.env["GOMP_SPINCOUNT"] == "300000"
+    peer = topology.peer_spec(str(tiny_model_dir), "bfloat16")
+    assert peer.argv[-2:] == ("--dtype", "bfloat16") and "--continuous-batching" in peer.argv
+
+
+def _run(tps: float) -> topology.LevelRun:
+    summary = dataclasses.replace(summarize([], duration_s=1.0), output_throughput_tps=tps)
+    return topology.LevelRun(summary, cpu_s_per_token=0.01)
+
+
+def test_rows_give_the_ratio_of_medians_and_each_rounds_ratio():
+    results = {
+        "tandem": {8: [_run(120.0), _run(90.0), _run(150.0)]},
+        topology.PEER_LABEL: {8: [_run(100.0), _run(100.0), _run(100.0)]},
+    }
+    (mine, peer) = topology.render_rows(results, topology.PEER_LABEL)
+    assert mine[:4] == ["tandem · c=8", "120.0", "**1.20x**", "1.20, 0.90, 1.50"]
+    assert peer[2] == "-"
+
+
+def test_session_cpu_s_counts_this_session():
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("no /proc")
+    assert session_cpu_s(os.getsid(0)) > 0.0
+    assert session_cpu_s(2**22 + 7) == 0.0
