@@ -117,7 +117,12 @@ OPTIONS: dict[str, list[Option]] = {
     ],
     "planner-fidelity": [
         _model("models/tandem-small"), _OUT, _QUICK,
-        (("--num-requests",), {"type": int, "default": 60, "help": "requests per swept rate"}),
+        (("--num-requests",), {"type": int, "default": None,
+                                "help": "most requests per swept rate [no limit: --duration]"}),
+        (("--duration",), {"type": float, "default": 30.0,
+                           "help": "seconds of arrivals per swept rate"}),
+        (("--grace",), {"type": float, "default": 20.0,
+                        "help": "seconds after arrivals stop before in-flight requests are cut"}),
         (("--profile",), {"type": Path, "default": None,
                           "help": "a `tandem profile` file of this machine [measure one]"}),
         (("--json",), {"type": Path, "default": Path("bench/results/planner_fidelity.json")}),
