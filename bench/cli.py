@@ -123,6 +123,9 @@ OPTIONS: dict[str, list[Option]] = {
                            "help": "seconds of arrivals per swept rate"}),
         (("--grace",), {"type": float, "default": 20.0,
                         "help": "seconds after arrivals stop before in-flight requests are cut"}),
+        (("--budget-min",), {"type": float, "default": 33.0,
+                             "help": "minutes the whole run aims at (refining rates are "
+                                     "skipped past it)"}),
         (("--profile",), {"type": Path, "default": None,
                           "help": "a `tandem profile` file of this machine [measure one]"}),
         (("--json",), {"type": Path, "default": Path("bench/results/planner_fidelity.json")}),

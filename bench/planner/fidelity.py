@@ -21,7 +21,7 @@ import math
 import os
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -123,9 +123,13 @@ def make_row(layout: str, workload: str, planner_rps: float, points: list[RatePo
                         strict=True))  # fmt: skip
     sim = _sim_latencies(at.sim)
     colocated = "colocated" in layout
+    bound = "" if met and len(met) < len(points) else (">" if met else "<")
+    measured_rps = _goodput([(p.rate_rps, p.measured.slo_attainment) for p in points])
+    if bound == "<":  # below the lowest swept rate: that rate is the bound
+        measured_rps = min(p.rate_rps for p in points)
     return Row(
         layout, workload,
-        Pair(planner_rps, _goodput([(p.rate_rps, p.measured.slo_attainment) for p in points])),
+        Pair(planner_rps, measured_rps),
         _goodput([(p.rate_rps, p.sim.attainment) for p in points]),
         _goodput([(p.rate_rps, p.sim_unshared.attainment) for p in points]),
         at.rate_rps,
@@ -143,12 +147,20 @@ def make_row(layout: str, workload: str, planner_rps: float, points: list[RatePo
           "sim_unshared_attainment": p.sim_unshared.attainment, "cut": p.num_cut,
           "sim_cut": p.sim.num_cut, "decisions": p.decisions,
           "sim_decisions": dict(p.sim.decisions)} for p in points],
+        bound,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When the whole run should end (refining runs are skipped to meet it)."""
+
+    deadline_s: float  # time.perf_counter() value
 
 
 async def _layout_rows(name: str, layout: Layout, target: str, http_url: str, laws: LatencyLaws,
                        settings: dict[bool, SimSettings], sweep: SweepSettings,
-                       num_cores: int) -> list[Row]:  # fmt: skip
+                       num_cores: int, budget: Budget, layouts_left: int) -> list[Row]:  # fmt: skip
     client = make_client(ClientConfig(target=target))
     rows = []
     try:
@@ -169,7 +181,9 @@ async def _layout_rows(name: str, layout: Layout, target: str, http_url: str, la
 
             cell = Cell(client, server, f"{http_url}/metrics", wconfig, SloTargets(*SLO),
                         simulation, sweep, seed_base)  # fmt: skip
-            points = await cell.sweep(max(predicted.goodput_rps, 0.05))
+            cells_left = len(WORKLOADS) * layouts_left - index
+            allowance_s = (budget.deadline_s - time.perf_counter()) / cells_left
+            points = await cell.sweep(max(predicted.goodput_rps, 0.05), allowance_s)
             rows.append(make_row(name, wname, predicted.goodput_rps, points, num_cores))
             logger.info("%s %s: %.0f s, %s", name, wname, time.perf_counter() - started, rows[-1])
     finally:
@@ -193,7 +207,8 @@ def main(args: argparse.Namespace) -> int:
         sweep = replace(sweep, max_requests=args.num_requests)
     rows: list[Row] = []
     logs = args.json.parent / "planner-fidelity-logs"
-    for name, (layout, flags) in LAYOUTS.items():
+    budget = Budget(started + 60 * args.budget_min)
+    for number, (name, (layout, flags)) in enumerate(LAYOUTS.items()):
         grpc_port, http_port = free_port(), free_port()
         flags = (*flags, "--device", "cpu", "--kv-backend", "tcp", "--threads", str(threads),
                  "--max-model-len", str(MAX_MODEL_LEN), "--planner", "off",
@@ -203,7 +218,8 @@ def main(args: argparse.Namespace) -> int:
         # Server logs stay there for a look after a failed start.
         with running([spec], logs / name.replace(" ", "-")):
             rows += asyncio.run(_layout_rows(name, layout, spec.grpc_target, spec.http_url, laws,
-                                             settings, sweep, num_cores))  # fmt: skip
+                                             settings, sweep, num_cores, budget,
+                                             len(LAYOUTS) - number))  # fmt: skip
     write_json(args.json, {"facts": facts, "profile_hardware": profile.hardware,
                            "sweep": sweep, "rows": rows})  # fmt: skip
     wall_s = time.perf_counter() - started

@@ -129,12 +129,21 @@ class Cell:
     settings: SweepSettings
     seed_base: int
 
-    async def sweep(self, start_rps: float) -> list[RatePoint]:
+    async def sweep(self, start_rps: float, allowance_s: float = math.inf) -> list[RatePoint]:
+        """Runs from `start_rps` until the goodput is bracketed; a refining run (between a
+        met and a missed rate) only while it fits in `allowance_s` from the start."""
         points: list[RatePoint] = []
         rate: float | None = start_rps
+        started = time.perf_counter()
         while rate is not None and len(points) < self.settings.max_runs:
             points.append(await self.run_rate(round(rate, 4), self.seed_base + len(points)))
             rate = next_rate(points, self.settings)
+            bracketed = any(p.met for p in points) and not all(p.met for p in points)
+            if rate is not None and bracketed:
+                plan = self.settings.run_plan(rate, self.seed_base + len(points))
+                if time.perf_counter() - started + plan.cut_s > allowance_s:
+                    logger.info("%s: no refining run (the time budget)", self.config.kind)
+                    break
         return points
 
     def replay(self, rate_rps: float, seed: int) -> tuple[PlanWorkload, float]:

@@ -55,6 +55,9 @@ class Row:
     num_cores: int
     # Every swept rate: measured and simulated attainment, cuts, placements.
     rates: list[dict[str, Any]] = field(default_factory=list)
+    # "" when the sweep bracketed the measured goodput; ">" when every swept rate met the
+    # target (goodput above the highest), "<" when none did (below the lowest).
+    goodput_bound: str = ""
 
 
 def _err(value: float) -> str:
@@ -67,7 +70,8 @@ def _cell(pair: Pair, unit: str, digits: str = ".3g") -> str:
 
 def misses(row: Row) -> list[str]:
     """The metrics past their targets."""
-    out = ["goodput"] if not abs(row.goodput_rps.error) <= GOODPUT_TARGET else []
+    bad = row.goodput_bound or not abs(row.goodput_rps.error) <= GOODPUT_TARGET
+    out = ["goodput"] if bad else []
     return out + [m for m in METRICS if not abs(row.latencies[m].error) <= LATENCY_TARGET]
 
 
@@ -78,6 +82,10 @@ def reasons(row: Row) -> str:
         return ""
     out: list[str] = []
     measured = row.goodput_rps.measured
+    if row.goodput_bound:
+        side = "every" if row.goodput_bound == ">" else "no"
+        out.append(f"{side} swept rate met the target: the sweep did not bracket the "
+                   f"goodput in {len(row.rates)} runs")  # fmt: skip
     if "goodput" in missed:
         replay = Pair(row.replay_goodput_rps, measured)
         if abs(replay.error) <= GOODPUT_TARGET:
@@ -118,6 +126,13 @@ def _label(metric: str) -> str:
     return f"{name.upper()} {q}"
 
 
+def _goodput_cell(row: Row) -> str:
+    if not row.goodput_bound:
+        return _cell(row.goodput_rps, "")
+    pair = row.goodput_rps
+    return f"{pair.sim:.3g} / {row.goodput_bound} {pair.measured:.3g} (-)"
+
+
 def render(rows: list[Row]) -> str:
     header = ["layout", "workload", "goodput req/s sim / meas (err)", "at req/s",
               "TTFT p50 s", "TTFT p90 s", "TPOT p50 ms", "TPOT p90 ms", "why (misses)"]  # fmt: skip
@@ -126,7 +141,7 @@ def render(rows: list[Row]) -> str:
         lat = r.latencies
         tpot = {m: Pair(lat[m].sim * 1e3, lat[m].measured * 1e3) for m in METRICS[2:]}
         body.append([
-            r.layout, r.workload, _cell(r.goodput_rps, ""), f"{r.latency_rate_rps:.3g}",
+            r.layout, r.workload, _goodput_cell(r), f"{r.latency_rate_rps:.3g}",
             _cell(lat["ttft_p50_s"], ""), _cell(lat["ttft_p90_s"], ""),
             _cell(tpot["tpot_p50_s"], "", ".0f"), _cell(tpot["tpot_p90_s"], "", ".0f"),
             reasons(r) or "on target",

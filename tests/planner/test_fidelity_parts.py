@@ -9,7 +9,7 @@ import pytest
 
 from tandem.bench.loadgen.load import poisson_schedule
 from tandem.bench.planner.fidelity_sweep import SweepSettings, next_rate
-from tandem.bench.planner.fidelity_table import METRICS, Pair, Row, misses, reasons
+from tandem.bench.planner.fidelity_table import METRICS, Pair, Row, misses, reasons, render
 
 
 def test_run_plan_is_the_load_generators_schedule_and_cuts_after_the_last_arrival():
@@ -51,3 +51,11 @@ def test_a_row_on_target_needs_no_reason_and_a_miss_names_its_evidence():
     why = reasons(off)
     assert "closer without core sharing" in why
     assert "the router prefilled 80% on the decode worker" in why
+
+
+def test_an_unbracketed_goodput_is_a_bound_and_a_miss():
+    row = _row(Pair(1.0, 1.0), 1.0, 1.0, Pair(0.5, 0.5))
+    above = Row(**{**row.__dict__, "goodput_bound": ">"})
+    assert misses(above) == ["goodput"]
+    assert "every swept rate met the target" in reasons(above)
+    assert "> 1" in render([above])
