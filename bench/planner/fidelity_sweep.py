@@ -55,10 +55,10 @@ class RunPlan:
 @dataclass(frozen=True)
 class SweepSettings:
     # Seconds of arrivals per swept rate (more at low rates: `min_requests`).
-    duration_s: float = 30.0
+    duration_s: float = 25.0
     # Requests still in flight this long after the last arrival are cut (SLO misses).
     grace_s: float = 20.0
-    min_requests: int = 24
+    min_requests: int = 16
     max_requests: int | None = None
     max_runs: int = 4
     step: float = 1.5
