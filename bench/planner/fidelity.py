@@ -67,7 +67,10 @@ MAX_MODEL_LEN = 2048
 # gives a chunk after earlier ones), decode batches as large as the runs reach.
 PROFILE_GRID = ProfileGrid((32, 128, 256, 512, 1024), (0.5,), (1, 4, 16, 32), (64, 512),
                            (256, 2048), 3)  # fmt: skip
-QUICK_SWEEP = SweepSettings(duration_s=4.0, grace_s=4.0, min_requests=4, max_runs=2)
+# A smoke run: short runs, and rates from 0.2 req/s (a loaded machine's profile can make
+# the planner's goodput 0, and 4 requests at 0.05 req/s would take over a minute).
+QUICK_SWEEP = SweepSettings(duration_s=4.0, grace_s=4.0, min_requests=4, max_runs=2,
+                            min_rate_rps=0.2)  # fmt: skip
 
 
 def plan_workload(config: WorkloadConfig, server: ServerInfo, seed: int) -> PlanWorkload:
@@ -149,8 +152,10 @@ def make_row(layout: str, workload: str, planner_rps: float, points: list[RatePo
           "attainment": p.measured.slo_attainment, "sim_attainment": p.sim.attainment,
           "sim_unshared_attainment": p.sim_unshared.attainment, "cut": p.num_cut,
           "sim_cut": p.sim.num_cut, "decisions": p.decisions,
-          "sim_decisions": dict(p.sim.decisions)} for p in points],
+          "sim_decisions": dict(p.sim.decisions), "router_cores": p.router_cores,
+          "client_cores": p.client_cores} for p in points],
         bound,
+        at.router_cores + at.client_cores,
     )  # fmt: skip
 
 
@@ -163,7 +168,8 @@ class Budget:
 
 async def _layout_rows(name: str, layout: Layout, target: str, http_url: str, laws: LatencyLaws,
                        settings: dict[bool, SimSettings], sweep: SweepSettings,
-                       num_cores: int, budget: Budget, layouts_left: int) -> list[Row]:  # fmt: skip
+                       num_cores: int, budget: Budget, layouts_left: int,
+                       router_pid: int) -> list[Row]:  # fmt: skip
     client = make_client(ClientConfig(target=target))
     rows = []
     try:
@@ -183,10 +189,10 @@ async def _layout_rows(name: str, layout: Layout, target: str, http_url: str, la
                 return ClusterSimulation(laws, settings[shared], layout, slo)
 
             cell = Cell(client, server, f"{http_url}/metrics", wconfig, SloTargets(*SLO),
-                        simulation, sweep, seed_base)  # fmt: skip
+                        simulation, sweep, seed_base, router_pid)  # fmt: skip
             cells_left = len(WORKLOADS) * layouts_left - index
             allowance_s = (budget.deadline_s - time.perf_counter()) / cells_left
-            points = await cell.sweep(max(predicted.goodput_rps, 0.05), allowance_s)
+            points = await cell.sweep(max(predicted.goodput_rps, sweep.min_rate_rps), allowance_s)
             rows.append(make_row(name, wname, predicted.goodput_rps, points, num_cores))
             logger.info("%s %s: %.0f s, %s", name, wname, time.perf_counter() - started, rows[-1])
     finally:
@@ -219,10 +225,10 @@ def main(args: argparse.Namespace) -> int:
         spec = tandem_spec("tandem", str(model), grpc_port, http_port, flags)
         assert spec.grpc_target is not None
         # Server logs stay there for a look after a failed start.
-        with running([spec], logs / name.replace(" ", "-")):
+        with running([spec], logs / name.replace(" ", "-")) as (server,):
             rows += asyncio.run(_layout_rows(name, layout, spec.grpc_target, spec.http_url, laws,
                                              settings, sweep, num_cores, budget,
-                                             len(LAYOUTS) - number))  # fmt: skip
+                                             len(LAYOUTS) - number, server.pid))  # fmt: skip
     write_json(args.json, {"facts": facts, "profile_hardware": profile.hardware,
                            "sweep": sweep, "rows": rows})  # fmt: skip
     wall_s = time.perf_counter() - started

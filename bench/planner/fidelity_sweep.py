@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from dataclasses import dataclass, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.bench.harness import process_cpu_s
 from tandem.bench.loadgen.clients import Client, ServerInfo
 from tandem.bench.loadgen.load import LoadConfig, poisson_schedule, run_load
 from tandem.bench.loadgen.metrics import RunSummary, SloTargets
@@ -63,6 +65,8 @@ class SweepSettings:
     max_runs: int = 4
     step: float = 1.5
     close_enough: float = 1.25
+    # The first rate is the planner's goodput, but at least this.
+    min_rate_rps: float = 0.05
 
     def run_plan(self, rate_rps: float, seed: int) -> RunPlan:
         count = max(self.min_requests, math.ceil(rate_rps * self.duration_s))
@@ -89,6 +93,10 @@ class RatePoint:
     sim_unshared: SimReport
     # Router placements during the run (`tandem:disagg_decisions_total` increments).
     decisions: dict[str, float]
+    # Cores the router (the `tandem serve` process) and the load generator (this one)
+    # kept busy on average during the run: CPU the simulator does not model.
+    router_cores: float = math.nan
+    client_cores: float = math.nan
 
     @property
     def met(self) -> bool:
@@ -128,6 +136,8 @@ class Cell:
     simulation: Callable[[bool], ClusterSimulation]
     settings: SweepSettings
     seed_base: int
+    # The `tandem serve` process (its router's CPU time is recorded); None: not recorded.
+    router_pid: int | None = None
 
     async def sweep(self, start_rps: float, allowance_s: float = math.inf) -> list[RatePoint]:
         """Runs from `start_rps` until the goodput is bracketed; a refining run (between a
@@ -170,8 +180,14 @@ class Cell:
                           duration_s=plan.window_s, timeout_s=plan.cut_s, seed=seed,
                           progress=False)  # fmt: skip
         before = await asyncio.to_thread(scrape, self.metrics_url)
+        cpu_before = self._cpu_s()
         started = time.perf_counter()
         result = await run_load(self.client, workload, load)
+        wall_s = time.perf_counter() - started
+        router_cores, client_cores = (
+            (after - before) / wall_s
+            for after, before in zip(self._cpu_s(), cpu_before, strict=True)
+        )
         summary, _ = summarize_run(result, self.slo)
         await asyncio.to_thread(wait_idle, self.metrics_url)
         after = await asyncio.to_thread(scrape, self.metrics_url)
@@ -179,13 +195,20 @@ class Cell:
                      for k in after if k.startswith("decision=")}  # fmt: skip
         point = RatePoint(rate_rps, seed, summary.num_requests, summary,
                           self.simulate(rate_rps, seed, True),
-                          self.simulate(rate_rps, seed, False), decisions)  # fmt: skip
+                          self.simulate(rate_rps, seed, False), decisions, router_cores,
+                          client_cores)  # fmt: skip
         logger.info(
             "%s at %.3g req/s: %d sent, attainment %.2f (sim %.2f), %d cut, %.0f s",
             self.config.kind, rate_rps, point.num_sent, summary.slo_attainment,
             point.sim.attainment, point.num_cut, time.perf_counter() - started,
         )  # fmt: skip
         return point
+
+    def _cpu_s(self) -> tuple[float, float]:
+        """CPU seconds so far of the router process and of this one (NaN: unreadable)."""
+        router = process_cpu_s(self.router_pid) if self.router_pid is not None else None
+        own = process_cpu_s(os.getpid())
+        return (math.nan if router is None else router, math.nan if own is None else own)
 
 
 def scrape(metrics_url: str) -> dict[str, float]:

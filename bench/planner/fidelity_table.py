@@ -58,6 +58,8 @@ class Row:
     # "" when the sweep bracketed the measured goodput; ">" when every swept rate met the
     # target (goodput above the highest), "<" when none did (below the lowest).
     goodput_bound: str = ""
+    # Cores the router and the load generator kept busy at the operating point.
+    overhead_cores: float = math.nan
 
 
 def _err(value: float) -> str:
@@ -109,6 +111,9 @@ def reasons(row: Row) -> str:
             f"the router prefilled {local.measured:.0%} on the decode worker, the simulated "
             f"router {local.sim:.0%} (its models vs the profile's laws)"
         )
+    if row.overhead_cores >= 0.2:
+        out.append(f"the router and the load generator kept {row.overhead_cores:.2f} of the "
+                   f"{row.num_cores} cores busy (not simulated)")  # fmt: skip
     if row.num_cut:
         out.append(f"{row.num_cut} requests cut at the cap over the sweep")
     if row.load_avg_1m > row.num_cores + 1:
