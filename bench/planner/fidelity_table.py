@@ -66,8 +66,14 @@ def _err(value: float) -> str:
     return "-" if not math.isfinite(value) else f"{value:+.0%}"
 
 
+def _num(value: float, digits: str) -> str:
+    """A value, or "-" where there is none (e.g. no simulated request finished)."""
+    return f"{value:{digits}}" if math.isfinite(value) else "-"
+
+
 def _cell(pair: Pair, unit: str, digits: str = ".3g") -> str:
-    return f"{pair.sim:{digits}} / {pair.measured:{digits}}{unit} ({_err(pair.error)})"
+    sim, measured = _num(pair.sim, digits), _num(pair.measured, digits)
+    return f"{sim} / {measured}{unit} ({_err(pair.error)})"
 
 
 def misses(row: Row) -> list[str]:

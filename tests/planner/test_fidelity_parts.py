@@ -59,3 +59,9 @@ def test_an_unbracketed_goodput_is_a_bound_and_a_miss():
     assert misses(above) == ["goodput"]
     assert "every swept rate met the target" in reasons(above)
     assert "> 1" in render([above])
+
+
+def test_a_metric_without_values_renders_as_a_dash():
+    row = _row(Pair(1.0, 1.0), float("nan"), 1.0, Pair(0.5, 0.5))
+    assert "- / 1 (-)" in render([row])
+    assert "nan" not in render([row])
