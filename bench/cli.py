@@ -133,7 +133,15 @@ OPTIONS: dict[str, list[Option]] = {
     ],
     "planner-fidelity": [
         _model("models/tandem-small"), _OUT, _QUICK,
-        (("--num-requests",), {"type": int, "default": 60, "help": "requests per swept rate"}),
+        (("--num-requests",), {"type": int, "default": None,
+                                "help": "most requests per swept rate [no limit: --duration]"}),
+        (("--duration",), {"type": float, "default": 25.0,
+                           "help": "seconds of arrivals per swept rate"}),
+        (("--grace",), {"type": float, "default": 20.0,
+                        "help": "seconds after arrivals stop before in-flight requests are cut"}),
+        (("--budget-min",), {"type": float, "default": 34.0,
+                             "help": "minutes the whole run aims at (refining rates are "
+                                     "skipped past it)"}),
         (("--profile",), {"type": Path, "default": None,
                           "help": "a `tandem profile` file of this machine [measure one]"}),
         (("--json",), {"type": Path, "default": Path("bench/results/planner_fidelity.json")}),

@@ -2,7 +2,8 @@
 
     tandem plan --profile P --workers N --ttft-slo S --tpot-slo S
                 (--isl A --osl B [--isl-std X --osl-std Y] | --trace FILE)
-                [--prefix-share F] [--num-requests K] [--json] [--plot out.png]
+                [--prefix-share F] [--num-requests K] [--shared-cores C]
+                [--json] [--plot out.png]
 
 Bad input (a missing or foreign profile, a malformed trace line, an SLO <= 0, a
 budget below 2) gets one line naming the file, line or flag and exit status 2.
@@ -50,6 +51,11 @@ def add_plan_command(commands: argparse._SubParsersAction) -> None:
         "--max-local-prefill-tokens", type=int, default=512,
         help="the router's bound on decode-side prefills [512]",
     )  # fmt: skip
+    cmd.add_argument(
+        "--shared-cores", type=float, default=None,
+        help="all workers on one CPU node of C cores, each with the profile's threads "
+        "(`tandem serve` on one machine); steps slow down while workers share them [not shared]",
+    )  # fmt: skip
     cmd.add_argument("--seed", type=int, default=0, help="synthetic workload seed [0]")
     cmd.add_argument("--json", action="store_true", help="print the plan as JSON")
     cmd.add_argument("--plot", default=None, help="write goodput per split to this PNG")
@@ -82,6 +88,8 @@ def _checked(args: argparse.Namespace) -> tuple[LatencyLaws, SimSettings, SloTar
     for flag, value in (("--isl-std", args.isl_std), ("--osl-std", args.osl_std)):
         if value < 0:
             raise UsageError(f"{flag} must be >= 0, got {value:g}")
+    if args.shared_cores is not None and not args.shared_cores > 0:
+        raise UsageError(f"--shared-cores must be > 0, got {args.shared_cores:g}")
     if not 0 <= args.prefix_share < 1:
         raise UsageError(f"--prefix-share must be in [0, 1), got {args.prefix_share:g}")
     profile = load_profile(args.profile)
@@ -96,9 +104,16 @@ def _checked(args: argparse.Namespace) -> tuple[LatencyLaws, SimSettings, SloTar
             prefix_share=args.prefix_share, seed=args.seed,
         )  # fmt: skip
     settings = SimSettings(
-        limits, max_local_prefill_tokens=args.max_local_prefill_tokens, seed=args.seed
-    )
+        limits, max_local_prefill_tokens=args.max_local_prefill_tokens, seed=args.seed,
+        shared_cores=args.shared_cores,
+        threads_per_worker=_threads(profile.hardware.get("num_threads")),
+    )  # fmt: skip
     return laws, settings, SloTargets(args.ttft_slo, args.tpot_slo), workload
+
+
+def _threads(value: object) -> int:
+    """The profile's torch threads per worker (1 when it does not say)."""
+    return value if isinstance(value, int) and value >= 1 else 1
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import os
 import platform
 import statistics
 import time
@@ -65,10 +66,16 @@ class ProfileGrid:
 
 
 def measure_profile(
-    model_dir: str, device: str, num_threads: int | None, quick: bool, seed: int = 0
+    model_dir: str,
+    device: str,
+    num_threads: int | None,
+    quick: bool,
+    seed: int = 0,
+    grid: ProfileGrid | None = None,
 ) -> Profile:
-    """Measure prefill, decode and KV transfer on this machine into a `Profile`."""
-    grid = ProfileGrid.make(quick)
+    """Measure prefill, decode and KV transfer on this machine into a `Profile` (on
+    `grid`, default the quick or the full one)."""
+    grid = grid or ProfileGrid.make(quick)
     if num_threads:
         torch.set_num_threads(num_threads)
     base = EngineConfig(model=model_dir, device=device, num_threads=num_threads)
@@ -101,6 +108,7 @@ def measure_profile(
             "device": device,
             "processor": platform.processor() or platform.machine(),
             "num_threads": torch.get_num_threads(),
+            "num_cores": os.cpu_count(),
             "dtype": str(config.torch_dtype).removeprefix("torch."),
             "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name() if device.startswith("cuda") else None,

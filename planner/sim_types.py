@@ -56,6 +56,10 @@ class SimSettings:
     kv_lease_s: float = DEFAULT_KV_LEASE_S
     max_local_prefill_tokens: int = 512
     seed: int = 0
+    # Cores the workers share (all on one CPU node, see `sim_cores`); None: not shared.
+    shared_cores: float | None = None
+    # torch threads per worker (with `shared_cores`).
+    threads_per_worker: int = 1
 
 
 @dataclass
@@ -72,6 +76,8 @@ class SimReport:
     num_tpot_missed: int = 0
     # The run stopped once it could no longer reach its attainment floor.
     stopped_early: bool = False
+    # Requests still unfinished when a run with `until_s` stopped (counted as missed).
+    num_cut: int = 0
     decisions: Counter[str] = field(default_factory=Counter)
 
     @property

@@ -12,7 +12,9 @@ prompt itself (as the real one does after a failed pull).
 
 Events: arrivals, step ends, pull ends. Time is the simulation's own clock; the
 policy reads it through its injected clock. A run may stop early once too many
-requests have missed their SLO for the run to reach `stop_below` attainment.
+requests have missed their SLO for the run to reach `stop_below` attainment; with
+`until_s` it stops at that time, and every request not finished by then counts as
+outside the SLO (as a measured run that cancels what is still in flight at its cap).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import random
 from dataclasses import dataclass
 
 from tandem.planner.profile_model import LatencyLaws
+from tandem.planner.sim_cores import CoreShare
 from tandem.planner.sim_types import Layout, SimReport, SimSettings, SloTargets
 from tandem.planner.sim_worker import SimSeq, SimWorker
 from tandem.planner.workload import PlanRequest, PlanWorkload
@@ -53,6 +56,8 @@ class _Arrival:
 @dataclass(frozen=True)
 class _StepEnd:
     worker: SimWorker
+    # Which end time of the step this is (sharing cores moves a step's end; see `sim_cores`).
+    version: int
 
 
 @dataclass(frozen=True)
@@ -131,9 +136,11 @@ class ClusterSimulation:
         rate_rps: float,
         stop_below: float | None = None,
         num_requests: int | None = None,
+        until_s: float | None = None,
     ) -> SimReport:
         """Serve `num_requests` of `workload` (default: all) at `rate_rps`; stop early
-        (report.stopped_early) once the attainment can no longer reach `stop_below`."""
+        (report.stopped_early) once the attainment can no longer reach `stop_below`;
+        stop at `until_s` (from the first arrival), unfinished requests counted as missed."""
         arrivals = workload.arrivals_at(rate_rps, num_requests)
         report = SimReport(self.layout, rate_rps, len(arrivals))
         self._report = report
@@ -156,7 +163,16 @@ class ClusterSimulation:
         deadlines: list[tuple[float, str]] = []
         for i, (req, t) in enumerate(arrivals):
             self._push(t, _Arrival(f"r{i}", req))
+        self._done: set[str] = set()
+        self._cores = CoreShare(self.settings.shared_cores, self.settings.threads_per_worker)
+        self._versions = dict.fromkeys(self.workers, 0)
         while self._events:
+            if until_s is not None and self._events[0][0] > until_s:
+                cut = {f"r{i}" for i in range(len(arrivals))} - self._done
+                report.num_cut = len(cut)
+                self._missed |= cut
+                self._ttft_missed |= cut - self._first_token.keys()
+                break
             self.now_s, _, event = heapq.heappop(self._events)
             while deadlines and deadlines[0][0] < self.now_s:
                 _, req_id = heapq.heappop(deadlines)
@@ -181,7 +197,8 @@ class ClusterSimulation:
                 self.workers[wid].add_prompt(SimSeq(req_id, len(ids), req.output_tokens, cached))
                 self._kick(self.workers[wid])
             elif isinstance(event, _StepEnd):
-                self._step_done(event.worker)
+                if event.version == self._versions[event.worker.worker_id]:
+                    self._step_done(event.worker)
             else:
                 decode, seq, source = event.decode, event.seq, event.source
                 self.policy.on_kv_pulled(seq.req_id)
@@ -204,10 +221,22 @@ class ClusterSimulation:
     def _kick(self, worker: SimWorker) -> None:
         if not worker.busy:
             end = worker.start_step(self.now_s)
-            if end is not None:
-                self._push(end, _StepEnd(worker))
+            if end is None:
+                return
+            if not self._cores.shared:
+                self._push(end, _StepEnd(worker, 0))
+                return
+            self._move_ends(self._cores.start(self.now_s, worker.worker_id, end - self.now_s))
+
+    def _move_ends(self, ends: dict[str, float]) -> None:
+        """New end times of the steps in flight (older end events become stale)."""
+        for wid, end in ends.items():
+            self._versions[wid] += 1
+            self._push(end, _StepEnd(self.workers[wid], self._versions[wid]))
 
     def _step_done(self, worker: SimWorker) -> None:
+        if self._cores.shared:
+            self._move_ends(self._cores.finish(self.now_s, worker.worker_id))
         result = worker.finish_step()
         for seq in result.first_tokens:
             if seq.req_id in self._first_token:
@@ -254,6 +283,7 @@ class ClusterSimulation:
 
     def _finished(self, seq: SimSeq) -> None:
         self.policy.on_finish(seq.req_id)
+        self._done.add(seq.req_id)
         first = self._first_token[seq.req_id]
         tpot = (self.now_s - first) / (seq.output_tokens - 1) if seq.output_tokens > 1 else 0.0
         self._report.tpot_s.append(tpot)

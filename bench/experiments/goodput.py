@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -11,7 +10,7 @@ from tandem.bench.loadgen.load import LoadConfig
 from tandem.bench.loadgen.metrics import SloTargets
 from tandem.bench.loadgen.plots import plot_goodput
 from tandem.bench.loadgen.runner import BenchResult, WorkloadConfig
-from tandem.bench.loadgen.tables import SweepPoint, format_sweep
+from tandem.bench.loadgen.tables import SweepPoint, crossing_rate, format_sweep
 from tandem.bench.report import render_table
 
 # The SLO attainment a rate must reach to count as sustained (DistServe's 90%).
@@ -57,17 +56,7 @@ def sustained_rate(points: Sequence[SweepPoint], target: float = ATTAINMENT_TARG
     """Where attainment first falls below `target`, interpolated linearly between the
     last rate that met it and the first that did not (the highest swept rate when all
     meet it; 0 when the lowest rate already misses)."""
-    ordered = sorted(points, key=lambda p: p.rate_rps or 0.0)
-    last_rate, last_attainment = 0.0, math.nan
-    for point in ordered:
-        rate, attainment = point.rate_rps or 0.0, point.summary.slo_attainment
-        if not attainment >= target:  # NaN (no requests) counts as a miss
-            if math.isnan(last_attainment):
-                return 0.0
-            fraction = (last_attainment - target) / (last_attainment - attainment)
-            return last_rate + fraction * (rate - last_rate)
-        last_rate, last_attainment = rate, attainment
-    return last_rate
+    return crossing_rate([(p.rate_rps or 0.0, p.summary.slo_attainment) for p in points], target)
 
 
 def plot(results: Mapping[str, Sequence[BenchResult]], path: str) -> None:

@@ -24,6 +24,21 @@ class SweepPoint:
         return f"c={self.concurrency}" if closed_loop else f"{self.rate_rps:g} req/s"
 
 
+def crossing_rate(points: Sequence[tuple[float, float]], target: float) -> float:
+    """Where attainment first falls below `target` over (rate, attainment) points,
+    interpolated linearly between the last rate that met it and the first that did not
+    (the highest rate when all meet it; 0 when the lowest already misses; NaN misses)."""
+    last_rate, last_attainment = 0.0, math.nan
+    for rate, attainment in sorted(points):
+        if not attainment >= target:
+            if math.isnan(last_attainment):
+                return 0.0
+            fraction = (last_attainment - target) / (last_attainment - attainment)
+            return last_rate + fraction * (rate - last_rate)
+        last_rate, last_attainment = rate, attainment
+    return last_rate
+
+
 def _ms(seconds: float) -> str:
     return "-" if math.isnan(seconds) else f"{seconds * 1000:.1f}"
 

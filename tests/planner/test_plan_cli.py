@@ -58,6 +58,8 @@ def test_plan_json_and_plot(profile, tmp_path, capsys):
         (["--profile", "{profile}", "--workers", "1", *SLOS, "--isl", "10", "--osl", "5"],
          "--workers must be >= 2"),
         (["--profile", "{profile}", "--workers", "2", *SLOS], "--isl and --osl, or --trace"),
+        (["--profile", "{profile}", "--workers", "2", *SLOS, "--isl", "10", "--osl", "5",
+          "--shared-cores", "0"], "--shared-cores must be > 0"),
     ],
 )  # fmt: skip
 def test_bad_input_names_the_culprit_and_exits_2(tmp_path, profile, capsys, args, message):

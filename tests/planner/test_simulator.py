@@ -6,6 +6,7 @@ import pytest
 
 from tandem.planner.profile_format import EngineLimits
 from tandem.planner.profile_model import LatencyLaws
+from tandem.planner.sim_cores import CoreShare
 from tandem.planner.simulator import ClusterSimulation, Layout, SimSettings, SloTargets
 from tandem.planner.workload import PlanRequest, PlanWorkload, synthetic_workload
 
@@ -105,3 +106,36 @@ def test_shared_prefixes_hit_the_prefix_cache():
     assert runs["shared"][0] == pytest.approx(law.prefill_s(512))
     # 480 tokens = 30 full blocks cached: only the last 32 are computed.
     assert runs["shared"][1:] == pytest.approx([law.prefill_s(32, 480)] * 2)
+
+
+def test_workers_sharing_one_core_step_at_half_speed():
+    """Two colocated workers, each prefilling at once: on one shared core each step takes
+    twice its time alone (processor sharing); on their own devices, its time alone."""
+    law = laws(prefill_s=0.1)
+    wl = PlanWorkload("pair", (PlanRequest(16, 1),) * 2, (0.0, 0.0))
+    ttfts = {}
+    for cores in (None, 1.0):
+        limits = settings(512).limits
+        shared = SimSettings(limits, max_local_prefill_tokens=0, shared_cores=cores)
+        sim = ClusterSimulation(law, shared, Layout(num_colocated=2), LOOSE)
+        ttfts[cores] = sim.run(wl, rate_rps=1.0).ttft_s
+    assert ttfts[None] == pytest.approx([0.1, 0.1])
+    assert ttfts[1.0] == pytest.approx([0.2, 0.2])
+
+
+def test_core_share_speeds_up_when_a_step_ends():
+    cores = CoreShare(2.0, threads_per_worker=2)
+    assert cores.start(0.0, "a", 1.0) == {"a": 1.0}
+    # Two 2-thread workers on 2 cores: half speed each; "a" has 0.5 s of work left at 0.5.
+    assert cores.start(0.5, "b", 1.0) == pytest.approx({"a": 1.5, "b": 2.5})
+    assert cores.finish(1.5, "a") == pytest.approx({"b": 2.0})
+
+
+def test_a_run_cut_at_until_s_counts_unfinished_requests_as_missed():
+    law = laws(prefill_s=0.01, decode_s=0.1)
+    requests = [PlanRequest(16, 2), PlanRequest(16, 100)]
+    sim = ClusterSimulation(law, settings(512), Layout(num_colocated=1), LOOSE)
+    report = sim.run(spaced(requests, 1.0), rate_rps=1.0, until_s=5.0)
+    assert report.num_cut == 1
+    assert report.num_met == 1
+    assert report.attainment == 0.5
