@@ -6,8 +6,8 @@ of adjacent blocks per (layer, K/V), so up to tens of thousands of 16 KiB ranges
 list of buffers and acquire every one of them on every call, which measured costs as
 much CPU as the kernel's copy. Here the ranges are built once, vectorised, as an
 `iovec` array (address, length) and handed to `writev`/`readv` (libc, through ctypes,
-which releases the GIL) up to IOV_MAX at a time: per call Python does O(log n) work
-(a binary search for the range where the kernel stopped).
+which releases the GIL) about `OFFER_BYTES` (at most IOV_MAX ranges) at a time; per
+call Python does O(log n) work (binary searches over the ranges' ends).
 
 Memory safety: an `Iovecs` keeps a reference to the tensor its ranges point into and
 checks every range lies inside it; the caller keeps the memory from being reused while
@@ -45,6 +45,10 @@ def _bind(name: str) -> _IoFn:
 _writev, _readv = _bind("writev"), _bind("readv")
 IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 _IOVEC_BYTES = 16  # struct iovec: void *iov_base; size_t iov_len
+# Ranges offered per call: about what a socket buffer moves at once. The kernel copies
+# in and checks every range offered, so offering IOV_MAX 16 KiB ranges when a call
+# moves a few MiB measured ~25% more sender CPU at 1k tokens than offering 4 MiB.
+OFFER_BYTES = 4 << 20
 
 
 class Iovecs:
@@ -101,7 +105,8 @@ class Iovecs:
         while done < self.nbytes:
             if deadline < math.inf and time.monotonic() > deadline:
                 raise TimeoutError(f"{call.__name__} cut off at its deadline after {done} bytes")
-            moved = call(fd, base + index * _IOVEC_BYTES, min(IOV_MAX, count - index))
+            offer = bisect.bisect_left(self._ends, done + OFFER_BYTES, lo=index) + 1 - index
+            moved = call(fd, base + index * _IOVEC_BYTES, min(IOV_MAX, count - index, offer))
             if moved > 0:
                 done += moved
                 index = bisect.bisect_right(self._ends, done, lo=index)
