@@ -21,10 +21,12 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
+from tandem.kv_transfer.iovec import Iovecs
 from tandem.kv_transfer.layout import KvLayout, dtype_name
-from tandem.kv_transfer.wire import DataReply, byte_view, send_buffers, send_payload
+from tandem.kv_transfer.wire import DataReply, byte_view, send_payload
 
 
 @dataclass(frozen=True)
@@ -97,9 +99,9 @@ class PayloadReader:
     """Turns `read_blocks` results into a reply and a function that sends the payload.
 
     `CacheBlocks` of a contiguous CPU cache go out by vectored send straight from the
-    cache (runs of adjacent blocks merged): no gather copy at all. A CUDA (or strided)
-    cache is gathered one (layer, K/V) slab at a time into a staging buffer that this
-    reader (one per connection) reuses across pulls."""
+    cache (`block_iovecs`: runs of adjacent blocks merged): no gather copy at all. A
+    CUDA (or strided) cache is gathered one (layer, K/V) slab at a time into a staging
+    buffer that this reader (one per connection) reuses across pulls."""
 
     def __init__(self, layout: KvLayout) -> None:
         self.layout = layout
@@ -122,7 +124,7 @@ class PayloadReader:
             self.layout.block_shape(num_blocks), self.layout.block_nbytes(num_blocks)
         )
         if held.is_scatterable:
-            return reply, lambda sock, deadline: send_buffers(sock, block_views(held), deadline)
+            return reply, block_iovecs(held).send
         return reply, lambda sock, deadline: send_payload(
             sock, self._gather(cache, held.block_ids), deadline
         )
@@ -150,22 +152,18 @@ class PayloadReader:
         )
 
 
-def block_views(blocks: CacheBlocks) -> list[memoryview]:
-    """Byte ranges of a payload's bytes inside a contiguous CPU cache, in payload order
-    ([layers, 2, blocks, ...]), adjacent blocks merged into one range."""
-    cache, block_ids = blocks.kv_cache, blocks.block_ids
-    memory = byte_view(cache)
-    block_nbytes = cache[0, 0, 0].nbytes
-    runs: list[tuple[int, int]] = []  # (first block, count) of adjacent ids
-    for block in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((block, 1))
-    views = []
-    for slab in range(cache.shape[0] * 2):
-        base = slab * cache.shape[2]
-        for first, count in runs:
-            start = (base + first) * block_nbytes
-            views.append(memory[start : start + count * block_nbytes])
-    return views
+def block_iovecs(blocks: CacheBlocks) -> Iovecs:
+    """Byte ranges of a payload inside a contiguous CPU cache, in payload order
+    ([layers, 2, blocks, ...]): one per run of adjacent block ids per (layer, K/V),
+    computed vectorised (no per-block Python work)."""
+    cache = blocks.kv_cache
+    ids = np.asarray(blocks.block_ids, dtype=np.int64)
+    if not ids.size:
+        return Iovecs(cache, ids, ids)
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1  # where a new run begins
+    run_first = ids[np.concatenate(([0], breaks))]
+    run_blocks = np.diff(np.concatenate(([0], breaks, [ids.size])))
+    block_nbytes = math.prod(cache.shape[3:]) * cache.element_size()
+    slab_first = np.arange(cache.shape[0] * 2, dtype=np.int64)[:, None] * cache.shape[2]
+    offsets = (slab_first + run_first) * block_nbytes
+    return Iovecs(cache, offsets, np.broadcast_to(run_blocks * block_nbytes, offsets.shape))

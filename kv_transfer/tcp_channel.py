@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from tandem.kv_transfer.blocks import CacheBlocks, block_views
+from tandem.kv_transfer.blocks import CacheBlocks, block_iovecs
 from tandem.kv_transfer.buffers import BufferPool
 from tandem.kv_transfer.errors import KvPullError
 from tandem.kv_transfer.layout import KvLayout
@@ -26,7 +26,6 @@ from tandem.kv_transfer.wire import (
     Hello,
     ProtocolError,
     byte_view,
-    recv_buffers,
     recv_exact,
     recv_message,
     send_message,
@@ -119,7 +118,7 @@ class TcpChannel:
                 if not fits or out is None:  # (a mismatch is drained, then raised)
                     out = self.buffers.empty(reply.shape, self.layout.torch_dtype)
                 if isinstance(out, CacheBlocks):
-                    recv_buffers(sock, block_views(out))
+                    block_iovecs(out).recv(sock)
                 else:
                     recv_exact(sock, byte_view(out))
             except (OSError, ProtocolError) as e:

@@ -25,8 +25,6 @@ _LEN = struct.Struct("!I")
 MAX_HEADER_BYTES = 1 << 16
 # sendall per slice, so a socket timeout bounds a stall, not a whole large payload.
 SEND_SLICE_BYTES = 8 << 20
-_IOV_MAX = 1024  # Linux UIO_MAXIOV
-_BATCH_BYTES = 1 << 20
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -121,44 +119,9 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         offset += got
 
 
-def recv_buffers(sock: socket.socket, buffers: list[memoryview]) -> int:
-    """Vectored receive (`recvmsg_into`) filling every buffer in order, in place."""
-    received, index, pending = 0, 0, [b for b in buffers if len(b)]
-    while index < len(pending):
-        got = sock.recvmsg_into(_batch(pending, index))[0]
-        if got == 0:
-            raise ConnectionError(f"peer closed after {received} bytes")
-        received += got
-        index = _advance(pending, index, got)
-    return received
-
-
 def _check_deadline(deadline: float, sent: int) -> None:
     if time.monotonic() > deadline:
         raise TimeoutError(f"send cut off at its deadline after {sent} bytes")
-
-
-def _batch(buffers: list[memoryview], index: int) -> list[memoryview]:
-    """The buffers one call can plausibly fill: each call passes its whole list to the
-    kernel, so offering far more than a socket buffer holds only costs time."""
-    end, size = index, 0
-    while end < len(buffers) and end - index < _IOV_MAX and size < _BATCH_BYTES:
-        size += len(buffers[end])
-        end += 1
-    return buffers[index:end]
-
-
-def _advance(buffers: list[memoryview], index: int, done: int) -> int:
-    """Skip the buffers done in full, trim a partly done one; the next index."""
-    while done:
-        size = len(buffers[index])
-        if done >= size:
-            done -= size
-            index += 1
-        else:
-            buffers[index] = buffers[index][done:]
-            done = 0
-    return index
 
 
 def send_payload(
@@ -173,19 +136,4 @@ def send_payload(
             _check_deadline(deadline, sent)
             sock.sendall(piece)
             sent += len(piece)
-    return sent
-
-
-def send_buffers(sock: socket.socket, buffers: list[memoryview], deadline: float = math.inf) -> int:
-    """Vectored send (`sendmsg`, up to IOV_MAX buffers a call) of memory that stays put
-    until sent: the kernel reads each buffer in place, with no gather copy.
-    TimeoutError once `deadline` (monotonic s) passes between calls."""
-    sent, index, pending = 0, 0, [b for b in buffers if len(b)]
-    while index < len(pending):
-        _check_deadline(deadline, sent)
-        done = sock.sendmsg(_batch(pending, index))
-        if done == 0:
-            raise ConnectionError("socket accepted no bytes")
-        sent += done
-        index = _advance(pending, index, done)
     return sent

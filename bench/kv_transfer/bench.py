@@ -20,7 +20,6 @@ import math
 import multiprocessing as mp
 import os
 import socket
-import statistics
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -29,7 +28,8 @@ from pathlib import Path
 import grpc
 import torch
 
-from tandem.bench.report import publish, render_table
+from tandem.bench.kv_transfer.table import Row, render
+from tandem.bench.report import machine_facts, publish
 from tandem.decode_worker.service import pull_into_pinned
 from tandem.engine.config import EngineConfig
 from tandem.engine.kv_pins import KvPins
@@ -43,7 +43,6 @@ logger = logging.getLogger(__name__)
 
 SECTION_HEADING = "## KV transfer"
 PROMPT_TOKENS = (1024, 8192, 32768)
-VARIANTS = ("production", "adjacent", "pull", "fresh", "export")
 
 
 def _serve_main(fingerprint: str, max_blocks: int, conn: mp.connection.Connection) -> None:
@@ -92,22 +91,9 @@ def _raw_server(listener: socket.socket, payload: torch.Tensor) -> None:
             send_payload(sock, [view[: int.from_bytes(size_buf, "big")]])
 
 
-@dataclasses.dataclass
-class Row:
-    num_tokens: int
-    nbytes: int
-    # "raw", "production" (pinned cache blocks -> pinned reserved cache blocks, both
-    # shuffled), "adjacent" (the same, ascending adjacent blocks on both sides), "pull"
-    # (into recycled memory), "fresh" (no recycling), "export" (the old path: a copy
-    # served, received into memory, copied into the cache) -> seconds, one per round
-    times_s: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-
-    def gbps(self, name: str) -> float:
-        return self.nbytes / statistics.median(self.times_s[name]) / 1e9
-
-    def vs_raw(self, name: str) -> float:  # back to back per round: load hits both alike
-        pairs = zip(self.times_s["raw"], self.times_s[name], strict=True)
-        return statistics.median(raw / t for raw, t in pairs)
+def rounds(repeats: int, num_tokens: int) -> int:
+    """Measured rounds at a prompt length: `repeats`, times 8192 / tokens below 8k."""
+    return repeats * max(1, 8192 // num_tokens)
 
 
 async def measure_transfers(layout: KvLayout, repeats: int) -> list[Row]:
@@ -164,7 +150,9 @@ async def measure_transfers(layout: KvLayout, repeats: int) -> list[Row]:
                 "fresh": functools.partial(fresh_client.pull, held),
                 "export": export_then_write,
             }
-            for round_ in range(repeats + 1):  # round 0 warms up buffers and the channel
+            # Round 0 warms up buffers and the channel. Short pulls get more rounds (their
+            # per-pull costs make them noisier); all sizes take about as long.
+            for round_ in range(rounds(repeats, num_tokens) + 1):
                 for name, fn in fns.items():
                     start = time.perf_counter()
                     await fn()
@@ -220,43 +208,14 @@ def prefill_model(measured: dict[int, float]) -> Callable[[int], float]:
     return lambda n: measured.get(n, n * measured[longest] / longest)
 
 
-def render(args: argparse.Namespace, rows: list[Row], prefill: Callable[[int], float]) -> str:
-    lines = [
-        f"`{args.command}`",
-        "",
-        f"Layout `{args.layout.fingerprint()}`; {os.cpu_count()} CPU cores, load average "
-        f"{os.getloadavg()[0]:.1f} at the end (shared machine); torch {torch.__version__}. "
-        f"{args.repeats} rounds after a warm-up; GB/s from median times.",
-        "",
-    ]
-    cells = []
-    for r in rows:
-        pull_s, prefill_s = statistics.median(r.times_s["production"]), prefill(r.num_tokens)
-        cells.append(
-            [f"{r.num_tokens:,}", f"{r.nbytes / 2**20:.0f}", f"{r.gbps('raw'):.2f}",
-             *(f"{r.gbps(n):.2f} ({r.vs_raw(n):.0%})" for n in VARIANTS),
-             f"{prefill_s:.1f}{'' if r.num_tokens in args.measured else '*'}",
-             f"{pull_s / prefill_s:.2%}"]
-        )  # fmt: skip
-    header = (
-        "prompt tokens|KV MiB|raw GB/s|production GB/s (vs raw)|production, adjacent blocks|"
-        "into memory|fresh memory"
-    )
-    lines.append(
-        render_table(
-            [*header.split("|"), "export + write (old)", "prefill s", "transfer / prefill"], cells
-        )
-    )
-    lines += ["", f"Prefill time (* = extrapolated): {args.prefill_note}"]
-    return "\n".join(lines)
-
-
 def main(args: argparse.Namespace) -> int:
     args.layout = KvLayout("tandem-small", "float32", 16, 12, 4, 64)
     if (args.model / "config.json").is_file():
         config = EngineConfig(model=str(args.model), dtype="float32")
         args.layout = KvLayout.from_engine_config(config)
+    facts = machine_facts()
     rows = asyncio.run(measure_transfers(args.layout, args.repeats))
+    load_end = list(os.getloadavg())
     if args.prefill_tokens_per_s:
         rate = args.prefill_tokens_per_s
         args.prefill_note = f"`--prefill-tokens-per-s {rate:g}`: prefill s = tokens / {rate:g}."
@@ -273,5 +232,9 @@ def main(args: argparse.Namespace) -> int:
             "tokens/s), which underestimates it (attention grows faster than linearly), so "
             "their transfer / prefill is an upper bound."
         )
-    publish(args.out, SECTION_HEADING, [render(args, rows, prefill)])
+    block = render(
+        args.command, facts, load_end, args.layout, args.repeats, rows, prefill, args.measured,
+        args.prefill_note,
+    )  # fmt: skip
+    publish(args.out, SECTION_HEADING, [block])
     return 0

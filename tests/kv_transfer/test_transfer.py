@@ -15,6 +15,7 @@ from tandem.kv_transfer import (
     KvTransferClient,
     LocalRegistry,
 )
+from tandem.kv_transfer.blocks import block_iovecs
 from tests.helpers.kv_transfer_harness import (
     SMALL,
     TINY,
@@ -179,6 +180,16 @@ def test_pull_into_reserved_cache_blocks_writes_only_those(backend: str, dtype: 
     assert torch.equal(bits(decode_cache[:, :, reserved]), bits(engine.expected("r")))
     others = [b for b in range(50) if b not in reserved]
     assert torch.equal(bits(decode_cache[:, :, others]), bits(before[:, :, others]))
+
+
+def test_block_iovecs_merge_runs_of_adjacent_blocks() -> None:
+    layout = layout_of("float32")
+    cache = random_cache(layout, 50)
+    blocks = CacheBlocks(cache, [10, 11, 12, 0, 49, 30, 31])  # 4 runs
+    iovecs = block_iovecs(blocks)
+    assert len(iovecs) == 4 * 2 * layout.num_layers
+    assert iovecs.nbytes == layout.block_nbytes(7)
+    assert len(block_iovecs(CacheBlocks(cache, []))) == 0
 
 
 def test_strided_source_cache_is_gathered_slab_by_slab() -> None:
