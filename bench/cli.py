@@ -2,6 +2,7 @@
 
     tandem-bench engine [--quick] [--out docs/benchmarks.md]      # engine vs floor, roofline, HF
     tandem-bench engine --penalties [--quick]                     # cost of sampling penalties
+    tandem-bench engine --step-profile [--quick] [--dtype D]      # a decode step's time by part
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
     tandem-bench threads [--quick]                                # --thread-policy, 1P+1D
     tandem-bench topology [--quick] [--variants split ...]        # make serve vs transformers
@@ -69,6 +70,9 @@ OPTIONS: dict[str, list[Option]] = {
                         "[float32 and bfloat16; --quick: float32]"}),
         (("--penalties",), {"action": "store_true",
                             "help": "only the cost of penalties + logit_bias (TPOT, batch 1/8)"}),
+        (("--step-profile",), {"action": "store_true",
+                               "help": "only where a decode step's time goes (CPU time by "
+                               "part, top ops) next to its matmul floor; prints, writes no doc"}),
     ],
     "kv-transfer": [
         _model("models/tandem-small"), _OUT,

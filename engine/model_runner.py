@@ -1,10 +1,10 @@
 """Turns a `SchedulerOutput` into tensors, runs the model, samples next tokens.
 
-Decodes (one query token) are laid out first so the attention backend batches them;
-prefill chunks follow. The step's `BatchLayout` goes to the model's attention backend,
-which builds its own metadata once for all layers. Logits are computed only for rows
-that sample (the last token of each sequence that reaches its end this step), never
-for whole prompts.
+Decodes (one query token) are laid out first, longest context first, so the attention
+backend batches them; prefill chunks follow. The step's `BatchLayout` goes to the model's
+attention backend, which builds its own metadata once for all layers. Logits are
+computed only for rows that sample (the last token of each sequence that reaches its
+end this step), never for whole prompts.
 """
 
 from __future__ import annotations
@@ -73,7 +73,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
-        chunks = sorted(out.chunks, key=lambda c: c.num_new_tokens != 1)
+        # Decodes first, longest context first (the attention backend groups similar ones).
+        chunks = sorted(
+            out.chunks, key=lambda c: (c.num_new_tokens != 1, -c.request.num_computed_tokens)
+        )
         input_ids, positions, batch = self._prepare(chunks)
         hidden = self._forward(input_ids, positions, batch)
         starts = torch.tensor(batch.query_start_loc)
@@ -83,7 +86,9 @@ class ModelRunner:
             return {}
         ends = batch.query_start_loc[1:]
         rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
-        logits = self.model.compute_logits(hidden[rows])
+        # Every row samples in an all-decode step: no row copy then.
+        selected = hidden if len(rows) == hidden.shape[0] else hidden[rows]
+        logits = self.model.compute_logits(selected)
         self._mask_early_stops(logits, sampling)
         apply_grammar_masks(logits, [c.request.grammar for c in sampling])
         result = self.sampler.sample(

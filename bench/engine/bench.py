@@ -154,6 +154,10 @@ def main(args: argparse.Namespace) -> int:
         from tandem.bench.engine import penalties
 
         return penalties.main(args)
+    if getattr(args, "step_profile", False):
+        from tandem.bench.engine import step_profile
+
+        return step_profile.main(args)
     # A full run updates the doc unless told otherwise; a quick one only when told.
     out = args.out if args.out is not None or args.quick else DEFAULT_OUT
     ensure_model(args.model, "small")

@@ -1,8 +1,12 @@
 """The torch reference backend (CPU and CUDA): gathered blocks + `scaled_dot_product_attention`.
 
-Decodes are batched into one SDPA call over their padded, gathered contexts; each
-prefill chunk is one SDPA call (causal from position 0, or masked over its cached
-prefix plus its own tokens).
+Decodes: the metadata builder splits them, once per step, into groups of similar context
+length (runs of rows whose lengths lie within a quarter of each other, or a few blocks),
+each with its flat block index and key mask. Per layer and group, one `index_select`
+gathers K and V together into a reused buffer, padded only to the group's longest context,
+and one SDPA call covers the group with the query heads of each KV head as the query rows
+(GQA without repeating K/V). Each prefill chunk is one SDPA call (causal from position 0,
+or masked over its cached prefix plus its own tokens).
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ import torch.nn.functional as F
 
 from tandem.engine.attention.backend import AttentionBackend
 from tandem.engine.attention.metadata import AttentionMetadata, BatchLayout
+
+# A decode group keeps a sequence whose context is within this many tokens of the group's
+# longest, or within a quarter of it (so padding wastes at most ~25% of a group's keys).
+GROUP_SLACK_TOKENS = 64
 
 
 @dataclass
@@ -37,13 +45,24 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows `start:end`, attended together over contexts padded to `max_len`."""
+
+    start: int
+    end: int
+    max_len: int
+    # Blocks per row (enough for `max_len` positions).
+    num_blocks: int
+    # [(end - start) * num_blocks] int64: each row's first `num_blocks` block ids (block 0
+    # pads rows that hold fewer; those keys are masked).
+    block_index: torch.Tensor
+    # [end - start, 1, 1, max_len] bool key mask, or None when every row has `max_len`.
+    mask: torch.Tensor | None
+
+
+@dataclass
 class TorchAttentionMetadata(AttentionMetadata):
-    # [num_seqs, max_num_blocks] int64: block ids per sequence, padded with 0.
-    block_tables: torch.Tensor
-    # [num_decodes, 1, 1, max_decode_len] bool key mask, or None when num_decodes <= 1.
-    decode_mask: torch.Tensor | None
-    # Longest decode context (keys gathered per decode sequence).
-    max_decode_len: int
+    decode_groups: list[DecodeGroup]
     prefills: list[PrefillSpan]
 
 
@@ -54,13 +73,13 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
-        # Reused K and V gather buffers of the decode path (one step at a time).
-        self._buffers: list[torch.Tensor | None] = [None, None]
+        # Reused gather buffer of the decode path: fresh multi-MB allocations cost page
+        # faults per layer.
+        self._buffer: torch.Tensor | None = None
 
     def build_metadata(self, batch: BatchLayout) -> TorchAttentionMetadata:
         num_decodes = batch.num_decodes
-        block_tables = batch.padded_block_tables()
-        decode_lens = batch.seq_lens[:num_decodes]
+        block_tables = batch.padded_block_tables().to(batch.device)
         prefills = []
         for i in range(num_decodes, batch.num_seqs):
             num_blocks = -(-batch.seq_lens[i] // batch.block_size)
@@ -68,17 +87,19 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
                 batch.query_start_loc[i],
                 batch.seq_lens[i],
                 batch.query_len(i),
-                block_tables[i, :num_blocks].to(batch.device),
+                block_tables[i, :num_blocks],
             )
             if span.mask is not None:
                 span.mask = span.mask.to(batch.device)
             prefills.append(span)
+        groups = [
+            _decode_group(start, end, batch, block_tables)
+            for start, end in group_decodes(batch.seq_lens[:num_decodes])
+        ]
         return TorchAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             num_decodes=num_decodes,
-            block_tables=block_tables.to(batch.device),
-            decode_mask=_decode_mask(decode_lens, batch.device),
-            max_decode_len=max(decode_lens, default=0),
+            decode_groups=groups,
             prefills=prefills,
         )
 
@@ -96,9 +117,8 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
         out = torch.empty_like(query)
-        num_decodes = meta.num_decodes
-        if num_decodes:
-            out[:num_decodes] = self._decode(query[:num_decodes], k_cache, v_cache, meta)
+        for group in meta.decode_groups:
+            self._decode(query, kv_cache, group, out)
         for span in meta.prefills:
             end = span.query_start + span.query_len
             q = query[span.query_start : end].transpose(0, 1).unsqueeze(0)
@@ -106,8 +126,8 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
                 k = key[span.query_start : end]
                 v = value[span.query_start : end]
             else:
-                k = _gather(k_cache, span.block_table, span.seq_len)
-                v = _gather(v_cache, span.block_table, span.seq_len)
+                kv = _gather(kv_cache, span.block_table)[:, : span.seq_len]
+                k, v = kv[0], kv[1]
             o = F.scaled_dot_product_attention(
                 q,
                 k.transpose(0, 1).unsqueeze(0),
@@ -121,55 +141,82 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
         return out.view(num_tokens, num_heads * head_dim)
 
     def _decode(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: TorchAttentionMetadata,
-    ) -> torch.Tensor:
-        """All one-token queries in one SDPA call over their padded, gathered contexts."""
-        num_decodes = query.shape[0]
-        length = meta.max_decode_len
-        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        num_blocks = -(-length // block_size)
-        index = meta.block_tables[:num_decodes, :num_blocks].reshape(-1)
-        # Gathered into reused buffers: fresh multi-MB allocations cost page faults per layer.
-        k = torch.index_select(k_cache, 0, index, out=self._scratch(0, k_cache, index.numel()))
-        v = torch.index_select(v_cache, 0, index, out=self._scratch(1, v_cache, index.numel()))
-        k = k.view(num_decodes, -1, num_kv_heads, head_dim)[:, :length]
-        v = v.view(num_decodes, -1, num_kv_heads, head_dim)[:, :length]
+        self, query: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, out: torch.Tensor
+    ) -> None:
+        """One group's one-token queries in one SDPA call over their gathered contexts."""
+        head_dim = query.shape[2]
+        num_kv_heads = kv_cache.shape[3]
+        num_rows = group.end - group.start
+        # Gathered into a reused buffer: fresh multi-MB allocations cost page faults per layer.
+        kv = _gather(kv_cache, group.block_index, self._scratch(kv_cache, group.block_index))
+        kv = kv.view(2, num_rows, -1, num_kv_heads, head_dim)[:, :, : group.max_len]
+        # [rows, kv_heads, group, D]: each KV head's query heads attend as its query rows.
+        q = query[group.start : group.end].view(num_rows, num_kv_heads, -1, head_dim)
         o = F.scaled_dot_product_attention(
-            query.unsqueeze(2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=meta.decode_mask,
+            q,
+            kv[0].transpose(1, 2),
+            kv[1].transpose(1, 2),
+            attn_mask=group.mask,
             scale=self.scale,
-            enable_gqa=True,
         )
-        return o.squeeze(2)
+        out[group.start : group.end].view(q.shape).copy_(o)
 
-    def _scratch(self, slot: int, cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """A [num_blocks, *block shape] buffer for gathered blocks, grown on demand."""
-        shape = (num_blocks, *cache.shape[1:])
-        buf = self._buffers[slot]
-        if buf is None or buf.shape[0] < num_blocks or buf.dtype != cache.dtype:
-            buf = torch.empty(shape, dtype=cache.dtype, device=cache.device)
-            self._buffers[slot] = buf
-        return buf[:num_blocks]
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, Hkv, D] keys or values of one sequence, in position order."""
-    return cache[block_table].flatten(0, 1)[:seq_len]
+    def _scratch(self, kv_cache: torch.Tensor, block_index: torch.Tensor) -> torch.Tensor:
+        """A [2, len(block_index), block elements] buffer, grown on demand."""
+        block_numel = kv_cache[0, 0].numel()
+        numel = 2 * block_index.numel() * block_numel
+        buf = self._buffer
+        if buf is None or buf.numel() < numel or buf.dtype != kv_cache.dtype:
+            buf = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
+            self._buffer = buf
+        return buf[:numel].view(2, -1, block_numel)
 
 
-def _decode_mask(seq_lens: list[int], device: torch.device) -> torch.Tensor | None:
-    """Key-padding mask for batched decodes; None when no padding is needed."""
-    if len(seq_lens) <= 1 or min(seq_lens) == max(seq_lens):
-        return None
-    lens = torch.tensor(seq_lens)
-    mask = torch.arange(max(seq_lens)) < lens[:, None]
-    return mask[:, None, None, :].to(device)
+def group_decodes(seq_lens: list[int]) -> list[tuple[int, int]]:
+    """Row ranges [start, end) of consecutive decodes attended together: a row joins the
+    current group while the group's lengths stay within `GROUP_SLACK_TOKENS` or a quarter
+    of its longest. The model runner orders decodes longest first, so groups are few."""
+    if not seq_lens:
+        return []
+    groups: list[tuple[int, int]] = []
+    start, low, high = 0, seq_lens[0], seq_lens[0]
+    for i in range(1, len(seq_lens)):
+        seq_len = seq_lens[i]
+        new_low, new_high = min(low, seq_len), max(high, seq_len)
+        spread = new_high - new_low
+        if spread > GROUP_SLACK_TOKENS and 4 * spread > new_high:
+            groups.append((start, i))
+            start, new_low, new_high = i, seq_len, seq_len
+        low, high = new_low, new_high
+    groups.append((start, len(seq_lens)))
+    return groups
+
+
+def _decode_group(
+    start: int, end: int, batch: BatchLayout, block_tables: torch.Tensor
+) -> DecodeGroup:
+    lens = batch.seq_lens[start:end]
+    max_len = max(lens)
+    num_blocks = -(-max_len // batch.block_size)
+    mask = None
+    if min(lens) != max_len:
+        keep = torch.arange(max_len) < torch.tensor(lens)[:, None]
+        mask = keep[:, None, None, :].to(batch.device)
+    block_index = block_tables[start:end, :num_blocks].reshape(-1)
+    return DecodeGroup(start, end, max_len, num_blocks, block_index, mask)
+
+
+def _gather(
+    kv_cache: torch.Tensor, block_index: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """K and V of `block_index`'s blocks in one gather: [2, len(block_index) * block_size,
+    kv_heads, head_dim], in position order."""
+    blocks = kv_cache.view(2, kv_cache.shape[1], -1)
+    if out is None:
+        gathered = blocks.index_select(1, block_index)
+    else:
+        gathered = torch.index_select(blocks, 1, block_index, out=out)
+    return gathered.view(2, -1, *kv_cache.shape[3:])
 
 
 def _prefill_span(

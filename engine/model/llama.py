@@ -3,7 +3,9 @@
 Q/K/V and gate/up projections are fused into one matmul each (fewer, larger GEMMs);
 the loader concatenates the checkpoint's separate weights. Numerics follow Hugging
 Face's implementation (RMSNorm in float32, RoPE tables in float32) so greedy output
-matches `transformers` token for token.
+matches `transformers` token for token. Elementwise work runs in place where the values
+stay the same (RoPE into the fused QKV output, residual adds, SiLU-and-multiply): on CPU a
+decode step's cost beyond its matmuls is mostly the number of ops and fresh buffers.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch import nn
 
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.config import ModelConfig
-from tandem.engine.model.rotary import RotaryEmbedding, apply_rotary
+from tandem.engine.model.rotary import RotaryEmbedding, apply_rotary_
 
 
 class RMSNorm(nn.Module):
@@ -26,10 +28,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        h = h * h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        # weight * h as transformers writes it (the product commutes exactly).
+        return h.to(x.dtype).mul_(self.weight)
 
 
 class Attention(nn.Module):
@@ -55,9 +57,9 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size, _ = self.split_sizes
-        # Queries and keys are adjacent in the fused output: rotate them in one pass.
+        # Queries and keys are adjacent in the fused output: rotate them in one pass, in place.
         qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
-        qk = apply_rotary(qk, *rope)
+        apply_rotary_(qk, *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
@@ -72,7 +74,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -90,8 +92,9 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        # residual + sublayer, as transformers adds them, into the sublayer's fresh output.
+        hidden = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta).add_(hidden)
+        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -37,7 +37,8 @@ def inverse_frequencies(
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position."""
 
-    # Registered buffers [max_len, D] (they follow the module's `.to(device)`).
+    # Registered buffers [max_len, D] (they follow the module's `.to(device)`). `sin` has
+    # its first half negated: `apply_rotary_` swaps halves instead of negating one.
     cos: torch.Tensor
     sin: torch.Tensor
 
@@ -46,20 +47,26 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
+        sin = emb.sin() * scaling
+        sin[:, : inv_freq.shape[0]].neg_()
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def lookup(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [T, 1, D] for a step's positions; looked up once, used by every layer."""
+        """(cos, signed sin) [T, 1, D] for a step's positions; looked up once, used by
+        every layer."""
         cos = self.cos[positions].unsqueeze(1).to(dtype)
         sin = self.sin[positions].unsqueeze(1).to(dtype)
         return cos, sin
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [T, heads, D] (queries and keys together) by the step's (cos, sin)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate x [T, heads, D] (queries and keys together) in place by the step's (cos,
+    signed sin): x * cos + rotate_half(x) * sin as Hugging Face computes it, bit for bit
+    (rotate_half(x) = [-x2, x1] times sin equals [x2, x1] times the signed sin)."""
+    num_tokens, num_heads, head_dim = x.shape
+    swapped = x.view(num_tokens, num_heads, 2, head_dim // 2).flip(2)
+    swapped = swapped.view(num_tokens, num_heads, head_dim).mul_(sin)
+    x.mul_(cos).add_(swapped)
