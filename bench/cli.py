@@ -94,6 +94,8 @@ OPTIONS: dict[str, list[Option]] = {
                            "colocated-1", "colocated-2", "all-remote", "spin-wait"],
                            "help": "more `tandem serve` layouts measured alike"}),
         (("--no-peer",), {"action": "store_true", "help": "Tandem layouts only (A/B runs)"}),
+        (("--plain-peer",), {"action": "store_true",
+                             "help": "also transformers serve without continuous batching"}),
         (("--concurrency",), {"type": int, "nargs": "+", "default": [1, 8]}),
         (("--input-len",), {"type": int, "default": 128}),
         (("--output-len",), {"type": int, "default": 64}),

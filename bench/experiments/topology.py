@@ -55,6 +55,9 @@ logger = logging.getLogger(__name__)
 SECTION_HEADING = "## Default topology vs `transformers serve` (make serve, one run)"
 DEFAULT_LABEL = "tandem (make serve defaults)"
 PEER_LABEL = "transformers serve --continuous-batching"
+# The same server without continuous batching (`--plain-peer`): on some CPUs its batching
+# path costs many times more per token than plain `generate`, so this shows both.
+PLAIN_PEER_LABEL = "transformers serve (no --continuous-batching)"
 # Named variants: more `tandem serve` flags (and environment), measured like the default.
 VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "split": (("--thread-policy", "split"), {}),
@@ -103,6 +106,16 @@ def peer_spec(model_dir: str, dtype: str) -> ServerSpec:
         raise RuntimeError(f"no KV pool size for {model_dir}")
     spec = transformers_spec(model_dir, free_port(), blocks)
     return dataclasses.replace(spec, label=PEER_LABEL, argv=(*spec.argv, "--dtype", dtype))
+
+
+def plain_peer_spec(model_dir: str, dtype: str) -> ServerSpec:
+    """`transformers serve` without continuous batching, same dtype, on a free port."""
+    spec = peer_spec(model_dir, dtype)
+    argv = [a for a in spec.argv if a != "--continuous-batching"]
+    for flag in ("--cb-block-size", "--cb-num-blocks"):
+        at = argv.index(flag)
+        del argv[at : at + 2]
+    return dataclasses.replace(spec, label=PLAIN_PEER_LABEL, argv=tuple(argv))
 
 
 def tandem_specs(model_dir: str, variants: Sequence[str]) -> list[ServerSpec]:
@@ -161,8 +174,10 @@ def _median(runs: Sequence[LevelRun], field: str) -> float:
 
 
 def render_rows(results: Results, peer_label: str) -> list[list[str]]:
-    """Per system and level: medians over rounds and their ratio to the peer's."""
+    """Per system and level: medians over rounds, their ratio to the peer's and, when it
+    was measured, to the plain peer's."""
     peer = results.get(peer_label, {})
+    plain = results.get(PLAIN_PEER_LABEL, {})
     rows = []
     for label, levels in results.items():
         for concurrency, runs in levels.items():
@@ -182,8 +197,12 @@ def render_rows(results: Results, peer_label: str) -> list[list[str]]:
                     )
                     if theirs.output_throughput_tps > 0
                 )
+            plain_runs = plain.get(concurrency, [])
+            plain_ratio = "-"
+            if plain_runs and label not in (peer_label, PLAIN_PEER_LABEL):
+                plain_ratio = f"{tps / _median(plain_runs, 'output_throughput_tps'):.2f}x"
             rows.append(
-                [f"{label} · c={concurrency}", f"{tps:.1f}", ratio, per_round,
+                [f"{label} · c={concurrency}", f"{tps:.1f}", ratio, per_round, plain_ratio,
                  f"{ttft * 1e3:.0f}", f"{itl * 1e3:.1f}", f"{cpu_ms:.0f}", str(failed)]
             )  # fmt: skip
     return rows
@@ -193,7 +212,8 @@ def render(
     results: Results, plan: TopologyPlan, command: str, facts: Mapping[str, Any], dtype: str
 ) -> str:
     threads = os.cpu_count() or 1
-    header = ["system · concurrency", "out tok/s", "÷ peer", "per round", "TTFT p50 ms",
+    header = ["system · concurrency", "out tok/s", "÷ peer", "per round", "÷ plain peer",
+              "TTFT p50 ms",
               "ITL p50 ms", "CPU ms/token", "failed"]  # fmt: skip
     return "\n".join(
         [
@@ -229,6 +249,8 @@ def main(args: argparse.Namespace) -> int:
     specs = tandem_specs(model_dir, args.variants)
     if not args.no_peer:
         specs.append(peer_spec(model_dir, dtype))
+        if args.plain_peer:
+            specs.append(plain_peer_spec(model_dir, dtype))
     results_dir = Path(args.results_dir)
     facts = {**machine_facts(), "model": model_dir}
     results = asyncio.run(measure_rounds(specs, plan, results_dir / "logs"))

@@ -20,6 +20,9 @@ def test_the_default_system_is_make_serve_and_variants_add_flags_and_env(tiny_mo
     assert spin.env["GOMP_SPINCOUNT"] == "300000"
     peer = topology.peer_spec(str(tiny_model_dir), "bfloat16")
     assert peer.argv[-2:] == ("--dtype", "bfloat16") and "--continuous-batching" in peer.argv
+    plain = topology.plain_peer_spec(str(tiny_model_dir), "bfloat16")
+    assert plain.argv[-2:] == ("--dtype", "bfloat16")
+    assert not any(a.startswith(("--continuous", "--cb-")) for a in plain.argv)
 
 
 def _run(tps: float) -> topology.LevelRun:
@@ -35,6 +38,16 @@ def test_rows_give_the_ratio_of_medians_and_each_rounds_ratio():
     (mine, peer) = topology.render_rows(results, topology.PEER_LABEL)
     assert mine[:4] == ["tandem · c=8", "120.0", "**1.20x**", "1.20, 0.90, 1.50"]
     assert peer[2] == "-"
+
+
+def test_rows_add_the_ratio_to_the_plain_peer_when_measured():
+    results = {
+        "tandem": {8: [_run(120.0)]},
+        topology.PEER_LABEL: {8: [_run(100.0)]},
+        topology.PLAIN_PEER_LABEL: {8: [_run(60.0)]},
+    }
+    mine, peer, plain = topology.render_rows(results, topology.PEER_LABEL)
+    assert mine[4] == "2.00x" and peer[4] == "-" and plain[4] == "-"
 
 
 def test_session_cpu_s_counts_this_session():
