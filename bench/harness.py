@@ -126,6 +126,8 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             env={**os.environ, **spec.env},
             start_new_session=True,
+            # A shell's background job inherits SIGINT ignored; `stop()` relies on it.
+            preexec_fn=_default_sigint,
         )
 
     @property
@@ -195,6 +197,11 @@ def running(specs: Sequence[ServerSpec], log_dir: Path) -> Iterator[list[ServerP
     finally:
         for server in reversed(started):
             server.stop()
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default action."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def exit_on_sigterm() -> None:
