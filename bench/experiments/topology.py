@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 SECTION_HEADING = "## Default topology vs `transformers serve` (make serve, one run)"
 DEFAULT_LABEL = "tandem (make serve defaults)"
 PEER_LABEL = "transformers serve --continuous-batching"
-# The same server without continuous batching (`--plain-peer`): on some CPUs its batching
-# path costs many times more per token than plain `generate`, so this shows both.
+# The same server without continuous batching (`--plain-peer`, one request at a time):
+# a second reference, and a check on the batching path's own cost.
 PLAIN_PEER_LABEL = "transformers serve (no --continuous-batching)"
 # Named variants: more `tandem serve` flags (and environment), measured like the default.
 VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
