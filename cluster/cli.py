@@ -463,9 +463,9 @@ def _run_demo(args: argparse.Namespace) -> int:
             attention_backend=args.attention_backend,
             cuda_graphs=args.cuda_graphs,
         )
-    except ValueError as exc:
+        engine = Engine(config)
+    except (ValueError, FileNotFoundError) as exc:
         args.demo_parser.error(str(exc))
-    engine = Engine(config)
     print(
         f"engine ready on {device}, {dtype_banner(engine.config)}, "
         f"attention {config.resolved_attention_backend}, "

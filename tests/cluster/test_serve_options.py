@@ -164,3 +164,12 @@ def test_pool_metrics_port_is_fixed_by_a_flag(tiny_model_dir):
     config = config_of(tiny_model_dir, "--device", "cpu", "--pool-metrics-port", "9101")
     assert config.pools.metrics_port == 9101
     assert config_of(tiny_model_dir, "--device", "cpu").pools.metrics_port == 0
+
+
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_a_missing_model_directory_is_one_line_and_exit_2(capsys, tmp_path, command):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--model", str(tmp_path / "nowhere")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "no config.json in model directory" in err and "Traceback" not in err
