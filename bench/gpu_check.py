@@ -266,11 +266,7 @@ async def kv_transfer_gbps(shape: Shape, device: str, num_tokens: int) -> float:
     handle = KvHandle("p", f"127.0.0.1:{port}", "r", ids, num_tokens, layout.fingerprint())
     try:
         await client.pull(handle)  # warm-up: channel and buffers
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            await client.pull(handle)
-            times.append(time.perf_counter() - start)
+        times = await gpu_serving.timed_pulls(client, handle)
     finally:
         await client.close()
         await service.stop()

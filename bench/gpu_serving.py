@@ -160,14 +160,20 @@ async def _pull_times(
     try:
         first = await client.pull(handle)  # warm-up: channel, mapping, buffers
         exact = torch.equal(first.cpu(), _cache(layout, num_blocks, "cpu")[:, :, ids])
-        times = []
-        for _ in range(5):
-            start = time.perf_counter()
-            await client.pull(handle)
-            times.append(time.perf_counter() - start)
+        times = await timed_pulls(client, handle)
     finally:
         await client.close()
     return times, exact
+
+
+async def timed_pulls(client: KvTransferClient, handle: KvHandle, repeats: int = 5) -> list[float]:
+    """Seconds of each of `repeats` pulls of `handle`, one after another."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        await client.pull(handle)
+        times.append(time.perf_counter() - start)
+    return times
 
 
 def two_process_kv_gbps(
