@@ -4,7 +4,6 @@
     tandem-bench engine --penalties [--quick]                     # cost of sampling penalties
     tandem-bench engine --step-profile [--quick] [--dtype D]      # a decode step's time by part
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
-    tandem-bench threads [--quick]                                # --thread-policy, 1P+1D
     tandem-bench topology [--quick] [--variants split ...]        # make serve vs transformers
     tandem-bench gpu-check [--dry-run]                            # one prepared GPU run
     tandem-bench router [--quick]                                 # router overhead
@@ -32,7 +31,6 @@ from typing import Any
 SUITES = {
     "engine": ("engine.bench", "the engine against its matmul floor, the roofline and HF"),
     "kv-transfer": ("kv_transfer.bench", "KV transfer pulls against raw TCP"),
-    "threads": ("engine.thread_policy", "1P+1D output tok/s per --thread-policy"),
     "topology": ("experiments.topology", "make serve's topology vs transformers serve, c=1/8"),
     "gpu-check": ("gpu_check", "one prepared GPU run: equality, decode roofline, MFU, KV GB/s"),
     "router": ("router.overhead", "router overhead: added latency and one core's throughput"),
@@ -79,14 +77,6 @@ OPTIONS: dict[str, list[Option]] = {
         (("--repeats",), {"type": int, "default": 15,
                           "help": "rounds of every variant (x 8192/tokens below 8k)"}),
         (("--prefill-tokens-per-s",), {"type": float, "help": "else measured"}),
-    ],
-    "threads": [
-        _model("models/tandem-small"), _OUT, _QUICK,
-        (("--concurrency",), {"type": int, "default": 8}),
-        (("--requests",), {"type": int, "default": 48, "help": "requests per run"}),
-        (("--input-len",), {"type": int, "default": 128}),
-        (("--output-len",), {"type": int, "default": 64}),
-        (("--rounds",), {"type": int, "default": 2, "help": "runs of every option"}),
     ],
     "topology": [
         _model("models/tandem-small"), _OUT, _QUICK,
