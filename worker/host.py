@@ -47,9 +47,10 @@ class WorkerHost:
     async def open(self) -> EngineLoop:
         """Load the model, start the engine thread, bind the gRPC server (not serving yet)."""
         config = self.config
-        engine = await asyncio.to_thread(functools.partial(Engine, config.engine, clock=self.clock))
-        self.loop = EngineLoop(engine, name=f"engine-{config.worker_id}")
-        self.loop.start()
+        # Built on the engine's own thread (see EngineLoop): start() waits for the load.
+        build = functools.partial(Engine, config.engine, clock=self.clock)
+        self.loop = EngineLoop(build, name=f"engine-{config.worker_id}")
+        await asyncio.to_thread(self.loop.start)
         # Every call but health probes must carry the cluster token (when one is set).
         self.server = internal_server(
             config.cluster_auth, on_refused=functools.partial(self.metrics.refused, "grpc")

@@ -49,7 +49,7 @@ def engine(tiny_model_dir) -> Engine:
 @pytest.fixture
 def engine_loop(engine: Engine) -> Iterator[EngineLoop]:
     assert not engine_threads()
-    loop = EngineLoop(engine, name=THREAD)
+    loop = EngineLoop(lambda: engine, name=THREAD)
     loop.start()
     yield loop
     loop.stop()
@@ -65,7 +65,7 @@ def test_streams_deliver_each_requests_tokens_in_order(engine):
     # The reference, on the same engine before its thread exists.
     expected = [out.token_ids for out in generate(engine, PROMPTS, GREEDY, "ref")]
     assert engine.is_idle()
-    loop = EngineLoop(engine, name=THREAD)
+    loop = EngineLoop(lambda: engine, name=THREAD)
     loop.start()
     try:
 
@@ -158,7 +158,7 @@ def test_an_engine_failure_fails_open_streams_and_closes_the_loop(engine):
         return real_step()
 
     engine.step = failing_step
-    loop = EngineLoop(engine, name=THREAD)
+    loop = EngineLoop(lambda: engine, name=THREAD)
     loop.start()
     try:
 
@@ -212,7 +212,7 @@ def test_stop_fails_pending_waits_joins_the_thread_and_refuses_new_work(engine_l
 def test_start_and_stop_leave_no_thread_behind(engine):
     before = {t.ident for t in threading.enumerate()}
     for i in range(3):
-        loop = EngineLoop(engine, name=THREAD)
+        loop = EngineLoop(lambda: engine, name=THREAD)
         loop.start()
         outs = run(collect_one(loop, f"r{i}"))
         assert outs[-1].finished
@@ -223,3 +223,33 @@ def test_start_and_stop_leave_no_thread_behind(engine):
 
 async def collect_one(loop: EngineLoop, req_id: str) -> list:
     return await collect(await loop.generate(req_id, PROMPTS[1], GREEDY))
+
+
+def test_the_engine_is_built_on_its_own_thread(tiny_model_dir):
+    # On CPU every thread that runs a parallel torch op keeps its own OpenMP team; the
+    # engine thread must be the only one (see EngineLoop), so the model loads there too.
+    built_on = []
+
+    def build() -> Engine:
+        built_on.append(threading.current_thread().name)
+        return Engine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_threads=1))
+
+    loop = EngineLoop(build, name=THREAD)
+    with pytest.raises(EngineLoopClosed, match="not started"):
+        loop.engine  # noqa: B018
+    loop.start()
+    try:
+        assert built_on == [THREAD]
+        assert run(collect_one(loop, "r"))[-1].finished
+    finally:
+        loop.stop()
+    assert not engine_threads()
+
+
+def test_a_failed_build_is_raised_by_start_and_leaves_no_thread(tmp_path):
+    loop = EngineLoop(lambda: Engine(EngineConfig(model=str(tmp_path))), name=THREAD)
+    with pytest.raises(EngineLoopClosed, match="engine build failed"):
+        loop.start()
+    assert not engine_threads()
+    with pytest.raises(EngineLoopClosed):
+        run(loop.call(lambda e: None))
