@@ -81,7 +81,8 @@ OPTIONS: dict[str, list[Option]] = {
     "topology": [
         _model("models/tandem-small"), _OUT, _QUICK,
         (("--variants",), {"nargs": "*", "default": [], "choices": ["split", "one-thread",
-                           "colocated-1", "colocated-2", "all-remote", "spin-wait"],
+                           "colocated-1", "colocated-2", "all-remote", "spin-wait",
+                           "passive-wait"],
                            "help": "more `tandem serve` layouts measured alike"}),
         (("--no-peer",), {"action": "store_true", "help": "Tandem layouts only (A/B runs)"}),
         (("--plain-peer",), {"action": "store_true",

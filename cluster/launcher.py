@@ -63,7 +63,12 @@ class LocalCluster:
             config.ray.thread_policy, num_cores, len(roles)
         )
         source = "--threads" if config.engine.num_threads else config.ray.thread_policy.value
-        env = worker_env_vars(threads, len(roles), num_cores, config.engine.device, os.environ)
+        env = {
+            role: worker_env_vars(
+                role, threads, len(roles), num_cores, config.engine.device, os.environ
+            )
+            for role in set(roles)
+        }
         logger.info("torch threads per worker: %d (%s); worker env %s", threads, source, env)
         # Not detached: the controller (and the workers it owns) go with this process.
         self.controller = RemotePoolController.options(

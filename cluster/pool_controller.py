@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 
 import ray
 from aiohttp import web
@@ -47,13 +48,16 @@ class PoolController:
     """
 
     def __init__(
-        self, config: ClusterConfig, num_threads: int, worker_env: dict[str, str] | None = None
+        self,
+        config: ClusterConfig,
+        num_threads: int,
+        worker_env: Mapping[WorkerRole, dict[str, str]] | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.config = config
         # torch threads per worker, fixed at cluster start.
         self.num_threads = num_threads
-        # Added to every worker process's environment (`cluster.worker_env`).
+        # Added to each role's worker processes' environment (`cluster.worker_env`).
         self.worker_env = dict(worker_env or {})
         pools = config.pools
         targets: dict[WorkerRole, int] = {}
@@ -208,8 +212,9 @@ class PoolController:
             options["num_gpus"] = ray_config.gpus_per_worker
         if self._role_resources:
             options["resources"] = {role_resource(role): 1}
-        if self.worker_env:
-            options["runtime_env"] = {"env_vars": self.worker_env}
+        env = self.worker_env.get(role)
+        if env:
+            options["runtime_env"] = {"env_vars": env}
         actor = RemoteWorkerActor.options(**options).remote(
             worker_config, advertise_node_ip=self._advertise_node_ip
         )

@@ -65,9 +65,11 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "colocated-1": (("--colocated", "1"), {}),
     "colocated-2": (("--colocated", "2"), {}),
     "all-remote": (("--max-local-prefill-tokens", "0"), {}),
-    # libgomp's own default spin count, set explicitly: the workers' OpenMP threads spin
-    # before sleeping (what every worker did before `cluster.worker_env`).
+    # libgomp's own default spin count, set explicitly: every worker's OpenMP threads
+    # spin before sleeping (`cluster.worker_env` makes only prefill workers passive).
     "spin-wait": ((), {"GOMP_SPINCOUNT": "300000"}),
+    # Every worker's OpenMP threads sleep at once (prefill and decode alike).
+    "passive-wait": ((), {"OMP_WAIT_POLICY": "PASSIVE"}),
 }
 
 # system label -> concurrency -> one run per round

@@ -6,6 +6,7 @@ from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.cluster.config import RayConfig, ThreadPolicy
 from tandem.cluster.launcher import threads_per_worker
 from tandem.cluster.worker_env import worker_env_vars
+from tandem.worker.config import WorkerRole
 
 
 def test_shared_gives_every_worker_the_node_and_split_divides_it() -> None:
@@ -26,13 +27,17 @@ def test_thread_policy_flag(tiny_model_dir) -> None:
     assert config("--threads", "3").engine.num_threads == 3  # --threads wins over a policy
 
 
-def test_worker_env_makes_openmp_threads_sleep_only_when_workers_oversubscribe() -> None:
-    # 2 workers x 2 threads on 2 cores (shared on a 2-core node): passive waits.
-    assert worker_env_vars(2, 2, 2, "cpu", {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+def test_worker_env_makes_prefill_threads_sleep_only_when_workers_oversubscribe() -> None:
+    prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
+    # 2 workers x 2 threads on 2 cores (shared on a 2-core node): the bursty prefill
+    # worker's threads sleep at once; the decode worker keeps libgomp's spin.
+    assert worker_env_vars(prefill, 2, 2, 2, "cpu", {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env_vars(decode, 2, 2, 2, "cpu", {}) == {}
+    assert worker_env_vars(WorkerRole.COLOCATED, 2, 2, 2, "cpu", {}) == {}
     # Threads that fit the cores (split, or one worker) keep libgomp's default spin.
-    assert worker_env_vars(1, 2, 2, "cpu", {}) == {}
-    assert worker_env_vars(2, 1, 2, "cpu", {}) == {}
+    assert worker_env_vars(prefill, 1, 2, 2, "cpu", {}) == {}
+    assert worker_env_vars(prefill, 2, 1, 2, "cpu", {}) == {}
     # The operator's own setting wins; GPU workers get nothing.
-    assert worker_env_vars(2, 2, 2, "cpu", {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    assert worker_env_vars(2, 2, 2, "cpu", {"GOMP_SPINCOUNT": "1000"}) == {}
-    assert worker_env_vars(8, 2, 2, "cuda", {}) == {}
+    assert worker_env_vars(prefill, 2, 2, 2, "cpu", {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
+    assert worker_env_vars(prefill, 2, 2, 2, "cpu", {"GOMP_SPINCOUNT": "1000"}) == {}
+    assert worker_env_vars(prefill, 8, 2, 2, "cuda", {}) == {}
