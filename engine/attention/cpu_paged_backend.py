@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from tandem.engine.attention.cpu_paged_op import paged_decode
+from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error, paged_decode
 from tandem.engine.attention.metadata import BatchLayout
 from tandem.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 
@@ -31,6 +31,13 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     """Decodes through the paged C++ op, prefills through the torch backend."""
 
     name: ClassVar[str] = "cpu"
+
+    def __init__(self, scale: float) -> None:
+        super().__init__(scale)
+        # Loads the op (building it first where this machine has no cached build).
+        error = cpu_paged_op_error()
+        if error is not None:
+            raise RuntimeError(f"the cpu attention backend's op does not build here: {error}")
 
     def build_metadata(self, batch: BatchLayout) -> CpuPagedAttentionMetadata:
         base = super().build_metadata(batch)

@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.engine.attention import AttentionBackendName, resolve_attention_backend, selector
+from tandem.engine.attention import (
+    AttentionBackendName,
+    cpu_paged_backend,
+    resolve_attention_backend,
+    selector,
+)
 from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionBackend
 from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error, paged_decode
 from tests.helpers.paged_batch import make_paged_batch, reference_attention
@@ -81,3 +86,6 @@ def test_op_that_does_not_build_is_an_error_and_auto_says_so(monkeypatch, caplog
         resolve_attention_backend("cpu", "cpu")
     assert resolve_attention_backend("auto", "cpu") is AttentionBackendName.TORCH
     assert "no g++" in caplog.text
+    monkeypatch.setattr(cpu_paged_backend, "cpu_paged_op_error", lambda: "RuntimeError: no g++")
+    with pytest.raises(RuntimeError, match="op does not build here: RuntimeError: no g\\+\\+"):
+        CpuPagedAttentionBackend(1.0)
