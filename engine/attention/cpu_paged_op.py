@@ -1,4 +1,4 @@
-"""Builds and loads the CPU paged-decode op (csrc/paged_decode.cpp), once per machine.
+"""Builds and loads the CPU paged-decode op (paged_decode.cpp), once per machine.
 
 `torch.utils.cpp_extension.load` compiles it with the host's compiler (g++, ninja) on
 first use and caches the library under `TORCH_EXTENSIONS_DIR` (default
@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCE = Path(__file__).parent / "paged_decode.cpp"
 # The cache folder's name: a change of source or flags rebuilds it (torch hashes both).
 EXTENSION_NAME = "tandem_cpu_paged_decode"
 # -ffast-math lets the compiler vectorize the reductions and exp; -fopenmp-simd honours
