@@ -3,6 +3,7 @@
     tandem-bench engine [--quick] [--out docs/benchmarks.md]      # engine vs floor, roofline, HF
     tandem-bench engine --penalties [--quick]                     # cost of sampling penalties
     tandem-bench engine --step-profile [--quick] [--dtype D]      # a decode step's time by part
+    tandem-bench engine --attention [--quick]                     # CPU decode attention backends
     tandem-bench kv-transfer [--model DIR]                        # KV transfer vs raw TCP
     tandem-bench topology [--quick] [--variants split ...]        # make serve vs transformers
     tandem-bench gpu-check [--dry-run]                            # one prepared GPU run
@@ -71,6 +72,8 @@ OPTIONS: dict[str, list[Option]] = {
         (("--step-profile",), {"action": "store_true",
                                "help": "only where a decode step's time goes (CPU time by "
                                "part, top ops) next to its matmul floor; prints, writes no doc"}),
+        (("--attention",), {"action": "store_true",
+                            "help": "only CPU decode attention per layer: cpu vs torch backend"}),
     ],
     "kv-transfer": [
         _model("models/tandem-small"), _OUT,

@@ -110,8 +110,9 @@ def add_attention_backend_flag(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument(
         "--attention-backend", choices=[b.value for b in AttentionBackendName], default="auto",
-        help="attention kernels: triton (CUDA; CPU only under TRITON_INTERPRET=1) or the torch "
-        "reference [auto: triton on cuda, torch on cpu]",
+        help="attention kernels: triton (CUDA; CPU only under TRITON_INTERPRET=1), cpu (a C++ "
+        "paged decode op, built once per machine) or the torch reference [auto: triton on "
+        "cuda, cpu on cpu where its op builds]",
     )  # fmt: skip
 
 

@@ -154,6 +154,10 @@ def main(args: argparse.Namespace) -> int:
         from tandem.bench.engine import penalties
 
         return penalties.main(args)
+    if getattr(args, "attention", False):
+        from tandem.bench.engine import attention
+
+        return attention.main(args)
     if getattr(args, "step_profile", False):
         from tandem.bench.engine import step_profile
 

@@ -1,9 +1,12 @@
-"""Which attention backend an engine runs: `auto`, `torch` or `triton`, checked at start-up.
+"""Which attention backend an engine runs (`auto`, `torch`, `triton`, `cpu`), checked at start-up.
 
-`auto` is Triton on CUDA and the torch backend on CPU (its SDPA path is the faster one
-there). Asking for a backend that cannot run here is a ValueError naming why, never a
-silent fallback: Triton must import, and on CPU it runs only under its interpreter
-(`TRITON_INTERPRET=1`, read when the kernels are imported: set it before start-up).
+`auto` is Triton on CUDA and, on CPU, the `cpu` backend (decodes through a C++ op that
+reads the paged cache in place; built once per machine) where that op builds, else the
+torch backend (gathered blocks + SDPA) with a warning saying why. Asking for a backend
+that cannot run here is a ValueError naming why, never a silent fallback: Triton must
+import, and on CPU it runs only under its interpreter (`TRITON_INTERPRET=1`, read when
+the kernels are imported: set it before start-up); `cpu` runs on device cpu only, where
+its op builds (g++ and ninja).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 from typing import Any
 
 from tandem.engine.attention.backend import AttentionBackend
+from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionBackend
+from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -23,6 +28,7 @@ class AttentionBackendName(enum.StrEnum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    CPU = "cpu"
 
 
 def triton_import_error() -> str | None:
@@ -49,6 +55,12 @@ def resolve_attention_backend(name: str, device: str) -> AttentionBackendName:
     on_cpu = device == "cpu"
     if chosen is AttentionBackendName.AUTO:
         if on_cpu:
+            error = cpu_paged_op_error()
+            if error is None:
+                return AttentionBackendName.CPU
+            logger.warning(
+                "attention backend auto: the cpu op does not build (%s); using torch", error
+            )
             return AttentionBackendName.TORCH
         error = triton_import_error()
         if error is None:
@@ -65,6 +77,12 @@ def resolve_attention_backend(name: str, device: str) -> AttentionBackendName:
                 "(set TRITON_INTERPRET=1 before start-up; slow, for tests); "
                 "use 'torch' or 'auto' to serve on CPU"
             )
+    if chosen is AttentionBackendName.CPU:
+        if not on_cpu:
+            raise ValueError(f"attention_backend cpu runs on device cpu only, not {device}")
+        error = cpu_paged_op_error()
+        if error is not None:
+            raise ValueError(f"attention_backend cpu: its C++ op does not build here ({error})")
     return chosen
 
 
@@ -76,4 +94,6 @@ def get_attention_backend(name: str, scale: float, device: str = "cpu") -> Atten
         from tandem.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(scale)
+    if resolved is AttentionBackendName.CPU:
+        return CpuPagedAttentionBackend(scale)
     return TorchAttentionBackend(scale)

@@ -9,7 +9,7 @@ import pytest
 
 from tandem.cluster.cli import main
 from tandem.engine.attention import AttentionBackendName, resolve_attention_backend
-from tandem.engine.attention.torch_backend import TorchAttentionBackend
+from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionBackend
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import Engine
 
@@ -19,13 +19,14 @@ def no_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
-def test_auto_is_torch_on_cpu_and_torch_is_torch(no_interpreter) -> None:
-    assert resolve_attention_backend("auto", "cpu") is AttentionBackendName.TORCH
+def test_auto_is_cpu_on_cpu_and_torch_is_torch(no_interpreter) -> None:
+    assert resolve_attention_backend("auto", "cpu") is AttentionBackendName.CPU
     assert resolve_attention_backend("torch", "cpu") is AttentionBackendName.TORCH
 
 
 def test_unknown_backend_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
+    choices = "auto, torch, triton, cpu"
+    with pytest.raises(ValueError, match=f"attention_backend must be one of {choices}"):
         resolve_attention_backend("flash", "cpu")
 
 
@@ -52,9 +53,9 @@ def test_engine_config_refuses_at_construction(tiny_model_dir, no_interpreter) -
         EngineConfig(model=str(tiny_model_dir), attention_backend="sdpa")
     config = EngineConfig(model=str(tiny_model_dir), max_model_len=64, num_blocks=8)
     assert config.attention_backend == "auto"
-    assert config.resolved_attention_backend == "torch"
+    assert config.resolved_attention_backend == "cpu"
     engine = Engine(config)
-    assert isinstance(engine.runner.attention_backend, TorchAttentionBackend)
+    assert isinstance(engine.runner.attention_backend, CpuPagedAttentionBackend)
 
 
 def test_triton_interpreter_refuses_bfloat16(tiny_model_dir, monkeypatch) -> None:

@@ -57,9 +57,14 @@ def expected(tiny_model_dir: Path, prompts) -> list[list[int]]:
     return hf_greedy(tiny_model_dir, prompts, MAX_NEW_TOKENS)
 
 
-def test_chunked_prefill_matches_transformers(tiny_model_dir, prompts, expected):
+# `auto` is the cpu backend on CPU (where its op builds): the other tests run it too.
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_chunked_prefill_matches_transformers(tiny_model_dir, prompts, expected, backend):
     assert max(PROMPT_LENS) > 128
-    engine, outputs = run_engine(tiny_model_dir, prompts, max_num_batched_tokens=128)
+    engine, outputs = run_engine(
+        tiny_model_dir, prompts, max_num_batched_tokens=128, attention_backend=backend
+    )
+    assert engine.config.resolved_attention_backend == backend
     assert_token_equal(outputs, expected)
     assert_idle(engine)
 

@@ -12,7 +12,7 @@ from tandem.engine.attention.torch_backend import (
     TorchAttentionBackend,
     group_decodes,
 )
-from tests.helpers.paged_batch import PagedBatch, make_paged_batch
+from tests.helpers.paged_batch import make_paged_batch, reference_attention
 
 # (query lens, seq lens, q heads, kv heads, head dim, block size): decodes first.
 CASES = {
@@ -23,25 +23,6 @@ CASES = {
     "mixed-prefix-hits": ([1, 1, 37, 5, 16], [45, 3, 100, 21, 16], 4, 2, 64, 16),
     "prefill-fresh": ([20, 7], [20, 7], 6, 2, 32, 4),
 }
-
-
-def reference(case: PagedBatch, cache: torch.Tensor) -> torch.Tensor:
-    """Each sequence's queries over its keys in position order, causal, in float64."""
-    batch = case.batch
-    num_heads, head_dim = case.query.shape[1:]
-    group = num_heads // case.key.shape[1]
-    out = torch.empty(case.query.shape, dtype=torch.float64)
-    for i, table in enumerate(batch.block_tables):
-        start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-        seq_len = batch.seq_lens[i]
-        k, v = (cache[j][table].flatten(0, 1)[:seq_len].double() for j in (0, 1))
-        k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
-        q = case.query[start:end].double().transpose(0, 1)
-        scores = q @ k.transpose(1, 2) * head_dim**-0.5
-        positions = torch.arange(seq_len - (end - start), seq_len)
-        scores[:, torch.arange(seq_len)[None, :] > positions[:, None]] = float("-inf")
-        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
-    return out.view(out.shape[0], -1)
 
 
 @pytest.mark.parametrize("case_id", CASES)
@@ -55,7 +36,7 @@ def test_backend_matches_attention_written_out(case_id: str) -> None:
     heads, dim = case.key.shape[1:]
     assert torch.equal(cache[0].view(-1, heads, dim)[slots], case.key)
     assert torch.equal(cache[1].view(-1, heads, dim)[slots], case.value)
-    torch.testing.assert_close(out, reference(case, cache).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, reference_attention(case, cache).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_three_decode_groups_are_built_once_per_step() -> None:

@@ -56,3 +56,22 @@ def make_paged_batch(
     qkv = torch.randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
     query, key, value = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=1)
     return PagedBatch(batch, query, key, value, torch.randn(shape, generator=gen))
+
+
+def reference_attention(case: PagedBatch, cache: torch.Tensor) -> torch.Tensor:
+    """Each sequence's queries over its keys in position order, causal, in float64."""
+    batch = case.batch
+    num_heads, head_dim = case.query.shape[1:]
+    group = num_heads // case.key.shape[1]
+    out = torch.empty(case.query.shape, dtype=torch.float64)
+    for i, table in enumerate(batch.block_tables):
+        start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+        seq_len = batch.seq_lens[i]
+        k, v = (cache[j][table].flatten(0, 1)[:seq_len].double() for j in (0, 1))
+        k, v = (t.repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
+        q = case.query[start:end].double().transpose(0, 1)
+        scores = q @ k.transpose(1, 2) * head_dim**-0.5
+        positions = torch.arange(seq_len - (end - start), seq_len)
+        scores[:, torch.arange(seq_len)[None, :] > positions[:, None]] = float("-inf")
+        out[start:end] = (scores.softmax(-1) @ v).transpose(0, 1)
+    return out.view(out.shape[0], -1)

@@ -1,0 +1,81 @@
+"""The CPU backend: decodes read the paged cache in place through a C++ op.
+
+Per layer, one call of `torch.ops.tandem_cpu.paged_decode` (cpu_paged_op.py) covers all
+decodes: each (sequence, KV head) task walks its block table, scoring the KV head's query
+heads against each key and summing values, over exactly its own length; no per-layer
+gather into a padded buffer, no mask. Writing K/V and prefill chunks reuse the torch
+backend's path (SDPA). Float32, bfloat16 and float16 caches; sums in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error, paged_decode
+from tandem.engine.attention.metadata import BatchLayout
+from tandem.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+
+
+@dataclass
+class CpuPagedAttentionMetadata(TorchAttentionMetadata):
+    # [num_decodes, max_num_blocks] int32, padded with block 0 (never read past a length).
+    decode_block_tables: torch.Tensor
+    # [num_decodes] int32: context length of each decode, this step's token included.
+    decode_seq_lens: torch.Tensor
+
+
+class CpuPagedAttentionBackend(TorchAttentionBackend):
+    """Decodes through the paged C++ op, prefills through the torch backend."""
+
+    name: ClassVar[str] = "cpu"
+
+    def __init__(self, scale: float) -> None:
+        super().__init__(scale)
+        # Loads the op (building it first where this machine has no cached build).
+        error = cpu_paged_op_error()
+        if error is not None:
+            raise RuntimeError(f"the cpu attention backend's op does not build here: {error}")
+
+    def build_metadata(self, batch: BatchLayout) -> CpuPagedAttentionMetadata:
+        base = super().build_metadata(batch)
+        num_decodes = batch.num_decodes
+        decodes = batch.block_tables[:num_decodes]
+        width = max((len(t) for t in decodes), default=0)
+        tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in decodes], dtype=torch.int32
+        ).view(num_decodes, width)
+        return CpuPagedAttentionMetadata(
+            slot_mapping=base.slot_mapping,
+            num_decodes=num_decodes,
+            # The decode groups are the torch backend's gather plan: not needed here.
+            decode_groups=[],
+            prefills=base.prefills,
+            decode_block_tables=tables,
+            decode_seq_lens=torch.tensor(batch.seq_lens[:num_decodes], dtype=torch.int32),
+        )
+
+    def forward(  # type: ignore[override]
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: CpuPagedAttentionMetadata,
+    ) -> torch.Tensor:
+        # Writes K/V and attends the prefill chunks; decode rows are left to the op.
+        out = super().forward(query, key, value, kv_cache, meta)
+        num_decodes = meta.num_decodes
+        if num_decodes:
+            rows = out.view(query.shape)[:num_decodes]
+            paged_decode(
+                query[:num_decodes],
+                kv_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                rows,
+            )
+        return out

@@ -1,0 +1,91 @@
+"""The `cpu` backend (paged decode through the C++ op, prefills through SDPA) against
+attention written out per sequence in float64: ragged decodes, block sizes 1 to 64, GQA
+ratios 1 to 8, long contexts, mixed batches with prefix hits, bfloat16 and float16
+caches; and how the selector offers it. The op is built (or loaded from the machine's
+cache) once per test session, by the first test that needs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.attention import (
+    AttentionBackendName,
+    cpu_paged_backend,
+    resolve_attention_backend,
+    selector,
+)
+from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionBackend
+from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error, paged_decode
+from tests.helpers.paged_batch import make_paged_batch, reference_attention
+
+# (query lens, seq lens, q heads, kv heads, head dim, block size): decodes first.
+CASES = {
+    "decodes-ragged-gqa3-bs16": ([1] * 6, [150, 131, 140, 17, 16, 1], 12, 4, 64, 16),
+    "decodes-long-gqa2-bs32": ([1, 1, 1], [3000, 1025, 2], 4, 2, 32, 32),
+    "decodes-mqa-bs8": ([1, 1, 1, 1], [9, 400, 64, 390], 8, 1, 32, 8),
+    "decodes-mha-bs64": ([1, 1], [31, 100], 2, 2, 64, 64),
+    "decodes-gqa8-bs1": ([1, 1, 1], [5, 1, 33], 16, 2, 16, 1),
+    "mixed-prefix-hits": ([1, 1, 37, 5, 16], [45, 3, 100, 21, 16], 4, 2, 64, 16),
+    "prefill-only": ([20, 7], [20, 7], 6, 2, 32, 4),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_op() -> None:
+    error = cpu_paged_op_error()
+    assert error is None, f"the cpu paged-decode op must build on CPU test machines: {error}"
+
+
+def run_backend(case_id: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    case = make_paged_batch(*CASES[case_id])
+    query, key, value = (t.to(dtype) for t in (case.query, case.key, case.value))
+    cache = case.kv_cache.to(dtype)
+    backend = CpuPagedAttentionBackend(case.query.shape[-1] ** -0.5)
+    out = backend.forward(query, key, value, cache, backend.build_metadata(case.batch))
+    slots = case.batch.slot_mapping
+    heads, dim = case.key.shape[1:]
+    assert torch.equal(cache[0].view(-1, heads, dim)[slots], key)
+    assert torch.equal(cache[1].view(-1, heads, dim)[slots], value)
+    case.query = query.float()
+    return out, reference_attention(case, cache.float())
+
+
+@pytest.mark.parametrize("case_id", CASES)
+def test_backend_matches_attention_written_out(case_id: str) -> None:
+    out, expected = run_backend(case_id, torch.float32)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches(dtype: torch.dtype) -> None:
+    out, expected = run_backend("decodes-ragged-gqa3-bs16", dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_op_refuses_wrong_index_dtype() -> None:
+    query = torch.randn(1, 2, 8)
+    cache = torch.randn(2, 2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="int32"):
+        paged_decode(query, cache, torch.zeros(1, 1, dtype=torch.int64),
+                     torch.ones(1, dtype=torch.int32), 1.0, torch.empty_like(query))  # fmt: skip
+
+
+def test_auto_picks_cpu_on_cpu_and_cpu_refuses_other_devices() -> None:
+    assert resolve_attention_backend("auto", "cpu") is AttentionBackendName.CPU
+    assert resolve_attention_backend("cpu", "cpu") is AttentionBackendName.CPU
+    with pytest.raises(ValueError, match="device cpu only, not cuda"):
+        resolve_attention_backend("cpu", "cuda")
+
+
+def test_op_that_does_not_build_is_an_error_and_auto_says_so(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(selector, "cpu_paged_op_error", lambda: "RuntimeError: no g++")
+    with pytest.raises(ValueError, match=r"cpu: its C\+\+ op does not build here .*no g\+\+"):
+        resolve_attention_backend("cpu", "cpu")
+    assert resolve_attention_backend("auto", "cpu") is AttentionBackendName.TORCH
+    assert "no g++" in caplog.text
+    monkeypatch.setattr(cpu_paged_backend, "cpu_paged_op_error", lambda: "RuntimeError: no g++")
+    with pytest.raises(RuntimeError, match="op does not build here: RuntimeError: no g\\+\\+"):
+        CpuPagedAttentionBackend(1.0)
