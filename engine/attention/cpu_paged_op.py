@@ -10,9 +10,12 @@ cached build in well under a second. It runs on torch's own thread pool
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import logging
 import os
+import platform
 import shutil
 import time
 from pathlib import Path
@@ -23,7 +26,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "paged_decode.cpp"
 # The cache folder's name: a change of source or flags rebuilds it (torch hashes both).
-EXTENSION_NAME = "tandem_cpu_paged_decode"
+# `-march=native` makes a build fit only CPUs with this one's instruction sets, so the
+# name carries them too: a home directory shared by different CPUs keeps one build each.
+EXTENSION_BASE_NAME = "tandem_cpu_paged_decode"
 # -ffast-math lets the compiler vectorize the reductions and exp; -fopenmp-simd honours
 # the loops' `omp simd` hints without linking an OpenMP runtime.
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
@@ -42,7 +47,7 @@ def cpu_paged_op_error() -> str | None:
     try:
         _put_ninja_on_path()
         cpp_extension.load(
-            name=EXTENSION_NAME,
+            name=f"{EXTENSION_BASE_NAME}_{cpu_fingerprint()}",
             sources=[str(SOURCE)],
             extra_cflags=CFLAGS,
             is_python_module=False,
@@ -53,6 +58,18 @@ def cpu_paged_op_error() -> str | None:
         return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
     logger.info("cpu paged-decode op loaded in %.1fs", time.perf_counter() - started)
     return None
+
+
+def cpu_fingerprint() -> str:
+    """8 hex digits naming this CPU's architecture and instruction-set flags."""
+    flags = ""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = " ".join(sorted(line.split(":", 1)[1].split()))
+                break
+    key = f"{platform.machine()} {flags}"
+    return hashlib.sha1(key.encode()).hexdigest()[:8]
 
 
 def _put_ninja_on_path() -> None:
