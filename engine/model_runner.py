@@ -79,8 +79,9 @@ class ModelRunner:
         )
         input_ids, positions, batch = self._prepare(chunks)
         hidden = self._forward(input_ids, positions, batch)
-        starts = torch.tensor(batch.query_start_loc)
-        record_prompt_logprobs(self.model, hidden, chunks, starts)
+        if any(c.request.params.prompt_logprobs for c in chunks):
+            starts = torch.tensor(batch.query_start_loc)
+            record_prompt_logprobs(self.model, hidden, chunks, starts)
         sampling = [c for c in chunks if c.samples]
         if not sampling:
             return {}
@@ -137,21 +138,28 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         num_decodes = 0
+        block_ids = self.kv.block_ids
         for chunk in chunks:
             req = chunk.request
             start = req.num_computed_tokens
-            end = start + chunk.num_new_tokens
-            blocks = self.kv.block_ids[req.req_id]
-            token_ids += req.token_ids(start, end)
-            new_positions = range(start, end)
-            positions += new_positions
-            slots += [
-                blocks[p // block_size] * block_size + p % block_size for p in new_positions
-            ]
-            starts.append(starts[-1] + chunk.num_new_tokens)
+            num_new = chunk.num_new_tokens
+            end = start + num_new
+            blocks = block_ids[req.req_id]
+            if num_new == 1:  # a decode: no ranges or list slices to build
+                token_ids.append(req.token_id(start))
+                positions.append(start)
+                slots.append(blocks[start // block_size] * block_size + start % block_size)
+                num_decodes += 1
+            else:
+                token_ids += req.token_ids(start, end)
+                new_positions = range(start, end)
+                positions += new_positions
+                slots += [
+                    blocks[p // block_size] * block_size + p % block_size for p in new_positions
+                ]
+            starts.append(starts[-1] + num_new)
             seq_lens.append(end)
             tables.append(blocks)
-            num_decodes += chunk.num_new_tokens == 1
         batch = BatchLayout(
             query_start_loc=starts,
             seq_lens=seq_lens,

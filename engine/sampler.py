@@ -8,6 +8,10 @@ vocabulary), in vLLM's order. Greedy rows are then a plain argmax so outputs mat
 Hugging Face greedy generation; sampled rows go through temperature, top-k and top-p,
 then an exponential race drawn from the row's generator, so a seeded request gets the
 same token whatever else shares the batch.
+
+Each step pays only for what its rows ask for: an all-greedy batch takes one max
+reduction (no argmax over rows that sample anyway), and the chosen token's logprob (a
+logsumexp over the vocabulary) is computed only for rows whose params ask for logprobs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import torch
 from tandem.engine.penalties import TokenHistory, apply_logit_bias, apply_penalties
 from tandem.engine.sampling_params import SamplingParams
 
+# The logprob reported for a row whose params do not ask for logprobs.
+NOT_COMPUTED = float("nan")
+
 
 @dataclass
 class SamplerOutput:
@@ -28,7 +35,8 @@ class SamplerOutput:
     # The chosen next token of each sequence.
     token_ids: list[int]
     # log_softmax of the logits as given at the chosen token (before logit_bias,
-    # penalties, temperature, top-k and top-p), as vLLM reports by default.
+    # penalties, temperature, top-k and top-p), as vLLM reports by default; NaN for rows
+    # whose params do not ask for logprobs (not computed).
     logprobs: list[float]
 
 
@@ -72,17 +80,22 @@ class Sampler:
             if histories is None or len(histories) != num_seqs:
                 raise ValueError("rows with penalties need one token history per row")
             logits = apply_penalties(logits, params, histories, penalised)
-        token_ids = logits.argmax(dim=-1)
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
-        if sample_rows:
+        if not sample_rows:
+            # `max` picks the first maximum as `argmax` does, in one cheaper pass.
+            token_ids = logits.max(dim=-1).indices
+        elif len(sample_rows) == num_seqs:
+            token_ids = self._sample_rows(logits, params, generators)
+        else:
             rows = torch.tensor(sample_rows, device=logits.device)
             sampled = self._sample_rows(
                 logits[rows], [params[i] for i in sample_rows], [generators[i] for i in sample_rows]
             )
+            token_ids = logits.argmax(dim=-1)
             token_ids[rows] = sampled
-        chosen_logits = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        logprobs = chosen_logits - torch.logsumexp(raw, dim=-1)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs.tolist())
+        return SamplerOutput(
+            token_ids=token_ids.tolist(), logprobs=_chosen_logprobs(raw, token_ids, params)
+        )
 
     def _sample_rows(
         self,
@@ -99,6 +112,27 @@ class Sampler:
             logits = _apply_top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
         return probs.div_(_exponential_noise(probs, generators)).argmax(dim=-1)
+
+
+def _chosen_logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
+) -> list[float]:
+    """log_softmax(raw) at each row's chosen token for the rows that ask for logprobs;
+    NaN for the others."""
+    wanted = [i for i, p in enumerate(params) if p.logprobs]
+    if not wanted:
+        return [NOT_COMPUTED] * len(params)
+    if len(wanted) != len(params):
+        rows = torch.tensor(wanted, device=raw.device)
+        raw, token_ids = raw[rows], token_ids[rows]
+    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    values = (chosen - torch.logsumexp(raw, dim=-1)).tolist()
+    if len(wanted) == len(params):
+        return values
+    logprobs = [NOT_COMPUTED] * len(params)
+    for row, value in zip(wanted, values, strict=True):
+        logprobs[row] = value
+    return logprobs
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -42,7 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # EOS and stop_token_ids may not end generation before this many tokens are generated.
     min_tokens: int = 0
-    # Whether the caller wants the chosen token's logprob reported (always computed).
+    # Whether the caller wants the chosen token's logprob reported (only then computed).
     logprobs: bool = False
     # Leave special tokens (BOS, EOS, ...) out of the detokenized text.
     skip_special_tokens: bool = True

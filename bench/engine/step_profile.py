@@ -4,8 +4,9 @@ For decode batches of 1, 8 and 32 (1 and 8 with `--quick`) it times, in one torc
 and in thread CPU time (what this thread ran, not what other processes took from it),
 the whole `Engine.step()` and its parts: scheduling, input preparation, attention
 metadata, the model forward, sampling, request updates and detokenizing; and, in
-alternation with the steps, the bare matmul floor (`measure.matmul_floor_timer`). The
-minimum over the runs stands for the cost on a quiet machine. Then a few steps under
+alternation with the steps, the bare matmul floor (`measure.matmul_floor_timer`); the
+step less its floor is the cost beyond the matmuls. The minimum over the runs stands for
+the cost on a quiet machine. Then a few steps under
 `torch.profiler`: op calls per step and the ops with the largest self time. Prints only;
 the published table is `tandem-bench engine`'s.
 """
@@ -92,7 +93,8 @@ def profile_batch(engine: Engine, timer: PartTimer, batch_size: int) -> str:
     events = prof.key_averages()
     calls = sum(e.count for e in events) / NUM_PROFILE_STEPS
     lines = [
-        f"decode b{batch_size}: step/floor {best['step'] / best['floor']:.3f} "
+        f"decode b{batch_size}: step/floor {best['step'] / best['floor']:.3f}, "
+        f"{(best['step'] - best['floor']) / 1e6:.2f} ms beyond the matmuls "
         f"(min thread CPU ms: {parts}); {calls:.0f} op calls per step; top self times:"
     ]
     ranked = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:NUM_TOP_OPS]

@@ -26,12 +26,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        # The CPU path's divisor and eps as float32 0-dim tensors on the host (plain
+        # attributes: `.to()` neither moves nor casts them). A Python number costs each
+        # op a conversion to a tensor: four more dispatches, a copy among them.
+        self._cpu_size = torch.tensor(float(hidden_size), device="cpu")
+        self._cpu_eps = torch.tensor(eps, dtype=torch.float32, device="cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * h.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        h = x if x.dtype == torch.float32 else x.float()
+        if h.device.type == "cpu":
+            # mean(-1) as torch computes it (a sum, then a division), the same bits.
+            variance = h.pow(2).sum(-1, keepdim=True).div_(self._cpu_size)
+            variance = variance.add_(self._cpu_eps)
+        else:
+            variance = h.pow(2).mean(-1, keepdim=True).add_(self.eps)
+        h = h * variance.rsqrt_()
         # weight * h as transformers writes it (the product commutes exactly).
-        return h.to(x.dtype).mul_(self.weight)
+        return (h if x.dtype == torch.float32 else h.to(x.dtype)).mul_(self.weight)
 
 
 class Attention(nn.Module):

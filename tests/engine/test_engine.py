@@ -176,7 +176,9 @@ def test_stop_token_ids_and_min_tokens(tiny_model_dir):
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     prompts = make_prompts(2048, (10, 50, 90), seed=6)
-    seeded = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+    seeded = SamplingParams(
+        max_tokens=12, temperature=0.8, top_p=0.9, top_k=50, seed=1234, logprobs=True
+    )
     other = SamplingParams(max_tokens=12, temperature=1.0)
     [alone] = generate(engine, prompts[:1], seeded, "alone")
     batch = generate(engine, prompts, [seeded, other, other], "batch")

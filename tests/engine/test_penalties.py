@@ -41,6 +41,7 @@ def reference(logits: torch.Tensor, params: SamplingParams, history: History) ->
 def random_case(rng: random.Random) -> tuple[SamplingParams, History]:
     params = SamplingParams(
         temperature=0.0,
+        logprobs=True,
         presence_penalty=rng.choice([0.0, rng.uniform(-2, 2)]),
         frequency_penalty=rng.choice([0.0, rng.uniform(-2, 2)]),
         repetition_penalty=rng.choice([1.0, rng.uniform(0.5, 2.0)]),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -50,17 +52,45 @@ def test_tiny_top_p_is_greedy() -> None:
 def test_logprob_is_log_softmax_of_raw_logits() -> None:
     logits = random_logits(6, seed=3)
     params = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.5),
-        SamplingParams(temperature=2.0, top_k=3),
-        SamplingParams(temperature=1.0, top_p=0.5),
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=3.0),
+        SamplingParams(temperature=0.0, logprobs=True),
+        SamplingParams(temperature=0.5, logprobs=True),
+        SamplingParams(temperature=2.0, top_k=3, logprobs=True),
+        SamplingParams(temperature=1.0, top_p=0.5, logprobs=True),
+        SamplingParams(temperature=0.0, logprobs=True),
+        SamplingParams(temperature=3.0, logprobs=True),
     ]
     out = Sampler().sample(logits, params, [make_generator(i) for i in range(6)])
     expected = torch.log_softmax(logits, dim=-1)
     for row, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         assert logprob == pytest.approx(expected[row, token_id].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_logprobs_only_for_rows_that_ask(greedy: bool) -> None:
+    logits = random_logits(6, seed=4)
+    params = [
+        SamplingParams(temperature=0.0 if greedy else 1.0, logprobs=i % 3 == 0) for i in range(6)
+    ]
+    out = Sampler().sample(logits, params, [make_generator(i) for i in range(6)])
+    expected = torch.log_softmax(logits, dim=-1)
+    for row, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        if row % 3 == 0:
+            assert logprob == pytest.approx(expected[row, token_id].item(), abs=1e-5)
+        else:
+            assert math.isnan(logprob)
+
+
+@pytest.mark.parametrize("vocab_size", [64, 32000, 128256])
+def test_greedy_ties_pick_the_first_maximum(vocab_size: int) -> None:
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randint(-2, 2, (16, vocab_size), generator=generator).float()
+    logits[0] = float("-inf")
+    logits[1] = 0.0
+    logits[2, vocab_size // 2 :] = 5.0
+    params = [SamplingParams(temperature=0.0)] * 16
+    out = Sampler().sample(logits, params, [None] * 16)
+    assert out.token_ids == torch.argmax(logits, dim=-1).tolist()
+    assert out.token_ids[1] == 0 and out.token_ids[2] == vocab_size // 2
 
 
 def _draw_sequence(seed: int, other_rows: int, position: int, num_steps: int) -> list[int]:
