@@ -16,7 +16,11 @@ import torch
 
 from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error, paged_decode
 from tandem.engine.attention.metadata import BatchLayout
-from tandem.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from tandem.engine.attention.torch_backend import (
+    TorchAttentionBackend,
+    TorchAttentionMetadata,
+    prefill_spans,
+)
 
 
 @dataclass
@@ -40,20 +44,15 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             raise RuntimeError(f"the cpu attention backend's op does not build here: {error}")
 
     def build_metadata(self, batch: BatchLayout) -> CpuPagedAttentionMetadata:
-        base = super().build_metadata(batch)
         num_decodes = batch.num_decodes
-        decodes = batch.block_tables[:num_decodes]
-        width = max((len(t) for t in decodes), default=0)
-        tables = torch.tensor(
-            [t + [0] * (width - len(t)) for t in decodes], dtype=torch.int32
-        ).view(num_decodes, width)
+        block_tables = batch.padded_block_tables()
         return CpuPagedAttentionMetadata(
-            slot_mapping=base.slot_mapping,
+            slot_mapping=batch.slot_mapping,
             num_decodes=num_decodes,
-            # The decode groups are the torch backend's gather plan: not needed here.
+            # The torch backend's gather plan for decodes: the op needs none.
             decode_groups=[],
-            prefills=base.prefills,
-            decode_block_tables=tables,
+            prefills=prefill_spans(batch, block_tables),
+            decode_block_tables=block_tables[:num_decodes].to(torch.int32),
             decode_seq_lens=torch.tensor(batch.seq_lens[:num_decodes], dtype=torch.int32),
         )
 

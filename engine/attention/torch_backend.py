@@ -80,18 +80,6 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
     def build_metadata(self, batch: BatchLayout) -> TorchAttentionMetadata:
         num_decodes = batch.num_decodes
         block_tables = batch.padded_block_tables().to(batch.device)
-        prefills = []
-        for i in range(num_decodes, batch.num_seqs):
-            num_blocks = -(-batch.seq_lens[i] // batch.block_size)
-            span = _prefill_span(
-                batch.query_start_loc[i],
-                batch.seq_lens[i],
-                batch.query_len(i),
-                block_tables[i, :num_blocks],
-            )
-            if span.mask is not None:
-                span.mask = span.mask.to(batch.device)
-            prefills.append(span)
         groups = [
             _decode_group(start, end, batch, block_tables)
             for start, end in group_decodes(batch.seq_lens[:num_decodes])
@@ -100,7 +88,7 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
             slot_mapping=batch.slot_mapping,
             num_decodes=num_decodes,
             decode_groups=groups,
-            prefills=prefills,
+            prefills=prefill_spans(batch, block_tables),
         )
 
     def forward(
@@ -170,6 +158,24 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
             buf = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
             self._buffer = buf
         return buf[:numel].view(2, -1, block_numel)
+
+
+def prefill_spans(batch: BatchLayout, block_tables: torch.Tensor) -> list[PrefillSpan]:
+    """One span per prefill chunk of `batch`; `block_tables` is its padded int64 table
+    on the batch's device."""
+    spans = []
+    for i in range(batch.num_decodes, batch.num_seqs):
+        num_blocks = -(-batch.seq_lens[i] // batch.block_size)
+        span = _prefill_span(
+            batch.query_start_loc[i],
+            batch.seq_lens[i],
+            batch.query_len(i),
+            block_tables[i, :num_blocks],
+        )
+        if span.mask is not None:
+            span.mask = span.mask.to(batch.device)
+        spans.append(span)
+    return spans
 
 
 def group_decodes(seq_lens: list[int]) -> list[tuple[int, int]]:
