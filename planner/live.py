@@ -1,8 +1,10 @@
 """The live planner: runs beside a serving router and recommends (or applies) the split.
 
-Every `interval_s` it reads the traffic the router saw since the last time
-(`observe`), takes the router's online-corrected latency models (mean per role), and
-searches every split of the budget in a separate process (`live_plan`). It publishes
+Every `interval_s` it reads the traffic the router saw over the last
+`window_intervals` intervals (`observe`, `live_inputs`), takes the router's
+online-corrected latency models (mean per role, averaged over the same window), and
+searches every split of the budget in a separate process (`live_plan`); the current
+split stays recommended unless another beats its predicted goodput by `min_gain`. It publishes
 `tandem:planner_recommended_workers{role}`, `tandem:planner_predicted_goodput` and
 `tandem:planner_observed_goodput` on the router's `/metrics`, and the recommendation
 with its reason under `"planner"` in `/admin/pools` (so `tandem pools` shows it). In
@@ -24,8 +26,9 @@ from typing import Any
 from tandem.engine.config import EngineConfig
 from tandem.planner.hysteresis import ResizeGate, Split
 from tandem.planner.live_config import PlannerConfig, PlannerMode
+from tandem.planner.live_inputs import InputWindow, waiting_for_traffic
 from tandem.planner.live_plan import LivePlanInput, LivePlanResult, compute_plan, warm_up
-from tandem.planner.observe import Counters, ObservedLoad, load_between, read_counters
+from tandem.planner.observe import Counters, ObservedLoad, read_counters
 from tandem.planner.profile_format import EngineLimits
 from tandem.planner.profile_model import LatencyLaws
 from tandem.planner.simulator import SloTargets
@@ -99,8 +102,7 @@ class LivePlanner:
         self.last_action = "none yet"
         self.num_changes = 0
         self.num_plans = 0
-        self._counters: Counters | None = None
-        self._counted_at = 0.0
+        self._inputs: InputWindow | None = None
         self._task: asyncio.Task | None = None
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
 
@@ -144,18 +146,17 @@ class LivePlanner:
     async def run_once(self) -> None:
         """Observe the last interval, plan, publish, and (auto) maybe resize."""
         now = time.monotonic()
-        before, after = self._counters, self._read_counters()
-        assert before is not None
-        load = load_between(before, after, max(1e-6, now - self._counted_at))
-        self._counters, self._counted_at = after, now
+        assert self._inputs is not None
+        load = self._inputs.observe(now, self._read_counters())
         self.last_load = load
         metrics = self.router.metrics
         metrics.planner_observed_goodput.set(load.goodput_rps)
         if self.budget is not None and self.budget < 2:
             self.last_action = f"a budget of {self.budget} worker cannot split (--max-workers >= 2)"
             return
-        if load.num_requests < self.config.min_requests:
-            self.last_action = f"waiting for traffic ({load.num_requests} requests last interval)"
+        waiting = waiting_for_traffic(load, self.config.min_requests)
+        if waiting is not None:
+            self.last_action = waiting
             return
         membership = await self._pools()
         split, at_target = current_split(membership)
@@ -187,7 +188,9 @@ class LivePlanner:
         runtime = self.router.policy_runtime
         assert runtime is not None and self._executor is not None and self.budget is not None
         policy = self._policy()
-        laws = laws_from_router(self._workers(), policy.selector.config.kv_transfer_s_per_token)
+        assert self._inputs is not None
+        latest = laws_from_router(self._workers(), policy.selector.config.kv_transfer_s_per_token)
+        laws = self._inputs.laws(latest)
         self.last_laws = laws
         slo = runtime.slo.resolve()
         targets = SloTargets(slo.ttft_s or INTERACTIVE.slo.ttft_s or 1.0,
@@ -195,6 +198,7 @@ class LivePlanner:
         given = LivePlanInput(
             laws, self.limits, self.budget, targets, load, split,
             policy.selector.config.max_local_prefill_tokens, self.config.num_sim_requests,
+            keep_margin=self.config.min_gain,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._executor, compute_plan, given)
@@ -229,7 +233,9 @@ class LivePlanner:
         return read_counters(self.router.metrics.registry, cached)
 
     def _reset_counters(self) -> None:
-        self._counters, self._counted_at = self._read_counters(), time.monotonic()
+        self._inputs = InputWindow(
+            self.config.window_intervals, time.monotonic(), self._read_counters()
+        )
 
     def view(self) -> dict[str, Any]:
         """The `"planner"` key of `/admin/pools`."""

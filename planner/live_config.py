@@ -27,12 +27,15 @@ class PlannerConfig:
     # Hysteresis of `auto`: at least this long between two changes (None: 3 intervals) ...
     min_change_interval_s: float | None = None
     # ... a change only when the recommended split's goodput beats the current one's by
-    # more than this fraction ...
+    # more than this fraction (below it the plan recommends the current split) ...
     min_gain: float = 0.1
     # ... and only after this many plans in a row recommended it.
     confirmations: int = 2
-    # Fewest requests an interval must have seen to plan from it.
+    # Fewest requests the input window must have seen to plan from it.
     min_requests: int = 5
+    # Each plan reads the traffic and the latency models of the last this many
+    # intervals (one interval alone is too noisy: see `live_inputs`).
+    window_intervals: int = 3
     # Requests per simulated run (the search uses more at high rates).
     num_sim_requests: int = 100
 
@@ -49,7 +52,7 @@ class PlannerConfig:
             raise ValueError("planner.min_change_interval_s must be >= 0")
         if self.min_gain < 0:
             raise ValueError(f"planner.min_gain must be >= 0, got {self.min_gain}")
-        for name in ("confirmations", "min_requests", "num_sim_requests"):
+        for name in ("confirmations", "min_requests", "num_sim_requests", "window_intervals"):
             if getattr(self, name) < 1:
                 raise ValueError(f"planner.{name} must be >= 1, got {getattr(self, name)}")
 

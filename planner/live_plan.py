@@ -29,6 +29,9 @@ class LivePlanInput:
     max_local_prefill_tokens: int
     num_requests: int
     seed: int = 0
+    # The current split stays recommended unless another one's goodput beats it by more
+    # than this fraction (near-ties must not flip the recommendation on noise).
+    keep_margin: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -61,11 +64,21 @@ def compute_plan(given: LivePlanInput) -> LivePlanResult:
         now = max_goodput(given.laws, settings, layout, given.slo, workload)
         goodput[given.current] = now.goodput_rps
     best = result.recommended.layout
+    recommended, why = (best.num_prefill, best.num_decode), result.reason
+    if given.current is not None and recommended != given.current:
+        kept = goodput[given.current]
+        if goodput[recommended] <= kept * (1 + given.keep_margin):
+            why = (
+                f"keeps {given.current[0]}P+{given.current[1]}D ({kept:.3g} req/s): the best "
+                f"split {recommended[0]}P+{recommended[1]}D ({goodput[recommended]:.3g} req/s) "
+                f"gains no more than {given.keep_margin:.0%}"
+            )
+            recommended = given.current
     predicted = 0.0
     if load.arrival_rate_rps > 0:
-        sim = ClusterSimulation(given.laws, settings, best, given.slo)
+        sim = ClusterSimulation(given.laws, settings, Layout(*recommended), given.slo)
         predicted = sim.run(workload, load.arrival_rate_rps).goodput_rps
-    return LivePlanResult((best.num_prefill, best.num_decode), result.reason, goodput, predicted)
+    return LivePlanResult(recommended, why, goodput, predicted)
 
 
 def warm_up() -> None:

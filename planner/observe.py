@@ -28,6 +28,8 @@ class Counters:
 class ObservedLoad:
     interval_s: float
     num_requests: int
+    # Requests that finished (the output length is measured over these).
+    num_finished: int
     arrival_rate_rps: float
     mean_prompt_tokens: float
     mean_output_tokens: float
@@ -67,6 +69,7 @@ def load_between(before: Counters, after: Counters, interval_s: float) -> Observ
     return ObservedLoad(
         interval_s=interval_s,
         num_requests=int(started),
+        num_finished=int(finished),
         arrival_rate_rps=started / interval_s,
         mean_prompt_tokens=prompt / started if started > 0 else 0.0,
         mean_output_tokens=generated / finished if finished > 0 else 0.0,

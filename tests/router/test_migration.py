@@ -33,6 +33,12 @@ MAX_TOKENS = 160
 # Every other stream of the decode-kill test carries these: after a migration the
 # streamed tokens are prompt for the new pair, yet still count as generated.
 PENALTIES = {"presence_penalty": 1.5, "frequency_penalty": 1.5}
+# The `n > 1` request of the decode-kill test: its prompt is longer than the router's
+# `max_local_prefill_tokens` (512), so it takes one prefill on the prefill worker and
+# `N_CHOICES` KV handles to one decode worker.
+N_CHOICES = 3
+FORK_MAX_TOKENS = 96
+FORK_PROMPT = make_prompts(2048, (600,), seed=77)[0]
 
 
 def sampling_of(index: int) -> dict[str, float]:
@@ -62,6 +68,31 @@ async def run_all(
     )
 
 
+async def stream_choices(
+    endpoint: str, req_id: str, prompt: list[int], progress: dict[str, int] | None = None
+) -> tuple[list[list[int]], list[str], int]:
+    """One greedy `n = N_CHOICES` request over `Generate`: (token ids, text) per choice,
+    and the completion tokens of the final usage; `progress[req_id]`: the fewest tokens
+    any choice has so far."""
+    tokens: list[list[int]] = [[] for _ in range(N_CHOICES)]
+    texts = ["" for _ in range(N_CHOICES)]
+    num_completion_tokens = 0
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        request = gen_pb.GenerateRequest(
+            request_id=req_id, prompt_token_ids=prompt, max_tokens=FORK_MAX_TOKENS,
+            temperature=0.0, ignore_eos=True, n=N_CHOICES,
+        )  # fmt: skip
+        async for msg in stub.Generate(request, timeout=120):
+            tokens[msg.index] += msg.token_ids
+            texts[msg.index] += msg.text
+            if msg.HasField("usage"):
+                num_completion_tokens = msg.usage.completion_tokens
+            if progress is not None:
+                progress[req_id] = min(len(t) for t in tokens)
+    return tokens, texts, num_completion_tokens
+
+
 def migrations(cluster: ProcessCluster) -> dict[str, float]:
     counts = {}
     for metric in cluster.router.metrics.migrations.collect():
@@ -81,31 +112,51 @@ def decode_pair(tiny_model_dir):
 
 
 def test_kill_decode_worker_mid_stream_continues_every_request(decode_pair):
-    """kill -9 of a decode worker with 6 greedy streams in flight on 1P + 2D: every
-    stream completes with the tokens and text of an uninterrupted run (half of them with
-    presence/frequency penalties, which must count the streamed tokens as generated)."""
+    """kill -9 of a decode worker with 6 greedy streams and one `n = 3` request in flight
+    on 1P + 2D: every stream completes with the tokens and text of an uninterrupted run
+    (half of them with presence/frequency penalties, which must count the streamed
+    tokens as generated), and each choice of the `n = 3` request, all decoding on the
+    victim, migrates on its own (re-prefill on the other pair, tokens already sent kept)
+    and ends as an uninterrupted run does."""
     cluster = decode_pair
     prompts = make_prompts(2048, (40, 90, 17, 150, 64, 120), seed=71)
     reference = cluster.run(run_all(cluster, "ref", prompts, penalties=True))
     cluster.assert_idle()
 
-    async def scenario() -> tuple[list[tuple[list[int], str]], str]:
+    async def scenario() -> tuple[list[tuple[list[int], str]], tuple, str]:
+        progress: dict[str, int] = {}
+        # A prompt no worker has cached yet: prefilled on the prefill worker.
+        fork = asyncio.ensure_future(
+            stream_choices(cluster.grpc_endpoint, "fork", FORK_PROMPT, progress)
+        )
         ids = [f"req-{i}" for i in range(len(prompts))]
         sampling = [sampling_of(i) for i in range(len(ids))]
         tasks = await start_streams(cluster.grpc_endpoint, ids, prompts, sampling)
+        await wait_streaming(progress, ["fork"])
         policy = cluster.router.policy_runtime.policy
-        on = {rid: policy.placement_of(rid).decode_worker_id for rid in ids}
-        victim = max(("decode-0", "decode-1"), key=lambda w: list(on.values()).count(w))
+        assert policy.placement_of("fork").prefill_worker_id == "prefill-0"
+        victim = policy.placement_of("fork").decode_worker_id
         await asyncio.get_running_loop().run_in_executor(None, cluster.kill, victim)
-        return list(await asyncio.gather(*tasks)), victim
+        return list(await asyncio.gather(*tasks)), await fork, victim
 
-    results, victim = cluster.run(scenario(), timeout_s=300)
+    results, (tokens, texts, num_completion_tokens), victim = cluster.run(scenario(), timeout_s=300)
     assert [r[0] for r in results] == [r[0] for r in reference]
     assert [r[1] for r in results] == [r[1] for r in reference]
-    assert migrations(cluster).get("decode_failed", 0) >= 1
+    counts = migrations(cluster)
+    # Every sequence of the `n = 3` request was decoding on the victim: each one moved.
+    assert counts["decode_failed"] >= 1
+    assert counts["decode_failed"] + counts["worker_lost"] >= N_CHOICES
     # The controller declares it dead: the router drops it; nothing is left charged.
     cluster.set_state(victim, WorkerLifecycle.DEAD)
     assert victim not in {w.worker_id for w in cluster.router.pool.workers}
+    cluster.assert_idle()
+    # The uninterrupted `n = 3` run, on the pair that is left.
+    uninterrupted = stream_choices(cluster.grpc_endpoint, "fork-ref", FORK_PROMPT)
+    ref_tokens, ref_texts, _ = cluster.run(uninterrupted)
+    assert [len(t) for t in tokens] == [FORK_MAX_TOKENS] * N_CHOICES
+    assert tokens == ref_tokens
+    assert texts == ref_texts
+    assert num_completion_tokens == N_CHOICES * FORK_MAX_TOKENS
     cluster.assert_idle()
 
 
