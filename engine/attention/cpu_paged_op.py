@@ -29,9 +29,12 @@ SOURCE = Path(__file__).parent / "paged_decode.cpp"
 # `-march=native` makes a build fit only CPUs with this one's instruction sets, so the
 # name carries them too: a home directory shared by different CPUs keeps one build each.
 EXTENSION_BASE_NAME = "tandem_cpu_paged_decode"
-# -ffast-math lets the compiler vectorize the reductions and exp; -fopenmp-simd honours
-# the loops' `omp simd` hints without linking an OpenMP runtime.
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"]
+# -ffast-math lets the compiler vectorize the reductions and exp. -fopenmp makes
+# `at::parallel_for` (an inline template) really parallel and honours the `omp simd`
+# hints; no OpenMP library is linked, so the op's GOMP calls resolve to the libgomp torch
+# itself loads: one OpenMP runtime, one thread pool (without the flag the op ran on one
+# thread whatever torch's thread count).
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 @functools.cache
