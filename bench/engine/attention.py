@@ -36,8 +36,8 @@ from tandem.bench.report import (
 )
 from tandem.engine.attention import BatchLayout
 from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionBackend
-from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
+from tandem.engine.cpu_ops.loader import cpu_ops_error
 
 SECTION_HEADING = "## CPU decode attention: paged C++ op vs gather + SDPA"
 RESULTS_PATH = Path("bench/results/cpu_attention.json")
@@ -124,14 +124,14 @@ def measure_shape(batch_size: int, context: int, threads: int, rounds: int) -> A
 
 
 def one_time_cost() -> tuple[float, float]:
-    """Seconds `cpu_paged_op_error()` takes in a new process (what each `tandem serve`
+    """Seconds `cpu_ops_error()` takes in a new process (what each `tandem serve`
     process pays at start-up): a cold build into an empty extensions folder, then a load
     of that cached build."""
     script = (
         "import sys, time\n"
-        "from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error\n"
+        "from tandem.engine.cpu_ops.loader import cpu_ops_error\n"
         "start = time.perf_counter()\n"
-        "error = cpu_paged_op_error()\n"
+        "error = cpu_ops_error()\n"
         "print(time.perf_counter() - start)\n"
         "sys.exit(error)\n"
     )
@@ -177,7 +177,7 @@ def render_section(result: AttentionReport) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    error = cpu_paged_op_error()
+    error = cpu_ops_error()
     if error is not None:
         print(f"tandem-bench engine --attention: the cpu op does not build: {error}")
         return 1

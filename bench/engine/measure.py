@@ -281,27 +281,29 @@ def profile_decode(
 def matmul_floor_timer(
     model: LlamaForCausalLM, num_rows: int, num_logit_rows: int
 ) -> Callable[[], float]:
-    """Times one pass of the model's weight matmuls alone, in model order."""
+    """Times one pass of the model's weight matmuls alone, in model order, through the
+    model's own linear layers (so by the path the engine takes: `F.linear`, or the
+    small-batch kernel where it is on)."""
     layers: list[Any] = list(model.layers)  # nn.ModuleList items are typed as plain Modules
-    layer_weights = [
-        weight
+    projections: list[Any] = [
+        projection
         for layer in layers
-        for weight in (layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-                       layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+        for projection in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                           layer.mlp.gate_up_proj, layer.mlp.down_proj)
     ]  # fmt: skip
-    lm_head = model.lm_head.weight
-    dtype = lm_head.dtype
+    lm_head = model.lm_head
+    dtype = lm_head.weight.dtype
     gen = torch.Generator().manual_seed(0)
     inputs = {
-        w.shape[1]: torch.randn(num_rows, w.shape[1], generator=gen).to(dtype)
-        for w in layer_weights
+        p.in_features: torch.randn(num_rows, p.in_features, generator=gen).to(dtype)
+        for p in projections
     }
-    head_input = torch.randn(num_logit_rows, lm_head.shape[1], generator=gen).to(dtype)
+    head_input = torch.randn(num_logit_rows, lm_head.in_features, generator=gen).to(dtype)
 
     def one_pass() -> None:
-        for weight in layer_weights:
-            F.linear(inputs[weight.shape[1]], weight)
-        F.linear(head_input, lm_head)
+        for projection in projections:
+            projection(inputs[projection.in_features])
+        lm_head(head_input)
 
     def run_once() -> float:
         with torch.inference_mode():

@@ -1,6 +1,6 @@
 """The CPU backend: decodes read the paged cache in place through a C++ op.
 
-Per layer, one call of `torch.ops.tandem_cpu.paged_decode` (cpu_paged_op.py) covers all
+Per layer, one call of `torch.ops.tandem_cpu.paged_decode` (engine/cpu_ops) covers all
 decodes: each (sequence, KV head) task walks its block table, scoring the KV head's query
 heads against each key and summing values, over exactly its own length; no per-layer
 gather into a padded buffer, no mask. Writing K/V and prefill chunks reuse the torch
@@ -14,13 +14,13 @@ from typing import ClassVar
 
 import torch
 
-from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error, paged_decode
 from tandem.engine.attention.metadata import BatchLayout
 from tandem.engine.attention.torch_backend import (
     TorchAttentionBackend,
     TorchAttentionMetadata,
     prefill_spans,
 )
+from tandem.engine.cpu_ops.loader import cpu_ops_error, paged_decode
 
 
 @dataclass
@@ -39,7 +39,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def __init__(self, scale: float) -> None:
         super().__init__(scale)
         # Loads the op (building it first where this machine has no cached build).
-        error = cpu_paged_op_error()
+        error = cpu_ops_error()
         if error is not None:
             raise RuntimeError(f"the cpu attention backend's op does not build here: {error}")
 

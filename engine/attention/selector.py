@@ -18,8 +18,8 @@ from typing import Any
 
 from tandem.engine.attention.backend import AttentionBackend
 from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionBackend
-from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error
 from tandem.engine.attention.torch_backend import TorchAttentionBackend
+from tandem.engine.cpu_ops.loader import cpu_ops_error
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def resolve_attention_backend(name: str, device: str) -> AttentionBackendName:
     on_cpu = device == "cpu"
     if chosen is AttentionBackendName.AUTO:
         if on_cpu:
-            error = cpu_paged_op_error()
+            error = cpu_ops_error()
             if error is None:
                 return AttentionBackendName.CPU
             logger.warning(
@@ -80,7 +80,7 @@ def resolve_attention_backend(name: str, device: str) -> AttentionBackendName:
     if chosen is AttentionBackendName.CPU:
         if not on_cpu:
             raise ValueError(f"attention_backend cpu runs on device cpu only, not {device}")
-        error = cpu_paged_op_error()
+        error = cpu_ops_error()
         if error is not None:
             raise ValueError(f"attention_backend cpu: its C++ op does not build here ({error})")
     return chosen

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from tandem.engine.attention import get_attention_backend
 from tandem.engine.config import ModelConfig
+from tandem.engine.model.linear import use_small_batch_kernel
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.rotary import RotaryEmbedding, inverse_frequencies
 
@@ -63,6 +64,10 @@ def load_model(
     rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
     model.rotary = rotary
     _load_weights(model, Path(model_dir), cfg)
+    if backend.name == "cpu" and dtype == torch.float32:
+        # The cpu backend is Tandem's C++ CPU path: its build also holds the small-batch
+        # matmul kernel (the torch backend stays the pure-torch reference).
+        use_small_batch_kernel(model)
     return model.eval()
 
 

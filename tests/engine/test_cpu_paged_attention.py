@@ -16,7 +16,7 @@ from tandem.engine.attention import (
     selector,
 )
 from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionBackend
-from tandem.engine.attention.cpu_paged_op import cpu_paged_op_error, paged_decode
+from tandem.engine.cpu_ops.loader import cpu_ops_error, paged_decode
 from tests.helpers.paged_batch import make_paged_batch, reference_attention
 
 # (query lens, seq lens, q heads, kv heads, head dim, block size): decodes first.
@@ -33,8 +33,8 @@ CASES = {
 
 @pytest.fixture(scope="module", autouse=True)
 def built_op() -> None:
-    error = cpu_paged_op_error()
-    assert error is None, f"the cpu paged-decode op must build on CPU test machines: {error}"
+    error = cpu_ops_error()
+    assert error is None, f"the cpu ops must build on CPU test machines: {error}"
 
 
 def run_backend(case_id: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,11 +81,11 @@ def test_auto_picks_cpu_on_cpu_and_cpu_refuses_other_devices() -> None:
 
 
 def test_op_that_does_not_build_is_an_error_and_auto_says_so(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(selector, "cpu_paged_op_error", lambda: "RuntimeError: no g++")
+    monkeypatch.setattr(selector, "cpu_ops_error", lambda: "RuntimeError: no g++")
     with pytest.raises(ValueError, match=r"cpu: its C\+\+ op does not build here .*no g\+\+"):
         resolve_attention_backend("cpu", "cpu")
     assert resolve_attention_backend("auto", "cpu") is AttentionBackendName.TORCH
     assert "no g++" in caplog.text
-    monkeypatch.setattr(cpu_paged_backend, "cpu_paged_op_error", lambda: "RuntimeError: no g++")
+    monkeypatch.setattr(cpu_paged_backend, "cpu_ops_error", lambda: "RuntimeError: no g++")
     with pytest.raises(RuntimeError, match="op does not build here: RuntimeError: no g\\+\\+"):
         CpuPagedAttentionBackend(1.0)

@@ -139,15 +139,15 @@ def test_prefill_roofline_is_compute_bound_for_512_tokens(small_shape):
 
 
 def test_floor_targets():
-    assert floor_target("decode", 1) == 1.2
-    assert floor_target("decode", 32) == 1.3
-    assert floor_target("prefill", 1) == 1.3
+    assert floor_target("decode", 1) == 1.1
+    assert floor_target("decode", 32) == 1.1
+    assert floor_target("prefill", 512) == 1.2
 
 
 def test_row_ratios_and_targets():
-    row = make_row(engine_s=0.012, floor_s=0.010, hf_s=0.015)
-    assert row.engine_over_floor == pytest.approx(1.2)
-    assert row.engine_over_transformers == pytest.approx(0.8)
+    row = make_row(engine_s=0.0105, floor_s=0.010, hf_s=0.015)
+    assert row.engine_over_floor == pytest.approx(1.05)
+    assert row.engine_over_transformers == pytest.approx(0.7)
     assert row.floor_met and row.transformers_met
     slow = make_row(engine_s=0.020, floor_s=0.010, hf_s=0.015)
     assert not slow.floor_met and not slow.transformers_met
@@ -160,7 +160,7 @@ def test_format_time_picks_a_unit():
 
 
 def test_table_has_one_line_per_row_and_marks_misses():
-    rows = [make_row(0.012, 0.010, 0.015), make_row(0.020, 0.010, 0.015, kind="prefill")]
+    rows = [make_row(0.0105, 0.010, 0.015), make_row(0.020, 0.010, 0.015, kind="prefill")]
     table = format_table(rows).splitlines()
     assert len(table) == 2 + len(rows)
     assert table[0].count("|") == 11

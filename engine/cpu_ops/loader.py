@@ -1,11 +1,13 @@
-"""Builds and loads the CPU paged-decode op (paged_decode.cpp), once per machine.
+"""Builds and loads Tandem's CPU ops (the .cpp files beside this one), once per machine.
 
-`torch.utils.cpp_extension.load` compiles it with the host's compiler (g++, ninja) on
+`torch.utils.cpp_extension.load` compiles them with the host's compiler (g++, ninja) on
 first use and caches the library under `TORCH_EXTENSIONS_DIR` (default
 ~/.cache/torch_extensions): later starts, and concurrent ones (a file lock), load the
-cached build in well under a second. It runs on torch's own thread pool
-(`at::parallel_for`), so it adds no second OpenMP runtime. Loaded, it is
-`torch.ops.tandem_cpu.paged_decode`.
+cached build in well under a second. They run on torch's own thread pool
+(`at::parallel_for`), so they add no second OpenMP runtime. Loaded, they are
+`torch.ops.tandem_cpu.paged_decode` (decode attention over the paged cache, the `cpu`
+attention backend) and `torch.ops.tandem_cpu.small_batch_linear` (float32 matmuls of a
+few rows, see engine/model/linear.py).
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "paged_decode.cpp"
+SOURCES = [Path(__file__).parent / name for name in ("paged_decode.cpp", "small_batch_linear.cpp")]
 # The cache folder's name: a change of source or flags rebuilds it (torch hashes both).
 # `-march=native` makes a build fit only CPUs with this one's instruction sets, so the
 # name carries them too: a home directory shared by different CPUs keeps one build each.
-EXTENSION_BASE_NAME = "tandem_cpu_paged_decode"
+EXTENSION_BASE_NAME = "tandem_cpu_ops"
 # -ffast-math lets the compiler vectorize the reductions and exp. -fopenmp makes
 # `at::parallel_for` (an inline template) really parallel and honours the `omp simd`
 # hints; no OpenMP library is linked, so the op's GOMP calls resolve to the libgomp torch
@@ -38,9 +40,9 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 @functools.cache
-def cpu_paged_op_error() -> str | None:
-    """Why the op cannot be built or loaded here, or None once it is loaded (built first
-    if this machine has no cached build)."""
+def cpu_ops_error() -> str | None:
+    """Why the ops cannot be built or loaded here, or None once they are loaded (built
+    first if this machine has no cached build)."""
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX", "c++")
@@ -51,7 +53,7 @@ def cpu_paged_op_error() -> str | None:
         _put_ninja_on_path()
         cpp_extension.load(
             name=f"{EXTENSION_BASE_NAME}_{cpu_fingerprint()}",
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCES],
             extra_cflags=CFLAGS,
             is_python_module=False,
             verbose=False,
@@ -59,7 +61,7 @@ def cpu_paged_op_error() -> str | None:
     except Exception as exc:  # no compiler or ninja, a failed build: the reason is the answer
         lines = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
-    logger.info("cpu paged-decode op loaded in %.1fs", time.perf_counter() - started)
+    logger.info("cpu ops loaded in %.1fs", time.perf_counter() - started)
     return None
 
 
@@ -95,3 +97,11 @@ def paged_decode(
     """out[i] = attention of query[i] (one token) over its first seq_lens[i] cached
     positions, read through block_tables[i] (int32); GQA by head groups."""
     torch.ops.tandem_cpu.paged_decode(query, kv_cache, block_tables, seq_lens, scale, out)
+
+
+def small_batch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) as a new [rows, n] tensor: float32, x [rows, k] with k
+    contiguous, weight [n, k] contiguous; streams the weight once for all rows."""
+    return torch.ops.tandem_cpu.small_batch_linear(x, weight, bias)

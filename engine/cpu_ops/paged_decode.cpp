@@ -1,7 +1,7 @@
 // Paged decode attention for CPU: reads K/V in place from the paged cache through the
 // block tables (no gather, no padding), GQA by handling a KV head's query heads together.
 // One task per (sequence, KV head), spread over torch's own thread pool (at::parallel_for).
-// Registered as torch.ops.tandem_cpu.paged_decode; built by cpu_paged_op.py.
+// Registered as torch.ops.tandem_cpu.paged_decode; built by cpu_ops/loader.py.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -1,0 +1,50 @@
+"""The model's linear layer: `nn.Linear`, except that on CPU float32 a batch of a few rows
+can go to the small-batch kernel (engine/cpu_ops/small_batch_linear.cpp).
+
+A decode step multiplies a handful of rows (one per running sequence) by every weight, so
+it is bound by reading the weights. torch's `F.linear` reads them at full speed for one
+row (a matrix-vector product) but at about half that speed for 4-16 rows (MKL's GEMM
+repacks the weight on every call); the kernel streams each weight once for all rows.
+Measured with `tandem-bench engine` (the matmul floor of each path); past
+`SMALL_BATCH_MAX_ROWS` rows the GEMM is compute-bound and MKL's blocking wins.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.engine.cpu_ops.loader import small_batch_linear
+
+# Rows from 2 to this go to the kernel when it is on: on an AVX-512 Xeon it took 0.65x
+# F.linear's time at 8 rows, 0.95x at 16 and 1.25x at 32 (the small preset's weights).
+SMALL_BATCH_MAX_ROWS = 16
+
+
+class Linear(nn.Linear):
+    # Off by default (the kernel is CPU float32 only, and must be built); on for the whole
+    # model by `use_small_batch_kernel`.
+    small_batch_kernel = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small_batch_kernel and 2 <= x.shape[0] <= SMALL_BATCH_MAX_ROWS:
+            return small_batch_linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_small_batch_kernel(model: nn.Module) -> int:
+    """Turns the kernel on for every `Linear` of a float32 CPU model with contiguous
+    weights (call once the weights are loaded); returns how many layers it covers."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        weight = layer.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise ValueError(
+                "the small-batch kernel is CPU float32 only, "
+                f"not {weight.dtype} on {weight.device}"
+            )
+        if not weight.is_contiguous():
+            raise ValueError("the small-batch kernel needs contiguous weights")
+        layer.small_batch_kernel = True
+    return len(layers)
