@@ -6,8 +6,10 @@ first use and caches the library under `TORCH_EXTENSIONS_DIR` (default
 cached build in well under a second. They run on torch's own thread pool
 (`at::parallel_for`), so they add no second OpenMP runtime. Loaded, they are
 `torch.ops.tandem_cpu.paged_decode` (decode attention over the paged cache, the `cpu`
-attention backend) and `torch.ops.tandem_cpu.small_batch_linear` (float32 matmuls of a
-few rows, see engine/model/linear.py).
+attention backend), `torch.ops.tandem_cpu.small_batch_linear` (float32 matmuls of a few
+rows, see engine/model/linear.py) and `torch.ops.tandem_cpu.decode_forward` (a
+decode-only step's decoder stack, see engine/model/cpu_decode.py); cpu_ops.h declares
+what one file calls in another.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / name for name in ("paged_decode.cpp", "small_batch_linear.cpp")]
+SOURCES = [
+    Path(__file__).parent / name
+    for name in ("paged_decode.cpp", "small_batch_linear.cpp", "decode_forward.cpp")
+]
 # The cache folder's name: a change of source or flags rebuilds it (torch hashes both).
 # `-march=native` makes a build fit only CPUs with this one's instruction sets, so the
 # name carries them too: a home directory shared by different CPUs keeps one build each.

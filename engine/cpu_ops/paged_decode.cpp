@@ -7,6 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -94,6 +96,10 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
   });
 }
 
+}  // namespace
+
+namespace tandem_cpu {
+
 // query [rows, Hq, D] (rows may be strided, D contiguous), kv_cache [2, blocks, block_size,
 // Hkv, D] contiguous, block_tables [rows, width] int32, seq_lens [rows] int32 (each >= 1);
 // writes the attention output into out [rows, Hq, D] (D contiguous).
@@ -117,9 +123,9 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   });
 }
 
-}  // namespace
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
-  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::paged_decode));
 }

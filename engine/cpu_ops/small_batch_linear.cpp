@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_ops.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -71,6 +73,10 @@ void row_tiles(int64_t rows, const float* x, int64_t ldx, const float* w, int64_
   }
 }
 
+}  // namespace
+
+namespace tandem_cpu {
+
 // x [rows, k] (k contiguous, rows may be strided), weight [n, k] contiguous, bias [n] or
 // undefined; returns a new contiguous [rows, n].
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -105,9 +111,9 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-}  // namespace
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("small_batch_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("small_batch_linear", c10::DispatchKey::CPU, TORCH_FN(small_batch_linear));
+  m.impl("small_batch_linear", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::small_batch_linear));
 }

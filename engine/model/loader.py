@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from tandem.engine.attention import get_attention_backend
 from tandem.engine.config import ModelConfig
+from tandem.engine.model.cpu_decode import CpuDecodeStack
 from tandem.engine.model.linear import use_small_batch_kernel
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.rotary import RotaryEmbedding, inverse_frequencies
@@ -66,8 +67,10 @@ def load_model(
     _load_weights(model, Path(model_dir), cfg)
     if backend.name == "cpu" and dtype == torch.float32:
         # The cpu backend is Tandem's C++ CPU path: its build also holds the small-batch
-        # matmul kernel (the torch backend stays the pure-torch reference).
+        # matmul kernel and the decode-only stack (the torch backend stays the pure-torch
+        # reference).
         use_small_batch_kernel(model)
+        model.cpu_decode = CpuDecodeStack(model)
     return model.eval()
 
 

@@ -1,0 +1,73 @@
+"""The decode-only C++ stack (engine/model/cpu_decode.py) gives the Python model's numbers
+bit for bit: the same tokens and the same float logprobs for batches below, at and past
+the small-batch kernel's row limit, on a GQA model with QKV bias; it runs only on
+decode-only steps of a float32 model with the `cpu` backend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from tandem.engine.config import EngineConfig
+from tandem.engine.generate import generate
+from tandem.engine.llm_engine import Engine
+from tandem.engine.model.linear import SMALL_BATCH_MAX_ROWS
+from tandem.engine.sampling_params import SamplingParams
+from tests.helpers.hf_reference import save_random_model
+from tests.helpers.prompts import make_prompts
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = Qwen2Config(
+        vocab_size=2048, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rope_theta=1e6,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("models") / "qwen2"
+    return save_random_model(Qwen2ForCausalLM, config, out, tiny_model_dir)
+
+
+class CountingStack:
+    """Wraps the engine's stack, counting the steps it ran."""
+
+    def __init__(self, stack) -> None:
+        self.stack, self.calls = stack, 0
+        self.covers = stack.covers
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.stack(*args)
+
+
+def run(model_dir: Path, prompts: list[list[int]], fused: bool) -> tuple[list, int]:
+    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=512, attention_backend="cpu"))
+    model = engine.runner.model
+    assert model.cpu_decode is not None  # float32 + cpu backend turns it on
+    counting = CountingStack(model.cpu_decode) if fused else None
+    model.cpu_decode = counting
+    outputs = generate(engine, prompts, PARAMS)
+    return outputs, counting.calls if counting else 0
+
+
+@pytest.mark.parametrize("batch", [1, 3, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 3])
+def test_stack_equals_the_python_model(qwen2_dir: Path, batch: int) -> None:
+    prompts = make_prompts(2048, [5 + 37 * i % 200 for i in range(batch)], seed=batch)
+    fused, calls = run(qwen2_dir, prompts, fused=True)
+    python, _ = run(qwen2_dir, prompts, fused=False)
+    assert calls >= PARAMS.max_tokens - 2  # every step after the prefills
+    for a, b in zip(fused, python, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs  # exact floats: the same ops in the same order
+
+
+def test_off_for_other_backends_and_dtypes(tiny_model_dir: Path) -> None:
+    for overrides in ({"attention_backend": "torch"}, {"dtype": "bfloat16"}):
+        engine = Engine(EngineConfig(model=str(tiny_model_dir), max_model_len=256, **overrides))
+        assert engine.runner.model.cpu_decode is None
