@@ -1,7 +1,8 @@
 """The `cpu` backend (paged decode through the C++ op, prefills through SDPA) against
 attention written out per sequence in float64: ragged decodes, block sizes 1 to 64, GQA
-ratios 1 to 8, long contexts, mixed batches with prefix hits, bfloat16 and float16
-caches; and how the selector offers it. The op is built (or loaded from the machine's
+ratios 1 to 8, head dims 16 to 128 (64 and 128 take the float32 fast path), long
+contexts, mixed batches with prefix hits, bfloat16 and float16 caches; and how the
+selector offers it. The op is built (or loaded from the machine's
 cache) once per test session, by the first test that needs it."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ CASES = {
     "decodes-long-gqa2-bs32": ([1, 1, 1], [3000, 1025, 2], 4, 2, 32, 32),
     "decodes-mqa-bs8": ([1, 1, 1, 1], [9, 400, 64, 390], 8, 1, 32, 8),
     "decodes-mha-bs64": ([1, 1], [31, 100], 2, 2, 64, 64),
+    "decodes-hd128-gqa4-bs16": ([1, 1, 1], [200, 33, 1], 8, 2, 128, 16),
     "decodes-gqa8-bs1": ([1, 1, 1], [5, 1, 33], 16, 2, 16, 1),
     "mixed-prefix-hits": ([1, 1, 37, 5, 16], [45, 3, 100, 21, 16], 4, 2, 64, 16),
     "prefill-only": ([20, 7], [20, 7], 6, 2, 32, 4),
