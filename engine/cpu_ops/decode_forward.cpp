@@ -1,13 +1,16 @@
-// The decoder stack of a decode-only CPU step in one call. It runs the same torch ops, in
-// the same order, as engine/model/llama.py's forward with the cpu attention backend (so
-// the same numbers, bit for bit), without the Python interpreter between them: a decode
-// step issues ~1,300 small ops, and at batch 1 their Python dispatch cost a third as much
-// as the step's matmuls. Registered as torch.ops.tandem_cpu.decode_forward; built by
+// The decoder stack of a decode-only CPU step in one call. It computes what
+// engine/model/llama.py's forward computes with the cpu attention backend, with the same
+// arithmetic in the same order (so the same numbers, bit for bit): the same torch ops,
+// except RoPE and the K/V cache write, done in one loop per token. No Python interpreter
+// between the ops: a decode step issues ~1,300 small ops, and at batch 1 their Python
+// dispatch cost a third as much as the step's matmuls. Registered as torch.ops.tandem_cpu.decode_forward; built by
 // loader.py; called by engine/model/cpu_decode.py.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "cpu_ops.h"
+
+#include <cstring>
 
 namespace {
 
@@ -29,6 +32,46 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return at::linear(x, weight, bias);
 }
 
+// RoPE on the queries and keys of qkv [T, (Hq + 2 Hkv) * D] in place by cos and signed sin
+// [T, 1, D] (llama.py's apply_rotary_: x * cos + halves-swapped x * sin, each product
+// rounded, then the sum: no fused multiply-add, so the same bits), then the rotated keys
+// and the values into their cache slots (the torch backend's index_copy_). One pass over
+// each token's row instead of flip, three multiplies, an add and two copies.
+__attribute__((optimize("fp-contract=off"))) void rotate_and_write_kv(
+    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
+                  slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
+              "decode_forward: contiguous qkv, cos, sin and int64 slot_mapping expected");
+  const int64_t tokens = qkv.size(0), half = head_dim / 2, rotated = num_heads + num_kv_heads;
+  const int64_t row = qkv.size(1), slot_size = num_kv_heads * head_dim;
+  const int64_t cache_half = kv_cache.size(1) * kv_cache.size(2) * slot_size;  // floats of K
+  float* x = qkv.data_ptr<float>();
+  const float* cs = cos.data_ptr<float>();
+  const float* sn = sin.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  float* k_cache = kv_cache.data_ptr<float>();
+  float* v_cache = k_cache + cache_half;
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* xt = x + t * row;
+    const float* c = cs + t * head_dim;
+    const float* sg = sn + t * head_dim;
+    for (int64_t h = 0; h < rotated; ++h) {
+      float* xh = xt + h * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = xh[i], x2 = xh[i + half];
+        const float a1 = x1 * c[i], b1 = x2 * sg[i];
+        const float a2 = x2 * c[i + half], b2 = x1 * sg[i + half];
+        xh[i] = a1 + b1;
+        xh[i + half] = a2 + b2;
+      }
+    }
+    const int64_t slot = slots[t];
+    std::memcpy(k_cache + slot * slot_size, xt + num_heads * head_dim, slot_size * sizeof(float));
+    std::memcpy(v_cache + slot * slot_size, xt + rotated * head_dim, slot_size * sizeof(float));
+  }
+}
+
 // hidden [T, H] (the step's embeddings, T decodes), weights (kWeightsPerLayer per layer),
 // qkv_biases (none, or one per layer), final_norm [H], norm_size and norm_eps (float32
 // 0-dim), cos and signed sin [T, 1, D], kv_caches [layers, 2, blocks, block_size, Hkv, D],
@@ -48,8 +91,13 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
               "decode_forward: no qkv bias or one per layer");
   const int64_t tokens = embeddings.size(0), head_dim = kv_caches.size(5);
   const int64_t heads = num_heads + num_kv_heads;
-  const int64_t q_size = num_heads * head_dim, qk_size = heads * head_dim;
-  TORCH_CHECK(kv_caches.size(4) == num_kv_heads && head_dim % 2 == 0, "decode_forward: bad kv cache shape");
+  const int64_t q_size = num_heads * head_dim;
+  TORCH_CHECK(kv_caches.size(4) == num_kv_heads && head_dim % 2 == 0 && kv_caches.is_contiguous(),
+              "decode_forward: bad kv cache shape");
+  TORCH_CHECK(embeddings.scalar_type() == at::kFloat && kv_caches.scalar_type() == at::kFloat,
+              "decode_forward: float32 only");
+  TORCH_CHECK(num_layers == 0 || weights[1].size(0) == (heads + num_kv_heads) * head_dim,
+              "decode_forward: qkv weight rows != (num_heads + 2 num_kv_heads) * head_dim");
   at::Tensor hidden = embeddings;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
@@ -57,16 +105,9 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
         qkv_biases.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_biases[layer]);
     // Attention: fused QKV, RoPE on queries and keys in place, K/V into the cache, paged attention.
     at::Tensor qkv = linear(rms_norm(hidden, w[0], norm_size, norm_eps), w[1], qkv_bias, max_small_rows);
-    at::Tensor qk = qkv.slice(1, 0, qk_size).view({tokens, heads, head_dim});
-    at::Tensor swapped =
-        qk.view({tokens, heads, 2, head_dim / 2}).flip({2}).view({tokens, heads, head_dim}).mul_(sin);
-    qk.mul_(cos).add_(swapped);
-    at::Tensor query = qk.slice(1, 0, num_heads);
-    at::Tensor key = qk.slice(1, num_heads);
-    at::Tensor value = qkv.slice(1, qk_size).view({tokens, num_kv_heads, head_dim});
     at::Tensor kv_cache = kv_caches[layer];
-    kv_cache[0].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, key);
-    kv_cache[1].view({-1, num_kv_heads, head_dim}).index_copy_(0, slot_mapping, value);
+    rotate_and_write_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim);
+    at::Tensor query = qkv.slice(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor attention = at::empty({tokens, num_heads, head_dim}, hidden.options());
     tandem_cpu::paged_decode(query, kv_cache, block_tables, seq_lens, scale, attention);
     hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, max_small_rows).add_(hidden);
