@@ -6,6 +6,7 @@
 // dispatch cost a third as much as the step's matmuls. Registered as torch.ops.tandem_cpu.decode_forward; built by
 // loader.py; called by engine/model/cpu_decode.py.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include "cpu_ops.h"
@@ -24,11 +25,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, const at::Ten
   return (x * variance.rsqrt_()).mul_(weight);
 }
 
-// llama.py's `Linear`: the small-batch kernel for 2..max_small_rows rows, else F.linear.
+// The rows llama.py's `Linear` sends to the small-batch kernel (others go to F.linear).
+struct SmallRows {
+  int64_t min, max;
+};
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  int64_t max_small_rows) {
+                  SmallRows small) {
   const int64_t rows = x.size(0);
-  if (rows >= 2 && rows <= max_small_rows) return tandem_cpu::small_batch_linear(x, weight, bias);
+  if (rows >= small.min && rows <= small.max) {
+    // Called directly, not through the dispatcher: named for torch.profiler here.
+    RECORD_FUNCTION("tandem_cpu::small_batch_linear", c10::ArrayRef<const c10::IValue>{});
+    return tandem_cpu::small_batch_linear(x, weight, bias);
+  }
   return at::linear(x, weight, bias);
 }
 
@@ -82,7 +91,9 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
                           const at::Tensor& norm_eps, const at::Tensor& cos, const at::Tensor& sin,
                           const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t max_small_rows) {
+                          int64_t num_heads, int64_t num_kv_heads, int64_t min_small_rows,
+                          int64_t max_small_rows) {
+  const SmallRows small{min_small_rows, max_small_rows};
   const int64_t num_layers = kv_caches.size(0);
   TORCH_CHECK(embeddings.dim() == 2 && kv_caches.dim() == 6, "decode_forward: bad ranks");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
@@ -104,19 +115,25 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
     const c10::optional<at::Tensor> qkv_bias =
         qkv_biases.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_biases[layer]);
     // Attention: fused QKV, RoPE on queries and keys in place, K/V into the cache, paged attention.
-    at::Tensor qkv = linear(rms_norm(hidden, w[0], norm_size, norm_eps), w[1], qkv_bias, max_small_rows);
+    at::Tensor qkv = linear(rms_norm(hidden, w[0], norm_size, norm_eps), w[1], qkv_bias, small);
     at::Tensor kv_cache = kv_caches[layer];
-    rotate_and_write_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim);
+    {
+      RECORD_FUNCTION("tandem_cpu::rotate_and_write_kv", c10::ArrayRef<const c10::IValue>{});
+      rotate_and_write_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim);
+    }
     at::Tensor query = qkv.slice(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor attention = at::empty({tokens, num_heads, head_dim}, hidden.options());
-    tandem_cpu::paged_decode(query, kv_cache, block_tables, seq_lens, scale, attention);
-    hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, max_small_rows).add_(hidden);
+    {
+      RECORD_FUNCTION("tandem_cpu::paged_decode", c10::ArrayRef<const c10::IValue>{});
+      tandem_cpu::paged_decode(query, kv_cache, block_tables, seq_lens, scale, attention);
+    }
+    hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, small).add_(hidden);
     // MLP: fused gate/up, SiLU(gate) * up, down; the residual added into the output.
     at::Tensor gate_up =
-        linear(rms_norm(hidden, w[3], norm_size, norm_eps), w[4], c10::nullopt, max_small_rows);
+        linear(rms_norm(hidden, w[3], norm_size, norm_eps), w[4], c10::nullopt, small);
     const int64_t intermediate = gate_up.size(1) / 2;
     at::Tensor act = at::silu(gate_up.slice(1, 0, intermediate)).mul_(gate_up.slice(1, intermediate));
-    hidden = linear(act, w[5], c10::nullopt, max_small_rows).add_(hidden);
+    hidden = linear(act, w[5], c10::nullopt, small).add_(hidden);
   }
   return rms_norm(hidden, final_norm, norm_size, norm_eps);
 }
@@ -128,6 +145,6 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
       "decode_forward(Tensor embeddings, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
       "Tensor norm_size, Tensor norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int num_heads, "
-      "int num_kv_heads, int max_small_rows) -> Tensor");
+      "int num_kv_heads, int min_small_rows, int max_small_rows) -> Tensor");
   m.impl("decode_forward", c10::DispatchKey::CPU, TORCH_FN(decode_forward));
 }

@@ -14,7 +14,7 @@ import torch
 
 from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionMetadata
 from tandem.engine.attention.metadata import AttentionMetadata
-from tandem.engine.model.linear import SMALL_BATCH_MAX_ROWS
+from tandem.engine.model.linear import SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MIN_ROWS
 
 
 class CpuDecodeStack:
@@ -61,5 +61,5 @@ class CpuDecodeStack:
             embeddings, self.weights, self.qkv_biases, self.final_norm,
             self.norm_size, self.norm_eps, cos, sin, kv_caches, meta.slot_mapping,
             meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-            self.num_heads, self.num_kv_heads, SMALL_BATCH_MAX_ROWS,
+            self.num_heads, self.num_kv_heads, SMALL_BATCH_MIN_ROWS, SMALL_BATCH_MAX_ROWS,
         )  # fmt: skip

@@ -17,8 +17,10 @@ from torch import nn
 
 from tandem.engine.cpu_ops.loader import small_batch_linear
 
-# Rows from 2 to this go to the kernel when it is on: on an AVX-512 Xeon it took 0.65x
-# F.linear's time at 8 rows, 0.95x at 16 and 1.25x at 32 (the small preset's weights).
+# Rows from MIN to MAX go to the kernel when it is on. Over the small preset's weights on
+# an AVX-512 Xeon it took 1.05-1.2x F.linear's time at 1-3 rows (MKL's matrix-vector
+# path), 0.7x at 4, 0.6x at 8, 0.85x at 16 and 1.25x at 32 (compute-bound: MKL's blocking).
+SMALL_BATCH_MIN_ROWS = 4
 SMALL_BATCH_MAX_ROWS = 16
 
 
@@ -28,7 +30,7 @@ class Linear(nn.Linear):
     small_batch_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_batch_kernel and 2 <= x.shape[0] <= SMALL_BATCH_MAX_ROWS:
+        if self.small_batch_kernel and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_MAX_ROWS:
             return small_batch_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 

@@ -13,7 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from tandem.engine.config import EngineConfig
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
-from tandem.engine.model.linear import SMALL_BATCH_MAX_ROWS
+from tandem.engine.model.linear import SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MIN_ROWS
 from tandem.engine.sampling_params import SamplingParams
 from tests.helpers.hf_reference import save_random_model
 from tests.helpers.prompts import make_prompts
@@ -56,7 +56,9 @@ def run(model_dir: Path, prompts: list[list[int]], fused: bool) -> tuple[list, i
     return outputs, counting.calls if counting else 0
 
 
-@pytest.mark.parametrize("batch", [1, 3, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 3])
+@pytest.mark.parametrize(
+    "batch", [1, SMALL_BATCH_MIN_ROWS, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 3]
+)
 def test_stack_equals_the_python_model(qwen2_dir: Path, batch: int) -> None:
     prompts = make_prompts(2048, [5 + 37 * i % 200 for i in range(batch)], seed=batch)
     fused, calls = run(qwen2_dir, prompts, fused=True)

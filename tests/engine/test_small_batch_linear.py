@@ -1,7 +1,7 @@
 """The small-batch matmul kernel (engine/cpu_ops/small_batch_linear.cpp) against float64
 matmuls: every row count up to past the row tile, sizes that leave vector and output
 tails, a bias, strided rows; bad input is a clear error; the model's `Linear` uses it
-only where it is turned on and only for 2..SMALL_BATCH_MAX_ROWS rows."""
+only where it is turned on and only for SMALL_BATCH_MIN_ROWS..SMALL_BATCH_MAX_ROWS rows."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 from tandem.engine.cpu_ops.loader import cpu_ops_error, small_batch_linear
 from tandem.engine.model import linear as linear_module
-from tandem.engine.model.linear import SMALL_BATCH_MAX_ROWS, Linear, use_small_batch_kernel
+from tandem.engine.model.linear import (
+    SMALL_BATCH_MAX_ROWS,
+    SMALL_BATCH_MIN_ROWS,
+    Linear,
+    use_small_batch_kernel,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -66,14 +71,16 @@ def test_linear_uses_the_kernel_only_when_on_and_for_few_rows(monkeypatch) -> No
         return small_batch_linear(x, w, b)
 
     monkeypatch.setattr(linear_module, "small_batch_linear", counting)
-    for rows in (1, 2, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1):
+    bounds = (1, SMALL_BATCH_MIN_ROWS - 1, SMALL_BATCH_MIN_ROWS, SMALL_BATCH_MAX_ROWS,
+              SMALL_BATCH_MAX_ROWS + 1)  # fmt: skip
+    for rows in bounds:
         layer(torch.randn(rows, 8))
     assert calls == []
     assert use_small_batch_kernel(torch.nn.Sequential(layer, torch.nn.ReLU())) == 1
     with torch.no_grad():
-        for rows in (1, 2, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 1):
+        for rows in bounds:
             x = torch.randn(rows, 8)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
-    assert calls == [2, SMALL_BATCH_MAX_ROWS]
+    assert calls == [SMALL_BATCH_MIN_ROWS, SMALL_BATCH_MAX_ROWS]
     with pytest.raises(ValueError, match="CPU float32 only"):
         use_small_batch_kernel(Linear(8, 3).to(torch.bfloat16))
