@@ -21,6 +21,7 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.dtype import auto_dtype
 
 DEFAULT_OUT = "docs/benchmarks.md"
+FULL_RUNS = (("float32", "auto"), ("float32", "torch"), ("bfloat16", "auto"))
 RESULTS_DIR = Path("bench/results")
 
 
@@ -29,7 +30,8 @@ class BenchPlan:
     """What one run measures and how often."""
 
     model_dir: str
-    dtypes: tuple[str, ...]
+    # (dtype, attention backend) per table; `auto` is what `tandem serve` picks.
+    runs: tuple[tuple[str, str], ...]
     batch_sizes: tuple[int, ...]
     num_threads: int
     prefill: RepeatPolicy
@@ -48,15 +50,17 @@ class BenchPlan:
 
 
 def make_plan(args: argparse.Namespace) -> BenchPlan:
-    """`--quick`: float32 only, batch 1 and 8, few repeats, no waiting for quiet. Two
-    torch threads (the published machine's cores)."""
+    """A full run: float32 and bfloat16 with the backend `auto` picks, and float32 with the
+    `torch` reference backend. `--quick`: float32 only, batch 1 and 8, few repeats, no
+    waiting for quiet. `--dtype`: that dtype only. Two torch threads (the published
+    machine's cores)."""
     quick = bool(args.quick)
-    dtypes = ("float32",) if quick else ("float32", "bfloat16")
+    runs = (("float32", "auto"),) if quick else FULL_RUNS
     if getattr(args, "dtype", None):
-        dtypes = (auto_dtype("cpu", "float32") if args.dtype == "auto" else args.dtype,)
+        runs = ((auto_dtype("cpu", "float32") if args.dtype == "auto" else args.dtype, "auto"),)
     return BenchPlan(
         model_dir=str(args.model),
-        dtypes=dtypes,
+        runs=runs,
         batch_sizes=(1, 8) if quick else (1, 8, 32),
         num_threads=2,
         prefill=RepeatPolicy(1, 2, 3, budget_s=3.0) if quick else RepeatPolicy(1, 3, 5, 15.0),
@@ -106,16 +110,23 @@ def _measure_rows(plan: BenchPlan, subjects: Subjects, prompt: list[int]) -> lis
 
 
 def _run_dtype(
-    plan: BenchPlan, dtype: str, shape: report.ModelShape, bandwidth: float
-) -> tuple[report.DtypeResult, list[report.Profile]]:
+    plan: BenchPlan, dtype: str, backend: str, shape: report.ModelShape, bandwidth: float,
+    peaks: dict[str, float],
+) -> tuple[report.DtypeResult, list[report.Profile]]:  # fmt: skip
+    """One table: `dtype` with attention `backend`; profiles of its missed rows, for the
+    backend `auto` picks only (`torch` is the reference, not the serving path)."""
     torch_dtype = getattr(torch, dtype)
-    _wait_quiet(plan)
-    peak = measure.measure_peak_flops(torch_dtype, num_runs=plan.num_hardware_runs)
-    _say(f"{dtype}: peak GEMM {peak / 1e9:.1f} GFLOP/s")
+    if dtype not in peaks:
+        _wait_quiet(plan)
+        peaks[dtype] = measure.measure_peak_flops(torch_dtype, num_runs=plan.num_hardware_runs)
+        _say(f"{dtype}: peak GEMM {peaks[dtype] / 1e9:.1f} GFLOP/s")
+    peak = peaks[dtype]
     engine = measure.build_engine(
         plan.model_dir, dtype, plan.num_threads, plan.prefill_len, max(plan.batch_sizes),
-        plan.decode_seq_len,
+        plan.decode_seq_len, backend,
     )  # fmt: skip
+    resolved = engine.config.resolved_attention_backend
+    _say(f"{dtype}, attention backend {backend} ({resolved})")
     hf_model = measure.load_hf_model(plan.model_dir, torch_dtype)
     elem_size = torch.empty((), dtype=torch_dtype).element_size()
     subjects = Subjects(engine, hf_model, shape, elem_size, bandwidth, peak)
@@ -123,11 +134,13 @@ def _run_dtype(
     rows = _measure_rows(plan, subjects, prompt)
     del subjects, hf_model  # frees the transformers model before profiling
     gc.collect()
-    _wait_quiet(plan)
-    profiles = measure.profile_missed(engine, dtype, rows, prompt, plan.prompt_len)
+    profiles = []
+    if backend == "auto":
+        _wait_quiet(plan)
+        profiles = measure.profile_missed(engine, dtype, rows, prompt, plan.prompt_len)
     del engine
     gc.collect()
-    return report.DtypeResult(dtype, peak, rows), profiles
+    return report.DtypeResult(dtype, peak, rows, resolved), profiles
 
 
 def run(plan: BenchPlan, command: str) -> report.BenchReport:
@@ -140,8 +153,9 @@ def run(plan: BenchPlan, command: str) -> report.BenchReport:
     shape = report.ModelShape.from_model_config(ModelConfig.from_model_dir(plan.model_dir))
     hf_attention = measure.ATTN_IMPLEMENTATION
     bench_report = report.BenchReport(command, plan.quick, machine, bandwidth, hf_attention)
-    for dtype in plan.dtypes:
-        result, profiles = _run_dtype(plan, dtype, shape, bandwidth)
+    peaks: dict[str, float] = {}
+    for dtype, backend in plan.runs:
+        result, profiles = _run_dtype(plan, dtype, backend, shape, bandwidth, peaks)
         bench_report.results.append(result)
         bench_report.profiles.extend(profiles)
     bench_report.wall_s = time.perf_counter() - start

@@ -182,7 +182,7 @@ def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
 
 def build_engine(
     model_dir: str, dtype: str, num_threads: int, prefill_len: int, max_batch_size: int,
-    decode_seq_len: int,
+    decode_seq_len: int, attention_backend: str = "auto",
 ) -> Engine:  # fmt: skip
     """An engine sized for the benchmark: prefix caching off, one-step prefill of `prefill_len`."""
     blocks_per_seq = -(-decode_seq_len // _BLOCK_SIZE)
@@ -192,6 +192,7 @@ def build_engine(
         num_blocks=num_blocks, max_num_seqs=max_batch_size,
         max_num_batched_tokens=max(prefill_len, max_batch_size),
         max_model_len=max(prefill_len, decode_seq_len) + 1, enable_prefix_caching=False,
+        attention_backend=attention_backend,
     )  # fmt: skip
     return Engine(config)
 

@@ -89,6 +89,13 @@ class DtypeResult:
     dtype: str
     peak_flops: float
     rows: list[Row]
+    attention_backend: str = ""  # as resolved (`auto` -> `cpu` on CPU)
+
+    @property
+    def title(self) -> str:
+        if not self.attention_backend:
+            return self.dtype
+        return f"{self.dtype} · attention backend `{self.attention_backend}`"
 
 
 @dataclass
@@ -272,7 +279,8 @@ def _machine_paragraph(report: BenchReport) -> str:
 
 
 def _ceilings_paragraph(report: BenchReport) -> str:
-    peaks = "; ".join(f"{r.dtype} {r.peak_flops / 1e9:.1f} GFLOP/s" for r in report.results)
+    by_dtype = {r.dtype: r.peak_flops for r in report.results}
+    peaks = "; ".join(f"{dtype} {peak / 1e9:.1f} GFLOP/s" for dtype, peak in by_dtype.items())
     return (
         f"**Hardware ceilings.** Memory read bandwidth {report.bandwidth / 1e9:.1f} GB/s "
         "(sum of a 1 GiB float32 tensor, best of several). Peak GEMM (2048³ `F.linear`, "
@@ -289,7 +297,7 @@ def render_section(report: BenchReport) -> list[str]:
         _machine_paragraph(report),
         _ceilings_paragraph(report),
     ]
-    tables = [f"### {result.dtype}\n\n{format_table(result.rows)}" for result in report.results]
+    tables = [f"### {result.title}\n\n{format_table(result.rows)}" for result in report.results]
     if report.profiles:
         tables.append("### Profiles of missed targets")
         tables += [format_profile(p) for p in report.profiles]

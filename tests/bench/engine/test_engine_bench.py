@@ -73,7 +73,11 @@ def make_report(rows: list[Row], quick: bool = False) -> BenchReport:
         "started": "2025-01-01 00:00 UTC", "load_avg_1m_at_start": 3.0,
     }  # fmt: skip
     report = BenchReport("tandem-bench engine", quick, machine, 15e9, "sdpa")
-    report.results = [DtypeResult("float32", 80e9, rows), DtypeResult("bfloat16", 10e9, rows)]
+    report.results = [
+        DtypeResult("float32", 80e9, rows, "cpu"),
+        DtypeResult("float32", 80e9, rows, "torch"),
+        DtypeResult("bfloat16", 10e9, rows),
+    ]
     report.profiles = [
         Profile(
             "float32",
@@ -223,7 +227,9 @@ def test_rendered_section_has_run_machine_tables_and_profiles():
     run, tables = render_section(report)
     assert "quick smoke run" in run
     assert "Test CPU" in run and "15.0 GB/s" in run
-    assert "### float32" in tables and "### bfloat16" in tables
+    assert "### float32 · attention backend `cpu`" in tables and "### bfloat16\n" in tables
+    assert "### float32 · attention backend `torch`" in tables
+    assert run.count("float32 80.0 GFLOP/s") == 1  # one peak per dtype
     assert "### Profiles of missed targets" in tables and "`aten::mm`" in tables
     assert "10.0 ms outside ops" in tables  # 50 ms wall - 40 ms in ops
 
@@ -231,8 +237,12 @@ def test_rendered_section_has_run_machine_tables_and_profiles():
 def test_quick_plan_is_smaller_than_full():
     quick = make_plan(parse_args(["engine", "--quick"]))
     full = make_plan(parse_args(["engine"]))
-    assert quick.dtypes == ("float32",) and quick.batch_sizes == (1, 8)
-    assert full.dtypes == ("float32", "bfloat16") and full.batch_sizes == (1, 8, 32)
+    assert quick.runs == (("float32", "auto"),) and quick.batch_sizes == (1, 8)
+    assert full.batch_sizes == (1, 8, 32)
+    # Both dtypes with the serving backend, and float32 with the torch reference backend.
+    assert full.runs == (("float32", "auto"), ("float32", "torch"), ("bfloat16", "auto"))
+    only = make_plan(parse_args(["engine", "--dtype", "bfloat16"]))
+    assert only.runs == (("bfloat16", "auto"),)
     assert quick.decode.max_runs <= full.decode.max_runs
     assert full.decode_seq_len > full.prompt_len + full.decode.max_runs
 
