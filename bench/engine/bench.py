@@ -21,7 +21,9 @@ from tandem.engine.config import ModelConfig
 from tandem.engine.dtype import auto_dtype
 
 DEFAULT_OUT = "docs/benchmarks.md"
-FULL_RUNS = (("float32", "auto"), ("float32", "torch"), ("bfloat16", "auto"))
+FULL_RUNS = (
+    ("float32", "auto"), ("float32", "torch"), ("bfloat16", "auto"), ("bfloat16", "torch"),
+)  # fmt: skip
 RESULTS_DIR = Path("bench/results")
 
 
@@ -50,7 +52,7 @@ class BenchPlan:
 
 
 def make_plan(args: argparse.Namespace) -> BenchPlan:
-    """A full run: float32 and bfloat16 with the backend `auto` picks, and float32 with the
+    """A full run: float32 and bfloat16, each with the backend `auto` picks and with the
     `torch` reference backend. `--quick`: float32 only, batch 1 and 8, few repeats, no
     waiting for quiet. `--dtype`: that dtype only. Two torch threads (the published
     machine's cores)."""

@@ -239,8 +239,10 @@ def test_quick_plan_is_smaller_than_full():
     full = make_plan(parse_args(["engine"]))
     assert quick.runs == (("float32", "auto"),) and quick.batch_sizes == (1, 8)
     assert full.batch_sizes == (1, 8, 32)
-    # Both dtypes with the serving backend, and float32 with the torch reference backend.
-    assert full.runs == (("float32", "auto"), ("float32", "torch"), ("bfloat16", "auto"))
+    # Both dtypes with the serving backend and with the torch reference backend.
+    assert full.runs == (
+        ("float32", "auto"), ("float32", "torch"), ("bfloat16", "auto"), ("bfloat16", "torch"),
+    )  # fmt: skip
     only = make_plan(parse_args(["engine", "--dtype", "bfloat16"]))
     assert only.runs == (("bfloat16", "auto"),)
     assert quick.decode.max_runs <= full.decode.max_runs
