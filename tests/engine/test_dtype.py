@@ -70,9 +70,9 @@ def test_dtype_flags(tiny_model_dir) -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["demo", "--model", str(tiny_model_dir), "--dtype", "fp8"])
     bench = argparse.Namespace(model=tiny_model_dir, quick=True, dtype="auto")
-    assert make_plan(bench).dtypes == (auto_dtype("cpu", "float32"),)
+    assert make_plan(bench).runs == ((auto_dtype("cpu", "float32"), "auto"),)
     bench.dtype = None
-    assert make_plan(bench).dtypes == ("float32",)
+    assert make_plan(bench).runs == (("float32", "auto"),)
 
 
 def test_bf16_engine_matches_transformers_in_bf16(tiny_model_dir) -> None:

@@ -2,7 +2,8 @@
 
 Eight prompts of 1 to 700 tokens go in together, under each scheduling regime the
 engine has (chunked prefill, whole prefill, prefix-cache hits, preemption), and for
-model variants (tied embeddings, QKV bias, llama3 RoPE scaling).
+model variants (tied embeddings, QKV bias, llama3 RoPE scaling), with the `torch` and
+the `cpu` attention backends.
 """
 
 from __future__ import annotations
@@ -57,8 +58,14 @@ def expected(tiny_model_dir: Path, prompts) -> list[list[int]]:
     return hf_greedy(tiny_model_dir, prompts, MAX_NEW_TOKENS)
 
 
-# `auto` is the cpu backend on CPU (where its op builds): the other tests run it too.
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
+# Every test runs both CPU backends: `torch` (the reference: F.linear, the Python model,
+# gathered attention) and `cpu` (what `auto` picks on CPU: the C++ ops, the small-batch
+# kernel and the decode-only stack). Triton runs under its interpreter in
+# test_triton_equivalence.py.
+BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu"])
+
+
+@BACKENDS
 def test_chunked_prefill_matches_transformers(tiny_model_dir, prompts, expected, backend):
     assert max(PROMPT_LENS) > 128
     engine, outputs = run_engine(
@@ -69,21 +76,24 @@ def test_chunked_prefill_matches_transformers(tiny_model_dir, prompts, expected,
     assert_idle(engine)
 
 
-def test_whole_prefill_matches_transformers(tiny_model_dir, prompts, expected):
+@BACKENDS
+def test_whole_prefill_matches_transformers(tiny_model_dir, prompts, expected, backend):
     engine, outputs = run_engine(
         tiny_model_dir,
         prompts,
         enable_chunked_prefill=False,
         max_num_batched_tokens=1024,
         enable_prefix_caching=False,
+        attention_backend=backend,
     )
     assert_token_equal(outputs, expected)
     assert engine.stats().prefix_cache_hits == 0
     assert_idle(engine)
 
 
-def test_prefix_cache_hits_match_transformers(tiny_model_dir, prompts, expected):
-    config = EngineConfig(model=str(tiny_model_dir), max_model_len=1024)
+@BACKENDS
+def test_prefix_cache_hits_match_transformers(tiny_model_dir, prompts, expected, backend):
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=1024, attention_backend=backend)
     engine = Engine(config)
     assert_token_equal(generate(engine, prompts, GREEDY, req_id_prefix="wave1"), expected)
     # Second wave: long shared prefixes of the first wave's prompts, new suffixes.
@@ -101,9 +111,10 @@ def test_prefix_cache_hits_match_transformers(tiny_model_dir, prompts, expected)
     assert_idle(engine)
 
 
-def test_preemption_matches_transformers(tiny_model_dir, prompts, expected):
+@BACKENDS
+def test_preemption_matches_transformers(tiny_model_dir, prompts, expected, backend):
     # 64 blocks of 16 tokens hold the longest request alone but not the whole batch.
-    engine, outputs = run_engine(tiny_model_dir, prompts, num_blocks=64)
+    engine, outputs = run_engine(tiny_model_dir, prompts, num_blocks=64, attention_backend=backend)
     assert_token_equal(outputs, expected)
     assert engine.stats().num_preemptions > 0
     assert_idle(engine)
@@ -123,16 +134,20 @@ def _small_dims() -> dict:
     )
 
 
-def test_qkv_bias_model_matches_transformers(tiny_model_dir, tmp_path, prompts):
+@BACKENDS
+def test_qkv_bias_model_matches_transformers(tiny_model_dir, tmp_path, prompts, backend):
     config = Qwen2Config(**_small_dims(), tie_word_embeddings=False, rope_theta=1e6)
     model_dir = save_random_model(Qwen2ForCausalLM, config, tmp_path / "qwen2", tiny_model_dir)
-    engine, outputs = run_engine(model_dir, prompts, max_num_batched_tokens=256)
+    engine, outputs = run_engine(
+        model_dir, prompts, max_num_batched_tokens=256, attention_backend=backend
+    )
     assert engine.model_config.qkv_bias
     assert_token_equal(outputs, hf_greedy(model_dir, prompts, MAX_NEW_TOKENS))
     assert_idle(engine)
 
 
-def test_llama3_rope_scaling_matches_transformers(tiny_model_dir, tmp_path, prompts):
+@BACKENDS
+def test_llama3_rope_scaling_matches_transformers(tiny_model_dir, tmp_path, prompts, backend):
     rope = {
         "rope_type": "llama3",
         "rope_theta": 500000.0,
@@ -143,7 +158,9 @@ def test_llama3_rope_scaling_matches_transformers(tiny_model_dir, tmp_path, prom
     }
     config = LlamaConfig(**_small_dims(), rope_scaling=rope, rope_theta=500000.0)
     model_dir = save_random_model(LlamaForCausalLM, config, tmp_path / "llama3", tiny_model_dir)
-    engine, outputs = run_engine(model_dir, prompts, max_num_batched_tokens=256)
+    engine, outputs = run_engine(
+        model_dir, prompts, max_num_batched_tokens=256, attention_backend=backend
+    )
     assert engine.model_config.rope_parameters["rope_type"] == "llama3"
     assert_token_equal(outputs, hf_greedy(model_dir, prompts, MAX_NEW_TOKENS))
     assert_idle(engine)
