@@ -27,7 +27,13 @@ from tandem.engine.config import EngineConfig
 from tandem.planner.hysteresis import ResizeGate, Split
 from tandem.planner.live_config import PlannerConfig, PlannerMode
 from tandem.planner.live_inputs import InputWindow, waiting_for_traffic
-from tandem.planner.live_plan import LivePlanInput, LivePlanResult, compute_plan, warm_up
+from tandem.planner.live_plan import (
+    LivePlanInput,
+    LivePlanResult,
+    compute_plan,
+    ignore_interrupts,
+    warm_up,
+)
 from tandem.planner.observe import Counters, ObservedLoad, read_counters
 from tandem.planner.profile_format import EngineLimits
 from tandem.planner.profile_model import LatencyLaws
@@ -110,7 +116,7 @@ class LivePlanner:
 
     async def start(self) -> None:
         self._executor = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=mp.get_context("spawn")
+            max_workers=1, mp_context=mp.get_context("spawn"), initializer=ignore_interrupts
         )
         self._executor.submit(warm_up)
         if self.budget is None:

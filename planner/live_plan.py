@@ -3,6 +3,7 @@ separate process so the search never stalls the router's event loop)."""
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
 
 from tandem.planner.hysteresis import Split
@@ -79,6 +80,12 @@ def compute_plan(given: LivePlanInput) -> LivePlanResult:
         sim = ClusterSimulation(given.laws, settings, Layout(*recommended), given.slo)
         predicted = sim.run(workload, load.arrival_rate_rps).goodput_rps
     return LivePlanResult(recommended, why, goodput, predicted)
+
+
+def ignore_interrupts() -> None:
+    """The planner process's initializer: Ctrl-C in a terminal reaches the whole process
+    group, and the serving process that owns this one shuts it down (no traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def warm_up() -> None:
