@@ -22,8 +22,18 @@ def interrupt_myself() -> str:
     return "still planning"
 
 
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own Ctrl-C handling in this process, so the processes it spawns get it too
+    (a SIGINT ignored here, as under a background shell job, would be inherited
+    ignored, and the check below could not fail)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.timeout(60)
-def test_the_planner_process_leaves_ctrl_c_to_the_server():
+def test_the_planner_process_leaves_ctrl_c_to_the_server(python_sigint_handler):
     context = mp.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(
         max_workers=1, mp_context=context, initializer=ignore_interrupts
