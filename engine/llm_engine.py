@@ -35,7 +35,6 @@ from tandem.engine.model.loader import load_model
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.outputs import EngineStats, KvExport, RequestOutput
 from tandem.engine.request import FinishReason, Request, RequestStatus
-from tandem.engine.sampler import make_generator
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.structured.runtime import StructuredRuntime
@@ -466,5 +465,4 @@ class Engine:
             raise ValueError(
                 f"request needs {needed} KV blocks but the pool has {self.pool.num_blocks}"
             )
-        generator = make_generator(params.seed, self.config.device)
-        return Request(req_id, prompt_ids, params, generator=generator)
+        return Request(req_id, prompt_ids, params)

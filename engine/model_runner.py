@@ -95,7 +95,7 @@ class ModelRunner:
         result = self.sampler.sample(
             logits,
             [c.request.params for c in sampling],
-            [c.request.generator for c in sampling],
+            [c.request.draw_seed for c in sampling],
             [c.request for c in sampling],
         )
         return {

@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
+from tandem.engine.sampler import token_draw_seed
 from tandem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -50,8 +49,6 @@ class Request:
     # When the scheduler first gave the request a chunk (queueing ends there).
     first_scheduled_time: float | None = None
     finish_reason: FinishReason | None = None
-    # Drawn from only by this request, so a seed gives the same tokens in any batch.
-    generator: torch.Generator | None = None
     # Chained hashes of the request's full blocks, extended as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
     # With params.prompt_logprobs: the logprob of prompt token i + 1 given tokens 0..i.
@@ -94,6 +91,19 @@ class Request:
         if not resumed:
             return self.output_token_ids
         return self.prompt_token_ids[self.num_prompt_tokens - resumed :] + self.output_token_ids
+
+    @property
+    def draw_seed(self) -> int | None:
+        """The seed of the draw for this request's next token (None: unseeded).
+
+        A function of the request's seed and the token's index among all its generated
+        tokens, resumed ones included, and of nothing else: the same draws whatever shares
+        the batch and wherever the tokens are sampled (a prefill worker's first token, a
+        decode worker after the KV hand-off, a worker the request migrated to)."""
+        if self.params.seed is None:
+            return None
+        index = self.params.num_resumed_tokens + len(self.output_token_ids)
+        return token_draw_seed(self.params.seed, index)
 
     @property
     def is_finished(self) -> bool:

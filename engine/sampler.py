@@ -2,12 +2,14 @@
 
 The engine runs the model, gathers logits [num_seqs, vocab] for the sequences that produce
 a token this step, and calls `Sampler.sample` with each sequence's `SamplingParams` and
-its own `torch.Generator`. First `logit_bias` and the penalties change the logits of the
-rows that ask for them (penalties.py: batched tensors, no Python loop over the
-vocabulary), in vLLM's order. Greedy rows are then a plain argmax so outputs match
-Hugging Face greedy generation; sampled rows go through temperature, top-k and top-p,
-then an exponential race drawn from the row's generator, so a seeded request gets the
-same token whatever else shares the batch.
+the seed of its draw (`token_draw_seed`: the request's seed and the token's index). First
+`logit_bias` and the penalties change the logits of the rows that ask for them
+(penalties.py: batched tensors, no Python loop over the vocabulary), in vLLM's order.
+Greedy rows are then a plain argmax so outputs match Hugging Face greedy generation;
+sampled rows go through temperature, top-k and top-p, then an exponential race; a seeded
+row's noise comes from a generator seeded for that row and that token alone, so its draws
+do not depend on the batch, on the worker that samples the token, or on how many draws
+came before.
 
 Each step pays only for what its rows ask for: an all-greedy batch takes one max
 reduction (no argmax over rows that sample anyway), and the chosen token's logprob (a
@@ -40,38 +42,50 @@ class SamplerOutput:
     logprobs: list[float]
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator seeded for one request, or None to use torch's global RNG.
+_MASK_64 = (1 << 64) - 1
 
-    `device` must be the device the logits live on (a CUDA generator for CUDA logits).
-    """
-    if seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+
+def _splitmix64(x: int) -> int:
+    """A 64-bit bijection that scatters nearby inputs (SplitMix64's output function)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK_64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return x ^ (x >> 31)
+
+
+def token_draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded request's draw for its `index`-th generated token.
+
+    Hashed, not `seed + index`: forked sequences take seeds `seed + i`, and their draws
+    must not be each other's shifted by a token."""
+    return _splitmix64(_splitmix64(seed) ^ index)
 
 
 class Sampler:
-    """Stateless; one instance serves every step."""
+    """One instance serves every step of one engine (one thread): it keeps a scratch
+    generator per device, re-seeded for each seeded row's draw."""
+
+    def __init__(self) -> None:
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        draw_seeds: list[int | None],
         histories: Sequence[TokenHistory] | None = None,
     ) -> SamplerOutput:
         """Choose one token per row of `logits` ([num_seqs, vocab], any float dtype).
 
-        `histories` (the tokens each row's sequence has seen) is needed only when a row
-        has penalties."""
+        `draw_seeds`: per row, the seed of its draw (`token_draw_seed`), or None to draw
+        from torch's global RNG. `histories` (the tokens each row's sequence has seen) is
+        needed only when a row has penalties."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_seqs, vocab], got shape {tuple(logits.shape)}")
         num_seqs = logits.shape[0]
-        if len(params) != num_seqs or len(generators) != num_seqs:
+        if len(params) != num_seqs or len(draw_seeds) != num_seqs:
             raise ValueError(
-                f"got {num_seqs} logit rows, {len(params)} params, {len(generators)} generators"
+                f"got {num_seqs} logit rows, {len(params)} params, {len(draw_seeds)} draw seeds"
             )
         raw = logits.float()
         logits = apply_logit_bias(raw, params)
@@ -85,11 +99,11 @@ class Sampler:
             # `max` picks the first maximum as `argmax` does, in one cheaper pass.
             token_ids = logits.max(dim=-1).indices
         elif len(sample_rows) == num_seqs:
-            token_ids = self._sample_rows(logits, params, generators)
+            token_ids = self._sample_rows(logits, params, draw_seeds)
         else:
             rows = torch.tensor(sample_rows, device=logits.device)
             sampled = self._sample_rows(
-                logits[rows], [params[i] for i in sample_rows], [generators[i] for i in sample_rows]
+                logits[rows], [params[i] for i in sample_rows], [draw_seeds[i] for i in sample_rows]
             )
             token_ids = logits.argmax(dim=-1)
             token_ids[rows] = sampled
@@ -101,7 +115,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
-        generators: list[torch.Generator | None],
+        draw_seeds: list[int | None],
     ) -> torch.Tensor:
         """Sample one token per row; every row here has temperature > 0."""
         temperatures = torch.tensor(
@@ -111,7 +125,31 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits = _apply_top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
-        return probs.div_(_exponential_noise(probs, generators)).argmax(dim=-1)
+        return probs.div_(self._exponential_noise(probs, draw_seeds)).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, draw_seeds: list[int | None]) -> torch.Tensor:
+        """q ~ Exp(1) per element; argmax(probs / q) is then a draw from probs.
+
+        Seeded rows draw from the scratch generator seeded with their own seed; the
+        unseeded rows share torch's global RNG in a single call.
+        """
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, seed in enumerate(draw_seeds) if seed is None]
+        if unseeded:
+            rows = torch.tensor(unseeded, device=probs.device)
+            noise[rows] = torch.empty(
+                (len(unseeded), probs.shape[1]), device=probs.device
+            ).exponential_()
+        for i, seed in enumerate(draw_seeds):
+            if seed is not None:
+                noise[i].exponential_(generator=self._generator(probs.device).manual_seed(seed))
+        # A zero draw would turn 0/0 into NaN, which argmax treats as the maximum.
+        return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        if device not in self._generators:
+            self._generators[device] = torch.Generator(device=device)
+        return self._generators[device]
 
 
 def _chosen_logprobs(
@@ -157,25 +195,3 @@ def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> to
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     sorted_logits.masked_fill_(mass_before >= top_p.unsqueeze(1), float("-inf"))
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
-
-
-def _exponential_noise(
-    probs: torch.Tensor, generators: list[torch.Generator | None]
-) -> torch.Tensor:
-    """q ~ Exp(1) per element; argmax(probs / q) is then a draw from probs.
-
-    Rows with a generator draw from it alone, so their draw does not depend on the batch;
-    rows without one share torch's global RNG in a single call.
-    """
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        rows = torch.tensor(unseeded, device=probs.device)
-        noise[rows] = torch.empty(
-            (len(unseeded), probs.shape[1]), device=probs.device
-        ).exponential_()
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            noise[i].exponential_(generator=generator)
-    # A zero draw would turn 0/0 into NaN, which argmax treats as the maximum.
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)

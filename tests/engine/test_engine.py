@@ -5,6 +5,7 @@ Every test ends with the pools back to idle.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -185,6 +186,41 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model_dir):
     assert batch[0].token_ids == alone.token_ids
     assert all(lp <= 0.0 for lp in alone.logprobs) and len(alone.logprobs) == 12
     assert engine.is_idle()
+
+
+def test_seeded_draws_follow_the_token_not_the_worker(tiny_model_dir):
+    """A seeded request samples the same tokens when one engine runs it whole, when a
+    prefill engine samples its first token and a decode engine the rest, and when it is
+    resumed mid-way (a migration: its generated tokens re-sent as prompt)."""
+    [prompt] = make_prompts(2048, (20,), seed=11)
+    params = SamplingParams(max_tokens=12, temperature=2.0, seed=99, ignore_eos=True)
+    [whole] = generate(make_engine(tiny_model_dir), [prompt], params, "whole")
+
+    prefill = make_engine(tiny_model_dir, mode=EngineMode.PREFILL_ONLY)
+    decode = make_engine(tiny_model_dir, mode=EngineMode.DECODE_ONLY)
+    prefill.add_request("r", prompt, params)
+    [prefilled] = drain(prefill)
+    decode.reserve_import("r", prompt, prefilled.new_token_ids[0], params)
+    decode.write_kv("r", prefill.export_kv("r").blocks)
+    decode.commit_import("r")
+    assert prefill.release("r")
+    handed_off = prefilled.new_token_ids + [t for out in drain(decode) for t in out.new_token_ids]
+    assert handed_off == whole.token_ids
+
+    done = 5
+    resumed_params = dataclasses.replace(
+        params, max_tokens=params.max_tokens - done, num_resumed_tokens=done
+    )
+    [rest] = generate(
+        make_engine(tiny_model_dir), [prompt + whole.token_ids[:done]], resumed_params, "resumed"
+    )
+    assert whole.token_ids[:done] + rest.token_ids == whole.token_ids
+    # The draws are really random: another seed samples another sequence.
+    [other] = generate(
+        make_engine(tiny_model_dir), [prompt], dataclasses.replace(params, seed=100), "other"
+    )
+    assert other.token_ids != whole.token_ids
+    assert prefill.is_idle() and decode.is_idle()
 
 
 @pytest.mark.parametrize(

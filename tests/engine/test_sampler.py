@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tandem.engine.sampler import Sampler, make_generator
+from tandem.engine.sampler import Sampler, token_draw_seed
 from tandem.engine.sampling_params import SamplingParams
 
 VOCAB_SIZE = 64
@@ -30,7 +30,7 @@ def test_greedy_is_argmax(dtype: torch.dtype) -> None:
 def test_greedy_rows_in_mixed_batch_are_argmax() -> None:
     logits = random_logits(8)
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0) for i in range(8)]
-    out = Sampler().sample(logits, params, [make_generator(i) for i in range(8)])
+    out = Sampler().sample(logits, params, list(range(8)))
     argmax = torch.argmax(logits, dim=-1).tolist()
     assert [out.token_ids[i] for i in range(1, 8, 2)] == [argmax[i] for i in range(1, 8, 2)]
 
@@ -38,14 +38,14 @@ def test_greedy_rows_in_mixed_batch_are_argmax() -> None:
 def test_top_k_one_is_greedy() -> None:
     logits = random_logits(50, seed=1)
     params = [SamplingParams(temperature=1.5, top_k=1)] * 50
-    out = Sampler().sample(logits, params, [make_generator(i) for i in range(50)])
+    out = Sampler().sample(logits, params, list(range(50)))
     assert out.token_ids == torch.argmax(logits, dim=-1).tolist()
 
 
 def test_tiny_top_p_is_greedy() -> None:
     logits = random_logits(50, seed=2)
     params = [SamplingParams(temperature=2.0, top_p=1e-6)] * 50
-    out = Sampler().sample(logits, params, [make_generator(i) for i in range(50)])
+    out = Sampler().sample(logits, params, list(range(50)))
     assert out.token_ids == torch.argmax(logits, dim=-1).tolist()
 
 
@@ -59,7 +59,7 @@ def test_logprob_is_log_softmax_of_raw_logits() -> None:
         SamplingParams(temperature=0.0, logprobs=True),
         SamplingParams(temperature=3.0, logprobs=True),
     ]
-    out = Sampler().sample(logits, params, [make_generator(i) for i in range(6)])
+    out = Sampler().sample(logits, params, list(range(6)))
     expected = torch.log_softmax(logits, dim=-1)
     for row, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         assert logprob == pytest.approx(expected[row, token_id].item(), abs=1e-5)
@@ -71,7 +71,7 @@ def test_logprobs_only_for_rows_that_ask(greedy: bool) -> None:
     params = [
         SamplingParams(temperature=0.0 if greedy else 1.0, logprobs=i % 3 == 0) for i in range(6)
     ]
-    out = Sampler().sample(logits, params, [make_generator(i) for i in range(6)])
+    out = Sampler().sample(logits, params, list(range(6)))
     expected = torch.log_softmax(logits, dim=-1)
     for row, (token_id, logprob) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
         if row % 3 == 0:
@@ -96,8 +96,6 @@ def test_greedy_ties_pick_the_first_maximum(vocab_size: int) -> None:
 def _draw_sequence(seed: int, other_rows: int, position: int, num_steps: int) -> list[int]:
     """Tokens drawn for one seeded request sharing the batch with `other_rows` others."""
     sampler = Sampler()
-    generator = make_generator(seed)
-    others = [make_generator(1000 + i) if i % 2 else None for i in range(other_rows)]
     tokens = []
     for step in range(num_steps):
         # The request sees the same logits at every step whatever its batch neighbours.
@@ -105,8 +103,9 @@ def _draw_sequence(seed: int, other_rows: int, position: int, num_steps: int) ->
         batch = random_logits(other_rows + 1, seed=500 + step)
         batch[position] = own_logits[0]
         params = [SamplingParams(temperature=0.9, top_k=20, top_p=0.95)] * (other_rows + 1)
-        generators = [*others[:position], generator, *others[position:]]
-        tokens.append(sampler.sample(batch, params, generators).token_ids[position])
+        others = [token_draw_seed(1000 + i, step) if i % 2 else None for i in range(other_rows)]
+        draw_seeds = [*others[:position], token_draw_seed(seed, step), *others[position:]]
+        tokens.append(sampler.sample(batch, params, draw_seeds).token_ids[position])
     return tokens
 
 
@@ -131,9 +130,7 @@ def test_temperature_frequencies_follow_softmax_seeded() -> None:
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
     num_draws = 6000
     params = [SamplingParams(temperature=2.0)] * num_draws
-    out = Sampler().sample(
-        base.expand(num_draws, -1), params, [make_generator(i) for i in range(num_draws)]
-    )
+    out = Sampler().sample(base.expand(num_draws, -1), params, list(range(num_draws)))
     expected = torch.softmax(base / 2.0, dim=-1)
     assert torch.allclose(_frequencies(out.token_ids, 5), expected, atol=FREQ_TOLERANCE)
 
@@ -164,9 +161,7 @@ def test_top_k_top_p_keep_the_nucleus(top_k: int, top_p: float, kept: list[int])
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     num_draws = 6000
     params = [SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p)] * num_draws
-    out = Sampler().sample(
-        probs.log().expand(num_draws, -1), params, [make_generator(i) for i in range(num_draws)]
-    )
+    out = Sampler().sample(probs.log().expand(num_draws, -1), params, list(range(num_draws)))
     expected = torch.zeros(4)
     expected[kept] = probs[kept] / probs[kept].sum()
     assert torch.allclose(_frequencies(out.token_ids, 4), expected, atol=FREQ_TOLERANCE)
@@ -175,7 +170,7 @@ def test_top_k_top_p_keep_the_nucleus(top_k: int, top_p: float, kept: list[int])
 def test_rows_use_their_own_filters() -> None:
     logits = random_logits(2, seed=4).repeat(200, 1)
     params = [SamplingParams(top_k=1), SamplingParams(top_k=0)] * 200
-    out = Sampler().sample(logits, params, [make_generator(i) for i in range(400)])
+    out = Sampler().sample(logits, params, list(range(400)))
     argmax = torch.argmax(logits, dim=-1).tolist()
     assert out.token_ids[0::2] == argmax[0::2]
     assert out.token_ids[1::2] != argmax[1::2]

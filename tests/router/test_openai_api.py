@@ -160,6 +160,8 @@ def test_stop_string_cuts_the_text(client, cluster):
 
 
 def test_seeded_sampling_is_reproducible(client, cluster):
+    """Repeated: the router may prefill a short prompt on either worker, by load, and the
+    draws must not depend on which (tests/engine/test_engine.py covers both paths)."""
     args = dict(
         model=model_name(cluster),
         prompt="the cache",
@@ -169,8 +171,8 @@ def test_seeded_sampling_is_reproducible(client, cluster):
         seed=1234,
         extra_body={"ignore_eos": True, "top_k": 50},
     )
-    first = client.completions.create(**args).choices[0].text
-    assert client.completions.create(**args).choices[0].text == first
+    texts = [client.completions.create(**args).choices[0].text for _ in range(8)]
+    assert texts == texts[:1] * 8
 
 
 def test_models_and_tokenize(client, cluster, model_dir, tokenizer):
