@@ -12,4 +12,15 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
                               const c10::optional<at::Tensor>& bias);
 
+// RMSNorm of float32 rows x [T, H] (contiguous rows) times weight [H] (elementwise.cpp).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// SiLU(gate) * up of float32 rows gate_up [T, 2I] as a new [T, I] (elementwise.cpp).
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+// RoPE in place on the first num_heads heads of each float32 row of qkv by cos and signed
+// sin [T, 1, D] (elementwise.cpp).
+void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                       int64_t num_heads, int64_t head_dim);
+
 }  // namespace tandem_cpu

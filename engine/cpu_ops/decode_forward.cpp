@@ -1,10 +1,10 @@
 // The decoder stack of a decode-only CPU step in one call. It computes what
-// engine/model/llama.py's forward computes with the cpu attention backend, with the same
-// arithmetic in the same order (so the same numbers, bit for bit): the same torch ops,
-// except RoPE and the K/V cache write, done in one loop per token. No Python interpreter
-// between the ops: a decode step issues ~1,300 small ops, and at batch 1 their Python
-// dispatch cost a third as much as the step's matmuls. Registered as torch.ops.tandem_cpu.decode_forward; built by
-// loader.py; called by engine/model/cpu_decode.py.
+// engine/model/llama.py's forward computes with the cpu attention backend and the cpu
+// kernels on, with the same functions in the same order (so the same numbers, bit for
+// bit), without the Python interpreter between the ops: a decode step issues hundreds of
+// small ops, and at batch 1 their Python dispatch cost a third as much as the step's
+// matmuls. Registered as torch.ops.tandem_cpu.decode_forward; built by loader.py; called
+// by engine/model/cpu_decode.py.
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
@@ -17,13 +17,6 @@ namespace {
 
 // Per layer, in this order: input norm, qkv, o, post-attention norm, gate_up, down.
 constexpr int64_t kWeightsPerLayer = 6;
-
-// RMSNorm in float32 as llama.py's RMSNorm computes it on CPU.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& size,
-                    const at::Tensor& eps) {
-  at::Tensor variance = x.pow(2).sum(-1, /*keepdim=*/true).div_(size).add_(eps);
-  return (x * variance.rsqrt_()).mul_(weight);
-}
 
 // The rows llama.py's `Linear` sends to the small-batch kernel (others go to F.linear).
 struct SmallRows {
@@ -41,54 +34,33 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return at::linear(x, weight, bias);
 }
 
-// RoPE on the queries and keys of qkv [T, (Hq + 2 Hkv) * D] in place by cos and signed sin
-// [T, 1, D] (llama.py's apply_rotary_: x * cos + halves-swapped x * sin, each product
-// rounded, then the sum: no fused multiply-add, so the same bits), then the rotated keys
-// and the values into their cache slots (the torch backend's index_copy_). One pass over
-// each token's row instead of flip, three multiplies, an add and two copies.
-__attribute__((optimize("fp-contract=off"))) void rotate_and_write_kv(
-    const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
-    const at::Tensor& slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-  TORCH_CHECK(qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() &&
-                  slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
-              "decode_forward: contiguous qkv, cos, sin and int64 slot_mapping expected");
-  const int64_t tokens = qkv.size(0), half = head_dim / 2, rotated = num_heads + num_kv_heads;
-  const int64_t row = qkv.size(1), slot_size = num_kv_heads * head_dim;
+// The rotated keys and the values of qkv [T, (Hq + 2 Hkv) * D] into their cache slots
+// (the torch backend's index_copy_).
+void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tensor& slot_mapping,
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.is_contiguous() && slot_mapping.is_contiguous() &&
+                  slot_mapping.scalar_type() == at::kLong,
+              "decode_forward: contiguous qkv and int64 slot_mapping expected");
+  const int64_t tokens = qkv.size(0), row = qkv.size(1), slot_size = num_kv_heads * head_dim;
   const int64_t cache_half = kv_cache.size(1) * kv_cache.size(2) * slot_size;  // floats of K
-  float* x = qkv.data_ptr<float>();
-  const float* cs = cos.data_ptr<float>();
-  const float* sn = sin.data_ptr<float>();
+  const float* x = qkv.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   float* k_cache = kv_cache.data_ptr<float>();
   float* v_cache = k_cache + cache_half;
   for (int64_t t = 0; t < tokens; ++t) {
-    float* xt = x + t * row;
-    const float* c = cs + t * head_dim;
-    const float* sg = sn + t * head_dim;
-    for (int64_t h = 0; h < rotated; ++h) {
-      float* xh = xt + h * head_dim;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = xh[i], x2 = xh[i + half];
-        const float a1 = x1 * c[i], b1 = x2 * sg[i];
-        const float a2 = x2 * c[i + half], b2 = x1 * sg[i + half];
-        xh[i] = a1 + b1;
-        xh[i + half] = a2 + b2;
-      }
-    }
-    const int64_t slot = slots[t];
-    std::memcpy(k_cache + slot * slot_size, xt + num_heads * head_dim, slot_size * sizeof(float));
-    std::memcpy(v_cache + slot * slot_size, xt + rotated * head_dim, slot_size * sizeof(float));
+    const float* keys = x + t * row + num_heads * head_dim;
+    std::memcpy(k_cache + slots[t] * slot_size, keys, slot_size * sizeof(float));
+    std::memcpy(v_cache + slots[t] * slot_size, keys + slot_size, slot_size * sizeof(float));
   }
 }
 
 // hidden [T, H] (the step's embeddings, T decodes), weights (kWeightsPerLayer per layer),
-// qkv_biases (none, or one per layer), final_norm [H], norm_size and norm_eps (float32
-// 0-dim), cos and signed sin [T, 1, D], kv_caches [layers, 2, blocks, block_size, Hkv, D],
+// qkv_biases (none, or one per layer), final_norm [H], norm_eps, cos and signed sin [T, 1, D], kv_caches [layers, 2, blocks, block_size, Hkv, D],
 // slot_mapping [T] int64, block_tables [T, width] and seq_lens [T] int32. Writes each
 // layer's K/V into its cache; returns the final normalized hidden states [T, H].
 at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, at::TensorList qkv_biases,
-                          const at::Tensor& final_norm, const at::Tensor& norm_size,
-                          const at::Tensor& norm_eps, const at::Tensor& cos, const at::Tensor& sin,
+                          const at::Tensor& final_norm, double norm_eps, const at::Tensor& cos,
+                          const at::Tensor& sin,
                           const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                           int64_t num_heads, int64_t num_kv_heads, int64_t min_small_rows,
@@ -115,11 +87,12 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
     const c10::optional<at::Tensor> qkv_bias =
         qkv_biases.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_biases[layer]);
     // Attention: fused QKV, RoPE on queries and keys in place, K/V into the cache, paged attention.
-    at::Tensor qkv = linear(rms_norm(hidden, w[0], norm_size, norm_eps), w[1], qkv_bias, small);
+    at::Tensor qkv = linear(tandem_cpu::rms_norm(hidden, w[0], norm_eps), w[1], qkv_bias, small);
     at::Tensor kv_cache = kv_caches[layer];
     {
       RECORD_FUNCTION("tandem_cpu::rotate_and_write_kv", c10::ArrayRef<const c10::IValue>{});
-      rotate_and_write_kv(qkv, cos, sin, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim);
+      tandem_cpu::rotary_embedding_(qkv, cos, sin, heads, head_dim);
+      write_kv(qkv, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim);
     }
     at::Tensor query = qkv.slice(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor attention = at::empty({tokens, num_heads, head_dim}, hidden.options());
@@ -130,12 +103,10 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
     hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, small).add_(hidden);
     // MLP: fused gate/up, SiLU(gate) * up, down; the residual added into the output.
     at::Tensor gate_up =
-        linear(rms_norm(hidden, w[3], norm_size, norm_eps), w[4], c10::nullopt, small);
-    const int64_t intermediate = gate_up.size(1) / 2;
-    at::Tensor act = at::silu(gate_up.slice(1, 0, intermediate)).mul_(gate_up.slice(1, intermediate));
-    hidden = linear(act, w[5], c10::nullopt, small).add_(hidden);
+        linear(tandem_cpu::rms_norm(hidden, w[3], norm_eps), w[4], c10::nullopt, small);
+    hidden = linear(tandem_cpu::silu_and_mul(gate_up), w[5], c10::nullopt, small).add_(hidden);
   }
-  return rms_norm(hidden, final_norm, norm_size, norm_eps);
+  return tandem_cpu::rms_norm(hidden, final_norm, norm_eps);
 }
 
 }  // namespace
@@ -143,7 +114,7 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def(
       "decode_forward(Tensor embeddings, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
-      "Tensor norm_size, Tensor norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, "
+      "float norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, "
       "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int num_heads, "
       "int num_kv_heads, int min_small_rows, int max_small_rows) -> Tensor");
   m.impl("decode_forward", c10::DispatchKey::CPU, TORCH_FN(decode_forward));

@@ -6,10 +6,11 @@ first use and caches the library under `TORCH_EXTENSIONS_DIR` (default
 cached build in well under a second. They run on torch's own thread pool
 (`at::parallel_for`), so they add no second OpenMP runtime. Loaded, they are
 `torch.ops.tandem_cpu.paged_decode` (decode attention over the paged cache, the `cpu`
-attention backend), `torch.ops.tandem_cpu.small_batch_linear` (float32 matmuls of a few
-rows, see engine/model/linear.py) and `torch.ops.tandem_cpu.decode_forward` (a
-decode-only step's decoder stack, see engine/model/cpu_decode.py); cpu_ops.h declares
-what one file calls in another.
+attention backend), `small_batch_linear` (float32 matmuls of a few rows, see
+engine/model/linear.py), `rms_norm`, `silu_and_mul` and `rotary_embedding_` (fused float32
+elementwise ops, see engine/model/cpu_kernels.py), `greedy_argmax` (the greedy sampler's
+choice, engine/sampler.py) and `decode_forward` (a decode-only step's decoder stack, see
+engine/model/cpu_decode.py); cpu_ops.h declares what one file calls in another.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).parent / name
-    for name in ("paged_decode.cpp", "small_batch_linear.cpp", "decode_forward.cpp")
+    for name in (
+        "paged_decode.cpp",
+        "small_batch_linear.cpp",
+        "elementwise.cpp",
+        "greedy_argmax.cpp",
+        "decode_forward.cpp",
+    )
 ]
 # The cache folder's name: a change of source or flags rebuilds it (torch hashes both).
 # `-march=native` makes a build fit only CPUs with this one's instruction sets, so the
@@ -110,3 +117,29 @@ def small_batch_linear(
     """x @ weight.T (+ bias) as a new [rows, n] tensor: float32, x [rows, k] with k
     contiguous, weight [n, k] contiguous; streams the weight once for all rows."""
     return torch.ops.tandem_cpu.small_batch_linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of float32 rows x [T, H] (rows contiguous) times weight [H], in one pass
+    per row: a new [T, H] tensor."""
+    return torch.ops.tandem_cpu.rms_norm(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of float32 rows gate_up [T, 2I] ([gate | up]): a new [T, I]."""
+    return torch.ops.tandem_cpu.silu_and_mul(gate_up)
+
+
+def rotary_embedding_(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int
+) -> None:
+    """RoPE in place on the first `num_heads` heads of each float32 row of qkv, by cos and
+    signed sin [T, 1, D] (engine/model/rotary.py's tables), the same bits as
+    `apply_rotary_`."""
+    torch.ops.tandem_cpu.rotary_embedding_(qkv, cos, sin, num_heads, head_dim)
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of float32 logits [rows, vocab], the first index of its maximum (a NaN
+    counts as the maximum), as int64 [rows]: what `logits.max(dim=-1).indices` gives."""
+    return torch.ops.tandem_cpu.greedy_argmax(logits)

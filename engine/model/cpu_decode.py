@@ -1,9 +1,9 @@
 """A decode-only CPU step's decoder stack in one C++ call (engine/cpu_ops/decode_forward.cpp).
 
-The op runs the ops of `LlamaForCausalLM.forward` with the `cpu` attention backend, in
-the same order (so the same numbers), without Python between them: at batch 1 the ~1,300
-ops of a step cost, through Python, a third as much as its matmuls. Steps with prefill
-chunks, other backends and other dtypes run the Python model.
+The op runs what `LlamaForCausalLM.forward` runs with the `cpu` attention backend and the
+cpu kernels (cpu_kernels.py), in the same order (so the same numbers), without Python
+between the ops: at batch 1 their Python dispatch cost a third as much as the matmuls.
+Steps with prefill chunks, other backends and other dtypes run the Python model.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class CpuDecodeStack:
         )
         norm = model.norm
         self.final_norm = norm.weight.detach()
-        self.norm_size, self.norm_eps = norm._cpu_size, norm._cpu_eps
+        self.norm_eps = norm.eps
         self.scale = model.attention_backend.scale
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
 
@@ -59,7 +59,7 @@ class CpuDecodeStack:
         cos, sin = rope
         return torch.ops.tandem_cpu.decode_forward(
             embeddings, self.weights, self.qkv_biases, self.final_norm,
-            self.norm_size, self.norm_eps, cos, sin, kv_caches, meta.slot_mapping,
+            self.norm_eps, cos, sin, kv_caches, meta.slot_mapping,
             meta.decode_block_tables, meta.decode_seq_lens, self.scale,
             self.num_heads, self.num_kv_heads, SMALL_BATCH_MIN_ROWS, SMALL_BATCH_MAX_ROWS,
         )  # fmt: skip

@@ -26,27 +26,10 @@ SMALL_BATCH_MAX_ROWS = 16
 
 class Linear(nn.Linear):
     # Off by default (the kernel is CPU float32 only, and must be built); on for the whole
-    # model by `use_small_batch_kernel`.
-    small_batch_kernel = False
+    # model by `use_cpu_kernels` (cpu_kernels.py).
+    cpu_kernel = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_batch_kernel and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_MAX_ROWS:
+        if self.cpu_kernel and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_MAX_ROWS:
             return small_batch_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-
-def use_small_batch_kernel(model: nn.Module) -> int:
-    """Turns the kernel on for every `Linear` of a float32 CPU model with contiguous
-    weights (call once the weights are loaded); returns how many layers it covers."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    for layer in layers:
-        weight = layer.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
-            raise ValueError(
-                "the small-batch kernel is CPU float32 only, "
-                f"not {weight.dtype} on {weight.device}"
-            )
-        if not weight.is_contiguous():
-            raise ValueError("the small-batch kernel needs contiguous weights")
-        layer.small_batch_kernel = True
-    return len(layers)

@@ -5,7 +5,9 @@ the loader concatenates the checkpoint's separate weights. Numerics follow Huggi
 Face's implementation (RMSNorm in float32, RoPE tables in float32) so greedy output
 matches `transformers` token for token. Elementwise work runs in place where the values
 stay the same (RoPE into the fused QKV output, residual adds, SiLU-and-multiply): on CPU a
-decode step's cost beyond its matmuls is mostly the number of ops and fresh buffers.
+decode step's cost beyond its matmuls is mostly the number of ops and fresh buffers. On
+CPU in float32 with the `cpu` backend, RMSNorm, RoPE, SiLU-and-multiply and small-batch
+matmuls run as fused C++ ops instead (engine/model/cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -18,12 +20,16 @@ from torch import nn
 
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.config import ModelConfig
+from tandem.engine.cpu_ops.loader import rms_norm, rotary_embedding_, silu_and_mul
 from tandem.engine.model.cpu_decode import CpuDecodeStack
 from tandem.engine.model.linear import Linear
 from tandem.engine.model.rotary import RotaryEmbedding, apply_rotary_
 
 
 class RMSNorm(nn.Module):
+    # The fused C++ op instead of the torch ops (CPU float32; on by `use_cpu_kernels`).
+    cpu_kernel = False
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -35,6 +41,8 @@ class RMSNorm(nn.Module):
         self._cpu_eps = torch.tensor(eps, dtype=torch.float32, device="cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel:
+            return rms_norm(x, self.weight, self.eps)
         h = x if x.dtype == torch.float32 else x.float()
         if h.device.type == "cpu":
             # mean(-1) as torch computes it (a sum, then a division), the same bits.
@@ -48,6 +56,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    # RoPE by the C++ op instead of the torch ops (CPU float32; on by `use_cpu_kernels`).
+    cpu_kernel = False
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend[Any]):
         super().__init__()
         self.num_heads = cfg.num_heads
@@ -72,13 +83,19 @@ class Attention(nn.Module):
         q_size, kv_size, _ = self.split_sizes
         # Queries and keys are adjacent in the fused output: rotate them in one pass, in place.
         qk = qkv[:, : q_size + kv_size].view(num_tokens, -1, self.head_dim)
-        apply_rotary_(qk, *rope)
+        if self.cpu_kernel:
+            rotary_embedding_(qkv, *rope, self.num_heads + self.num_kv_heads, self.head_dim)
+        else:
+            apply_rotary_(qk, *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
 
 
 class MLP(nn.Module):
+    # SiLU-and-multiply by the C++ op (CPU float32; on by `use_cpu_kernels`).
+    cpu_kernel = False
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -86,6 +103,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cpu_kernel:
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
@@ -113,9 +132,7 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`forward` returns final hidden states; `compute_logits` projects selected rows."""
 
-    def __init__(
-        self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend[Any]
-    ):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend[Any]):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tandem.engine.attention import get_attention_backend
 from tandem.engine.config import ModelConfig
 from tandem.engine.model.cpu_decode import CpuDecodeStack
-from tandem.engine.model.linear import use_small_batch_kernel
+from tandem.engine.model.cpu_kernels import use_cpu_kernels
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.rotary import RotaryEmbedding, inverse_frequencies
 
@@ -66,10 +66,9 @@ def load_model(
     model.rotary = rotary
     _load_weights(model, Path(model_dir), cfg)
     if backend.name == "cpu" and dtype == torch.float32:
-        # The cpu backend is Tandem's C++ CPU path: its build also holds the small-batch
-        # matmul kernel and the decode-only stack (the torch backend stays the pure-torch
-        # reference).
-        use_small_batch_kernel(model)
+        # The cpu backend is Tandem's C++ CPU path: its build also holds the fused kernels
+        # and the decode-only stack (the torch backend stays the pure-torch reference).
+        use_cpu_kernels(model)
         model.cpu_decode = CpuDecodeStack(model)
     return model.eval()
 

@@ -11,12 +11,8 @@ import torch.nn.functional as F
 
 from tandem.engine.cpu_ops.loader import cpu_ops_error, small_batch_linear
 from tandem.engine.model import linear as linear_module
-from tandem.engine.model.linear import (
-    SMALL_BATCH_MAX_ROWS,
-    SMALL_BATCH_MIN_ROWS,
-    Linear,
-    use_small_batch_kernel,
-)
+from tandem.engine.model.cpu_kernels import use_cpu_kernels
+from tandem.engine.model.linear import SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MIN_ROWS, Linear
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -76,11 +72,11 @@ def test_linear_uses_the_kernel_only_when_on_and_for_few_rows(monkeypatch) -> No
     for rows in bounds:
         layer(torch.randn(rows, 8))
     assert calls == []
-    assert use_small_batch_kernel(torch.nn.Sequential(layer, torch.nn.ReLU())) == 1
+    assert use_cpu_kernels(torch.nn.Sequential(layer, torch.nn.ReLU())) == 1
     with torch.no_grad():
         for rows in bounds:
             x = torch.randn(rows, 8)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls == [SMALL_BATCH_MIN_ROWS, SMALL_BATCH_MAX_ROWS]
     with pytest.raises(ValueError, match="CPU float32 only"):
-        use_small_batch_kernel(Linear(8, 3).to(torch.bfloat16))
+        use_cpu_kernels(Linear(8, 3).to(torch.bfloat16))

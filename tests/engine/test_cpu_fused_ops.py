@@ -1,0 +1,127 @@
+"""The fused CPU ops (engine/cpu_ops/elementwise.cpp, greedy_argmax.cpp) against torch:
+RMSNorm and SiLU-and-multiply within float32 rounding of a float64 reference, RoPE bit for
+bit with `apply_rotary_`, the greedy argmax index for index with `max(dim=-1)` (ties,
+NaN, -inf, strided rows); bad input is a clear error; the model's modules use them only
+once `use_cpu_kernels` turns them on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.cpu_ops.loader import (
+    cpu_ops_error,
+    greedy_argmax,
+    rms_norm,
+    rotary_embedding_,
+    silu_and_mul,
+)
+from tandem.engine.model.cpu_kernels import use_cpu_kernels
+from tandem.engine.model.llama import RMSNorm
+from tandem.engine.model.rotary import RotaryEmbedding, apply_rotary_, inverse_frequencies
+from tandem.engine.sampler import Sampler
+from tandem.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_ops() -> None:
+    error = cpu_ops_error()
+    assert error is None, f"the cpu ops must build on CPU test machines: {error}"
+
+
+@pytest.mark.parametrize(("rows", "size"), [(1, 768), (7, 100), (300, 256)])
+def test_rms_norm_matches_float64(rows: int, size: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, size + 5, generator=gen)[:, :size]  # strided rows
+    weight = torch.randn(size, generator=gen)
+    x64 = x.double()
+    expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), expected.float(), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize(("rows", "size"), [(1, 2048), (5, 37), (200, 640)])
+def test_silu_and_mul_matches_float64(rows: int, size: int) -> None:
+    gate_up = torch.randn(rows, 2 * size, generator=torch.Generator().manual_seed(size)) * 4
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    torch.testing.assert_close(
+        silu_and_mul(gate_up), (F.silu(gate) * up).float(), rtol=2e-6, atol=2e-6
+    )
+
+
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 20, 64), (3, 6, 128), (130, 5, 32)])
+def test_rotary_is_apply_rotary_bit_for_bit(tokens: int, heads: int, head_dim: int) -> None:
+    inv_freq, scaling = inverse_frequencies(head_dim, {"rope_theta": 10000.0})
+    rotary = RotaryEmbedding(inv_freq, scaling, 4096)
+    positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(1))
+    cos, sin = rotary.lookup(positions, torch.float32)
+    # Rows wider than the rotated heads (values follow them, as in the fused QKV output).
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=torch.Generator().manual_seed(2))
+    expected = qkv.clone()
+    apply_rotary_(expected[:, : heads * head_dim].view(tokens, heads, head_dim), cos, sin)
+    rotary_embedding_(qkv, cos, sin, heads, head_dim)
+    assert torch.equal(qkv, expected)
+
+
+def test_greedy_argmax_is_torch_max_index_for_index() -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(-3, 3, (40, 32001), generator=gen).float()  # many ties
+    logits[1] = float("-inf")
+    logits[2, 17] = float("nan")
+    logits[3, 5], logits[3, 900] = float("nan"), float("nan")
+    logits[4] = 0.0
+    logits[4, 31999] = -0.0
+    logits[5, 32000] = 1e30  # in the row's tail past the vectors
+    logits[6, 0] = float("inf")
+    for rows in (logits, logits[:1], logits[:, :1000], logits[:, 7:]):
+        assert torch.equal(greedy_argmax(rows), rows.max(dim=-1).indices)
+
+
+def test_sampler_takes_the_op_only_when_asked() -> None:
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=0.0)] * 8
+    expected = logits.argmax(dim=-1).tolist()
+    assert Sampler(cpu_argmax=True).sample(logits, params, [None] * 8).token_ids == expected
+    assert Sampler().sample(logits, params, [None] * 8).token_ids == expected
+
+
+ROPE = torch.ones(2, 1, 4)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: rms_norm(torch.ones(2, 4), torch.ones(3), 1e-6), "4 elements"),
+        (lambda: rms_norm(torch.ones(4, dtype=torch.float64), torch.ones(4), 1e-6), "2-d float32"),
+        (lambda: rms_norm(torch.ones(4, 2).t(), torch.ones(4), 1e-6), "rows must be contiguous"),
+        (lambda: silu_and_mul(torch.ones(2, 3)), "even number"),
+        (lambda: greedy_argmax(torch.ones(2, 3, dtype=torch.bfloat16)), "float32 CPU logits"),
+        (lambda: rotary_embedding_(torch.ones(2, 8), ROPE, ROPE, 3, 4), "3 heads"),
+        (lambda: rotary_embedding_(torch.ones(2, 8), ROPE[:1], ROPE, 2, 4), "cos and sin"),
+    ],
+)
+def test_bad_input_is_a_clear_error(call, message: str) -> None:
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_modules_use_the_kernels_once_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.engine.model import llama
+
+    calls = []
+
+    def counting(x, weight, eps):
+        calls.append(x.shape)
+        return rms_norm(x, weight, eps)
+
+    monkeypatch.setattr(llama, "rms_norm", counting)
+    norm = RMSNorm(64, 1e-5)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch_ops = norm(x)
+        assert calls == []
+        assert use_cpu_kernels(torch.nn.Sequential(norm)) == 1
+        torch.testing.assert_close(norm(x), torch_ops, rtol=2e-6, atol=2e-6)
+    assert calls == [x.shape]
+    with pytest.raises(ValueError, match="CPU float32 only"):
+        use_cpu_kernels(RMSNorm(8, 1e-5).to(torch.bfloat16))
