@@ -1,10 +1,12 @@
-"""The CPU backend: decodes read the paged cache in place through a C++ op.
+"""The CPU backend: attention reads the paged cache in place through C++ ops.
 
 Per layer, one call of `torch.ops.tandem_cpu.paged_decode` (engine/cpu_ops) covers all
 decodes: each (sequence, KV head) task walks its block table, scoring the KV head's query
 heads against each key and summing values, over exactly its own length; no per-layer
-gather into a padded buffer, no mask. Writing K/V and prefill chunks reuse the torch
-backend's path (SDPA). Float32, bfloat16 and float16 caches; sums in float32.
+gather into a padded buffer, no mask. Float32, bfloat16 and float16 caches; sums in
+float32. Each float32 prefill chunk is one call of `paged_prefill`: causal over its cached
+prefix and its own tokens, tiled GEMMs with an online softmax (no mask tensor); other
+dtypes' chunks and the K/V writes are the torch backend's (SDPA, `index_copy_`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import torch
 
 from tandem.engine.attention.metadata import BatchLayout
 from tandem.engine.attention.torch_backend import (
+    PrefillSpan,
     TorchAttentionBackend,
     TorchAttentionMetadata,
     prefill_spans,
 )
-from tandem.engine.cpu_ops.loader import cpu_ops_error, paged_decode
+from tandem.engine.cpu_ops.loader import cpu_ops_error, paged_decode, paged_prefill
 
 
 @dataclass
@@ -32,7 +35,7 @@ class CpuPagedAttentionMetadata(TorchAttentionMetadata):
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
-    """Decodes through the paged C++ op, prefills through the torch backend."""
+    """Decodes and float32 prefill chunks through the paged C++ ops."""
 
     name: ClassVar[str] = "cpu"
 
@@ -78,3 +81,20 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                 rows,
             )
         return out
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        span: PrefillSpan,
+        out: torch.Tensor,
+    ) -> None:
+        if kv_cache.dtype != torch.float32:
+            super()._prefill(query, key, value, kv_cache, span, out)
+            return
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        paged_prefill(
+            query[rows], kv_cache, span.block_table, span.context_len, self.scale, out[rows]
+        )

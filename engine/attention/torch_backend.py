@@ -108,25 +108,38 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
         for group in meta.decode_groups:
             self._decode(query, kv_cache, group, out)
         for span in meta.prefills:
-            end = span.query_start + span.query_len
-            q = query[span.query_start : end].transpose(0, 1).unsqueeze(0)
-            if span.mask is None:
-                k = key[span.query_start : end]
-                v = value[span.query_start : end]
-            else:
-                kv = _gather(kv_cache, span.block_table)[:, : span.seq_len]
-                k, v = kv[0], kv[1]
-            o = F.scaled_dot_product_attention(
-                q,
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                attn_mask=span.mask,
-                is_causal=span.mask is None,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[span.query_start : end] = o[0].transpose(0, 1)
+            self._prefill(query, key, value, kv_cache, span, out)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        span: PrefillSpan,
+        out: torch.Tensor,
+    ) -> None:
+        """One prefill chunk in one SDPA call: causal over its own K/V from position 0,
+        else masked over its gathered cached prefix plus its own tokens."""
+        end = span.query_start + span.query_len
+        q = query[span.query_start : end].transpose(0, 1).unsqueeze(0)
+        if span.mask is None:
+            k = key[span.query_start : end]
+            v = value[span.query_start : end]
+        else:
+            kv = _gather(kv_cache, span.block_table)[:, : span.seq_len]
+            k, v = kv[0], kv[1]
+        o = F.scaled_dot_product_attention(
+            q,
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        out[span.query_start : end] = o[0].transpose(0, 1)
 
     def _decode(
         self, query: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, out: torch.Tensor

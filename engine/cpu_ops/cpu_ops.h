@@ -2,6 +2,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cmath>
+
 namespace tandem_cpu {
 
 // out[i] = attention of query[i] over its first seq_lens[i] cached positions (paged_decode.cpp).
@@ -22,5 +24,17 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // sin [T, 1, D] (elementwise.cpp).
 void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                        int64_t num_heads, int64_t head_dim);
+
+// Softmax's middle step: s[i] = exp(s[i] - top) for i < n; returns their sum.
+inline float exp_shifted_sum(float* s, int64_t n, float top) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = std::exp(s[i] - top);
+    s[i] = e;
+    sum += e;
+  }
+  return sum;
+}
 
 }  // namespace tandem_cpu

@@ -5,12 +5,13 @@ first use and caches the library under `TORCH_EXTENSIONS_DIR` (default
 ~/.cache/torch_extensions): later starts, and concurrent ones (a file lock), load the
 cached build in well under a second. They run on torch's own thread pool
 (`at::parallel_for`), so they add no second OpenMP runtime. Loaded, they are
-`torch.ops.tandem_cpu.paged_decode` (decode attention over the paged cache, the `cpu`
-attention backend), `small_batch_linear` (float32 matmuls of a few rows, see
-engine/model/linear.py), `rms_norm`, `silu_and_mul` and `rotary_embedding_` (fused float32
-elementwise ops, see engine/model/cpu_kernels.py), `greedy_argmax` (the greedy sampler's
-choice, engine/sampler.py) and `decode_forward` (a decode-only step's decoder stack, see
-engine/model/cpu_decode.py); cpu_ops.h declares what one file calls in another.
+`torch.ops.tandem_cpu.paged_decode` and `paged_prefill` (decode and prefill attention
+over the paged cache, the `cpu` attention backend), `small_batch_linear` (float32
+matmuls of a few rows, see engine/model/linear.py), `rms_norm`, `silu_and_mul` and
+`rotary_embedding_` (fused float32 elementwise ops, see engine/model/cpu_kernels.py),
+`greedy_argmax` (the greedy sampler's choice, engine/sampler.py) and `decode_forward` (a
+decode-only step's decoder stack, see engine/model/cpu_decode.py); cpu_ops.h declares
+what one file calls in another.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SOURCES = [
     Path(__file__).parent / name
     for name in (
         "paged_decode.cpp",
+        "paged_prefill.cpp",
         "small_batch_linear.cpp",
         "elementwise.cpp",
         "greedy_argmax.cpp",
@@ -43,12 +45,14 @@ SOURCES = [
 # `-march=native` makes a build fit only CPUs with this one's instruction sets, so the
 # name carries them too: a home directory shared by different CPUs keeps one build each.
 EXTENSION_BASE_NAME = "tandem_cpu_ops"
-# -ffast-math lets the compiler vectorize the reductions and exp. -fopenmp makes
+# -ffast-math lets the compiler vectorize the reductions and exp (glibc's vector exp);
+# -mprefer-vector-width=512 lets it use 16-float vectors where the CPU has them (GCC
+# defaults to 8 on AVX-512 CPUs: the prefill attention's softmax took ~8% longer). -fopenmp makes
 # `at::parallel_for` (an inline template) really parallel and honours the `omp simd`
 # hints; no OpenMP library is linked, so the op's GOMP calls resolve to the libgomp torch
 # itself loads: one OpenMP runtime, one thread pool (without the flag the op ran on one
 # thread whatever torch's thread count).
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
 
 @functools.cache
@@ -109,6 +113,20 @@ def paged_decode(
     """out[i] = attention of query[i] (one token) over its first seq_lens[i] cached
     positions, read through block_tables[i] (int32); GQA by head groups."""
     torch.ops.tandem_cpu.paged_decode(query, kv_cache, block_tables, seq_lens, scale, out)
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """out = causal attention of one float32 prefill chunk's queries [T, Hq, D] (token i at
+    position context_len + i) over the cached positions 0..context_len + T - 1, read
+    through block_table (int64; the chunk's own K/V already written); GQA by head groups."""
+    torch.ops.tandem_cpu.paged_prefill(query, kv_cache, block_table, context_len, scale, out)
 
 
 def small_batch_linear(

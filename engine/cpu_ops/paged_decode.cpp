@@ -89,13 +89,7 @@ void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at:
             top = std::max(top, score);
           }
         }
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          const float e = std::exp(s[t] - top);
-          s[t] = e;
-          sum += e;
-        }
+        const float sum = tandem_cpu::exp_shifted_sum(s, len, top);
         Vec acc[kVectors] = {};
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {
           const float* block = v_cache + table[t0 / block_size] * block_size * token_stride + head * D;
@@ -162,13 +156,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
         float* sg = s + g * len;
         float top = sg[0];
         for (int64_t t = 1; t < len; ++t) top = std::max(top, sg[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          const float e = std::exp(sg[t] - top);
-          sg[t] = e;
-          sum += e;
-        }
+        const float sum = tandem_cpu::exp_shifted_sum(sg, len, top);
         const float inv = 1.f / sum;
 #pragma omp simd
         for (int64_t t = 0; t < len; ++t) sg[t] *= inv;

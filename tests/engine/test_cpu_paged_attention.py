@@ -1,9 +1,10 @@
-"""The `cpu` backend (paged decode through the C++ op, prefills through SDPA) against
-attention written out per sequence in float64: ragged decodes, block sizes 1 to 64, GQA
-ratios 1 to 8, head dims 16 to 128 (64 and 128 take the float32 fast path), long
-contexts, mixed batches with prefix hits, bfloat16 and float16 caches; and how the
-selector offers it. The op is built (or loaded from the machine's
-cache) once per test session, by the first test that needs it."""
+"""The `cpu` backend (decodes through the paged decode op; float32 prefill chunks through
+the paged prefill op, other dtypes' through SDPA) against attention written out per
+sequence in float64: ragged decodes, block sizes 1 to 64, GQA ratios 1 to 8, head dims
+16 to 128 (64 and 128 take the decode op's float32 fast path), long contexts, mixed
+batches with prefix hits, prefill chunks past the prefill op's query block and key tile,
+bfloat16 and float16 caches; and how the selector offers it. The op is built (or loaded
+from the machine's cache) once per test session, by the first test that needs it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tandem.engine.attention import (
     selector,
 )
 from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionBackend
-from tandem.engine.cpu_ops.loader import cpu_ops_error, paged_decode
+from tandem.engine.cpu_ops.loader import cpu_ops_error, paged_decode, paged_prefill
 from tests.helpers.paged_batch import make_paged_batch, reference_attention
 
 # (query lens, seq lens, q heads, kv heads, head dim, block size): decodes first.
@@ -30,6 +31,9 @@ CASES = {
     "decodes-gqa8-bs1": ([1, 1, 1], [5, 1, 33], 16, 2, 16, 1),
     "mixed-prefix-hits": ([1, 1, 37, 5, 16], [45, 3, 100, 21, 16], 4, 2, 64, 16),
     "prefill-only": ([20, 7], [20, 7], 6, 2, 32, 4),
+    # 200 query tokens: 4 query blocks; a 1,300-token prefix: past the 1,024-key tile.
+    "prefill-long-prefix-tiles": ([1, 200, 130], [900, 1500, 130], 8, 2, 64, 16),
+    "prefill-mqa-hd128-bs8": ([70], [70], 4, 1, 128, 8),
 }
 
 
@@ -73,6 +77,21 @@ def test_op_refuses_wrong_index_dtype() -> None:
     with pytest.raises(RuntimeError, match="int32"):
         paged_decode(query, cache, torch.zeros(1, 1, dtype=torch.int64),
                      torch.ones(1, dtype=torch.int32), 1.0, torch.empty_like(query))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("table", "cache_dtype", "message"),
+    [
+        (torch.zeros(2, dtype=torch.int32), torch.float32, "int64 block table"),
+        (torch.zeros(1, dtype=torch.int64), torch.float32, "covering 6 positions"),
+        (torch.zeros(2, dtype=torch.int64), torch.bfloat16, "float32 only"),
+    ],
+)
+def test_prefill_op_refuses_bad_input(table, cache_dtype, message: str) -> None:
+    query = torch.randn(3, 2, 8)
+    cache = torch.randn(2, 2, 4, 1, 8).to(cache_dtype)
+    with pytest.raises(RuntimeError, match=message):
+        paged_prefill(query, cache, table, 3, 1.0, torch.empty_like(query))
 
 
 def test_auto_picks_cpu_on_cpu_and_cpu_refuses_other_devices() -> None:
