@@ -29,6 +29,7 @@ import torch
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.host_memory import keep_freed_memory
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_pins import KvPins, PinnedBlocks
 from tandem.engine.model.loader import load_model
@@ -56,6 +57,8 @@ class Engine:
     ) -> None:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if torch.device(config.device).type == "cpu":
+            keep_freed_memory()  # process-wide: steps reuse freed activations (host_memory.py)
         self.config = config
         self.max_model_len = config.max_model_len
         self.model_config = config.model_config
