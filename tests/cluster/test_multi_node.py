@@ -12,7 +12,6 @@ import asyncio
 
 import pytest
 import ray
-import ray._private.node
 from ray.cluster_utils import Cluster
 
 from tandem.cluster.launcher import LocalCluster
@@ -21,50 +20,35 @@ from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import assert_idle, cluster_config
+from tests.helpers.ray_start import start_with_retries
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 MAX_TOKENS = 8
 
 
-# Ray waits a fixed 30 s for a starting node to register with the GCS; on a loaded
-# 2-core box that can run out, so the two-node cluster gets a bounded number of tries.
-START_ATTEMPTS = 3
 NODES_TIMEOUT_S = 120
-
-
-def _kill_half_started_node(exc: BaseException) -> None:
-    """Stop the processes of the node whose start raised `exc` (its `Node.__init__`
-    frame still holds it; the `Cluster` never got to own it)."""
-    tb = exc.__traceback__
-    while tb is not None:
-        node = tb.tb_frame.f_locals.get("self")
-        if isinstance(node, ray._private.node.Node):
-            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
-            return
-        tb = tb.tb_next
 
 
 def _start_two_nodes() -> tuple[Cluster, str, str]:
     """A head that offers `tandem_prefill` and a second node that offers
-    `tandem_decode`, with the driver connected; retried when a node's start times out."""
-    errors: list[str] = []
-    for _ in range(START_ATTEMPTS):
+    `tandem_decode`, with the driver connected (retried while a node's start times out)."""
+    clusters: list[Cluster] = []
+
+    def start() -> tuple[Cluster, str, str]:
         cluster = Cluster()
-        try:
-            head = cluster.add_node(num_cpus=2, resources={"tandem_prefill": 2})
-            decode_node = cluster.add_node(num_cpus=2, resources={"tandem_decode": 2})
-            ray.init(address=cluster.address, log_to_driver=False)
-            cluster.wait_for_nodes(timeout=NODES_TIMEOUT_S)
-            return cluster, head.node_id, decode_node.node_id
-        except Exception as exc:  # Ray raises a bare Exception on a start timeout
-            errors.append(f"{type(exc).__name__}: {exc}")
-            _kill_half_started_node(exc)
-            ray.shutdown()
-            cluster.shutdown()
-    pytest.fail(
-        f"a two-node Ray cluster did not come up in {START_ATTEMPTS} tries: " + " | ".join(errors)
-    )
+        clusters.append(cluster)
+        head = cluster.add_node(num_cpus=2, resources={"tandem_prefill": 2})
+        decode_node = cluster.add_node(num_cpus=2, resources={"tandem_decode": 2})
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes(timeout=NODES_TIMEOUT_S)
+        return cluster, head.node_id, decode_node.node_id
+
+    def undo() -> None:
+        ray.shutdown()
+        clusters[-1].shutdown()
+
+    return start_with_retries(start, undo)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from tandem.cluster.launcher import LocalCluster
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_start import init_local_ray
 from tests.helpers.triton_interpreter import interpreter_process
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -85,8 +86,7 @@ def test_served_cluster_matches_transformers_with_triton(tiny_model_dir: Path) -
         # from start-up (before they import triton).
         patch.setenv("TRITON_INTERPRET", "1")
         config = cluster_config_from_args(build_parser().parse_args(flags))
-        # "local": a fresh instance, never one another process left on this machine.
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        init_local_ray(num_cpus=4)
     assert config.engine.attention_backend == "triton"
     config.router = replace(config.router, grpc_port=0, http_port=0, warmup_profile=False)
 

@@ -1,0 +1,57 @@
+"""Starting Ray in tests, retried when a node's start times out.
+
+Ray waits a fixed 30 s for a starting node's raylet to register with the GCS, then
+raises a bare Exception; on a loaded 2-core CI box that has run out (a module's
+`ray.init` timed out and its tests errored at setup). A node whose start timed out
+leaves its processes running, so they are stopped before the next try."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import pytest
+import ray
+import ray._private.node
+
+START_ATTEMPTS = 3
+
+T = TypeVar("T")
+
+
+def kill_half_started_node(exc: BaseException) -> None:
+    """Stop the processes of the node whose start raised `exc` (its `Node.__init__`
+    frame still holds it: neither `ray.init` nor a `Cluster` got to own it)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, ray._private.node.Node):
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            return
+        tb = tb.tb_next
+
+
+def start_with_retries(start: Callable[[], T], undo: Callable[[], None]) -> T:
+    """`start()`, tried up to START_ATTEMPTS times while it times out (a node's start,
+    or nodes joining a `Cluster`); `undo()` cleans up after every failed try, and other
+    errors are raised at once."""
+    errors: list[str] = []
+    for _ in range(START_ATTEMPTS):
+        try:
+            return start()
+        except Exception as exc:  # Ray raises a bare Exception on a start timeout
+            kill_half_started_node(exc)
+            undo()
+            if "timed out" not in str(exc).lower():
+                raise
+            errors.append(f"{type(exc).__name__}: {exc}")
+    pytest.fail(f"Ray did not start in {START_ATTEMPTS} tries: " + " | ".join(errors))
+
+
+def init_local_ray(**kwargs: Any) -> None:
+    """`ray.init(address="local", ...)`: a fresh instance (never one another process
+    left running on this machine), without the dashboard or worker logs."""
+    start_with_retries(
+        lambda: ray.init(address="local", include_dashboard=False, log_to_driver=False, **kwargs),
+        ray.shutdown,
+    )
