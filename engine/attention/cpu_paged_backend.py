@@ -4,9 +4,10 @@ Per layer, one call of `torch.ops.tandem_cpu.paged_decode` (engine/cpu_ops) cove
 decodes: each (sequence, KV head) task walks its block table, scoring the KV head's query
 heads against each key and summing values, over exactly its own length; no per-layer
 gather into a padded buffer, no mask. Float32, bfloat16 and float16 caches; sums in
-float32. Each float32 prefill chunk is one call of `paged_prefill`: causal over its cached
-prefix and its own tokens, tiled GEMMs with an online softmax (no mask tensor); other
-dtypes' chunks and the K/V writes are the torch backend's (SDPA, `index_copy_`).
+float32. Each float32 prefill chunk (head dims a multiple of 16) is one call of
+`paged_prefill`: causal over its cached prefix and its own tokens, register-blocked score
+and value kernels with an online softmax (no mask tensor); other chunks and the K/V writes
+are the torch backend's (SDPA, `index_copy_`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ from tandem.engine.attention.torch_backend import (
     TorchAttentionMetadata,
     prefill_spans,
 )
-from tandem.engine.cpu_ops.loader import cpu_ops_error, paged_decode, paged_prefill
+from tandem.engine.cpu_ops.loader import (
+    PREFILL_HEAD_DIM_MULTIPLE,
+    cpu_ops_error,
+    paged_decode,
+    paged_prefill,
+)
 
 
 @dataclass
@@ -91,7 +97,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         span: PrefillSpan,
         out: torch.Tensor,
     ) -> None:
-        if kv_cache.dtype != torch.float32:
+        if kv_cache.dtype != torch.float32 or query.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE:
             super()._prefill(query, key, value, kv_cache, span, out)
             return
         rows = slice(span.query_start, span.query_start + span.query_len)

@@ -115,6 +115,10 @@ def paged_decode(
     torch.ops.tandem_cpu.paged_decode(query, kv_cache, block_tables, seq_lens, scale, out)
 
 
+# paged_prefill's head dims: whole 16-float vectors.
+PREFILL_HEAD_DIM_MULTIPLE = 16
+
+
 def paged_prefill(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -125,7 +129,8 @@ def paged_prefill(
 ) -> None:
     """out = causal attention of one float32 prefill chunk's queries [T, Hq, D] (token i at
     position context_len + i) over the cached positions 0..context_len + T - 1, read
-    through block_table (int64; the chunk's own K/V already written); GQA by head groups."""
+    through block_table (int64; the chunk's own K/V already written); GQA by head groups;
+    head dims a multiple of PREFILL_HEAD_DIM_MULTIPLE."""
     torch.ops.tandem_cpu.paged_prefill(query, kv_cache, block_table, context_len, scale, out)
 
 

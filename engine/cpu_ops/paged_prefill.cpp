@@ -1,14 +1,15 @@
 // Prefill attention for CPU over the paged cache: one prefill chunk's queries against its
-// cached prefix and its own tokens (causal), GQA, float32. The chunk's K/V are already in
-// the cache. Each KV head's keys and values are first copied out of their blocks into
-// contiguous rows; then one task per (KV head, block of kQueryTokens query tokens) stacks
-// the head's query heads for those tokens into one matrix and walks the keys it may see in
-// tiles of kKeyTile: scores by one GEMM, an online softmax per row (causality applied
-// there, rows past their own position get no weight), values by a second GEMM. The GEMMs
-// are torch's (MKL), single-threaded inside the task. Against torch's SDPA on 2 threads:
-// 0.7x its flash attention's time on a 512-token chunk from position 0, 0.75x its masked
-// path over a 512-token cached prefix (which also needs K/V gathered and a mask built).
-// Scratch is bounded by the tiles, not by the context.
+// cached prefix and its own tokens (causal), GQA, float32, head dims that are multiples of
+// 16. The chunk's K/V are already in the cache. Each KV head's keys are first copied out
+// of their blocks into panels of 16 keys stored dimension-major (a panel row is one
+// vector: a key dimension of 16 keys), its values into contiguous rows. Then one task per
+// (KV head, block of kQueryTokens query tokens) stacks the head's query heads token by
+// token into rows and walks them in blocks of kRows rows, flash-attention style: per key
+// tile of kKeyTile keys, the block's scores (register-blocked multiply-adds over the
+// panels, only as far as the block's last row may see), an online softmax per row
+// (causality applied there), and the values summed into the block's output rows by a
+// second register-blocked kernel; a block's scores stay in L1. No GEMM library calls, no
+// mask tensor, no gather. Scratch is bounded by the tiles, not by the context.
 // Registered as torch.ops.tandem_cpu.paged_prefill; built by cpu_ops/loader.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,63 +25,180 @@
 namespace {
 
 constexpr int64_t kQueryTokens = 64;
-constexpr int64_t kKeyTile = 1024;
+constexpr int64_t kKeyTile = 512;
+constexpr int kLanes = 16;
+typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
 
-// K and V of every KV head as contiguous rows: [2, kv_heads, num_keys, D].
-at::Tensor contiguous_kv(const at::Tensor& kv_cache, const int64_t* table, int64_t num_keys) {
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
-  const int64_t kv_heads = kv_cache.size(3), head_dim = kv_cache.size(4);
-  at::Tensor kv = at::empty({2, kv_heads, num_keys, head_dim}, kv_cache.options());
-  const float* cache = kv_cache.data_ptr<float>();
-  float* dst = kv.data_ptr<float>();
-  const int64_t cache_half = num_blocks * block_size * kv_heads * head_dim;
-  const int64_t row_bytes = head_dim * sizeof(float);
-  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t half = task / kv_heads, head = task % kv_heads;
-      const float* src = cache + half * cache_half + head * head_dim;
-      float* rows = dst + task * num_keys * head_dim;
-      for (int64_t t = 0; t < num_keys; ++t) {
-        const int64_t slot = table[t / block_size] * block_size + t % block_size;
-        std::memcpy(rows + t * head_dim, src + slot * kv_heads * head_dim, row_bytes);
-      }
-    }
-  });
-  return kv;
+// Rows per block, and the register tiles: scores as kRows x 2 vectors (32 keys), value
+// sums as kValueRows x up to 4 vectors (64 dims). Without AVX-512 a Vec is two 8-float
+// registers of 16, so the tiles shrink to fit.
+#ifdef __AVX512F__
+constexpr int kRows = 12;
+constexpr int kValueRows = 6;
+#else
+constexpr int kRows = 3;
+constexpr int kValueRows = 1;
+#endif
+constexpr int kValueVectors = 4;
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(Vec));
+  return v;
 }
 
-// One online-softmax step over a tile of scores [rows, keys], in place (the rows' weights
-// on return): row i sees the tile's first visible[i] keys (clamped to [0, keys]). Keeps
-// each row's running max and sum, and writes the factor its earlier output must be scaled
-// by. In the first tile every row sees key 0; later a row may see none of a tile.
-void softmax_tile(float* scores, int64_t rows, int64_t keys, const int64_t* visible, bool first_tile,
-                  float* row_max, float* row_sum, float* rescale) {
-  for (int64_t i = 0; i < rows; ++i) {
-    float* s = scores + i * keys;
-    const int64_t n = std::min(std::max<int64_t>(visible[i], 0), keys);
-    std::fill(s + n, s + keys, 0.f);
-    if (n == 0) {
-      rescale[i] = 1.f;
-      continue;
-    }
-    float top = first_tile ? s[0] : row_max[i];
-    for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-    const float sum = tandem_cpu::exp_shifted_sum(s, n, top);
-    // No exp(-inf) for a first tile: -ffast-math assumes there are no infinities.
-    rescale[i] = first_tile ? 0.f : std::exp(row_max[i] - top);
-    row_sum[i] = (first_tile ? 0.f : row_sum[i] * rescale[i]) + sum;
-    row_max[i] = top;
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
+
+inline Vec broadcast(float x) { return Vec{} + x; }
+
+// Keys [0, num_keys) of one KV head in panels of kLanes keys: panel p's row d holds
+// dimension d of keys p * kLanes ... + kLanes - 1 (zeros past the last key).
+void pack_keys(const float* k_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+               int64_t head, int64_t head_dim, int64_t num_keys, float* panels) {
+  const int64_t num_panels = (num_keys + kLanes - 1) / kLanes;
+  std::memset(panels + (num_panels - 1) * head_dim * kLanes, 0, head_dim * kLanes * sizeof(float));
+  for (int64_t t = 0; t < num_keys; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const float* src = k_cache + (slot * kv_heads + head) * head_dim;
+    float* dst = panels + (t / kLanes) * head_dim * kLanes + t % kLanes;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d * kLanes] = src[d];
   }
+}
+
+void copy_values(const float* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+                 int64_t head, int64_t head_dim, int64_t num_keys, float* rows) {
+  for (int64_t t = 0; t < num_keys; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    std::memcpy(rows + t * head_dim, v_cache + (slot * kv_heads + head) * head_dim, head_dim * sizeof(float));
+  }
+}
+
+// s[r][p * kLanes + l] = q row r . key l of panel p, for R rows and P panels.
+template <int R, int P>
+void score_tile(const float* q, int64_t head_dim, const float* panels, float* s, int64_t s_stride) {
+  Vec acc[R][P] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    Vec k[P];
+    for (int p = 0; p < P; ++p) k[p] = load(panels + (p * head_dim + d) * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec qb = broadcast(q[r * head_dim + d]);
+      for (int p = 0; p < P; ++p) acc[r][p] += qb * k[p];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) store(s + r * s_stride + p * kLanes, acc[r][p]);
+  }
+}
+
+template <int R>
+void score_rows(const float* q, int64_t head_dim, const float* panels, int64_t num_panels, float* s,
+                int64_t s_stride) {
+  int64_t p = 0;
+  for (; p + 2 <= num_panels; p += 2) {
+    score_tile<R, 2>(q, head_dim, panels + p * head_dim * kLanes, s + p * kLanes, s_stride);
+  }
+  if (p < num_panels) score_tile<R, 1>(q, head_dim, panels + p * head_dim * kLanes, s + p * kLanes, s_stride);
+}
+
+// Scores of `rows` (<= kRows) query rows against num_panels panels.
+void score_block(int rows, const float* q, int64_t head_dim, const float* panels, int64_t num_panels, float* s,
+                 int64_t s_stride) {
+  switch (rows) {
+#define TANDEM_SCORE_CASE(n) \
+  case n:                    \
+    return score_rows<n>(q, head_dim, panels, num_panels, s, s_stride);
+    TANDEM_SCORE_CASE(1)
+    TANDEM_SCORE_CASE(2)
+    TANDEM_SCORE_CASE(3)
+#ifdef __AVX512F__
+    TANDEM_SCORE_CASE(4)
+    TANDEM_SCORE_CASE(5)
+    TANDEM_SCORE_CASE(6)
+    TANDEM_SCORE_CASE(7)
+    TANDEM_SCORE_CASE(8)
+    TANDEM_SCORE_CASE(9)
+    TANDEM_SCORE_CASE(10)
+    TANDEM_SCORE_CASE(11)
+    TANDEM_SCORE_CASE(12)
+#endif
+#undef TANDEM_SCORE_CASE
+  }
+}
+
+// acc[r][0, C * kLanes) = acc[r] * rescale[r] + sum over keys j of w[r][j] * v[j], for R rows.
+template <int R, int C>
+void value_tile(const float* w, int64_t w_stride, const float* v, int64_t v_stride, int64_t keys, float* acc,
+                int64_t acc_stride, const float* rescale) {
+  Vec o[R][C];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) o[r][c] = load(acc + r * acc_stride + c * kLanes) * rescale[r];
+  }
+  for (int64_t j = 0; j < keys; ++j) {
+    Vec vj[C];
+    for (int c = 0; c < C; ++c) vj[c] = load(v + j * v_stride + c * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const Vec wb = broadcast(w[r * w_stride + j]);
+      for (int c = 0; c < C; ++c) o[r][c] += wb * vj[c];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) store(acc + r * acc_stride + c * kLanes, o[r][c]);
+  }
+}
+
+template <int R>
+void value_rows(const float* w, int64_t w_stride, const float* v, int64_t head_dim, int64_t keys, float* acc,
+                const float* rescale) {
+  for (int64_t c0 = 0; c0 < head_dim; c0 += kValueVectors * kLanes) {
+    const float* vc = v + c0;
+    float* ac = acc + c0;
+    switch ((std::min<int64_t>(head_dim - c0, kValueVectors * kLanes)) / kLanes) {
+      case 1: value_tile<R, 1>(w, w_stride, vc, head_dim, keys, ac, head_dim, rescale); break;
+      case 2: value_tile<R, 2>(w, w_stride, vc, head_dim, keys, ac, head_dim, rescale); break;
+      case 3: value_tile<R, 3>(w, w_stride, vc, head_dim, keys, ac, head_dim, rescale); break;
+      default: value_tile<R, 4>(w, w_stride, vc, head_dim, keys, ac, head_dim, rescale); break;
+    }
+  }
+}
+
+// Value sums of `rows` (<= kRows) rows over `keys` keys, kValueRows rows at a time.
+void value_block(int rows, const float* w, int64_t w_stride, const float* v, int64_t head_dim, int64_t keys,
+                 float* acc, const float* rescale) {
+  int r = 0;
+  for (; r + kValueRows <= rows; r += kValueRows) {
+    value_rows<kValueRows>(w + r * w_stride, w_stride, v, head_dim, keys, acc + r * head_dim, rescale + r);
+  }
+  for (; r < rows; ++r) value_rows<1>(w + r * w_stride, w_stride, v, head_dim, keys, acc + r * head_dim, rescale + r);
+}
+
+// One online-softmax step for one row over the first `width` scores of a tile, in place
+// (the row's weights on return); the row sees the first `visible` of them (clamped to
+// [0, width]). Keeps the row's running max and sum and returns the factor its earlier
+// output must be scaled by. In the first tile every row sees key 0; later a row may see
+// none of a tile.
+float softmax_row(float* s, int64_t width, int64_t visible, bool first_tile, float& row_max, float& row_sum) {
+  const int64_t n = std::min(std::max<int64_t>(visible, 0), width);
+  std::fill(s + n, s + width, 0.f);
+  if (n == 0) return 1.f;
+  float top = first_tile ? s[0] : row_max;
+#pragma omp simd reduction(max : top)
+  for (int64_t j = 0; j < n; ++j) top = s[j] > top ? s[j] : top;
+  const float sum = tandem_cpu::exp_shifted_sum(s, n, top);
+  // No exp(-inf) for a first tile: -ffast-math assumes there are no infinities.
+  const float rescale = first_tile ? 0.f : std::exp(row_max - top);
+  row_sum = (first_tile ? 0.f : row_sum * rescale) + sum;
+  row_max = top;
+  return rescale;
 }
 
 }  // namespace
 
 namespace tandem_cpu {
 
-// query [T, Hq, D] (token rows may be strided, D contiguous), kv_cache [2, blocks,
-// block_size, Hkv, D] contiguous with the chunk's K/V written, block_table [>= blocks for
-// context_len + T positions] int64; query token i sits at position context_len + i.
-// Writes the attention output into out [T, Hq, D] (D contiguous).
+// query [T, Hq, D] (token rows may be strided, D contiguous, D a multiple of 16),
+// kv_cache [2, blocks, block_size, Hkv, D] contiguous with the chunk's K/V written,
+// block_table [>= blocks for context_len + T positions] int64; query token i sits at
+// position context_len + i. Writes the attention output into out [T, Hq, D] (D contiguous).
 void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                    int64_t context_len, double scale, at::Tensor out) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_table.device().is_cpu(),
@@ -92,15 +210,35 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
   TORCH_CHECK(kv_cache.is_contiguous() && query.stride(2) == 1 && out.stride(2) == 1,
               "paged_prefill: a contiguous kv_cache and contiguous head dims expected");
   const int64_t tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t kv_heads = kv_cache.size(3), block_size = kv_cache.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   TORCH_CHECK(num_heads % kv_heads == 0 && kv_cache.size(4) == head_dim && out.sizes() == query.sizes(),
               "paged_prefill: bad shapes");
+  TORCH_CHECK(head_dim % kLanes == 0, "paged_prefill: head dims that are multiples of ", kLanes,
+              " only, got ", head_dim);
   const int64_t num_keys = context_len + tokens;
   TORCH_CHECK(context_len >= 0 && block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
                   block_table.numel() * block_size >= num_keys,
               "paged_prefill: a contiguous int64 block table covering ", num_keys, " positions expected");
   if (tokens == 0) return;
-  const at::Tensor kv = contiguous_kv(kv_cache, block_table.data_ptr<int64_t>(), num_keys);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const float* k_cache = kv_cache.data_ptr<float>();
+  const float* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
+  const int64_t num_panels = (num_keys + kLanes - 1) / kLanes;
+  const int64_t panels_size = num_panels * kLanes * head_dim, values_size = num_keys * head_dim;
+  std::vector<float> keys_packed(kv_heads * panels_size), values(kv_heads * values_size);
+  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task % kv_heads;
+      if (task < kv_heads) {
+        pack_keys(k_cache, table, block_size, kv_heads, head, head_dim, num_keys,
+                  keys_packed.data() + head * panels_size);
+      } else {
+        copy_values(v_cache, table, block_size, kv_heads, head, head_dim, num_keys,
+                    values.data() + head * values_size);
+      }
+    }
+  });
+
   const int64_t group = num_heads / kv_heads;
   const int64_t query_blocks = (tokens + kQueryTokens - 1) / kQueryTokens;
   const int64_t max_rows = group * kQueryTokens;
@@ -110,54 +248,47 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   at::parallel_for(0, kv_heads * query_blocks, 1, [&](int64_t begin, int64_t end) {
-    const at::TensorOptions options = query.options();
-    at::Tensor q_buf = at::empty({max_rows * head_dim}, options);
-    at::Tensor s_buf = at::empty({max_rows * std::min(kKeyTile, num_keys)}, options);
-    at::Tensor pv_buf = at::empty({max_rows * head_dim}, options);
-    std::vector<float> acc(max_rows * head_dim), row_max(max_rows), row_sum(max_rows), rescale(max_rows);
-    std::vector<int64_t> visible(max_rows);
+    std::vector<float> q_rows(max_rows * head_dim), acc(max_rows * head_dim), scores(kRows * kKeyTile);
+    std::vector<float> row_max(max_rows), row_sum(max_rows), rescale(kRows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / query_blocks, t0 = (task % query_blocks) * kQueryTokens;
       const int64_t n = std::min(kQueryTokens, tokens - t0), rows = group * n;
-      // Row g * n + r: query head head * group + g of token t0 + r, scaled.
-      float* qs = q_buf.data_ptr<float>();
-      for (int64_t g = 0; g < group; ++g) {
-        for (int64_t r = 0; r < n; ++r) {
+      const float* panels = keys_packed.data() + head * panels_size;
+      const float* v = values.data() + head * values_size;
+      // Row r * group + g: query head head * group + g of token t0 + r, scaled.
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
           const float* src = q + (t0 + r) * q_row + (head * group + g) * q_head;
-          float* dst = qs + (g * n + r) * head_dim;
+          float* dst = q_rows.data() + (r * group + g) * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * sc;
         }
       }
-      const at::Tensor q_rows = q_buf.narrow(0, 0, rows * head_dim).view({rows, head_dim});
       std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
-      // The last key any row of this block may see.
+      // The last key any row of this task may see.
       const int64_t keys_seen = context_len + t0 + n;
       for (int64_t k0 = 0; k0 < keys_seen; k0 += kKeyTile) {
         const int64_t keys = std::min(kKeyTile, keys_seen - k0);
-        const at::Tensor k_tile = kv[0][head].narrow(0, k0, keys);
-        const at::Tensor v_tile = kv[1][head].narrow(0, k0, keys);
-        at::Tensor s = s_buf.narrow(0, 0, rows * keys).view({rows, keys});
-        at::mm_out(s, q_rows, k_tile.t());
-        for (int64_t g = 0; g < group; ++g) {
-          for (int64_t r = 0; r < n; ++r) visible[g * n + r] = context_len + t0 + r + 1 - k0;
-        }
-        softmax_tile(s.data_ptr<float>(), rows, keys, visible.data(), k0 == 0, row_max.data(),
-                     row_sum.data(), rescale.data());
-        at::Tensor pv = pv_buf.narrow(0, 0, rows * head_dim).view({rows, head_dim});
-        at::mm_out(pv, s, v_tile);
-        const float* pvs = pv.data_ptr<float>();
-        for (int64_t i = 0; i < rows; ++i) {
-          float* a = acc.data() + i * head_dim;
-          const float* p = pvs + i * head_dim;
-          const float c = rescale[i];
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] = a[d] * c + p[d];
+        for (int64_t i0 = 0; i0 < rows; i0 += kRows) {
+          const int block_rows = static_cast<int>(std::min<int64_t>(kRows, rows - i0));
+          // Keys of this tile that row i sees: its token's position + 1, minus k0.
+          auto visible = [&](int64_t i) { return context_len + t0 + i / group + 1 - k0; };
+          const int64_t width = std::min(std::max<int64_t>(visible(i0 + block_rows - 1), 0), keys);
+          if (width == 0) continue;  // no row of the block sees this tile: nothing changes
+          const int64_t panels_seen = (width + kLanes - 1) / kLanes;
+          score_block(block_rows, q_rows.data() + i0 * head_dim, head_dim,
+                      panels + (k0 / kLanes) * head_dim * kLanes, panels_seen, scores.data(), kKeyTile);
+          for (int r = 0; r < block_rows; ++r) {
+            rescale[r] = softmax_row(scores.data() + r * kKeyTile, width, visible(i0 + r), k0 == 0, row_max[i0 + r],
+                                     row_sum[i0 + r]);
+          }
+          value_block(block_rows, scores.data(), kKeyTile, v + k0 * head_dim, head_dim, width,
+                      acc.data() + i0 * head_dim, rescale.data());
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        for (int64_t r = 0; r < n; ++r) {
-          const int64_t i = g * n + r;
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t i = r * group + g;
           const float inv = 1.f / row_sum[i];
           const float* a = acc.data() + i * head_dim;
           float* dst = o + (t0 + r) * o_row + (head * group + g) * o_head;

@@ -31,9 +31,14 @@ CASES = {
     "decodes-gqa8-bs1": ([1, 1, 1], [5, 1, 33], 16, 2, 16, 1),
     "mixed-prefix-hits": ([1, 1, 37, 5, 16], [45, 3, 100, 21, 16], 4, 2, 64, 16),
     "prefill-only": ([20, 7], [20, 7], 6, 2, 32, 4),
-    # 200 query tokens: 4 query blocks; a 1,300-token prefix: past the 1,024-key tile.
+    # 200 query tokens: 4 query blocks; a 1,300-token prefix: past the 512-key tile.
     "prefill-long-prefix-tiles": ([1, 200, 130], [900, 1500, 130], 8, 2, 64, 16),
     "prefill-mqa-hd128-bs8": ([70], [70], 4, 1, 128, 8),
+    # Head dims of 3 and 5 vectors (value sums in slabs of 4), GQA 5, MHA.
+    "prefill-hd80-gqa5-bs16": ([33], [90], 10, 2, 80, 16),
+    "prefill-hd48-mha": ([1, 17], [40, 17], 3, 3, 48, 16),
+    # Not a whole number of vectors: the chunk takes SDPA.
+    "prefill-hd24-sdpa": ([9, 4], [9, 30], 2, 1, 24, 4),
 }
 
 
@@ -80,16 +85,17 @@ def test_op_refuses_wrong_index_dtype() -> None:
 
 
 @pytest.mark.parametrize(
-    ("table", "cache_dtype", "message"),
+    ("table", "cache_dtype", "head_dim", "message"),
     [
-        (torch.zeros(2, dtype=torch.int32), torch.float32, "int64 block table"),
-        (torch.zeros(1, dtype=torch.int64), torch.float32, "covering 6 positions"),
-        (torch.zeros(2, dtype=torch.int64), torch.bfloat16, "float32 only"),
+        (torch.zeros(2, dtype=torch.int32), torch.float32, 16, "int64 block table"),
+        (torch.zeros(1, dtype=torch.int64), torch.float32, 16, "covering 6 positions"),
+        (torch.zeros(2, dtype=torch.int64), torch.bfloat16, 16, "float32 only"),
+        (torch.zeros(2, dtype=torch.int64), torch.float32, 8, "multiples of 16 only, got 8"),
     ],
 )
-def test_prefill_op_refuses_bad_input(table, cache_dtype, message: str) -> None:
-    query = torch.randn(3, 2, 8)
-    cache = torch.randn(2, 2, 4, 1, 8).to(cache_dtype)
+def test_prefill_op_refuses_bad_input(table, cache_dtype, head_dim: int, message: str) -> None:
+    query = torch.randn(3, 2, head_dim)
+    cache = torch.randn(2, 2, 4, 1, head_dim).to(cache_dtype)
     with pytest.raises(RuntimeError, match=message):
         paged_prefill(query, cache, table, 3, 1.0, torch.empty_like(query))
 
