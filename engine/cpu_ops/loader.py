@@ -45,7 +45,7 @@ SOURCES = [
 # `-march=native` makes a build fit only CPUs with this one's instruction sets, so the
 # name carries them too: a home directory shared by different CPUs keeps one build each.
 EXTENSION_BASE_NAME = "tandem_cpu_ops"
-# -ffast-math lets the compiler vectorize the reductions and exp (glibc's vector exp);
+# -ffast-math lets the compiler vectorize the remaining scalar loops and reductions;
 # -mprefer-vector-width=512 lets it use 16-float vectors where the CPU has them (GCC
 # defaults to 8 on AVX-512 CPUs: the prefill attention's softmax took ~8% longer). -fopenmp makes
 # `at::parallel_for` (an inline template) really parallel and honours the `omp simd`

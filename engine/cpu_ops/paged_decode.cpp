@@ -20,25 +20,18 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(Vec));
-  return v;
-}
-
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
-
-typedef int32_t Lanes __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using tandem_cpu::Ints16;
+using tandem_cpu::kLanes16;
+using tandem_cpu::load16;
+using tandem_cpu::store16;
+using tandem_cpu::Vec16;
 
 // A tree of lane swaps and adds (4 + 4 instructions; a loop over lanes is 31).
-inline float horizontal_sum(Vec v) {
-  v += __builtin_shuffle(v, Lanes{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, Lanes{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, Lanes{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, Lanes{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+inline float horizontal_sum(Vec16 v) {
+  v += __builtin_shuffle(v, Ints16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, Ints16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, Ints16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, Ints16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
   return v[0];
 }
 
@@ -49,7 +42,7 @@ inline float horizontal_sum(Vec v) {
 template <int D>
 void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  constexpr int kVectors = D / kLanes;
+  constexpr int kVectors = D / kLanes16;
   const int64_t rows = query.size(0), num_heads = query.size(1);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t kv_heads = kv_cache.size(3), group = num_heads / kv_heads;
@@ -74,35 +67,35 @@ void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at:
       float* s = scores.data();
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + row * q_row + (head * group + g) * q_head;
-        Vec qv[kVectors];
-        for (int c = 0; c < kVectors; ++c) qv[c] = load(qg + c * kLanes) * sc;
+        Vec16 qv[kVectors];
+        for (int c = 0; c < kVectors; ++c) qv[c] = load16(qg + c * kLanes16) * sc;
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {
           const float* block = k_cache + table[t0 / block_size] * block_size * token_stride + head * D;
           const int64_t n = std::min(block_size, len - t0);
           for (int64_t j = 0; j < n; ++j) {
             const float* k = block + j * token_stride;
-            Vec dot = qv[0] * load(k);
-            for (int c = 1; c < kVectors; ++c) dot += qv[c] * load(k + c * kLanes);
+            Vec16 dot = qv[0] * load16(k);
+            for (int c = 1; c < kVectors; ++c) dot += qv[c] * load16(k + c * kLanes16);
             const float score = horizontal_sum(dot);
             s[t0 + j] = score;
             top = std::max(top, score);
           }
         }
         const float sum = tandem_cpu::exp_shifted_sum(s, len, top);
-        Vec acc[kVectors] = {};
+        Vec16 acc[kVectors] = {};
         for (int64_t t0 = 0; t0 < len; t0 += block_size) {
           const float* block = v_cache + table[t0 / block_size] * block_size * token_stride + head * D;
           const int64_t n = std::min(block_size, len - t0);
           for (int64_t j = 0; j < n; ++j) {
             const float* v = block + j * token_stride;
             const float p = s[t0 + j];
-            for (int c = 0; c < kVectors; ++c) acc[c] += p * load(v + c * kLanes);
+            for (int c = 0; c < kVectors; ++c) acc[c] += p * load16(v + c * kLanes16);
           }
         }
         const float inv = 1.f / sum;
         float* og = o + row * o_row + (head * group + g) * o_head;
-        for (int c = 0; c < kVectors; ++c) store(og + c * kLanes, acc[c] * inv);
+        for (int c = 0; c < kVectors; ++c) store16(og + c * kLanes16, acc[c] * inv);
       }
     }
   });
@@ -154,8 +147,7 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& kv_cache, const at
       }
       for (int64_t g = 0; g < group; ++g) {
         float* sg = s + g * len;
-        float top = sg[0];
-        for (int64_t t = 1; t < len; ++t) top = std::max(top, sg[t]);
+        const float top = tandem_cpu::max_of(sg, len, sg[0]);
         const float sum = tandem_cpu::exp_shifted_sum(sg, len, top);
         const float inv = 1.f / sum;
 #pragma omp simd

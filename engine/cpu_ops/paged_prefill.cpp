@@ -26,11 +26,14 @@ namespace {
 
 constexpr int64_t kQueryTokens = 64;
 constexpr int64_t kKeyTile = 512;
-constexpr int kLanes = 16;
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+using tandem_cpu::kLanes16;
+using tandem_cpu::load16;
+using tandem_cpu::splat16;
+using tandem_cpu::store16;
+using tandem_cpu::Vec16;
 
 // Rows per block, and the register tiles: scores as kRows x 2 vectors (32 keys), value
-// sums as kValueRows x up to 4 vectors (64 dims). Without AVX-512 a Vec is two 8-float
+// sums as kValueRows x up to 4 vectors (64 dims). Without AVX-512 a Vec16 is two 8-float
 // registers of 16, so the tiles shrink to fit.
 #ifdef __AVX512F__
 constexpr int kRows = 12;
@@ -41,27 +44,17 @@ constexpr int kValueRows = 1;
 #endif
 constexpr int kValueVectors = 4;
 
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(Vec));
-  return v;
-}
-
-inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(Vec)); }
-
-inline Vec broadcast(float x) { return Vec{} + x; }
-
-// Keys [0, num_keys) of one KV head in panels of kLanes keys: panel p's row d holds
-// dimension d of keys p * kLanes ... + kLanes - 1 (zeros past the last key).
+// Keys [0, num_keys) of one KV head in panels of kLanes16 keys: panel p's row d holds
+// dimension d of keys p * kLanes16 ... + kLanes16 - 1 (zeros past the last key).
 void pack_keys(const float* k_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
                int64_t head, int64_t head_dim, int64_t num_keys, float* panels) {
-  const int64_t num_panels = (num_keys + kLanes - 1) / kLanes;
-  std::memset(panels + (num_panels - 1) * head_dim * kLanes, 0, head_dim * kLanes * sizeof(float));
+  const int64_t num_panels = (num_keys + kLanes16 - 1) / kLanes16;
+  std::memset(panels + (num_panels - 1) * head_dim * kLanes16, 0, head_dim * kLanes16 * sizeof(float));
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
     const float* src = k_cache + (slot * kv_heads + head) * head_dim;
-    float* dst = panels + (t / kLanes) * head_dim * kLanes + t % kLanes;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d * kLanes] = src[d];
+    float* dst = panels + (t / kLanes16) * head_dim * kLanes16 + t % kLanes16;
+    for (int64_t d = 0; d < head_dim; ++d) dst[d * kLanes16] = src[d];
   }
 }
 
@@ -73,20 +66,20 @@ void copy_values(const float* v_cache, const int64_t* table, int64_t block_size,
   }
 }
 
-// s[r][p * kLanes + l] = q row r . key l of panel p, for R rows and P panels.
+// s[r][p * kLanes16 + l] = q row r . key l of panel p, for R rows and P panels.
 template <int R, int P>
 void score_tile(const float* q, int64_t head_dim, const float* panels, float* s, int64_t s_stride) {
-  Vec acc[R][P] = {};
+  Vec16 acc[R][P] = {};
   for (int64_t d = 0; d < head_dim; ++d) {
-    Vec k[P];
-    for (int p = 0; p < P; ++p) k[p] = load(panels + (p * head_dim + d) * kLanes);
+    Vec16 k[P];
+    for (int p = 0; p < P; ++p) k[p] = load16(panels + (p * head_dim + d) * kLanes16);
     for (int r = 0; r < R; ++r) {
-      const Vec qb = broadcast(q[r * head_dim + d]);
+      const Vec16 qb = splat16(q[r * head_dim + d]);
       for (int p = 0; p < P; ++p) acc[r][p] += qb * k[p];
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int p = 0; p < P; ++p) store(s + r * s_stride + p * kLanes, acc[r][p]);
+    for (int p = 0; p < P; ++p) store16(s + r * s_stride + p * kLanes16, acc[r][p]);
   }
 }
 
@@ -95,9 +88,9 @@ void score_rows(const float* q, int64_t head_dim, const float* panels, int64_t n
                 int64_t s_stride) {
   int64_t p = 0;
   for (; p + 2 <= num_panels; p += 2) {
-    score_tile<R, 2>(q, head_dim, panels + p * head_dim * kLanes, s + p * kLanes, s_stride);
+    score_tile<R, 2>(q, head_dim, panels + p * head_dim * kLanes16, s + p * kLanes16, s_stride);
   }
-  if (p < num_panels) score_tile<R, 1>(q, head_dim, panels + p * head_dim * kLanes, s + p * kLanes, s_stride);
+  if (p < num_panels) score_tile<R, 1>(q, head_dim, panels + p * head_dim * kLanes16, s + p * kLanes16, s_stride);
 }
 
 // Scores of `rows` (<= kRows) query rows against num_panels panels.
@@ -125,34 +118,34 @@ void score_block(int rows, const float* q, int64_t head_dim, const float* panels
   }
 }
 
-// acc[r][0, C * kLanes) = acc[r] * rescale[r] + sum over keys j of w[r][j] * v[j], for R rows.
+// acc[r][0, C * kLanes16) = acc[r] * rescale[r] + sum over keys j of w[r][j] * v[j], for R rows.
 template <int R, int C>
 void value_tile(const float* w, int64_t w_stride, const float* v, int64_t v_stride, int64_t keys, float* acc,
                 int64_t acc_stride, const float* rescale) {
-  Vec o[R][C];
+  Vec16 o[R][C];
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) o[r][c] = load(acc + r * acc_stride + c * kLanes) * rescale[r];
+    for (int c = 0; c < C; ++c) o[r][c] = load16(acc + r * acc_stride + c * kLanes16) * rescale[r];
   }
   for (int64_t j = 0; j < keys; ++j) {
-    Vec vj[C];
-    for (int c = 0; c < C; ++c) vj[c] = load(v + j * v_stride + c * kLanes);
+    Vec16 vj[C];
+    for (int c = 0; c < C; ++c) vj[c] = load16(v + j * v_stride + c * kLanes16);
     for (int r = 0; r < R; ++r) {
-      const Vec wb = broadcast(w[r * w_stride + j]);
+      const Vec16 wb = splat16(w[r * w_stride + j]);
       for (int c = 0; c < C; ++c) o[r][c] += wb * vj[c];
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < C; ++c) store(acc + r * acc_stride + c * kLanes, o[r][c]);
+    for (int c = 0; c < C; ++c) store16(acc + r * acc_stride + c * kLanes16, o[r][c]);
   }
 }
 
 template <int R>
 void value_rows(const float* w, int64_t w_stride, const float* v, int64_t head_dim, int64_t keys, float* acc,
                 const float* rescale) {
-  for (int64_t c0 = 0; c0 < head_dim; c0 += kValueVectors * kLanes) {
+  for (int64_t c0 = 0; c0 < head_dim; c0 += kValueVectors * kLanes16) {
     const float* vc = v + c0;
     float* ac = acc + c0;
-    switch ((std::min<int64_t>(head_dim - c0, kValueVectors * kLanes)) / kLanes) {
+    switch ((std::min<int64_t>(head_dim - c0, kValueVectors * kLanes16)) / kLanes16) {
       case 1: value_tile<R, 1>(w, w_stride, vc, head_dim, keys, ac, head_dim, rescale); break;
       case 2: value_tile<R, 2>(w, w_stride, vc, head_dim, keys, ac, head_dim, rescale); break;
       case 3: value_tile<R, 3>(w, w_stride, vc, head_dim, keys, ac, head_dim, rescale); break;
@@ -180,9 +173,7 @@ float softmax_row(float* s, int64_t width, int64_t visible, bool first_tile, flo
   const int64_t n = std::min(std::max<int64_t>(visible, 0), width);
   std::fill(s + n, s + width, 0.f);
   if (n == 0) return 1.f;
-  float top = first_tile ? s[0] : row_max;
-#pragma omp simd reduction(max : top)
-  for (int64_t j = 0; j < n; ++j) top = s[j] > top ? s[j] : top;
+  const float top = tandem_cpu::max_of(s, n, first_tile ? s[0] : row_max);
   const float sum = tandem_cpu::exp_shifted_sum(s, n, top);
   // No exp(-inf) for a first tile: -ffast-math assumes there are no infinities.
   const float rescale = first_tile ? 0.f : std::exp(row_max - top);
@@ -213,7 +204,7 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   TORCH_CHECK(num_heads % kv_heads == 0 && kv_cache.size(4) == head_dim && out.sizes() == query.sizes(),
               "paged_prefill: bad shapes");
-  TORCH_CHECK(head_dim % kLanes == 0, "paged_prefill: head dims that are multiples of ", kLanes,
+  TORCH_CHECK(head_dim % kLanes16 == 0, "paged_prefill: head dims that are multiples of ", kLanes16,
               " only, got ", head_dim);
   const int64_t num_keys = context_len + tokens;
   TORCH_CHECK(context_len >= 0 && block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
@@ -223,8 +214,8 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
   const int64_t* table = block_table.data_ptr<int64_t>();
   const float* k_cache = kv_cache.data_ptr<float>();
   const float* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
-  const int64_t num_panels = (num_keys + kLanes - 1) / kLanes;
-  const int64_t panels_size = num_panels * kLanes * head_dim, values_size = num_keys * head_dim;
+  const int64_t num_panels = (num_keys + kLanes16 - 1) / kLanes16;
+  const int64_t panels_size = num_panels * kLanes16 * head_dim, values_size = num_keys * head_dim;
   std::vector<float> keys_packed(kv_heads * panels_size), values(kv_heads * values_size);
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
@@ -275,9 +266,9 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
           auto visible = [&](int64_t i) { return context_len + t0 + i / group + 1 - k0; };
           const int64_t width = std::min(std::max<int64_t>(visible(i0 + block_rows - 1), 0), keys);
           if (width == 0) continue;  // no row of the block sees this tile: nothing changes
-          const int64_t panels_seen = (width + kLanes - 1) / kLanes;
+          const int64_t panels_seen = (width + kLanes16 - 1) / kLanes16;
           score_block(block_rows, q_rows.data() + i0 * head_dim, head_dim,
-                      panels + (k0 / kLanes) * head_dim * kLanes, panels_seen, scores.data(), kKeyTile);
+                      panels + (k0 / kLanes16) * head_dim * kLanes16, panels_seen, scores.data(), kKeyTile);
           for (int r = 0; r < block_rows; ++r) {
             rescale[r] = softmax_row(scores.data() + r * kKeyTile, width, visible(i0 + r), k0 == 0, row_max[i0 + r],
                                      row_sum[i0 + r]);

@@ -49,6 +49,16 @@ def test_silu_and_mul_matches_float64(rows: int, size: int) -> None:
     )
 
 
+def test_silu_and_mul_over_the_whole_float_range() -> None:
+    # The op's vector exp clamps its argument to [-87, 88]: past both ends, and at the
+    # edges between, SiLU stays finite and within float32's rounding of the true value.
+    edges = torch.tensor([-88.5, -87.0, 87.5, 88.5])
+    gate = torch.cat([torch.linspace(-200.0, 200.0, 4001), edges])
+    out = silu_and_mul(torch.cat([gate, torch.ones_like(gate)])[None])[0]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate.double()).float(), rtol=2e-6, atol=1e-30)
+
+
 @pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 20, 64), (3, 6, 128), (130, 5, 32)])
 def test_rotary_is_apply_rotary_bit_for_bit(tokens: int, heads: int, head_dim: int) -> None:
     inv_freq, scaling = inverse_frequencies(head_dim, {"rope_theta": 10000.0})
