@@ -1,9 +1,10 @@
 // Paged decode attention for CPU: reads K/V in place from the paged cache through the
 // block tables (no gather, no padding), GQA by handling a KV head's query heads together.
-// One task per (sequence, KV head), spread over torch's own thread pool (at::parallel_for).
-// float32 caches with head_dim 64 or 128 take a path with the head dim fixed at compile
-// time: a query head and its value sum live in vector registers (16-float vectors)
-// across the keys; other dtypes and sizes take the generic loops.
+// Tasks spread over torch's own thread pool (at::parallel_for). float32 caches with
+// head_dim 64 or 128 take a path with the head dim fixed at compile time that walks each
+// sequence's blocks once for all its heads, a query head's value sum in vector registers
+// (16-float vectors) across a block; other dtypes and sizes take the generic loops, one
+// task per (sequence, KV head).
 // Registered as torch.ops.tandem_cpu.paged_decode; built by cpu_ops/loader.py.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -35,10 +36,15 @@ inline float horizontal_sum(Vec16 v) {
   return v[0];
 }
 
-// The float32 path, head_dim D: per task, one query head at a time scores every key
-// (D / 16 fused multiply-adds and one horizontal sum per key), takes the softmax, and
-// sums the values into D / 16 register accumulators; K/V of the task's head stay in L1/L2
-// between the group's query heads.
+// The float32 path, head_dim D. One task per (sequence, range of KV heads): all of a
+// sequence's heads when there are enough sequences to keep every thread busy, fewer (down
+// to one) per task otherwise. Block by block, each head of the task scores its query
+// heads against the block's keys (D / 16 fused multiply-adds and one horizontal sum per
+// key and query head), then, after one softmax per query head, sums the block's values
+// into D / 16 register accumulators per query head. Going block by block through all the
+// task's heads reads each block's rows whole: one head at a time over the whole context
+// read a quarter of every 1 KiB row (4 KV heads), too sparse for the hardware
+// prefetchers, and long contexts ran at a third of the memory bandwidth.
 template <int D>
 void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
@@ -57,45 +63,69 @@ void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   float* o = out.data_ptr<float>();
   const int64_t token_stride = kv_heads * D;
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+  // Tasks: at least two per thread where the batch allows (a long sequence's task can
+  // take several times a short one's), each a whole number of KV heads.
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::min<int64_t>(kv_heads, std::max<int64_t>(1, (2 * threads + rows - 1) / rows));
+  const int64_t heads_per_task = (kv_heads + splits - 1) / splits;
+  const int64_t tasks_per_row = (kv_heads + heads_per_task - 1) / heads_per_task;
+  at::parallel_for(0, rows * tasks_per_row, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, accs, inv;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t row = task / kv_heads, head = task % kv_heads;
+      const int64_t row = task / tasks_per_row;
+      const int64_t h0 = (task % tasks_per_row) * heads_per_task, h1 = std::min(kv_heads, h0 + heads_per_task);
+      const int64_t q0 = h0 * group, nq = (h1 - h0) * group;
       const int64_t len = lens[row];
       const int32_t* table = tables + row * width;
-      scores.resize(len);
+      scores.resize(nq * len);
+      accs.assign(nq * D, 0.f);
+      inv.resize(nq);
       float* s = scores.data();
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + row * q_row + (head * group + g) * q_head;
-        Vec16 qv[kVectors];
-        for (int c = 0; c < kVectors; ++c) qv[c] = load16(qg + c * kLanes16) * sc;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-          const float* block = k_cache + table[t0 / block_size] * block_size * token_stride + head * D;
-          const int64_t n = std::min(block_size, len - t0);
-          for (int64_t j = 0; j < n; ++j) {
-            const float* k = block + j * token_stride;
-            Vec16 dot = qv[0] * load16(k);
-            for (int c = 1; c < kVectors; ++c) dot += qv[c] * load16(k + c * kLanes16);
-            const float score = horizontal_sum(dot);
-            s[t0 + j] = score;
-            top = std::max(top, score);
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float* block = k_cache + table[t0 / block_size] * block_size * token_stride;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t hq = h * group + g;
+            const float* qg = q + row * q_row + hq * q_head;
+            Vec16 qv[kVectors];
+            for (int c = 0; c < kVectors; ++c) qv[c] = load16(qg + c * kLanes16) * sc;
+            float* sg = s + (hq - q0) * len + t0;
+            for (int64_t j = 0; j < n; ++j) {
+              const float* k = block + j * token_stride + h * D;
+              Vec16 dot = qv[0] * load16(k);
+              for (int c = 1; c < kVectors; ++c) dot += qv[c] * load16(k + c * kLanes16);
+              sg[j] = horizontal_sum(dot);
+            }
           }
         }
-        const float sum = tandem_cpu::exp_shifted_sum(s, len, top);
-        Vec16 acc[kVectors] = {};
-        for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-          const float* block = v_cache + table[t0 / block_size] * block_size * token_stride + head * D;
-          const int64_t n = std::min(block_size, len - t0);
-          for (int64_t j = 0; j < n; ++j) {
-            const float* v = block + j * token_stride;
-            const float p = s[t0 + j];
-            for (int c = 0; c < kVectors; ++c) acc[c] += p * load16(v + c * kLanes16);
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* si = s + i * len;
+        const float top = tandem_cpu::max_of(si, len, si[0]);
+        inv[i] = 1.f / tandem_cpu::exp_shifted_sum(si, len, top);
+      }
+      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+        const float* block = v_cache + table[t0 / block_size] * block_size * token_stride;
+        const int64_t n = std::min(block_size, len - t0);
+        for (int64_t h = h0; h < h1; ++h) {
+          for (int64_t g = 0; g < group; ++g) {
+            const int64_t i = h * group + g - q0;
+            float* a = accs.data() + i * D;
+            Vec16 acc[kVectors];
+            for (int c = 0; c < kVectors; ++c) acc[c] = load16(a + c * kLanes16);
+            const float* p = s + i * len + t0;
+            for (int64_t j = 0; j < n; ++j) {
+              const float* v = block + j * token_stride + h * D;
+              for (int c = 0; c < kVectors; ++c) acc[c] += p[j] * load16(v + c * kLanes16);
+            }
+            for (int c = 0; c < kVectors; ++c) store16(a + c * kLanes16, acc[c]);
           }
         }
-        const float inv = 1.f / sum;
-        float* og = o + row * o_row + (head * group + g) * o_head;
-        for (int c = 0; c < kVectors; ++c) store16(og + c * kLanes16, acc[c] * inv);
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* og = o + row * o_row + (q0 + i) * o_head;
+        for (int c = 0; c < kVectors; ++c) store16(og + c * kLanes16, load16(accs.data() + i * D + c * kLanes16) * inv[i]);
       }
     }
   });
