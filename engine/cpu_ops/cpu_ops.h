@@ -41,6 +41,34 @@ inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(Vec16)); }
 
 inline Vec16 splat16(float x) { return Vec16{} + x; }
 
+// 16 bfloat16s as floats (exact), and floats to bfloat16 rounded to nearest even as
+// torch's casts round (a NaN becomes torch's 0x7fc0); `round_bf16_16` does both.
+typedef uint16_t Bf16x16 __attribute__((vector_size(kLanes16 * sizeof(uint16_t))));
+typedef uint32_t Bits16 __attribute__((vector_size(kLanes16 * sizeof(uint32_t))));
+
+inline Vec16 load_bf16(const c10::BFloat16* p) {
+  Bf16x16 h;
+  std::memcpy(&h, p, sizeof(h));
+  const Bits16 bits = __builtin_convertvector(h, Bits16) << 16;
+  return __builtin_bit_cast(Vec16, bits);
+}
+
+inline Bits16 bf16_bits(Vec16 v) {
+  const Bits16 u = __builtin_bit_cast(Bits16, v);
+  const Bits16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? Bits16{} + 0x7fc0u : rounded;
+}
+
+inline void store_bf16(c10::BFloat16* p, Vec16 v) {
+  const Bf16x16 h = __builtin_convertvector(bf16_bits(v), Bf16x16);
+  std::memcpy(p, &h, sizeof(h));
+}
+
+inline Vec16 round_bf16_16(Vec16 v) {
+  const Bits16 bits = bf16_bits(v) << 16;
+  return __builtin_bit_cast(Vec16, bits);
+}
+
 // The first n (< 16) floats at p, the other lanes `fill`; and the way back.
 inline Vec16 load_partial16(const float* p, int64_t n, float fill) {
   Vec16 v = splat16(fill);

@@ -18,7 +18,8 @@ namespace {
 // Per layer, in this order: input norm, qkv, o, post-attention norm, gate_up, down.
 constexpr int64_t kWeightsPerLayer = 6;
 
-// The rows llama.py's `Linear` sends to the small-batch kernel (others go to F.linear).
+// The rows llama.py's `Linear` sends to the small-batch kernel (float32 only; others go
+// to F.linear).
 struct SmallRows {
   int64_t min, max;
 };
@@ -26,7 +27,7 @@ struct SmallRows {
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   SmallRows small) {
   const int64_t rows = x.size(0);
-  if (rows >= small.min && rows <= small.max) {
+  if (rows >= small.min && rows <= small.max && x.scalar_type() == at::kFloat) {
     // Called directly, not through the dispatcher: named for torch.profiler here.
     RECORD_FUNCTION("tandem_cpu::small_batch_linear", c10::ArrayRef<const c10::IValue>{});
     return tandem_cpu::small_batch_linear(x, weight, bias);
@@ -41,16 +42,18 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tenso
   TORCH_CHECK(qkv.is_contiguous() && slot_mapping.is_contiguous() &&
                   slot_mapping.scalar_type() == at::kLong,
               "decode_forward: contiguous qkv and int64 slot_mapping expected");
-  const int64_t tokens = qkv.size(0), row = qkv.size(1), slot_size = num_kv_heads * head_dim;
-  const int64_t cache_half = kv_cache.size(1) * kv_cache.size(2) * slot_size;  // floats of K
-  const float* x = qkv.data_ptr<float>();
+  // In bytes: the element size is the model's.
+  const int64_t element = qkv.element_size();
+  const int64_t tokens = qkv.size(0), row = qkv.size(1) * element, slot_size = num_kv_heads * head_dim * element;
+  const int64_t cache_half = kv_cache.size(1) * kv_cache.size(2) * slot_size;  // bytes of K
+  const char* x = static_cast<const char*>(qkv.data_ptr());
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  float* k_cache = kv_cache.data_ptr<float>();
-  float* v_cache = k_cache + cache_half;
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + cache_half;
   for (int64_t t = 0; t < tokens; ++t) {
-    const float* keys = x + t * row + num_heads * head_dim;
-    std::memcpy(k_cache + slots[t] * slot_size, keys, slot_size * sizeof(float));
-    std::memcpy(v_cache + slots[t] * slot_size, keys + slot_size, slot_size * sizeof(float));
+    const char* keys = x + t * row + num_heads * head_dim * element;
+    std::memcpy(k_cache + slots[t] * slot_size, keys, slot_size);
+    std::memcpy(v_cache + slots[t] * slot_size, keys + slot_size, slot_size);
   }
 }
 
@@ -77,8 +80,9 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
   const int64_t q_size = num_heads * head_dim;
   TORCH_CHECK(kv_caches.size(4) == num_kv_heads && head_dim % 2 == 0 && kv_caches.is_contiguous(),
               "decode_forward: bad kv cache shape");
-  TORCH_CHECK(embeddings.scalar_type() == at::kFloat && kv_caches.scalar_type() == at::kFloat,
-              "decode_forward: float32 only");
+  TORCH_CHECK((embeddings.scalar_type() == at::kFloat || embeddings.scalar_type() == at::kBFloat16) &&
+                  kv_caches.scalar_type() == embeddings.scalar_type(),
+              "decode_forward: float32 or bfloat16 embeddings and kv caches of one dtype expected");
   TORCH_CHECK(num_layers == 0 || weights[1].size(0) == (heads + num_kv_heads) * head_dim,
               "decode_forward: qkv weight rows != (num_heads + 2 num_kv_heads) * head_dim");
   at::Tensor hidden = embeddings;

@@ -8,10 +8,10 @@ cached build in well under a second. They run on torch's own thread pool
 `torch.ops.tandem_cpu.paged_decode` and `paged_prefill` (decode and prefill attention
 over the paged cache, the `cpu` attention backend), `small_batch_linear` (float32
 matmuls of a few rows, see engine/model/linear.py), `rms_norm`, `silu_and_mul` and
-`rotary_embedding_` (fused float32 elementwise ops, see engine/model/cpu_kernels.py),
-`greedy_argmax` (the greedy sampler's choice, engine/sampler.py) and `decode_forward` (a
-decode-only step's decoder stack, see engine/model/cpu_decode.py); cpu_ops.h declares
-what one file calls in another.
+`rotary_embedding_` (fused float32/bfloat16 elementwise ops, see
+engine/model/cpu_kernels.py), `greedy_argmax` (the greedy sampler's choice,
+engine/sampler.py) and `decode_forward` (a decode-only step's decoder stack, see
+engine/model/cpu_decode.py); cpu_ops.h declares what one file calls in another.
 """
 
 from __future__ import annotations
@@ -143,22 +143,23 @@ def small_batch_linear(
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of float32 rows x [T, H] (rows contiguous) times weight [H], in one pass
-    per row: a new [T, H] tensor."""
+    """RMSNorm of float32 or bfloat16 rows x [T, H] (rows contiguous) times weight [H] of
+    the same dtype, in one pass per row: a new [T, H] tensor."""
     return torch.ops.tandem_cpu.rms_norm(x, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up of float32 rows gate_up [T, 2I] ([gate | up]): a new [T, I]."""
+    """SiLU(gate) * up of float32 or bfloat16 rows gate_up [T, 2I] ([gate | up]): a new
+    [T, I]."""
     return torch.ops.tandem_cpu.silu_and_mul(gate_up)
 
 
 def rotary_embedding_(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int
 ) -> None:
-    """RoPE in place on the first `num_heads` heads of each float32 row of qkv, by cos and
-    signed sin [T, 1, D] (engine/model/rotary.py's tables), the same bits as
-    `apply_rotary_`."""
+    """RoPE in place on the first `num_heads` heads of each float32 or bfloat16 row of qkv,
+    by cos and signed sin [T, 1, D] of its dtype (engine/model/rotary.py's tables), the
+    same bits as `apply_rotary_`."""
     torch.ops.tandem_cpu.rotary_embedding_(qkv, cos, sin, num_heads, head_dim)
 
 

@@ -3,7 +3,8 @@
 The op runs what `LlamaForCausalLM.forward` runs with the `cpu` attention backend and the
 cpu kernels (cpu_kernels.py), in the same order (so the same numbers), without Python
 between the ops: at batch 1 their Python dispatch cost a third as much as the matmuls.
-Steps with prefill chunks, other backends and other dtypes run the Python model.
+Steps with prefill chunks, other backends and dtypes other than float32 and bfloat16 run the
+Python model.
 """
 
 from __future__ import annotations

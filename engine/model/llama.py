@@ -6,8 +6,9 @@ Face's implementation (RMSNorm in float32, RoPE tables in float32) so greedy out
 matches `transformers` token for token. Elementwise work runs in place where the values
 stay the same (RoPE into the fused QKV output, residual adds, SiLU-and-multiply): on CPU a
 decode step's cost beyond its matmuls is mostly the number of ops and fresh buffers. On
-CPU in float32 with the `cpu` backend, RMSNorm, RoPE, SiLU-and-multiply and small-batch
-matmuls run as fused C++ ops instead (engine/model/cpu_kernels.py).
+CPU in float32 or bfloat16 with the `cpu` backend, RMSNorm, RoPE and SiLU-and-multiply
+(and in float32 small-batch matmuls) run as fused C++ ops instead
+(engine/model/cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tandem.engine.model.rotary import RotaryEmbedding, apply_rotary_
 
 
 class RMSNorm(nn.Module):
-    # The fused C++ op instead of the torch ops (CPU float32; on by `use_cpu_kernels`).
+    # The fused C++ op instead of the torch ops (CPU float32/bfloat16; on by `use_cpu_kernels`).
     cpu_kernel = False
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -56,7 +57,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    # RoPE by the C++ op instead of the torch ops (CPU float32; on by `use_cpu_kernels`).
+    # RoPE by the C++ op instead of the torch ops (CPU float32/bfloat16; on by `use_cpu_kernels`).
     cpu_kernel = False
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend[Any]):
@@ -93,7 +94,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    # SiLU-and-multiply by the C++ op (CPU float32; on by `use_cpu_kernels`).
+    # SiLU-and-multiply by the C++ op (CPU float32/bfloat16; on by `use_cpu_kernels`).
     cpu_kernel = False
 
     def __init__(self, cfg: ModelConfig) -> None:

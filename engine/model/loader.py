@@ -17,7 +17,7 @@ from safetensors import safe_open
 from tandem.engine.attention import get_attention_backend
 from tandem.engine.config import ModelConfig
 from tandem.engine.model.cpu_decode import CpuDecodeStack
-from tandem.engine.model.cpu_kernels import use_cpu_kernels
+from tandem.engine.model.cpu_kernels import KERNEL_DTYPES, use_cpu_kernels
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.rotary import RotaryEmbedding, inverse_frequencies
 
@@ -65,7 +65,7 @@ def load_model(
     rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
     model.rotary = rotary
     _load_weights(model, Path(model_dir), cfg)
-    if backend.name == "cpu" and dtype == torch.float32:
+    if backend.name == "cpu" and dtype in KERNEL_DTYPES:
         # The cpu backend is Tandem's C++ CPU path: its build also holds the fused kernels
         # and the decode-only stack (the torch backend stays the pure-torch reference).
         use_cpu_kernels(model)

@@ -1,7 +1,8 @@
 """The decode-only C++ stack (engine/model/cpu_decode.py) gives the Python model's numbers
 bit for bit: the same tokens and the same float logprobs for batches below, at and past
-the small-batch kernel's row limit, on a GQA model with QKV bias; it runs only on
-decode-only steps of a float32 model with the `cpu` backend."""
+the small-batch kernel's row limit, on a GQA model with QKV bias, in float32 and
+bfloat16; it runs only on decode-only steps of a float32 or bfloat16 model with the `cpu`
+backend."""
 
 from __future__ import annotations
 
@@ -46,10 +47,13 @@ class CountingStack:
         return self.stack(*args)
 
 
-def run(model_dir: Path, prompts: list[list[int]], fused: bool) -> tuple[list, int]:
-    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=512, attention_backend="cpu"))
+def run(model_dir: Path, prompts: list[list[int]], fused: bool, dtype: str) -> tuple[list, int]:
+    config = EngineConfig(
+        model=str(model_dir), max_model_len=512, attention_backend="cpu", dtype=dtype
+    )
+    engine = Engine(config)
     model = engine.runner.model
-    assert model.cpu_decode is not None  # float32 + cpu backend turns it on
+    assert model.cpu_decode is not None  # float32 or bfloat16 + cpu backend turns it on
     counting = CountingStack(model.cpu_decode) if fused else None
     model.cpu_decode = counting
     outputs = generate(engine, prompts, PARAMS)
@@ -57,12 +61,14 @@ def run(model_dir: Path, prompts: list[list[int]], fused: bool) -> tuple[list, i
 
 
 @pytest.mark.parametrize(
-    "batch", [1, SMALL_BATCH_MIN_ROWS, SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MAX_ROWS + 3]
-)
-def test_stack_equals_the_python_model(qwen2_dir: Path, batch: int) -> None:
+    ("batch", "dtype"),
+    [(1, "float32"), (SMALL_BATCH_MIN_ROWS, "float32"), (SMALL_BATCH_MAX_ROWS, "float32"),
+     (SMALL_BATCH_MAX_ROWS + 3, "float32"), (1, "bfloat16"), (SMALL_BATCH_MAX_ROWS, "bfloat16")],
+)  # fmt: skip
+def test_stack_equals_the_python_model(qwen2_dir: Path, batch: int, dtype: str) -> None:
     prompts = make_prompts(2048, [5 + 37 * i % 200 for i in range(batch)], seed=batch)
-    fused, calls = run(qwen2_dir, prompts, fused=True)
-    python, _ = run(qwen2_dir, prompts, fused=False)
+    fused, calls = run(qwen2_dir, prompts, fused=True, dtype=dtype)
+    python, _ = run(qwen2_dir, prompts, fused=False, dtype=dtype)
     assert calls >= PARAMS.max_tokens - 2  # every step after the prefills
     for a, b in zip(fused, python, strict=True):
         assert a.token_ids == b.token_ids
@@ -70,6 +76,6 @@ def test_stack_equals_the_python_model(qwen2_dir: Path, batch: int) -> None:
 
 
 def test_off_for_other_backends_and_dtypes(tiny_model_dir: Path) -> None:
-    for overrides in ({"attention_backend": "torch"}, {"dtype": "bfloat16"}):
+    for overrides in ({"attention_backend": "torch"}, {"dtype": "float16"}):
         engine = Engine(EngineConfig(model=str(tiny_model_dir), max_model_len=256, **overrides))
         assert engine.runner.model.cpu_decode is None

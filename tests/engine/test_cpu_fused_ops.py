@@ -1,6 +1,7 @@
 """The fused CPU ops (engine/cpu_ops/elementwise.cpp, greedy_argmax.cpp) against torch:
-RMSNorm and SiLU-and-multiply within float32 rounding of a float64 reference, RoPE bit for
-bit with `apply_rotary_`, the greedy argmax index for index with `max(dim=-1)` (ties,
+RMSNorm and SiLU-and-multiply within float32 rounding of a float64 reference and, in
+bfloat16, within one rounding of the torch modules; RoPE bit for bit with `apply_rotary_`
+in both dtypes; the greedy argmax index for index with `max(dim=-1)` (ties,
 NaN, -inf, strided rows); bad input is a clear error; the model's modules use them only
 once `use_cpu_kernels` turns them on."""
 
@@ -49,6 +50,27 @@ def test_silu_and_mul_matches_float64(rows: int, size: int) -> None:
     )
 
 
+@pytest.mark.parametrize(("rows", "size"), [(1, 2048), (5, 37), (200, 640)])
+def test_bfloat16_ops_round_where_the_torch_modules_round(rows: int, size: int) -> None:
+    """In bfloat16 the fused ops give the torch ops' results (transformers' rounding points:
+    after the norm, after SiLU, after the product) within one bfloat16 rounding."""
+    gen = torch.Generator().manual_seed(size)
+    x = torch.randn(rows, size, generator=gen).to(torch.bfloat16)
+    norm = RMSNorm(size, 1e-6).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight, generator=gen)
+    with torch.no_grad():
+        fused, torch_ops = rms_norm(x, norm.weight, 1e-6), norm(x)
+    torch.testing.assert_close(fused, torch_ops)
+    # Away from rounding ties the bits agree (the sums of squares differ in order only).
+    assert (fused == torch_ops).float().mean() > 0.99
+    gate_up = (torch.randn(rows, 2 * size, generator=gen) * 4).to(torch.bfloat16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    fused = silu_and_mul(gate_up)
+    torch.testing.assert_close(fused, F.silu(gate).mul_(up))
+    # Away from rounding ties the bits agree: one bfloat16 rounding of SiLU in float32.
+    assert (fused == F.silu(gate).mul_(up)).float().mean() > 0.99
+
+
 def test_silu_and_mul_over_the_whole_float_range() -> None:
     # The op's vector exp clamps its argument to [-87, 88]: past both ends, and at the
     # edges between, SiLU stays finite and within float32's rounding of the true value.
@@ -59,14 +81,18 @@ def test_silu_and_mul_over_the_whole_float_range() -> None:
     torch.testing.assert_close(out, F.silu(gate.double()).float(), rtol=2e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 20, 64), (3, 6, 128), (130, 5, 32)])
-def test_rotary_is_apply_rotary_bit_for_bit(tokens: int, heads: int, head_dim: int) -> None:
+def test_rotary_is_apply_rotary_bit_for_bit(
+    tokens: int, heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
     inv_freq, scaling = inverse_frequencies(head_dim, {"rope_theta": 10000.0})
     rotary = RotaryEmbedding(inv_freq, scaling, 4096)
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(1))
-    cos, sin = rotary.lookup(positions, torch.float32)
+    cos, sin = rotary.lookup(positions, dtype)
     # Rows wider than the rotated heads (values follow them, as in the fused QKV output).
-    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=gen).to(dtype)
     expected = qkv.clone()
     apply_rotary_(expected[:, : heads * head_dim].view(tokens, heads, head_dim), cos, sin)
     rotary_embedding_(qkv, cos, sin, heads, head_dim)
@@ -96,6 +122,7 @@ def test_sampler_takes_the_op_only_when_asked() -> None:
 
 
 ROPE = torch.ones(2, 1, 4)
+BF16_ROWS = torch.ones(2, 4, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize(
@@ -105,6 +132,7 @@ ROPE = torch.ones(2, 1, 4)
         (lambda: rms_norm(torch.ones(4, dtype=torch.float64), torch.ones(4), 1e-6), "2-d float32"),
         (lambda: rms_norm(torch.ones(4, 2).t(), torch.ones(4), 1e-6), "rows must be contiguous"),
         (lambda: silu_and_mul(torch.ones(2, 3)), "even number"),
+        (lambda: rms_norm(BF16_ROWS, torch.ones(4), 1e-6), "weight must be BFloat16 like x"),
         (lambda: greedy_argmax(torch.ones(2, 3, dtype=torch.bfloat16)), "float32 CPU logits"),
         (lambda: rotary_embedding_(torch.ones(2, 8), ROPE, ROPE, 3, 4), "3 heads"),
         (lambda: rotary_embedding_(torch.ones(2, 8), ROPE[:1], ROPE, 2, 4), "cos and sin"),
@@ -133,5 +161,5 @@ def test_modules_use_the_kernels_once_turned_on(monkeypatch: pytest.MonkeyPatch)
         assert use_cpu_kernels(torch.nn.Sequential(norm)) == 1
         torch.testing.assert_close(norm(x), torch_ops, rtol=2e-6, atol=2e-6)
     assert calls == [x.shape]
-    with pytest.raises(ValueError, match="CPU float32 only"):
-        use_cpu_kernels(RMSNorm(8, 1e-5).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        use_cpu_kernels(RMSNorm(8, 1e-5).to(torch.float16))

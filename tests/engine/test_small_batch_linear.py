@@ -78,5 +78,8 @@ def test_linear_uses_the_kernel_only_when_on_and_for_few_rows(monkeypatch) -> No
             x = torch.randn(rows, 8)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls == [SMALL_BATCH_MIN_ROWS, SMALL_BATCH_MAX_ROWS]
-    with pytest.raises(ValueError, match="CPU float32 only"):
-        use_cpu_kernels(Linear(8, 3).to(torch.bfloat16))
+    # The kernel is float32 only: a bfloat16 model's layers keep F.linear.
+    bf16 = Linear(8, 3).to(torch.bfloat16)
+    assert use_cpu_kernels(bf16) == 0 and not bf16.cpu_kernel
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        use_cpu_kernels(Linear(8, 3).to(torch.float16))
