@@ -17,7 +17,7 @@ from torch import nn
 from tandem.engine.model.linear import Linear
 from tandem.engine.model.llama import MLP, Attention, RMSNorm
 
-# The dtypes the fused ops take; the small-batch matmul is float32 only.
+# The dtypes the fused ops take.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -34,10 +34,12 @@ def use_cpu_kernels(model: nn.Module) -> int:
             )
         if not param.is_contiguous():
             raise ValueError(f"the cpu kernels need contiguous weights ({name} is not)")
-    kinds: tuple[type[nn.Module], ...] = (RMSNorm, Attention, MLP)
-    if dtypes == {torch.float32}:
-        kinds += (Linear,)
-    modules = [m for m in model.modules() if isinstance(m, kinds)]
+    with_linear = dtypes == {torch.float32}  # the small-batch matmul is float32 only
+    modules = [
+        m
+        for m in model.modules()
+        if isinstance(m, (RMSNorm, Attention, MLP)) or (with_linear and isinstance(m, Linear))
+    ]
     for module in modules:
         module.cpu_kernel = True
     return len(modules)
