@@ -1,10 +1,10 @@
 // Paged decode attention for CPU: reads K/V in place from the paged cache through the
 // block tables (no gather, no padding), GQA by handling a KV head's query heads together.
-// Tasks spread over torch's own thread pool (at::parallel_for). float32 caches with
-// head_dim 64 or 128 take a path with the head dim fixed at compile time that walks each
-// sequence's blocks once for all its heads, a query head's value sum in vector registers
-// (16-float vectors) across a block; other dtypes and sizes take the generic loops, one
-// task per (sequence, KV head).
+// Tasks spread over torch's own thread pool (at::parallel_for). float32 and bfloat16
+// caches with head_dim 64 or 128 take a path with the head dim fixed at compile time that
+// walks each sequence's blocks once for all its heads, a query head's value sum in vector
+// registers (16-float vectors) across a block; other dtypes and sizes take the generic
+// loops, one task per (sequence, KV head).
 // Registered as torch.ops.tandem_cpu.paged_decode; built by cpu_ops/loader.py.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -36,7 +36,7 @@ inline float horizontal_sum(Vec16 v) {
   return v[0];
 }
 
-// The float32 path, head_dim D. One task per (sequence, range of KV heads): all of a
+// The vector path: float32 and bfloat16 caches (computing in float32), head_dim D. One task per (sequence, range of KV heads): all of a
 // sequence's heads when there are enough sequences to keep every thread busy, fewer (down
 // to one) per task otherwise. Block by block, each head of the task scores its query
 // heads against the block's keys (D / 16 fused multiply-adds and one horizontal sum per
@@ -45,8 +45,14 @@ inline float horizontal_sum(Vec16 v) {
 // task's heads reads each block's rows whole: one head at a time over the whole context
 // read a quarter of every 1 KiB row (4 KV heads), too sparse for the hardware
 // prefetchers, and long contexts ran at a third of the memory bandwidth.
-template <int D>
-void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+// 16 elements of a row as floats, and back (bfloat16 rounded to nearest even).
+inline Vec16 load_row(const float* p) { return load16(p); }
+inline Vec16 load_row(const c10::BFloat16* p) { return tandem_cpu::load_bf16(p); }
+inline void store_row(float* p, Vec16 v) { store16(p, v); }
+inline void store_row(c10::BFloat16* p, Vec16 v) { tandem_cpu::store_bf16(p, v); }
+
+template <int D, typename T>
+void decode_vectors(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
   constexpr int kVectors = D / kLanes16;
   const int64_t rows = query.size(0), num_heads = query.size(1);
@@ -55,12 +61,12 @@ void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at:
   const int64_t width = block_tables.size(1);
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
-  const float* q = query.data_ptr<float>();
-  const float* k_cache = kv_cache.data_ptr<float>();
-  const float* v_cache = k_cache + num_blocks * block_size * kv_heads * D;
+  const T* q = query.data_ptr<T>();
+  const T* k_cache = kv_cache.data_ptr<T>();
+  const T* v_cache = k_cache + num_blocks * block_size * kv_heads * D;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  float* o = out.data_ptr<float>();
+  T* o = out.data_ptr<T>();
   const int64_t token_stride = kv_heads * D;
   const float sc = static_cast<float>(scale);
   // Tasks: at least two per thread where the batch allows (a long sequence's task can
@@ -82,19 +88,19 @@ void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at:
       inv.resize(nq);
       float* s = scores.data();
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const float* block = k_cache + table[t0 / block_size] * block_size * token_stride;
+        const T* block = k_cache + table[t0 / block_size] * block_size * token_stride;
         const int64_t n = std::min(block_size, len - t0);
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t g = 0; g < group; ++g) {
             const int64_t hq = h * group + g;
-            const float* qg = q + row * q_row + hq * q_head;
+            const T* qg = q + row * q_row + hq * q_head;
             Vec16 qv[kVectors];
-            for (int c = 0; c < kVectors; ++c) qv[c] = load16(qg + c * kLanes16) * sc;
+            for (int c = 0; c < kVectors; ++c) qv[c] = load_row(qg + c * kLanes16) * sc;
             float* sg = s + (hq - q0) * len + t0;
             for (int64_t j = 0; j < n; ++j) {
-              const float* k = block + j * token_stride + h * D;
-              Vec16 dot = qv[0] * load16(k);
-              for (int c = 1; c < kVectors; ++c) dot += qv[c] * load16(k + c * kLanes16);
+              const T* k = block + j * token_stride + h * D;
+              Vec16 dot = qv[0] * load_row(k);
+              for (int c = 1; c < kVectors; ++c) dot += qv[c] * load_row(k + c * kLanes16);
               sg[j] = horizontal_sum(dot);
             }
           }
@@ -106,7 +112,7 @@ void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at:
         inv[i] = 1.f / tandem_cpu::exp_shifted_sum(si, len, top);
       }
       for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-        const float* block = v_cache + table[t0 / block_size] * block_size * token_stride;
+        const T* block = v_cache + table[t0 / block_size] * block_size * token_stride;
         const int64_t n = std::min(block_size, len - t0);
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t g = 0; g < group; ++g) {
@@ -116,16 +122,16 @@ void decode_float(const at::Tensor& query, const at::Tensor& kv_cache, const at:
             for (int c = 0; c < kVectors; ++c) acc[c] = load16(a + c * kLanes16);
             const float* p = s + i * len + t0;
             for (int64_t j = 0; j < n; ++j) {
-              const float* v = block + j * token_stride + h * D;
-              for (int c = 0; c < kVectors; ++c) acc[c] += p[j] * load16(v + c * kLanes16);
+              const T* v = block + j * token_stride + h * D;
+              for (int c = 0; c < kVectors; ++c) acc[c] += p[j] * load_row(v + c * kLanes16);
             }
             for (int c = 0; c < kVectors; ++c) store16(a + c * kLanes16, acc[c]);
           }
         }
       }
       for (int64_t i = 0; i < nq; ++i) {
-        float* og = o + row * o_row + (q0 + i) * o_head;
-        for (int c = 0; c < kVectors; ++c) store16(og + c * kLanes16, load16(accs.data() + i * D + c * kLanes16) * inv[i]);
+        T* og = o + row * o_row + (q0 + i) * o_head;
+        for (int c = 0; c < kVectors; ++c) store_row(og + c * kLanes16, load16(accs.data() + i * D + c * kLanes16) * inv[i]);
       }
     }
   });
@@ -227,12 +233,16 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
               "paged_decode: block_tables and seq_lens must be contiguous int32");
   TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.size(0) == query.size(0),
               "paged_decode: one block table and length per query row");
-  if (query.scalar_type() == at::kFloat && query.size(2) == 64) {
-    decode_float<64>(query, kv_cache, block_tables, seq_lens, scale, out);
-    return;
-  }
-  if (query.scalar_type() == at::kFloat && query.size(2) == 128) {
-    decode_float<128>(query, kv_cache, block_tables, seq_lens, scale, out);
+  const at::ScalarType dtype = query.scalar_type();
+  if ((dtype == at::kFloat || dtype == at::kBFloat16) && (query.size(2) == 64 || query.size(2) == 128)) {
+    const bool wide = query.size(2) == 128;
+    if (dtype == at::kFloat) {
+      wide ? decode_vectors<128, float>(query, kv_cache, block_tables, seq_lens, scale, out)
+           : decode_vectors<64, float>(query, kv_cache, block_tables, seq_lens, scale, out);
+    } else {
+      wide ? decode_vectors<128, c10::BFloat16>(query, kv_cache, block_tables, seq_lens, scale, out)
+           : decode_vectors<64, c10::BFloat16>(query, kv_cache, block_tables, seq_lens, scale, out);
+    }
     return;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode", [&] {

@@ -69,9 +69,18 @@ def test_backend_matches_attention_written_out(case_id: str) -> None:
     torch.testing.assert_close(out, expected.float(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_caches(dtype: torch.dtype) -> None:
-    out, expected = run_backend("decodes-ragged-gqa3-bs16", dtype)
+@pytest.mark.parametrize(
+    ("dtype", "case_id"),
+    [
+        # bfloat16 with head dims 64 and 128 takes the vector path, float16 the generic one.
+        (torch.bfloat16, "decodes-ragged-gqa3-bs16"),
+        (torch.bfloat16, "decodes-hd128-gqa4-bs16"),
+        (torch.bfloat16, "mixed-prefix-hits"),
+        (torch.float16, "decodes-ragged-gqa3-bs16"),
+    ],
+)
+def test_half_precision_caches(dtype: torch.dtype, case_id: str) -> None:
+    out, expected = run_backend(case_id, dtype)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
