@@ -34,6 +34,16 @@ class ProcessCluster:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
+    def migrations(self) -> dict[str, float]:
+        """The router's `tandem:request_migrations_total` by reason."""
+        assert self.router is not None, "start() first"
+        counts = {}
+        for metric in self.router.metrics.migrations.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    counts[sample.labels["reason"]] = sample.value
+        return counts
+
     def run(self, coro: Coroutine, timeout_s: float = 120.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 

@@ -93,15 +93,6 @@ async def stream_choices(
     return tokens, texts, num_completion_tokens
 
 
-def migrations(cluster: ProcessCluster) -> dict[str, float]:
-    counts = {}
-    for metric in cluster.router.metrics.migrations.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                counts[sample.labels["reason"]] = sample.value
-    return counts
-
-
 @pytest.fixture
 def decode_pair(tiny_model_dir):
     roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE,
@@ -142,7 +133,7 @@ def test_kill_decode_worker_mid_stream_continues_every_request(decode_pair):
     results, (tokens, texts, num_completion_tokens), victim = cluster.run(scenario(), timeout_s=300)
     assert [r[0] for r in results] == [r[0] for r in reference]
     assert [r[1] for r in results] == [r[1] for r in reference]
-    counts = migrations(cluster)
+    counts = cluster.migrations()
     # Every sequence of the `n = 3` request was decoding on the victim: each one moved.
     assert counts["decode_failed"] >= 1
     assert counts["decode_failed"] + counts["worker_lost"] >= N_CHOICES
@@ -191,7 +182,7 @@ def test_kill_prefill_worker_with_queued_prompts(tiny_model_dir):
         # (The prompts hit the prefix caches now; greedy output does not depend on it.)
         results = cluster.run(scenario(), timeout_s=300)
         assert [r[0] for r in results] == [r[0] for r in expected]
-        assert migrations(cluster).get("prefill_failed", 0) >= 1
+        assert cluster.migrations().get("prefill_failed", 0) >= 1
         cluster.set_state("prefill-0", WorkerLifecycle.DEAD)
         cluster.assert_idle()
     finally:
@@ -308,7 +299,7 @@ def test_worker_declared_dead_migrates_its_streams_and_stop_strings_still_cut(de
 
     results, victim = cluster.run(scenario(), timeout_s=300)
     assert results == expected
-    assert migrations(cluster).get("worker_lost", 0) >= 1
+    assert cluster.migrations().get("worker_lost", 0) >= 1
     # The worker is alive: the cancelled streams must have freed everything there too.
     proc = cluster.procs[victim]
     cluster.run(assert_workers_idle([(proc.endpoint, "decode")], max_channels=4, timeout_s=10))
@@ -343,7 +334,7 @@ def test_past_max_migrations_the_client_gets_one_retriable_error(tiny_model_dir)
             else:
                 assert len(result[0]) == MAX_TOKENS
         # Every reason is exported from the start, and none was counted.
-        assert migrations(cluster) == {"prefill_failed": 0, "decode_failed": 0, "worker_lost": 0}
+        assert cluster.migrations() == {"prefill_failed": 0, "decode_failed": 0, "worker_lost": 0}
         cluster.set_state(victim, WorkerLifecycle.DEAD)
         cluster.assert_idle()
     finally:

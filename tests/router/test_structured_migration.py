@@ -18,8 +18,10 @@ from tests.helpers.process_cluster import ProcessCluster
 pytestmark = pytest.mark.timeout(600)
 
 # One legal token at every step: a grammar restarted after the migration would write
-# the option's beginning again; one resumed in the right state finishes it exactly.
-OPTION = " ".join(["decode prefill batch queue worker router latency cache"] * 3)
+# the option's beginning again; one resumed in the right state finishes it exactly. ~70
+# tokens of the tiny model (under max_tokens): long enough that no stream can finish
+# while the last one is still starting (at ~24 tokens one did).
+OPTION = " ".join(["decode prefill batch queue worker router latency cache"] * 8)
 
 
 async def guided_stream(endpoint: str, req_id: str, progress: dict[str, int]) -> str:
@@ -59,13 +61,16 @@ def test_kill_decode_worker_mid_grammar_resumes_it(tiny_model_dir):
                 assert time.monotonic() < deadline, f"streams did not start: {progress}"
                 await asyncio.sleep(0.005)
             policy = cluster.router.policy_runtime.policy
-            on = [policy.placement_of(rid).decode_worker_id for rid in ids]
+            placements = [policy.placement_of(rid) for rid in ids]  # None: finished
+            on = [p.decode_worker_id for p in placements if p is not None]
             victim = max(("decode-0", "decode-1"), key=on.count)
             await asyncio.get_running_loop().run_in_executor(None, cluster.kill, victim)
             return list(await asyncio.gather(*tasks)), victim
 
         texts, victim = cluster.run(scenario(), timeout_s=300)
         assert texts == [OPTION] * 4
+        # At least one stream was on the victim mid-grammar and moved.
+        assert sum(cluster.migrations().values()) >= 1
         cluster.set_state(victim, WorkerLifecycle.DEAD)
         cluster.assert_idle()
     finally:
