@@ -15,8 +15,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <limits>
 #include <vector>
 
 namespace {
