@@ -37,7 +37,22 @@ def test_worker_env_makes_prefill_threads_sleep_only_when_workers_oversubscribe(
     # Threads that fit the cores (split, or one worker) keep libgomp's default spin.
     assert worker_env_vars(prefill, 1, 2, 2, "cpu", {}) == {}
     assert worker_env_vars(prefill, 2, 1, 2, "cpu", {}) == {}
-    # The operator's own setting wins; GPU workers get nothing.
-    assert worker_env_vars(prefill, 2, 2, 2, "cpu", {"OMP_WAIT_POLICY": "ACTIVE"}) == {}
-    assert worker_env_vars(prefill, 2, 2, 2, "cpu", {"GOMP_SPINCOUNT": "1000"}) == {}
+    # The operator's own setting wins (and reaches workers on joined nodes as it is);
+    # GPU workers get no wait policy.
+    active = {"OMP_WAIT_POLICY": "ACTIVE"}
+    assert worker_env_vars(prefill, 2, 2, 2, "cpu", active) == active
+    spin = {"GOMP_SPINCOUNT": "1000"}
+    assert worker_env_vars(prefill, 2, 2, 2, "cpu", spin) == spin
     assert worker_env_vars(prefill, 8, 2, 2, "cuda", {}) == {}
+
+
+def test_worker_env_forwards_triton_interpret_to_every_worker() -> None:
+    # Start-up checked `--attention-backend triton` against the serve process's
+    # TRITON_INTERPRET; a worker on a node that joined with `ray start` must see it too.
+    interpret = {"TRITON_INTERPRET": "1", "HOME": "/root"}
+    for role in WorkerRole:
+        for device in ("cpu", "cuda"):
+            env = worker_env_vars(role, 1, 1, 2, device, interpret)
+            assert env == {"TRITON_INTERPRET": "1"}
+    both = worker_env_vars(WorkerRole.PREFILL, 2, 2, 2, "cpu", interpret)
+    assert both == {"TRITON_INTERPRET": "1", "OMP_WAIT_POLICY": "PASSIVE"}
