@@ -1,6 +1,10 @@
-// The C++ CPU ops callable from each other's files (one extension, built by loader.py).
+// Tandem's C++ CPU ops (one extension, built by loader.py): every op's entry point, which
+// register_ops.cpp registers as torch.ops.tandem_cpu.<name> and the ops call in each
+// other's files, and the 16-float vector helpers the kernels share. Only ATen's tensor
+// type is included (the build defines TORCH_ASSERT_ONLY_METHOD_OPERATORS): ATen.h's
+// every-op headers took ~9 s of each file's ~13 s compile.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cmath>
 #include <cstring>
@@ -11,20 +15,37 @@ namespace tandem_cpu {
 void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, double scale, at::Tensor out);
 
+// Causal attention of a prefill chunk's queries over the cached prefix and the chunk
+// (paged_prefill.cpp).
+void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                   int64_t context_len, double scale, at::Tensor out);
+
 // x @ weight.T (+ bias) for a few float32 rows, streaming the weight once (small_batch_linear.cpp).
 at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
                               const c10::optional<at::Tensor>& bias);
 
-// RMSNorm of float32 rows x [T, H] (contiguous rows) times weight [H] (elementwise.cpp).
+// RMSNorm of float32 or bfloat16 rows x [T, H] (contiguous rows) times weight [H] (elementwise.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
-// SiLU(gate) * up of float32 rows gate_up [T, 2I] as a new [T, I] (elementwise.cpp).
+// SiLU(gate) * up of float32 or bfloat16 rows gate_up [T, 2I] as a new [T, I] (elementwise.cpp).
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
-// RoPE in place on the first num_heads heads of each float32 row of qkv by cos and signed
-// sin [T, 1, D] (elementwise.cpp).
+// RoPE in place on the first num_heads heads of each float32 or bfloat16 row of qkv by cos
+// and signed sin [T, 1, D] (elementwise.cpp).
 void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                        int64_t num_heads, int64_t head_dim);
+
+// Per row of float32 logits [rows, vocab], the first index of its maximum (greedy_argmax.cpp).
+at::Tensor greedy_argmax(const at::Tensor& logits);
+
+// A decode-only step's decoder stack; returns the final normalized hidden states
+// (decode_forward.cpp).
+at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, at::TensorList qkv_biases,
+                          const at::Tensor& final_norm, double norm_eps, const at::Tensor& cos,
+                          const at::Tensor& sin, const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                          int64_t num_heads, int64_t num_kv_heads, int64_t min_small_rows,
+                          int64_t max_small_rows);
 
 // 16-float vectors (GCC vector extensions: one AVX-512 register, two AVX2 registers).
 constexpr int kLanes16 = 16;

@@ -5,9 +5,8 @@
 // small ops, and at batch 1 their Python dispatch cost a third as much as the step's
 // matmuls. Registered as torch.ops.tandem_cpu.decode_forward; built by loader.py; called
 // by engine/model/cpu_decode.py.
-#include <ATen/ATen.h>
+#include <ATen/ops/linear.h>
 #include <ATen/record_function.h>
-#include <torch/library.h>
 
 #include "cpu_ops.h"
 
@@ -57,10 +56,15 @@ void write_kv(const at::Tensor& qkv, const at::Tensor& kv_cache, const at::Tenso
   }
 }
 
+}  // namespace
+
+namespace tandem_cpu {
+
 // hidden [T, H] (the step's embeddings, T decodes), weights (kWeightsPerLayer per layer),
-// qkv_biases (none, or one per layer), final_norm [H], norm_eps, cos and signed sin [T, 1, D], kv_caches [layers, 2, blocks, block_size, Hkv, D],
-// slot_mapping [T] int64, block_tables [T, width] and seq_lens [T] int32. Writes each
-// layer's K/V into its cache; returns the final normalized hidden states [T, H].
+// qkv_biases (none, or one per layer), final_norm [H], norm_eps, cos and signed sin [T, 1, D],
+// kv_caches [layers, 2, blocks, block_size, Hkv, D], slot_mapping [T] int64, block_tables
+// [T, width] and seq_lens [T] int32. Writes each layer's K/V into its cache; returns the
+// final normalized hidden states [T, H].
 at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, at::TensorList qkv_biases,
                           const at::Tensor& final_norm, double norm_eps, const at::Tensor& cos,
                           const at::Tensor& sin,
@@ -99,7 +103,7 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
       write_kv(qkv, kv_cache, slot_mapping, num_heads, num_kv_heads, head_dim);
     }
     at::Tensor query = qkv.slice(1, 0, q_size).view({tokens, num_heads, head_dim});
-    at::Tensor attention = at::empty({tokens, num_heads, head_dim}, hidden.options());
+    at::Tensor attention = hidden.new_empty({tokens, num_heads, head_dim});
     {
       RECORD_FUNCTION("tandem_cpu::paged_decode", c10::ArrayRef<const c10::IValue>{});
       tandem_cpu::paged_decode(query, kv_cache, block_tables, seq_lens, scale, attention);
@@ -113,13 +117,4 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
   return tandem_cpu::rms_norm(hidden, final_norm, norm_eps);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def(
-      "decode_forward(Tensor embeddings, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
-      "float norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, "
-      "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int num_heads, "
-      "int num_kv_heads, int min_small_rows, int max_small_rows) -> Tensor");
-  m.impl("decode_forward", c10::DispatchKey::CPU, TORCH_FN(decode_forward));
-}
+}  // namespace tandem_cpu

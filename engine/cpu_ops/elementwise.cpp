@@ -6,9 +6,7 @@
 // ops round (after each op, computing in float32 between), as transformers' modules do.
 // Registered as torch.ops.tandem_cpu.{rms_norm,silu_and_mul,rotary_embedding_}; built by
 // loader.py.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "cpu_ops.h"
 
@@ -190,7 +188,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t n = x.size(1);
   TORCH_CHECK(weight.is_contiguous() && weight.numel() == n, "rms_norm: a contiguous weight of ", n,
               " elements expected");
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  at::Tensor out = x.new_empty({x.size(0), n});
   if (x.scalar_type() == at::kFloat) {
     rms_norm_rows<float>(x, weight, static_cast<float>(eps), out);
   } else {
@@ -202,7 +200,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   check_rows(gate_up, "silu_and_mul");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_and_mul: an even number of columns expected");
-  at::Tensor out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  at::Tensor out = gate_up.new_empty({gate_up.size(0), gate_up.size(1) / 2});
   if (gate_up.scalar_type() == at::kFloat) {
     silu_and_mul_rows<float>(gate_up, out);
   } else {
@@ -231,12 +229,3 @@ void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::T
 }
 
 }  // namespace tandem_cpu
-
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::rms_norm));
-  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::silu_and_mul));
-  m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
-  m.impl("rotary_embedding_", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::rotary_embedding_));
-}

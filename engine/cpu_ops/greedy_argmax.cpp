@@ -4,9 +4,9 @@
 // vocabulary ~9x the time of its plain amax); here two vectorized passes over a row held
 // in cache: the maximum (and whether a NaN is there), then the first index holding it.
 // Registered as torch.ops.tandem_cpu.greedy_argmax; built by loader.py.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "cpu_ops.h"
 
 #include <cstdint>
 #include <cstring>
@@ -85,13 +85,17 @@ int64_t row_argmax(const float* row, int64_t n) {
   return 0;  // unreachable: `best` is one of the row's values
 }
 
+}  // namespace
+
+namespace tandem_cpu {
+
 at::Tensor greedy_argmax(const at::Tensor& logits) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() &&
                   logits.stride(1) == 1 && logits.size(1) > 0,
               "greedy_argmax: float32 CPU logits [rows, vocab] with contiguous rows expected, got ",
               logits.sizes(), " ", logits.scalar_type());
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  at::Tensor out = logits.new_empty({rows}, logits.options().dtype(at::kLong));
   const float* in = logits.data_ptr<float>();
   int64_t* ids = out.data_ptr<int64_t>();
   // A row per task from 2 rows up: each is ~n floats of work.
@@ -101,9 +105,4 @@ at::Tensor greedy_argmax(const at::Tensor& logits) {
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("greedy_argmax(Tensor logits) -> Tensor");
-  m.impl("greedy_argmax", c10::DispatchKey::CPU, TORCH_FN(greedy_argmax));
-}
+}  // namespace tandem_cpu

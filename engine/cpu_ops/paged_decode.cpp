@@ -6,10 +6,8 @@
 // registers (16-float vectors) across a block; other dtypes and sizes take the generic
 // loops, one task per (sequence, KV head).
 // Registered as torch.ops.tandem_cpu.paged_decode; built by cpu_ops/loader.py.
-#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "cpu_ops.h"
 
@@ -249,8 +247,3 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
 }
 
 }  // namespace tandem_cpu
-
-TORCH_LIBRARY(tandem_cpu, m) {
-  m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, Tensor(a!) out) -> ()");
-  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::paged_decode));
-}

@@ -11,9 +11,7 @@
 // second register-blocked kernel; a block's scores stay in L1. No GEMM library calls, no
 // mask tensor, no gather. Scratch is bounded by the tiles, not by the context.
 // Registered as torch.ops.tandem_cpu.paged_prefill; built by cpu_ops/loader.py.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "cpu_ops.h"
 
@@ -292,9 +290,3 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
 }
 
 }  // namespace tandem_cpu
-
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("paged_prefill(Tensor query, Tensor kv_cache, Tensor block_table, int context_len, float scale, "
-        "Tensor(a!) out) -> ()");
-  m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::paged_prefill));
-}

@@ -4,9 +4,7 @@
 // each task takes NT rows of w and dots them with MT rows of x at a time, with 16-float
 // (AVX-512) or 8-float vectors as the target has, and one horizontal sum per output.
 // Registered as torch.ops.tandem_cpu.small_batch_linear; built by cpu_ops/loader.py.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include "cpu_ops.h"
 
@@ -91,7 +89,7 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
   const bool with_bias = bias.has_value() && bias->defined();
   TORCH_CHECK(!with_bias || (bias->dim() == 1 && bias->size(0) == n && bias->scalar_type() == at::kFloat),
               "small_batch_linear: bias [n] float32 expected");
-  at::Tensor y = at::empty({rows, n}, x.options());
+  at::Tensor y = x.new_empty({rows, n});
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -112,8 +110,3 @@ at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
 }
 
 }  // namespace tandem_cpu
-
-TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
-  m.def("small_batch_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("small_batch_linear", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::small_batch_linear));
-}

@@ -1,0 +1,30 @@
+// The schemas of torch.ops.tandem_cpu and their CPU kernels (cpu_ops.h declares them;
+// each lives in the file its comment there names). The one file that includes
+// torch/library.h: its headers cost ~7 s of compile, once.
+#include <torch/library.h>
+
+#include "cpu_ops.h"
+
+TORCH_LIBRARY(tandem_cpu, m) {
+  m.def("paged_decode(Tensor query, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, float scale, "
+        "Tensor(a!) out) -> ()");
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::paged_decode));
+  m.def("paged_prefill(Tensor query, Tensor kv_cache, Tensor block_table, int context_len, float scale, "
+        "Tensor(a!) out) -> ()");
+  m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::paged_prefill));
+  m.def("small_batch_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("small_batch_linear", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::small_batch_linear));
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::rms_norm));
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::silu_and_mul));
+  m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.impl("rotary_embedding_", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::rotary_embedding_));
+  m.def("greedy_argmax(Tensor logits) -> Tensor");
+  m.impl("greedy_argmax", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::greedy_argmax));
+  m.def("decode_forward(Tensor embeddings, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
+        "float norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int num_heads, "
+        "int num_kv_heads, int min_small_rows, int max_small_rows) -> Tensor");
+  m.impl("decode_forward", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::decode_forward));
+}
