@@ -3,8 +3,9 @@
 A change happens only when all hold:
 - the pools are at their targets (no worker starting or draining: one change at a time);
 - at least `min_change_interval_s` since the last change;
-- the last `confirmations` plans all recommended the same split, different from now;
-- that split's predicted goodput beats the current split's by more than `min_gain`.
+- the last `confirmations` plans all recommended the same split, different from now
+  (a plan recommends another split only when its predicted goodput beats the current
+  split's by more than the planner's `min_gain`: `compute_plan` in live_plan.py).
 Then the pools move **one worker** toward it (one role -1, the other +1, or one more
 or fewer when the budget differs from the pools' size; never below one per role); the
 pool controller drains a removed worker before stopping it.
@@ -20,7 +21,6 @@ Split = tuple[int, int]  # (prefill, decode)
 @dataclass
 class ResizeGate:
     min_change_interval_s: float
-    min_gain: float
     confirmations: int
     last_change_s: float = float("-inf")
     _recent: list[Split] = field(default_factory=list)
@@ -30,7 +30,6 @@ class ResizeGate:
         now_s: float,
         current: Split,
         recommended: Split,
-        goodput: dict[Split, float],
         at_target: bool,
     ) -> tuple[Split | None, str]:
         """The next targets (or None) and why."""
@@ -43,10 +42,6 @@ class ResizeGate:
             return None, "too soon after the last change"
         if len(self._recent) < self.confirmations or len(set(self._recent)) > 1:
             return None, f"waiting for {self.confirmations} plans in a row to agree"
-        now_goodput = goodput.get(current, 0.0)
-        best = goodput.get(recommended, 0.0)
-        if now_goodput > 0 and best <= now_goodput * (1 + self.min_gain):
-            return None, f"predicted gain below {self.min_gain:.0%}"
         target = one_step(current, recommended)
         if min(target) < 1:
             return None, "would leave a role without workers"

@@ -100,7 +100,7 @@ class LivePlanner:
         self.config = config
         self.router = router
         self.limits = limits
-        self.gate = ResizeGate(config.change_interval_s, config.min_gain, config.confirmations)
+        self.gate = ResizeGate(config.change_interval_s, config.confirmations)
         self.budget = config.max_workers
         self.last: LivePlanResult | None = None
         self.last_load: ObservedLoad | None = None
@@ -179,7 +179,7 @@ class LivePlanner:
         if split is None:
             self.last_action = "colocated pools: resize by hand"
             return
-        target, why = self.gate.decide(now, split, result.recommended, result.goodput, at_target)
+        target, why = self.gate.decide(now, split, result.recommended, at_target)
         self.last_action = why
         if target is not None:
             await self._scale(target)
@@ -204,7 +204,7 @@ class LivePlanner:
         given = LivePlanInput(
             laws, self.limits, self.budget, targets, load, split,
             policy.selector.config.max_local_prefill_tokens, self.config.num_sim_requests,
-            keep_margin=self.config.min_gain,
+            min_gain=self.config.min_gain,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._executor, compute_plan, given)

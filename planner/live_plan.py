@@ -32,7 +32,7 @@ class LivePlanInput:
     seed: int = 0
     # The current split stays recommended unless another one's goodput beats it by more
     # than this fraction (near-ties must not flip the recommendation on noise).
-    keep_margin: float = 0.0
+    min_gain: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,11 @@ def compute_plan(given: LivePlanInput) -> LivePlanResult:
     recommended, why = (best.num_prefill, best.num_decode), result.reason
     if given.current is not None and recommended != given.current:
         kept = goodput[given.current]
-        if goodput[recommended] <= kept * (1 + given.keep_margin):
+        if goodput[recommended] <= kept * (1 + given.min_gain):
             why = (
                 f"keeps {given.current[0]}P+{given.current[1]}D ({kept:.3g} req/s): the best "
                 f"split {recommended[0]}P+{recommended[1]}D ({goodput[recommended]:.3g} req/s) "
-                f"gains no more than {given.keep_margin:.0%}"
+                f"gains no more than {given.min_gain:.0%}"
             )
             recommended = given.current
     predicted = 0.0

@@ -37,7 +37,7 @@ class Steps:
         self.totals = Counters()
         self.now_s = 0.0
         self.inputs = InputWindow(window, self.now_s, self.totals)
-        self.gate = ResizeGate(min_change_interval_s=0.0, min_gain=MIN_GAIN, confirmations=2)
+        self.gate = ResizeGate(min_change_interval_s=0.0, confirmations=2)
         self.split: Split = (1, 2)
         self.recommended: list[Split] = []
 
@@ -55,11 +55,10 @@ class Steps:
         if waiting_for_traffic(load, min_requests=5) is not None:
             return
         given = LivePlanInput(smoothed, LIMITS, 3, SLO, load, self.split, 512, 20,
-                              keep_margin=MIN_GAIN)  # fmt: skip
+                              min_gain=MIN_GAIN)  # fmt: skip
         result = compute_plan(given)
         self.recommended.append(result.recommended)
-        target, _ = self.gate.decide(self.now_s, self.split, result.recommended,
-                                     result.goodput, at_target=True)  # fmt: skip
+        target, _ = self.gate.decide(self.now_s, self.split, result.recommended, at_target=True)
         if target is not None:
             self.split = target
 
@@ -119,6 +118,6 @@ def test_the_current_split_stays_unless_another_gains_more_than_the_margin():
     free = compute_plan(base)
     assert free.recommended == (2, 1)
     assert free.goodput[(2, 1)] > 1.5 * free.goodput[(1, 2)]
-    kept = compute_plan(dataclasses.replace(base, keep_margin=1.0))
+    kept = compute_plan(dataclasses.replace(base, min_gain=1.0))
     assert kept.recommended == (1, 2) and kept.reason.startswith("keeps 1P+2D")
     assert kept.goodput == free.goodput
