@@ -35,6 +35,7 @@ demo: $(VENV)/.installed $(MODEL_DIR)/config.json
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
 	$(PY) -m pytest $(PYTEST_ARGS)
 
@@ -44,6 +45,7 @@ proto: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 # mypy cannot read setuptools' editable finder (folder `engine/` -> `tandem.engine`), so
 # each top-level folder is linked as build/typecheck/tandem/<folder>, the path that

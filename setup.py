@@ -9,8 +9,17 @@ an implicit namespace package: it has no folder of its own.
 from setuptools import find_packages, setup
 
 TOP_LEVEL = [
-    "engine", "worker", "telemetry", "prefill_worker", "decode_worker", "kv_transfer",
-    "router", "proto", "cluster", "planner", "bench",
+    "engine",
+    "worker",
+    "telemetry",
+    "prefill_worker",
+    "decode_worker",
+    "kv_transfer",
+    "router",
+    "proto",
+    "cluster",
+    "planner",
+    "bench",
 ]
 
 packages = find_packages(include=[f"{name}*" for name in TOP_LEVEL])

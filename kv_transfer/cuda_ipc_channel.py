@@ -162,8 +162,7 @@ async def pull_over_ipc(
     try:
         if len(response.block_ids) != handle.num_blocks:
             raise KvPullError(
-                f"prefill pinned {len(response.block_ids)} blocks, handle names "
-                f"{handle.num_blocks}"
+                f"prefill pinned {len(response.block_ids)} blocks, handle names {handle.num_blocks}"
             )
         copy = asyncio.ensure_future(run(channel.copy_blocks, list(response.block_ids), out))
         return await asyncio.shield(copy)

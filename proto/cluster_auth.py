@@ -336,9 +336,7 @@ def internal_server(
 ) -> grpc.aio.Server:
     """A worker's gRPC server: checks the token on every call but health probes
     (`on_refused` is called for each call it refuses)."""
-    interceptors = (
-        [ClusterTokenInterceptor(auth, on_refused)] if auth.requires_token else None
-    )
+    interceptors = [ClusterTokenInterceptor(auth, on_refused)] if auth.requires_token else None
     return grpc.aio.server(options=options, interceptors=interceptors)
 
 

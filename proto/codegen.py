@@ -29,7 +29,9 @@ def generate(out_dir: Path, timeout_s: float = 120.0) -> list[Path]:
     with tempfile.TemporaryDirectory() as scratch:
         subprocess.run(
             [
-                sys.executable, "-m", "grpc_tools.protoc",
+                sys.executable,
+                "-m",
+                "grpc_tools.protoc",
                 f"-I{VIRTUAL_ROOT}={PROTO_DIR}",
                 f"--python_out={scratch}",
                 f"--grpc_python_out={scratch}",

@@ -26,6 +26,7 @@ def make_http_app(
     dtype: str = "",
 ) -> web.Application:
     """`dtype`: the workers' dtype, shown on `/v1/models`."""
+
     async def health(request: web.Request) -> web.Response:
         if await pool.is_ready(config.probe_timeout_s):
             return web.json_response({"status": "ok", "workers": len(pool.workers)})

@@ -70,9 +70,7 @@ class WorkerLimits:
     dtype: str = ""
 
 
-def worker_limits(
-    stats: dict[str, pb.StatsResponse], roles: dict[str, WorkerRole]
-) -> WorkerLimits:
+def worker_limits(stats: dict[str, pb.StatsResponse], roles: dict[str, WorkerRole]) -> WorkerLimits:
     """The limits the workers report; ValueError naming the workers when they disagree
     (or one reports none, or the wrong role), since the router cannot serve such a mix."""
     for worker_id, reply in stats.items():

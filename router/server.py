@@ -165,9 +165,7 @@ class Router:
             self.metrics.pools.update(membership)
             self._pending.clear()
             wanted = {
-                w.worker_id: w
-                for w in membership.workers
-                if w.state in _IN_POOL and w.endpoint
+                w.worker_id: w for w in membership.workers if w.state in _IN_POOL and w.endpoint
             }
             for current in self.pool.workers:
                 info = wanted.get(current.worker_id)

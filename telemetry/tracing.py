@@ -30,7 +30,6 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 logger = logging.getLogger(__name__)
 
 
-
 class TraceExporter(enum.StrEnum):
     NONE = "none"  # a no-op tracer (the default)
     CONSOLE = "console"  # spans printed to stdout in batches

@@ -22,8 +22,14 @@ def setup_top_level() -> list[str]:
 PACKAGES = setup_top_level()
 # The engine is the model runtime both workers share: no servers, wire formats or metrics.
 ENGINE_FORBIDDEN = {
-    "grpc", "grpc_health", "grpc_reflection", "prometheus_client", "opentelemetry", "aiohttp",
-    "ray", *(f"tandem.{name}" for name in PACKAGES if name != "engine"),
+    "grpc",
+    "grpc_health",
+    "grpc_reflection",
+    "prometheus_client",
+    "opentelemetry",
+    "aiohttp",
+    "ray",
+    *(f"tandem.{name}" for name in PACKAGES if name != "engine"),
 }
 
 

@@ -16,8 +16,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_wheel_installs_only_the_tandem_namespace(tmp_path: Path):
     subprocess.run(
         [
-            sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-            "--no-build-isolation", "--wheel-dir", str(tmp_path), str(ROOT),
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path),
+            str(ROOT),
         ],
         check=True,
         timeout=240,

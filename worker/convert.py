@@ -18,9 +18,7 @@ FINISH_REASONS: dict[FinishReason | None, pb.FinishReason] = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
-FINISH_REASON_FROM_PROTO: dict[int, FinishReason | None] = {
-    v: k for k, v in FINISH_REASONS.items()
-}
+FINISH_REASON_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in FINISH_REASONS.items()}
 
 WORKER_ROLES: dict[WorkerRole, pb.WorkerRole] = {
     WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL,

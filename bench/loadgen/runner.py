@@ -67,7 +67,6 @@ class BenchConfig:
     warmup_requests: int = 1
 
 
-
 def build_workload(
     config: WorkloadConfig, server: ServerInfo
 ) -> FixedWorkload | ChatWorkload | MixedWorkload:

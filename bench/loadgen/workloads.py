@@ -162,6 +162,7 @@ class ChatMix:
 
     def sample(self, rng: np.random.Generator) -> tuple[int, int]:
         """One (input_len, output_len) pair, each at least `min_len`."""
+
         def draw(mean_len: float, sigma: float) -> int:
             mu = np.log(mean_len) - sigma**2 / 2  # a log-normal's mean is e^(mu + sigma²/2)
             return max(self.min_len, round(float(rng.lognormal(mu, sigma))))

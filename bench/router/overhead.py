@@ -313,13 +313,15 @@ def render_section(report: dict[str, Any]) -> list[str]:
     machine = machine_sentence(report["machine"], report["load_average_end"])
     overhead = [
         f"{o.num_requests} sequential requests per path, a {o.num_prompt_tokens}-token prompt, "
-        f"`max_tokens={o.max_tokens}`; both paths produced {match} greedy tokens.", "",
+        f"`max_tokens={o.max_tokens}`; both paths produced {match} greedy tokens.",
+        "",
         render_overhead(o),
     ]
     levels = ", ".join(str(r.concurrency) for r in throughput)
     duration = throughput[0].duration_s if throughput else 0.0
     loaded = [
-        f"Concurrency {levels}; {WARMUP_S:g} s warm-up, {duration:g} s measured; {pin}.", "",
+        f"Concurrency {levels}; {WARMUP_S:g} s warm-up, {duration:g} s measured; {pin}.",
+        "",
         render_throughput(throughput),
     ]
     run = run_block(FULL_COMMAND, report["command"], report["wall_s"], machine)

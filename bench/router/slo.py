@@ -287,8 +287,7 @@ def render_section(report: dict[str, Any]) -> list[str]:
     ratio = c.ttft_target_s / c.unloaded_ttft.p50
     offered = report["offered_rate_per_s"]
     loads = [
-        f"{r.setup.label} {r.load_average_start[0]:.2f} → {r.load_average_end[0]:.2f}"
-        for r in runs
+        f"{r.setup.label} {r.load_average_start[0]:.2f} → {r.load_average_end[0]:.2f}" for r in runs
     ]
     machine = machine_sentence(report["machine"], report["load_average_end"])
     results = [
@@ -299,13 +298,17 @@ def render_section(report: dict[str, Any]) -> list[str]:
         "(`--ttft-multiple`, rounded up to 10 ms).",
         f"- *Capacity* (mean prompt {c.num_prompt_tokens:.0f} tokens, admission `none`, "
         "`--max-local-prefill-tokens 0`): the last rising Poisson rate at which "
-        f"{MIN_ATTAINMENT:.0%} of requests met the target: **{capacity}**.", "",
-        render_probes(c), "",
+        f"{MIN_ATTAINMENT:.0%} of requests met the target: **{capacity}**.",
+        "",
+        render_probes(c),
+        "",
         f"**Overload.** One Poisson trace at {offered:.2f} req/s (the capacity × "
         f"{offered / (c.capacity_per_s or math.nan):.1f}; seed {report['seed']}) for "
         f"{report['duration_s']:g} s, replayed on a fresh cluster per run after {NUM_WARMUP} "
-        f"sequential warm-up requests; `max_tokens={report['max_tokens']}`.", "",
-        render_runs(runs), "",
+        f"sequential warm-up requests; `max_tokens={report['max_tokens']}`.",
+        "",
+        render_runs(runs),
+        "",
         "Router counters after each run: " + "; ".join(_counters(r) for r in runs) + ".",
         "Load average (1 min) at the start → end of each trace: " + "; ".join(loads) + ".",
     ]

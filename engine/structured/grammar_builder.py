@@ -18,8 +18,8 @@ from tandem.engine.structured.spec import MAX_NUM_CHOICES, GuidedDecoding, Guide
 # xgrammar prefixes its C++ errors with "[hh:mm:ss] /path/file.cc:123: ".
 # A JSON string character as xgrammar writes it for bounded strings, and the same class
 # without the control characters JSON forbids raw.
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 

@@ -42,8 +42,9 @@ def test_bias_and_strided_rows() -> None:
     x = wide[:, 20:120]  # rows 300 floats apart
     w = torch.randn(70, 100, generator=generator)
     bias = torch.randn(70, generator=generator)
-    torch.testing.assert_close(small_batch_linear(x, w, bias), reference(x, w, bias),
-                               rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        small_batch_linear(x, w, bias), reference(x, w, bias), rtol=1e-4, atol=1e-3
+    )
 
 
 def test_bad_input_is_a_clear_error() -> None:

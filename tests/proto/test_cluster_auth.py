@@ -111,6 +111,8 @@ def test_refusal_log_reports_once_per_interval_with_a_count(caplog: pytest.LogCa
     log.interval_s = 0.0
     with caplog.at_level(logging.WARNING):
         log.refused("/svc/Method", "ipv4:10.0.0.1:5555", "wrong cluster token")
-    assert caplog.records[-1].getMessage().endswith(
-        "wrong cluster token (4 more refused since the last report)"
+    assert (
+        caplog.records[-1]
+        .getMessage()
+        .endswith("wrong cluster token (4 more refused since the last report)")
     )
