@@ -39,6 +39,7 @@ from tandem.engine.request import FinishReason, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.structured.runtime import StructuredRuntime
+from tandem.engine.tokenizer_loader import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +66,7 @@ class Engine:
         # Times KV leases (injectable, so a test can expire one without waiting).
         self.clock = clock
         if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(config.model)
+            tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         model = load_model(
             config.model,

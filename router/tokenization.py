@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from tandem.engine.config import ModelConfig
+from tandem.engine.tokenizer_loader import load_tokenizer
 
 
 class PromptTokenizer:
@@ -14,7 +13,7 @@ class PromptTokenizer:
 
     def __init__(self, model_dir: str, max_model_len: int | None = None) -> None:
         self.model_dir = str(model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         model_config = ModelConfig.from_model_dir(model_dir)
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len or model_config.max_position_embeddings

@@ -136,7 +136,12 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend[Any]):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Uninitialized (the checkpoint's weights are copied in): nn.Embedding's own init
+        # draws normal_, whose first call on the meta device the loader builds on imports
+        # torch's Python decompositions (~2 s of a worker's start).
+        self.embed_tokens = nn.Embedding.from_pretrained(
+            torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=True
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from tandem.engine.attention import get_attention_backend
 from tandem.engine.config import ModelConfig
@@ -50,16 +51,17 @@ def load_model(
 
         hf_config = AutoConfig.from_pretrained(str(model_dir))
     inv_freq, scaling = inverse_frequencies(cfg.head_dim, cfg.rope_parameters, hf_config)
+    # A one-position table on the CPU (the real one is built below): its arange on the
+    # meta device would import torch's Python decompositions (~2 s of a worker's start).
+    placeholder = RotaryEmbedding(inv_freq, scaling, 1)
     with torch.device("meta"):
         backend = get_attention_backend(
             attention_backend, scale=cfg.head_dim**-0.5, device=device.type
         )
-        placeholder = RotaryEmbedding(inv_freq.to("meta"), scaling, 1)
         model = LlamaForCausalLM(cfg, placeholder, backend)
-    model.to_empty(device=device)
-    model.to(dtype)
+    _materialize(model, device, dtype)
     if cfg.tie_word_embeddings:
-        # to_empty() materialises each occurrence of a shared parameter separately.
+        # _materialize gives each occurrence of a shared parameter its own storage.
         model.lm_head.weight = model.embed_tokens.weight
     # The RoPE tables stay float32 (as in transformers) and are built for real here.
     rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
@@ -78,6 +80,24 @@ def _checkpoint_files(model_dir: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
     return files
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Uninitialized storage on `device` for every parameter and buffer of a model built
+    on the meta device, floating ones in `dtype`: what `to_empty(device=device).to(dtype)`
+    gives, without a float32 copy of a 16-bit model, and without `empty_like` on meta
+    tensors (its first call imports torch's Python decompositions: ~1 s of a worker's
+    start)."""
+
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        kind = dtype if tensor.is_floating_point() else tensor.dtype
+        return torch.empty(tensor.shape, dtype=kind, device=device)
+
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(empty(param), requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, empty(buffer))
 
 
 def _load_weights(model: LlamaForCausalLM, model_dir: Path, cfg: ModelConfig) -> None:
