@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 # The most workers of one role this owner will run (beyond: ValueError naming the role).
 BUDGET_PER_ROLE = 3
 DRAIN_TIMEOUT_S = 60.0
+DRAIN_MIN_S = 0.5
 
 
 class InprocPools:
@@ -192,12 +193,19 @@ class InprocPools:
     async def _drain_and_stop(self, worker_id: str) -> None:
         """Wait until the worker's own Stats show it idle, then stop it and drop it."""
         info = self.infos[worker_id]
-        deadline = asyncio.get_running_loop().time() + DRAIN_TIMEOUT_S
-        while asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        # As the pool controller's `drain_min_s`: a request placed just before the router
+        # saw the drain may not have reached the worker yet when its Stats look idle.
+        settled_at = loop.time() + DRAIN_MIN_S
+        deadline = loop.time() + DRAIN_TIMEOUT_S
+        while loop.time() < deadline:
             stats = await worker_stats(info.endpoint, info.role.value)
+            # As the pool controller's `WorkerLoad.is_idle`, plus open streams and blocks
+            # (a decode worker pulling a request's KV runs nothing yet: importing).
             busy = stats.num_running or stats.num_waiting or stats.num_held
-            busy = busy or stats.num_open_streams or stats.num_free_blocks != stats.num_blocks
-            if not busy:
+            busy = busy or stats.num_importing or stats.num_open_streams
+            busy = busy or stats.num_free_blocks != stats.num_blocks
+            if not busy and loop.time() >= settled_at:
                 break
             await asyncio.sleep(0.05)
         else:

@@ -204,6 +204,9 @@ def test_drain_worker_finishes_its_streams_then_it_is_replaced(pools):
     expected, _ = pools.run(
         stream_tokens(pools.router.grpc_endpoint, "drain-ref", prompt, max_tokens=150)
     )
+    # The module's router counts the earlier tests' migrations too (a scale-down under
+    # load may migrate what a drain does not finish in time).
+    migrations_before = migrations_total(pools)
 
     async def scenario() -> list[int]:
         progress: dict[str, int] = {}
@@ -226,7 +229,7 @@ def test_drain_worker_finishes_its_streams_then_it_is_replaced(pools):
     assert pools.run(scenario(), timeout_s=300) == expected
     assert victim not in pools.infos
     assert victim not in {w.worker_id for w in pools.router.pool.workers}
-    assert migrations_total(pools) == 0
+    assert migrations_total(pools) == migrations_before  # the drained stream finished there
     assert_pools_idle(pools)
 
 
