@@ -85,13 +85,13 @@ def test_certificate_of_another_ca_is_refused(cluster, auth, certs):
         token=auth.token,
         tls=InternalTls(str(files.cert), str(files.key), str(files.ca), server_name=SERVER_NAME),
     )
-    assert cluster.run(_stats_code(_prefill(cluster), rogue)) == (grpc.StatusCode.UNAVAILABLE)
+    assert cluster.run(_stats_code(_prefill(cluster), rogue)) == grpc.StatusCode.UNAVAILABLE
     # The cluster's own CA with the rogue client certificate: the server refuses it.
     mixed = ClusterAuth(
         token=auth.token,
         tls=InternalTls(str(files.cert), str(files.key), auth.tls.ca_file, SERVER_NAME),
     )
-    assert cluster.run(_stats_code(_prefill(cluster), mixed)) == (grpc.StatusCode.UNAVAILABLE)
+    assert cluster.run(_stats_code(_prefill(cluster), mixed)) == grpc.StatusCode.UNAVAILABLE
 
 
 def test_tls_without_the_token_is_unauthenticated(cluster, auth):

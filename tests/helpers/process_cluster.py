@@ -18,6 +18,7 @@ from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 from tandem.worker.config import WorkerRole
 from tests.helpers.grpc_calls import assert_workers_idle
+from tests.helpers.router_metrics import migration_counts
 from tests.helpers.worker_process import WorkerProcess
 
 
@@ -37,12 +38,7 @@ class ProcessCluster:
     def migrations(self) -> dict[str, float]:
         """The router's `tandem:request_migrations_total` by reason."""
         assert self.router is not None, "start() first"
-        counts = {}
-        for metric in self.router.metrics.migrations.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    counts[sample.labels["reason"]] = sample.value
-        return counts
+        return migration_counts(self.router)
 
     def run(self, coro: Coroutine, timeout_s: float = 120.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)

@@ -21,6 +21,7 @@ from tests.helpers.inproc_cluster import SHARED_API_KEY
 from tests.helpers.inproc_pools import InprocPools
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import admin_pool_counts, metrics_pool_counts, scrape
+from tests.helpers.router_metrics import migration_counts
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -234,12 +235,7 @@ def test_drain_worker_finishes_its_streams_then_it_is_replaced(pools):
 
 
 def migrations_total(pools: InprocPools) -> float:
-    return sum(
-        s.value
-        for m in pools.router.metrics.migrations.collect()
-        for s in m.samples
-        if s.name.endswith("_total")
-    )
+    return sum(migration_counts(pools.router).values())
 
 
 def test_router_without_pool_controller_answers_unimplemented(cluster):
