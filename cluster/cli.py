@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -100,6 +101,7 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         help="[cuda if present, else cpu]",
     )  # fmt: skip
     demo.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=DTYPE_HELP)
+    add_kv_cache_memory_flag(demo)
     add_attention_backend_flag(demo)
     add_cuda_graphs_flag(demo)
     demo.set_defaults(handler=_run_demo, demo_parser=demo)
@@ -165,6 +167,41 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+# Units of `byte_size`: Kubernetes quantities (decimal K/M/G/T, binary Ki/Mi/Gi/Ti), each
+# also with a trailing B (GB, GiB), as Helm values and operators write them.
+_BYTE_UNITS = {
+    "": 1,
+    **{p: 1000**i for i, p in enumerate("KMGT", start=1)},
+    **{p + "i": 1024**i for i, p in enumerate("KMGT", start=1)},
+}
+_BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?)?B?\s*", re.IGNORECASE)
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a size in bytes >= 1, plain or with a unit (512MiB, 4Gi, 2GB)."""
+    match = _BYTE_SIZE.fullmatch(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"expected bytes or a size like 512MiB, 4GiB, 2GB, got {text!r}"
+        )
+    unit = (match[2] or "").upper().replace("I", "i")
+    value = int(float(match[1]) * _BYTE_UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return value
+
+
+def add_kv_cache_memory_flag(parser: argparse.ArgumentParser) -> None:
+    from tandem.engine.config import EngineConfig
+
+    default_gib = EngineConfig.kv_cache_memory_bytes / (1 << 30)
+    parser.add_argument(
+        "--kv-cache-memory", type=byte_size, default=None,
+        help="KV cache of each engine, in bytes or with a unit (512MiB, 4GiB); it must hold "
+        f"one max-model-len sequence [{default_gib:g}GiB]",
+    )  # fmt: skip
 
 
 def _add_serve_command(commands: argparse._SubParsersAction) -> None:
@@ -243,6 +280,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help=f"engine token budget per step [{DEFAULT_MAX_NUM_BATCHED_TOKENS}; "
         "without chunked prefill: max model length]",
     )
+    add_kv_cache_memory_flag(serve)
     serve.add_argument(
         "--no-chunked-prefill",
         action="store_true",
@@ -372,6 +410,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             dtype=args.dtype,
             max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_memory_bytes=_flag(args.kv_cache_memory, EngineConfig.kv_cache_memory_bytes),
             attention_backend=args.attention_backend,
             cuda_graphs=args.cuda_graphs,
         )
@@ -461,6 +500,7 @@ def _run_demo(args: argparse.Namespace) -> int:
             model=args.model,
             device=device,
             dtype=args.dtype,
+            kv_cache_memory_bytes=_flag(args.kv_cache_memory, EngineConfig.kv_cache_memory_bytes),
             attention_backend=args.attention_backend,
             cuda_graphs=args.cuda_graphs,
         )

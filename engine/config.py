@@ -189,6 +189,7 @@ class EngineConfig:
     max_model_len: int
     # Tokens per KV block.
     block_size: int = DEFAULT_BLOCK_SIZE
+    # Bytes of KV cache (all layers, K and V) when num_blocks is not given.
     kv_cache_memory_bytes: int = 1 << 30
     # Most sequences in one batch.
     max_num_seqs: int = 64
@@ -320,7 +321,17 @@ class EngineConfig:
         if requested is None:
             per_block = self.model_config.kv_bytes_per_token * self.block_size
             per_block *= torch.empty((), dtype=self.torch_dtype).element_size()
-            return max(1, self.kv_cache_memory_bytes // per_block)
+            num_blocks = self.kv_cache_memory_bytes // per_block
+            # As vLLM: a cache too small for one longest sequence is a start-up error, not
+            # requests refused later.
+            if num_blocks < self.blocks_for(self.max_model_len):
+                raise ValueError(
+                    f"a KV cache of {self.kv_cache_memory_bytes} bytes holds "
+                    f"{num_blocks * self.block_size} tokens ({per_block} bytes per "
+                    f"{self.block_size}-token block), fewer than max_model_len "
+                    f"{self.max_model_len}: give it more memory or lower max_model_len"
+                )
+            return num_blocks
         if requested < 1:
             raise ValueError(f"num_blocks must be >= 1, got {requested}")
         return requested

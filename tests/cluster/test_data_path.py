@@ -21,6 +21,7 @@ from tandem.worker.config import WorkerConfig, WorkerRole, WorkerSettings
 from tests.helpers.clock import FakeClock
 from tests.helpers.grpc_calls import assert_workers_idle, worker_stats
 from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -29,7 +30,12 @@ MAX_TOKENS = 10
 
 def worker_config(model_dir, worker_id: str, role: WorkerRole, **engine) -> WorkerConfig:
     engine_config = EngineConfig(
-        model=str(model_dir), mode=role.engine_mode, max_model_len=1024, num_threads=1, **engine
+        model=str(model_dir),
+        mode=role.engine_mode,
+        max_model_len=1024,
+        num_threads=1,
+        kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+        **engine,
     )
     settings = WorkerSettings(pull_timeout_s=5.0)
     return WorkerConfig(worker_id=worker_id, role=role, engine=engine_config, settings=settings)

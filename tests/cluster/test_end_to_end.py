@@ -19,6 +19,7 @@ from tandem.engine.config import EngineConfig, default_device
 from tandem.router.config import RouterConfig
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
 from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_start import init_local_ray
 
@@ -57,6 +58,7 @@ def run_cluster_check(model_dir, prompts, expected, pools: PoolsConfig) -> None:
                 num_threads=1,
                 max_num_batched_tokens=256,
                 max_model_len=1024,
+                kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
             ),
             router=RouterConfig(model_dir=str(model_dir), grpc_port=0, http_port=0),
         )

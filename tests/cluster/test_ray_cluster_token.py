@@ -16,6 +16,7 @@ from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.worker.config import WorkerRole
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens, worker_stats
 from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.kv_budget import TEST_KV_CACHE_FLAG
 from tests.helpers.prompts import make_prompts
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -41,7 +42,8 @@ def test_serve_secures_its_ray_workers_with_a_generated_token(tiny_model_dir, mo
     monkeypatch.delenv(TOKEN_FILE_ENV, raising=False)
     args = build_parser().parse_args(
         ["serve", "--model", str(tiny_model_dir), "--device", "cpu", "--threads", "1",
-         "--dtype", "float32", "--max-model-len", "1024", "--grpc-port", "0", "--http-port", "0"]
+         "--dtype", "float32", "--max-model-len", "1024", "--grpc-port", "0", "--http-port", "0",
+         *TEST_KV_CACHE_FLAG]
     )  # fmt: skip
     config = cluster_config_from_args(args)
     config.router.warmup_profile = False  # a few seconds of probes this test does not need

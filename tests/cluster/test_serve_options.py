@@ -60,9 +60,12 @@ def test_flags_land_in_the_tree(tiny_model_dir, monkeypatch):
         "--max-model-len", "300", "--max-num-batched-tokens", "128",
         "--trace-exporter", "console", "--admission", "queue", "--ttft-slo", "0.5",
         "--itl-slo", "0.05", "--max-local-prefill-tokens", "0", "--api-key", "k",
-        "--ray-address", "auto",
+        "--ray-address", "auto", "--kv-cache-memory", "48MiB",
     )  # fmt: skip
     assert config.ray.address == "auto"
+    assert config.engine.kv_cache_memory_bytes == 48 << 20
+    # The tiny model keeps 4 KiB of K and V per token (4 layers x 2 heads x 64 x 2 x 4 B).
+    assert config.engine.num_blocks == (48 << 20) // (4096 * config.engine.block_size)
     assert config.pools == PoolsConfig(num_prefill=2, num_decode=3)
     assert (config.engine.max_model_len, config.engine.max_num_batched_tokens) == (300, 128)
     assert config.engine.num_threads == 2
@@ -134,12 +137,38 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--gpus-per-worker", "1.5"), "ray.gpus_per_worker must be in (0, 1] or whole"),
         (("--max-workers-per-role", "0"), "--max-workers-per-role: must be >= 1"),
         (("--decode", "4", "--max-workers-per-role", "3"), "num_decode (4) is over max_workers"),
+        (("--kv-cache-memory", "lots"), "--kv-cache-memory: expected bytes or a size like"),
+        (("--kv-cache-memory", "0MiB"), "--kv-cache-memory: must be at least 1 byte"),
+        # 1 MiB holds 256 tokens of the tiny model, its max_model_len is 2048.
+        (
+            ("--kv-cache-memory", "1MiB"),
+            "holds 256 tokens (65536 bytes per 16-token block), fewer than max_model_len 2048",
+        ),
     ],
 )
 def test_flags_the_cli_refuses(tiny_model_dir, capsys, flags, message):
     err = refused(capsys, tiny_model_dir, *flags)
     assert "usage: tandem serve" in err
     assert message in err
+
+
+@pytest.mark.parametrize(
+    ("text", "num_bytes"),
+    [("65536", 65536), ("512MiB", 512 << 20), ("4Gi", 4 << 30), ("2GB", 2 * 10**9),
+     ("1.5GiB", 3 << 29), ("64 mib", 64 << 20), ("70K", 70000), ("64KiB", 65536)],
+)  # fmt: skip
+def test_kv_cache_memory_takes_bytes_or_a_unit(tiny_model_dir, text, num_bytes):
+    # At least one 16-token block of the tiny model (64 KiB), the longest sequence here.
+    config = config_of(tiny_model_dir, "--device", "cpu", "--kv-cache-memory", text,
+                       "--max-model-len", "16")  # fmt: skip
+    assert config.engine.kv_cache_memory_bytes == num_bytes
+
+
+def test_a_kv_cache_for_the_longest_sequence_starts(tiny_model_dir):
+    # 1 MiB: 16 blocks of 16 tokens, enough for max_model_len 256 and no more.
+    engine = config_of(tiny_model_dir, "--device", "cpu", "--kv-cache-memory", "1MiB",
+                       "--max-model-len", "256").engine  # fmt: skip
+    assert engine.num_blocks * engine.block_size == 256
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")

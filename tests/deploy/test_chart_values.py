@@ -42,6 +42,8 @@ def refused(values: dict[str, Any]) -> str:
          "/prefill/resources", "gpu"),
         ({"prefill": {"engineArgs": {"maxModelLen": 0}}}, "/prefill/engineArgs/maxModelLen",
          "minimum"),
+        ({"decode": {"engineArgs": {"kvCacheMemory": "lots"}}},
+         "/decode/engineArgs/kvCacheMemory", "does not match"),
     ],
 )  # fmt: skip
 def test_schema_refuses_with_the_field(values: dict[str, Any], field: str, why: str):

@@ -17,6 +17,7 @@ from tandem.engine.llm_engine import Engine
 from tandem.engine.model.linear import SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MIN_ROWS
 from tandem.engine.sampling_params import SamplingParams
 from tests.helpers.hf_reference import save_random_model
+from tests.helpers.kv_budget import with_test_kv
 from tests.helpers.prompts import make_prompts
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True)
@@ -77,5 +78,7 @@ def test_stack_equals_the_python_model(qwen2_dir: Path, batch: int, dtype: str) 
 
 def test_off_for_other_backends_and_dtypes(tiny_model_dir: Path) -> None:
     for overrides in ({"attention_backend": "torch"}, {"dtype": "float16"}):
-        engine = Engine(EngineConfig(model=str(tiny_model_dir), max_model_len=256, **overrides))
+        engine = Engine(
+            EngineConfig(model=str(tiny_model_dir), max_model_len=256, **with_test_kv(overrides))
+        )
         assert engine.runner.model.cpu_decode is None

@@ -17,13 +17,17 @@ from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tests.helpers.clock import FakeClock
 from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.kv_budget import with_test_kv
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def make_engine(model_dir, clock=time.monotonic, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), max_model_len=1024, **overrides), clock=clock)
+    return Engine(
+        EngineConfig(model=str(model_dir), max_model_len=1024, **with_test_kv(overrides)),
+        clock=clock,
+    )
 
 
 def drain(engine: Engine, limit: int = 10_000) -> list:

@@ -11,6 +11,7 @@ from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
+from tests.helpers.kv_budget import with_test_kv
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -19,7 +20,11 @@ PENALTIES = {"presence_penalty": 0.7, "frequency_penalty": 0.9, "repetition_pena
 
 
 def make_engine(model_dir, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), max_model_len=512, num_threads=1, **overrides))
+    return Engine(
+        EngineConfig(
+            model=str(model_dir), max_model_len=512, num_threads=1, **with_test_kv(overrides)
+        )
+    )
 
 
 def run(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:

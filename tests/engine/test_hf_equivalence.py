@@ -18,6 +18,7 @@ from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
 from tests.helpers.hf_reference import hf_greedy, save_random_model
+from tests.helpers.kv_budget import with_test_kv
 from tests.helpers.prompts import PROMPT_LENS, make_prompts
 
 MAX_NEW_TOKENS = 24
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def run_engine(model_dir: Path, prompts: list[list[int]], **overrides) -> tuple[Engine, list]:
-    config = EngineConfig(model=str(model_dir), max_model_len=1024, **overrides)
+    config = EngineConfig(model=str(model_dir), max_model_len=1024, **with_test_kv(overrides))
     engine = Engine(config)
     outputs = generate(engine, prompts, GREEDY)
     return engine, outputs

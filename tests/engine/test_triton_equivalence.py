@@ -18,6 +18,7 @@ from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.cluster.launcher import LocalCluster
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
 from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.kv_budget import TEST_KV_CACHE_FLAG
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_start import init_local_ray
 from tests.helpers.triton_interpreter import interpreter_process
@@ -81,6 +82,7 @@ def test_served_cluster_matches_transformers_with_triton(tiny_model_dir: Path) -
     expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
     flags = ["serve", "--model", model_dir, "--device", "cpu", "--threads", "1"]
     flags += ["--max-model-len", "256", "--attention-backend", "triton", "--dtype", "float32"]
+    flags += TEST_KV_CACHE_FLAG
     with pytest.MonkeyPatch.context() as patch:
         # As `TRITON_INTERPRET=1 tandem serve ...`: Ray's worker processes inherit it
         # from start-up (before they import triton).

@@ -27,6 +27,7 @@ from tandem.router.worker_pool import WorkerEndpoint
 from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerConfig, WorkerRole, WorkerSettings
 from tests.helpers.grpc_calls import assert_workers_idle
+from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 
 # The session cluster's router: its OpenAI HTTP API needs this key and refuses bodies
 # over MAX_BODY_BYTES (gRPC and KServe calls are unaffected).
@@ -37,7 +38,12 @@ SHARED_MAX_BODY_BYTES = 256 * 1024
 def inproc_engine_config(model_dir: str) -> EngineConfig:
     """Both workers' engine by default (each worker sets `mode` for its role): one torch
     thread, 1024-token model length."""
-    return EngineConfig(model=model_dir, num_threads=1, max_model_len=1024)
+    return EngineConfig(
+        model=model_dir,
+        num_threads=1,
+        max_model_len=1024,
+        kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+    )
 
 
 def inproc_router_config(model_dir: str) -> RouterConfig:

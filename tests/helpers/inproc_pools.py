@@ -27,6 +27,7 @@ from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 from tandem.worker.config import WorkerConfig, WorkerRole
 from tests.helpers.grpc_calls import worker_stats
+from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +154,11 @@ class InprocPools:
         self.infos[worker_id] = WorkerInfo(worker_id, role, WorkerLifecycle.STARTING)
         await self._publish()
         engine = EngineConfig(
-            model=self.model_dir, mode=role.engine_mode, num_threads=1, max_model_len=1024
+            model=self.model_dir,
+            mode=role.engine_mode,
+            num_threads=1,
+            max_model_len=1024,
+            kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
         )
         config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
         server = PrefillWorker(config) if role is WorkerRole.PREFILL else DecodeWorker(config)

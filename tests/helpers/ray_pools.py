@@ -18,6 +18,7 @@ from tandem.proto.cluster_auth import ClusterAuth
 from tandem.router.config import RouterConfig
 from tandem.router.membership import Membership, WorkerLifecycle
 from tests.helpers.grpc_calls import assert_workers_idle
+from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.ray_start import init_local_ray
 
 # What the Ray cluster can place per role (the budget below allows one more).
@@ -49,6 +50,7 @@ def cluster_config(model_dir) -> ClusterConfig:
             num_threads=1,
             max_model_len=512,
             max_num_batched_tokens=256,
+            kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
         ),
         router=RouterConfig(
             model_dir=str(model_dir), grpc_port=0, http_port=0, warmup_profile=False

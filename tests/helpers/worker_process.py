@@ -97,8 +97,15 @@ async def _serve(role: WorkerRole, worker_id: str, model_dir: str) -> None:
     from tandem.engine.config import EngineConfig
     from tandem.prefill_worker.server import PrefillWorker
     from tandem.worker.config import WorkerConfig
+    from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 
-    engine = EngineConfig(model=model_dir, mode=role.engine_mode, num_threads=1, max_model_len=1024)
+    engine = EngineConfig(
+        model=model_dir,
+        mode=role.engine_mode,
+        num_threads=1,
+        max_model_len=1024,
+        kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+    )
     config = WorkerConfig(worker_id=worker_id, role=role, engine=engine)
     cls = PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker
     server = cls(config)

@@ -38,6 +38,7 @@ from tests.helpers.inproc_cluster import (
     openai_client,
     shared_router_config,
 )
+from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,7 +64,13 @@ def cluster(tiny_model_dir: Path) -> Iterator[InprocCluster]:
 
 @pytest.fixture(scope="module")
 def colocated(tiny_model_dir: Path) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_model_dir), num_threads=1, max_model_len=1024))
+    config = EngineConfig(
+        model=str(tiny_model_dir),
+        num_threads=1,
+        max_model_len=1024,
+        kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+    )
+    return Engine(config)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from tandem.worker.config import WorkerConfig, WorkerRole
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens, stream_tokens
 from tests.helpers.inproc_cluster import SHARED_API_KEY
 from tests.helpers.inproc_pools import InprocPools
+from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import admin_pool_counts, metrics_pool_counts, scrape
 from tests.helpers.router_metrics import migration_counts
@@ -275,7 +276,7 @@ def test_worker_that_disagrees_with_the_pools_is_refused(pools, tiny_model_dir, 
     async def scenario() -> set[str]:
         engine = EngineConfig(
             model=str(tiny_model_dir), mode=WorkerRole.DECODE.engine_mode, num_threads=1,
-            max_model_len=512,
+            max_model_len=512, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
         )  # fmt: skip
         server = DecodeWorker(WorkerConfig(worker_id="odd-0", role=WorkerRole.DECODE,
                                            engine=engine))  # fmt: skip

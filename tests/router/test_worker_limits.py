@@ -20,6 +20,7 @@ from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 from tandem.worker.config import WorkerConfig, WorkerRole
 from tests.helpers.inproc_cluster import InprocCluster
+from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,6 +80,7 @@ def test_router_start_refuses_workers_with_different_block_sizes(tiny_model_dir)
                     num_threads=1,
                     max_model_len=1024,
                     block_size=block_size,
+                    kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
                 )
                 server = cls(WorkerConfig(worker_id=worker_id, role=role, engine=engine))
                 servers.append(server)
@@ -100,7 +102,12 @@ def test_router_start_refuses_workers_with_different_block_sizes(tiny_model_dir)
 
 
 def test_router_checks_prompts_against_the_workers_max_model_len(tiny_model_dir):
-    engine_config = EngineConfig(model=str(tiny_model_dir), num_threads=1, max_model_len=256)
+    engine_config = EngineConfig(
+        model=str(tiny_model_dir),
+        num_threads=1,
+        max_model_len=256,
+        kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+    )
     cluster = InprocCluster(str(tiny_model_dir), engine_config=engine_config)
     cluster.start()
 

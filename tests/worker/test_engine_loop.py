@@ -18,6 +18,7 @@ from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed
+from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,9 +42,20 @@ def engine_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == THREAD]
 
 
+def make_engine(model_dir) -> Engine:
+    return Engine(
+        EngineConfig(
+            model=str(model_dir),
+            max_model_len=1024,
+            num_threads=1,
+            kv_cache_memory_bytes=TEST_KV_CACHE_BYTES,
+        )
+    )
+
+
 @pytest.fixture
 def engine(tiny_model_dir) -> Engine:
-    return Engine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_threads=1))
+    return make_engine(tiny_model_dir)
 
 
 @pytest.fixture
@@ -232,7 +244,7 @@ def test_the_engine_is_built_on_its_own_thread(tiny_model_dir):
 
     def build() -> Engine:
         built_on.append(threading.current_thread().name)
-        return Engine(EngineConfig(model=str(tiny_model_dir), max_model_len=1024, num_threads=1))
+        return make_engine(tiny_model_dir)
 
     loop = EngineLoop(build, name=THREAD)
     with pytest.raises(EngineLoopClosed, match="not started"):

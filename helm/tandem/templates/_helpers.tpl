@@ -229,6 +229,7 @@ limits:
 {{- if $e.kvBackend }}{{ $args = concat $args (list "--kv-backend" $e.kvBackend) }}{{ end -}}
 {{- if $e.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString $e.maxModelLen)) }}{{ end -}}
 {{- if $e.maxNumBatchedTokens }}{{ $args = concat $args (list "--max-num-batched-tokens" (toString $e.maxNumBatchedTokens)) }}{{ end -}}
+{{- if $e.kvCacheMemory }}{{ $args = concat $args (list "--kv-cache-memory" $e.kvCacheMemory) }}{{ end -}}
 {{- if $e.threads }}{{ $args = concat $args (list "--threads" (toString $e.threads)) }}{{ end -}}
 {{- if and (hasKey $e "chunkedPrefill") (not $e.chunkedPrefill) }}{{ $args = append $args "--no-chunked-prefill" }}{{ end -}}
 {{- if hasKey $e "maxLocalPrefillTokens" }}{{ $args = concat $args (list "--max-local-prefill-tokens" (toString $e.maxLocalPrefillTokens)) }}{{ end -}}

@@ -14,6 +14,7 @@ from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
 from tandem.worker.convert import sampling_params_from_proto, sampling_params_to_proto
+from tests.helpers.kv_budget import with_test_kv
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,7 +22,7 @@ OPTION = "decode prefill batch queue"
 
 
 def make_engine(model_dir, **overrides) -> Engine:
-    return Engine(EngineConfig(model=str(model_dir), max_model_len=512, **overrides))
+    return Engine(EngineConfig(model=str(model_dir), max_model_len=512, **with_test_kv(overrides)))
 
 
 @pytest.fixture(scope="module")
