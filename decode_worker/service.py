@@ -148,7 +148,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         """Reserve, pull and commit; on a failed pull, a local recompute stream."""
         req_id = request.request_id
         handle = KvHandle.from_proto(request.kv_handle)
-        first = None if request.sample_first_token else request.first_token_id
+        first = request.first_token_id
         try:
             await self._reserve(req_id, prompt, first, params)
         except BaseException:
@@ -189,7 +189,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             await pull_into_pinned(self.kv_client, handle, pinned)
 
     async def _reserve(
-        self, req_id: str, prompt: list[int], first: int | None, params: SamplingParams
+        self, req_id: str, prompt: list[int], first: int, params: SamplingParams
     ) -> None:
         """Wait until the pool can hold the prompt's KV (pull-based admission)."""
         deadline = time.monotonic() + self.config.admission_timeout_s
@@ -204,13 +204,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             await asyncio.sleep(_ADMISSION_POLL_S)
 
     async def _recompute(
-        self, req_id: str, prompt: list[int], first: int | None, params: SamplingParams
+        self, req_id: str, prompt: list[int], first: int, params: SamplingParams
     ) -> RequestStream:
         """Prefill prompt + first token here; the stream continues after the first token
-        (which the penalties still count as generated: `num_resumed_tokens`). Without a
-        first token, the prompt alone (the first token is sampled here)."""
-        if first is None:
-            return await self.loop.generate(req_id, prompt, params, local_prefill=True)
+        (which the penalties still count as generated: `num_resumed_tokens`)."""
         rest = dataclasses.replace(
             params,
             max_tokens=params.max_tokens - 1,

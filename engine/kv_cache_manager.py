@@ -111,12 +111,6 @@ class KVCacheManager:
             self.pool.cache(blocks[i], request.block_hashes[i], tokens)
         self._num_cached_blocks[request.req_id] = num_full
 
-    def share(self, source: Request, twin: Request) -> None:
-        """Give `twin` a reference to every block of `source` (same KV, no copy)."""
-        blocks = list(self.block_ids[source.req_id])
-        self.pool.share(blocks)
-        self.block_ids[twin.req_id] = blocks
-
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (cached blocks stay reusable)."""
         self.pool.free(self.take_blocks(request.req_id))

@@ -263,24 +263,6 @@ class Engine:
             raise KeyError(f"no prefilled KV held for request {req_id!r}")
         return list(self.kv.block_ids[req_id])
 
-    def share_held(self, req_id: str, alias: str) -> None:
-        """Hold a prefilled request's KV once more under `alias`, with its own lease and
-        release (the blocks are shared, not copied): one prefill serves `n` sequences,
-        each pulled and released on its own."""
-        held = self._held.get(req_id)
-        if held is None:
-            raise KeyError(f"no prefilled KV held for request {req_id!r}")
-        if alias in self._requests or alias in self._held or alias in self._importing:
-            raise ValueError(f"request id {alias!r} is already in use")
-        source = held.request
-        twin = Request(alias, source.prompt_token_ids, source.params)
-        twin.output_token_ids = list(source.output_token_ids)
-        twin.status = RequestStatus.FINISHED
-        twin.finish_reason = FinishReason.PREFILLED
-        self.kv.share(source, twin)
-        self._held[alias] = _HeldKv(twin, held.expires_at)
-        self.kv_pins.open(alias, self.kv.block_ids[alias])
-
     def acquire_held_kv(self, req_id: str) -> PinnedBlocks:
         """Pin a held request's blocks for a send straight from the cache. Thread-safe
         (a transfer thread calls it, not the engine's); KeyError once released or
@@ -318,22 +300,17 @@ class Engine:
         self,
         req_id: str,
         prompt_token_ids: list[int],
-        first_token_id: int | None,
+        first_token_id: int,
         params: SamplingParams,
     ) -> list[int] | None:
-        """Allocate blocks for a remote prefill's KV; None when the pool is too full now.
-
-        `first_token_id` None: the prefill side sampled no token for this sequence (one
-        of `n` forked from one prefill); this engine recomputes the last prompt position
-        and samples the first token itself."""
+        """Allocate blocks for a remote prefill's KV (`first_token_id`: the token the
+        prefill side sampled); None when the pool is too full now."""
         prompt_ids = self._prompt_ids(prompt_token_ids)
-        if first_token_id is not None:
-            self._check_token_ids([first_token_id])
+        self._check_token_ids([first_token_id])
         request = self._new_request(req_id, prompt_ids, params)
         if not self.kv.allocate_slots(request, len(prompt_ids)):
             return None
-        if first_token_id is not None:
-            request.output_token_ids.append(first_token_id)
+        request.output_token_ids.append(first_token_id)
         self._importing[req_id] = request
         self.kv_pins.open(req_id, self.kv.block_ids[req_id])
         return list(self.kv.block_ids[req_id])
@@ -359,17 +336,13 @@ class Engine:
         self.kv_pins.close(req_id)
         request = self._importing.pop(req_id)
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
-        if request.output_token_ids:
-            request.num_computed_tokens = request.num_prompt_tokens
-            # The prefill side already streamed the first token's text.
-            detok.add_token(request.output_token_ids[0])
-        else:
-            # Sample the first token here: the last prompt position runs again.
-            request.num_computed_tokens = request.num_prompt_tokens - 1
+        request.num_computed_tokens = request.num_prompt_tokens
+        # The prefill side already streamed the first token's text.
+        detok.add_token(request.output_token_ids[0])
         self.kv.cache_full_blocks(request)
         if request.params.structured is not None:
             # The grammar resumes after the first token (sampled under it by the prefill
-            # side, when it was); a token it refuses raises here and the import is undone.
+            # side); a token it refuses raises here and the import is undone.
             try:
                 self.structured.start(
                     request, request.output_token_ids[:1], self.scheduler.add_running

@@ -29,9 +29,6 @@ from tandem.worker.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
-# Most sequences one prefill may serve (the router's `max_n` is far below).
-MAX_NUM_SEQUENCES = 128
-
 
 class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(
@@ -57,11 +54,6 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     ) -> pb.PrefillResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
-        if request.num_sequences > MAX_NUM_SEQUENCES:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"num_sequences must be <= {MAX_NUM_SEQUENCES}, got {request.num_sequences}",
-            )
         try:
             params = sampling_params_from_proto(request.params)
         except ValueError as exc:
@@ -100,22 +92,15 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         if last.finish_reason is not FinishReason.PREFILLED:
             response.finish_reason = FINISH_REASONS[last.finish_reason]
             return response
-        held = [req_id] + [f"{req_id}#{i}" for i in range(1, request.num_sequences or 1)]
         try:
-            for i, held_id in enumerate(held):
-                if i:  # the same blocks, held once more for sequence i
-                    await self.loop.call(
-                        functools.partial(Engine.share_held, req_id=req_id, alias=held_id)
-                    )
-                handle = await self._handle(held_id, last.num_prompt_tokens)
-                target = response.kv_handle if i == 0 else response.sequence_kv_handles.add()
-                target.CopyFrom(handle.to_proto())
+            handle = await self._handle(req_id, last.num_prompt_tokens)
         except BaseException:
-            # The caller never gets the handles (cancelled, or the lease already ran out).
-            await self._release_all(held)
+            # The caller never gets the handle (cancelled, or the lease already ran out).
+            await self._release(req_id)
             raise
+        response.kv_handle.CopyFrom(handle.to_proto())
         if context.cancelled():
-            await self._release_all(held)
+            await self._release(req_id)
         return response
 
     async def _handle(self, held_id: str, num_tokens: int) -> KvHandle:
@@ -130,9 +115,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             lease_expiry_unix_s=time.time() + self.config.engine.kv_lease_s,
         )
 
-    async def _release_all(self, held_ids: list[str]) -> None:
-        for held_id in held_ids:
-            await self.loop.call(functools.partial(Engine.release, req_id=held_id))
+    async def _release(self, req_id: str) -> None:
+        await self.loop.call(functools.partial(Engine.release, req_id=req_id))
 
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         released = await self.loop.call(lambda e: e.release(request.request_id))

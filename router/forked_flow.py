@@ -1,22 +1,23 @@
 """`n > 1`: n sequences of one request from a single prefill, as one stream of chunks.
 
-Disaggregated pair: one `Prefill` with `num_sequences = n`. The prefill worker computes
-the prompt once, samples sequence 0's first token, and holds the same KV blocks once
-per sequence (shared, each with its own lease and release). Then n `Decode` calls run
-side by side: sequence 0 continues from its first token; sequence i pulls its own handle
-and samples its first token on the decode worker (which recomputes the last prompt
-position: one token, not a prefill). The decode side holds a copy of the prompt's KV
-per sequence: the pulls are n, the prefill is one.
+Disaggregated pair: one `Prefill`, and one KV pull. Sequence 0 decodes from the
+prefill worker's handle, after its first token; once its decode worker has imported the
+prompt's KV (its first decode chunk), sequences 1..n-1 start on that worker with
+`local_prefill`: the prompt's full blocks are in its prefix cache, so each recomputes at
+most its last block and samples its own first token. The decode side holds the prompt's
+full blocks once, shared by the n sequences (as the prefix cache shares them).
 
 Local prefill (no prefill worker in the pair, or the first token already ended sequence
 0): the first local sequence prefills on the decode worker; the others start after its
 first token, so they find the prompt's full blocks in that worker's prefix cache.
 
-Only the first attempt is shared: each sequence is driven by `SequenceFlow.run`, so a
-worker failure migrates each sequence on its own (placed under its own policy key,
-`req#i`), keeping the tokens it already sent. A failed shared prefill migrates every
-sequence. Every chunk carries its sequence's `index`. Seeded requests give sequence i
-the seed `seed + i`.
+Either way one sequence leads: the others wait for its first chunk from the decode
+worker (or its end), so a cache eviction in between costs a local recompute, never a
+wrong token. Only the first attempt is shared: each sequence is driven by
+`SequenceFlow.run`, so a worker failure migrates each sequence on its own (placed under
+its own policy key, `req#i`), keeping the tokens it already sent. A failed shared
+prefill migrates every sequence. Every chunk carries its sequence's `index`. Seeded
+requests give sequence i the seed `seed + i`.
 """
 
 from __future__ import annotations
@@ -68,11 +69,11 @@ class _SharedStart:
         # Sequence 0's first token, from the prefill worker.
         self.first: GenerationChunk | None = None
         self.first_token_id = 0
-        # KV handles the prefill worker holds for sequences not yet decoding, by index.
-        self.unclaimed: dict[int, pb.KvHandle] = {}
-        # Sequences that prefill on the decode worker; the first of them goes first.
-        self.local: list[int] = []
-        # Set once the first local sequence has its first token (or ended).
+        # The prefill worker's KV of the prompt until sequence 0's decode claims it.
+        self.unclaimed: pb.KvHandle | None = None
+        # The sequence whose start fills the decode worker's prefix cache (see above).
+        self.leader = 0
+        # Set once the leader has its first chunk from the decode worker (or ended).
         self.cache_warm = asyncio.Event()
 
     async def prefill(self) -> None:
@@ -81,13 +82,11 @@ class _SharedStart:
         try:
             self.pair = self.flow.pair_of(self.placement)
             if self.pair.prefill_stub is None:
-                self.local = [seq.index for seq in self.sequences]
-                return
+                return  # every sequence prefills locally, sequence 0 first
             request = pb.PrefillRequest(
                 request_id=lead.req_id,
                 prompt_token_ids=lead.prompt_ids,
                 params=sampling_params_to_proto(lead.params),
-                num_sequences=len(self.sequences),
             )
             response = await self.flow.calls.prefill(self.pair, request, lead.span, attempt)
         except AttemptFailed as failure:
@@ -97,12 +96,11 @@ class _SharedStart:
             self.flow.attempts.end(attempt)
         num_prompt_tokens = len(lead.prompt_ids)
         self.first = self.flow.prefilled(lead, lead.params, self.pair, response, num_prompt_tokens)
-        if self.first.finish_reason is None:  # the KV is held once per sequence
-            handles = [response.kv_handle, *response.sequence_kv_handles]
-            self.unclaimed = dict(enumerate(handles))
+        if self.first.finish_reason is None:  # sequence 0 pulls the KV and leads
+            self.unclaimed = response.kv_handle
             self.first_token_id = response.first_token_id
-        else:
-            self.local = [seq.index for seq in self.sequences[1:]]
+        else:  # no KV is held: sequence 1 prefills locally and leads
+            self.leader = 1
 
     async def first_attempt(self, seq: Sequence, attempt: Attempt) -> Chunks:
         """Sequence `seq`'s part of the shared start (`FirstAttempt` of `SequenceFlow`)."""
@@ -110,53 +108,47 @@ class _SharedStart:
             f = self.failure
             raise AttemptFailed(f.worker_id, f.reason, f.error, f.migratable) from f.__cause__
         assert self.pair is not None  # set whenever there is no failure
-        if seq.index == 0 and self.first is not None and self.first.finish_reason is not None:
+        leads = seq.index == self.leader
+        if seq.index == 0 and not leads:  # its first token ended it at the prefill
+            assert self.first is not None
             yield self.first
             return
+        if not leads:
+            # Bounded: the leader's decode call has the request timeout, and its end sets it.
+            await self.cache_warm.wait()
         request = pb.DecodeRequest(
             request_id=seq.req_id,
             prompt_token_ids=seq.prompt_ids,
             params=sampling_params_to_proto(seq.params),
         )
-        if seq.index in self.local:
-            chunks = self._local(request, seq, attempt)
+        # Chunks before the decode worker's first one: the prefill's first token.
+        num_from_prefill = 0
+        if seq.index == 0 and self.unclaimed is not None:
+            request.kv_handle.CopyFrom(self.unclaimed)
+            request.first_token_id = self.first_token_id
+            self.unclaimed = None  # decode_held releases it if the decode never pulls
+            chunks = self.flow.decode_held(self.pair, request, seq, attempt, self.first)
+            num_from_prefill = 1
         else:
-            request.kv_handle.CopyFrom(self.unclaimed.pop(seq.index))
-            first = None
-            if seq.index == 0:
-                request.first_token_id, first = self.first_token_id, self.first
-            else:
-                request.sample_first_token = True
-            chunks = self.flow.decode_held(self.pair, request, seq, attempt, first)
-        async with contextlib.aclosing(chunks):
-            async for chunk in chunks:
-                yield chunk
-
-    async def _local(self, request: pb.DecodeRequest, seq: Sequence, attempt: Attempt) -> Chunks:
-        assert self.pair is not None
-        request.local_prefill = True
-        leads = seq.index == self.local[0]
-        if not leads:
-            # Bounded: the lead's decode call has the request timeout, and its end sets it.
-            await self.cache_warm.wait()
+            request.local_prefill = True
+            chunks = self.flow.decode_local(self.pair, request, seq, attempt)
         try:
-            async with contextlib.aclosing(
-                self.flow.decode_local(self.pair, request, seq, attempt)
-            ) as chunks:
+            num_chunks = 0
+            async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
-                    if leads:  # its prompt's full blocks are cached on the decode worker now
+                    if leads and num_chunks >= num_from_prefill:  # the prompt is cached
                         self.cache_warm.set()
+                    num_chunks += 1
                     yield chunk
         finally:
             if leads:
                 self.cache_warm.set()
 
     async def release_unclaimed(self) -> None:
-        """Unpin the KV of sequences that never started decoding from it."""
-        if self.pair is not None:
-            for handle in self.unclaimed.values():
-                await self.flow.calls.release(self.pair, handle.request_id)
-        self.unclaimed.clear()
+        """Unpin the prompt's KV if sequence 0 never started decoding from it."""
+        if self.pair is not None and self.unclaimed is not None:
+            await self.flow.calls.release(self.pair, self.unclaimed.request_id)
+        self.unclaimed = None
 
 
 _DONE = object()

@@ -121,9 +121,9 @@ class RequestFlow:
             },
         )
         arrived_at = time.monotonic()
-        # A forked request's decode worker holds n copies of prompt + output.
-        num_charged = n * (len(prompt_ids) + params.max_tokens) - len(prompt_ids)
-        charged = dataclasses.replace(params, max_tokens=num_charged) if n > 1 else params
+        # A forked request's decode worker holds the prompt once (its full blocks shared
+        # by the n sequences; each re-holds at most the last partial one) and n outputs.
+        charged = dataclasses.replace(params, max_tokens=n * params.max_tokens)
         placement = await self._place(req_id, prompt_ids, charged, slo, span)
         record = self.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s,
                                      admission_wait_s=time.monotonic() - arrived_at)  # fmt: skip

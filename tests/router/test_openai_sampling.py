@@ -109,10 +109,15 @@ def token_texts(tokenizer: PromptTokenizer, ids: list[int]) -> list[str]:
     return [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
 
 
+def prefix_cache_counts(cluster: InprocCluster, role: str) -> tuple[int, int]:
+    """Prompt tokens the `role` worker's engine looked up in its prefix cache, and found."""
+    worker = next(w for w in cluster.workers if w.role == role)
+    stats = cluster.run(worker_stats(worker.endpoint, role, cluster.cluster_auth))
+    return stats.prefix_cache_queries, stats.prefix_cache_hits
+
+
 def prompt_tokens_prefilled(cluster: InprocCluster) -> int:
-    prefill = next(w for w in cluster.workers if w.role == "prefill")
-    stats = cluster.run(worker_stats(prefill.endpoint, "prefill", cluster.cluster_auth))
-    return stats.prefix_cache_queries
+    return prefix_cache_counts(cluster, "prefill")[0]
 
 
 def test_penalties_change_greedy_output_and_equal_a_colocated_run(
@@ -163,12 +168,17 @@ def test_logit_bias_minus_100_bans_the_greedy_token(client, cluster, colocated, 
 def test_n_choices_come_from_one_prefill(client, cluster, colocated, tokenizer):
     model = cluster.router.config.model_name
     before = prompt_tokens_prefilled(cluster)
+    decode_before = prefix_cache_counts(cluster, "decode")
     sampled = client.completions.create(
         model=model, prompt=PROMPT, n=3, max_tokens=8, temperature=1.0, seed=11,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     # One prompt's worth of tokens went through the prefill worker, not three.
     assert prompt_tokens_prefilled(cluster) == before + len(PROMPT)
+    # Sequence 0 pulled the KV; 1 and 2 prefilled on the decode worker from its prefix
+    # cache (the prompt's full 16-token block; the last block is recomputed), no pull.
+    queries, hits = prefix_cache_counts(cluster, "decode")
+    assert (queries - decode_before[0], hits - decode_before[1]) == (2 * len(PROMPT), 2 * 16)
     assert [c.index for c in sampled.choices] == [0, 1, 2]
     assert all(c.finish_reason == "length" for c in sampled.choices)
     assert len({c.text for c in sampled.choices}) > 1  # each sequence samples on its own
