@@ -194,6 +194,21 @@ def test_n_choices_come_from_one_prefill(client, cluster, colocated, tokenizer):
     assert [c.logprobs.tokens for c in greedy.choices] == [expected] * 3
 
 
+def test_n_choices_when_the_first_token_ends_sequence_0(client, cluster, colocated, tokenizer):
+    """max_tokens 1: sequence 0 ends at the prefill (no KV held), so sequence 1 leads
+    the local starts on the decode worker and sequence 2 follows it."""
+    before = prompt_tokens_prefilled(cluster)
+    response = client.completions.create(
+        model=cluster.router.config.model_name, prompt=PROMPT, n=3, max_tokens=1,
+        temperature=0.0, logprobs=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert prompt_tokens_prefilled(cluster) == before + len(PROMPT)
+    first = token_texts(tokenizer, colocated_run(colocated))[:1]
+    assert [c.logprobs.tokens for c in response.choices] == [first] * 3
+    assert [c.finish_reason for c in response.choices] == ["length"] * 3
+    assert response.usage.completion_tokens == 3
+
+
 def test_n_choices_stream_with_their_index(client, cluster):
     stream = client.chat.completions.create(
         model=cluster.router.config.model_name,
