@@ -44,8 +44,7 @@ class ModelRunner:
             device=self.device,
         )
         self.attention_backend = model.attention_backend
-        # The cpu backend has built the C++ ops the sampler's greedy path can use.
-        self.sampler = Sampler(cpu_argmax=self.attention_backend.name == "cpu")
+        self.sampler = Sampler(cpu_argmax=self.attention_backend.loads_cpu_ops)
         self.eos_token_ids = list(cfg.eos_token_ids)
         # Decode-only steps replay CUDA graphs when the config asks for them (CUDA only;
         # a prefill-only engine never decodes).

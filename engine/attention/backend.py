@@ -21,6 +21,9 @@ M = TypeVar("M", bound=AttentionMetadata)
 class AttentionBackend(ABC, Generic[M]):
     # The name `--attention-backend` selects it by.
     name: ClassVar[str]
+    # Whether starting this backend loaded Tandem's C++ CPU ops, so the model's fused
+    # kernels, its decode-only stack and the greedy sampler may use them too.
+    loads_cpu_ops: ClassVar[bool] = False
 
     @abstractmethod
     def build_metadata(self, batch: BatchLayout) -> M:

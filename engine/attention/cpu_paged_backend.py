@@ -44,6 +44,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     """Decodes and float32 prefill chunks through the paged C++ ops."""
 
     name: ClassVar[str] = "cpu"
+    loads_cpu_ops: ClassVar[bool] = True
 
     def __init__(self, scale: float) -> None:
         super().__init__(scale)

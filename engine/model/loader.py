@@ -67,9 +67,9 @@ def load_model(
     rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
     model.rotary = rotary
     _load_weights(model, Path(model_dir), cfg)
-    if backend.name == "cpu" and dtype in KERNEL_DTYPES:
-        # The cpu backend is Tandem's C++ CPU path: its build also holds the fused kernels
-        # and the decode-only stack (the torch backend stays the pure-torch reference).
+    if backend.loads_cpu_ops and dtype in KERNEL_DTYPES:
+        # The C++ CPU path: the ops' build also holds the fused kernels and the
+        # decode-only stack (the torch backend stays the pure-torch reference).
         use_cpu_kernels(model)
         model.cpu_decode = CpuDecodeStack(model)
     return model.eval()
