@@ -255,6 +255,28 @@ def test_grpc_generate_n_sequences_by_index(cluster, colocated):
     assert "n must be <=" in (info.value.details() or "")
 
 
+def test_n_sequences_are_charged_the_prompt_once(cluster):
+    """The decode worker holds the prompt's blocks once for all n sequences (they share
+    them through its prefix cache), so the placement charges prompt + n x max_tokens."""
+    policy = cluster.router.policy_runtime.policy
+
+    async def charged_blocks() -> int | None:
+        request = gen_pb.GenerateRequest(
+            request_id="charged", prompt_token_ids=PROMPT, max_tokens=MAX_TOKENS,
+            temperature=0.0, ignore_eos=True, n=3,
+        )  # fmt: skip
+        async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
+            stream = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
+            num_blocks = None
+            async for _ in stream:  # from the first token on, the request is placed
+                if num_blocks is None:
+                    num_blocks = policy.placement_of("charged").num_decode_blocks
+        return num_blocks
+
+    # 29 + 3 x 20 tokens in 16-token blocks (three copies of the prompt would be 10).
+    assert cluster.run(charged_blocks()) == -(-(len(PROMPT) + 3 * MAX_TOKENS) // 16) == 6
+
+
 def test_grpc_refuses_bias_outside_the_vocabulary(cluster):
     request = gen_pb.GenerateRequest(prompt="hi", logit_bias={5000: 1.0})
     with pytest.raises(grpc.aio.AioRpcError) as info:
