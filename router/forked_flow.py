@@ -68,7 +68,6 @@ class _SharedStart:
         self.failure: AttemptFailed | None = None
         # Sequence 0's first token, from the prefill worker.
         self.first: GenerationChunk | None = None
-        self.first_token_id = 0
         # The prefill worker's KV of the prompt until sequence 0's decode claims it.
         self.unclaimed: pb.KvHandle | None = None
         # The sequence whose start fills the decode worker's prefix cache (see above).
@@ -98,7 +97,6 @@ class _SharedStart:
         self.first = self.flow.prefilled(lead, lead.params, self.pair, response, num_prompt_tokens)
         if self.first.finish_reason is None:  # sequence 0 pulls the KV and leads
             self.unclaimed = response.kv_handle
-            self.first_token_id = response.first_token_id
         else:  # no KV is held: sequence 1 prefills locally and leads
             self.leader = 1
 
@@ -125,7 +123,8 @@ class _SharedStart:
         num_from_prefill = 0
         if seq.index == 0 and self.unclaimed is not None:
             request.kv_handle.CopyFrom(self.unclaimed)
-            request.first_token_id = self.first_token_id
+            assert self.first is not None  # set with the handle
+            request.first_token_id = self.first.token_ids[0]
             self.unclaimed = None  # decode_held releases it if the decode never pulls
             chunks = self.flow.decode_held(self.pair, request, seq, attempt, self.first)
             num_from_prefill = 1

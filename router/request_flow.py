@@ -123,7 +123,7 @@ class RequestFlow:
         arrived_at = time.monotonic()
         # A forked request's decode worker holds the prompt once (its full blocks shared
         # by the n sequences; each re-holds at most the last partial one) and n outputs.
-        charged = dataclasses.replace(params, max_tokens=n * params.max_tokens)
+        charged = dataclasses.replace(params, max_tokens=n * params.max_tokens) if n > 1 else params
         placement = await self._place(req_id, prompt_ids, charged, slo, span)
         record = self.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s,
                                      admission_wait_s=time.monotonic() - arrived_at)  # fmt: skip

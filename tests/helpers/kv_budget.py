@@ -11,7 +11,7 @@ from __future__ import annotations
 
 TEST_KV_CACHE_BYTES = 64 << 20
 # The same, as the `--kv-cache-memory` flag of `tandem serve` / `tandem demo`.
-TEST_KV_CACHE_FLAG = ("--kv-cache-memory", "64MiB")
+TEST_KV_CACHE_FLAG = ("--kv-cache-memory", str(TEST_KV_CACHE_BYTES))
 
 
 def with_test_kv(overrides: dict) -> dict:
