@@ -284,7 +284,7 @@ def matmul_floor_timer(
 ) -> Callable[[], float]:
     """Times one pass of the model's weight matmuls alone, in model order, through the
     model's own linear layers (so by the path the engine takes: `F.linear`, or the
-    small-batch kernel where it is on)."""
+    packed kernel where the loader packed the weights)."""
     layers: list[Any] = list(model.layers)  # nn.ModuleList items are typed as plain Modules
     projections: list[Any] = [
         projection
@@ -293,7 +293,7 @@ def matmul_floor_timer(
                            layer.mlp.gate_up_proj, layer.mlp.down_proj)
     ]  # fmt: skip
     lm_head = model.lm_head
-    dtype = lm_head.weight.dtype
+    dtype = model.embed_tokens.weight.dtype
     gen = torch.Generator().manual_seed(0)
     inputs = {
         p.in_features: torch.randn(num_rows, p.in_features, generator=gen).to(dtype)

@@ -15,7 +15,7 @@ TRANSFORMERS_TARGET = 1.0
 QUIET_MAX_CORES = 0.25
 # Profiler names of the GEMM kernels: the part of a step the matmul floor measures.
 MATMUL_OPS = (
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "tandem_cpu::small_batch_linear",
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "tandem_cpu::packed_linear",
 )  # fmt: skip
 
 

@@ -20,9 +20,12 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
 void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                    int64_t context_len, double scale, at::Tensor out);
 
-// x @ weight.T (+ bias) for a few float32 rows, streaming the weight once (small_batch_linear.cpp).
-at::Tensor small_batch_linear(const at::Tensor& x, const at::Tensor& weight,
-                              const c10::optional<at::Tensor>& bias);
+// A float32 weight [n, k] in packed_linear's column panels (packed_linear.cpp).
+at::Tensor pack_linear_weight(const at::Tensor& weight);
+
+// x @ weight.T (+ bias) in float32, the weight [n, k] given packed (packed_linear.cpp).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                         const c10::optional<at::Tensor>& bias);
 
 // RMSNorm of float32 or bfloat16 rows x [T, H] (contiguous rows) times weight [H] (elementwise.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -44,8 +47,7 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
                           const at::Tensor& final_norm, double norm_eps, const at::Tensor& cos,
                           const at::Tensor& sin, const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t min_small_rows,
-                          int64_t max_small_rows);
+                          int64_t num_heads, int64_t num_kv_heads);
 
 // 16-float vectors (GCC vector extensions: one AVX-512 register, two AVX2 registers).
 constexpr int kLanes16 = 16;

@@ -17,20 +17,17 @@ namespace {
 // Per layer, in this order: input norm, qkv, o, post-attention norm, gate_up, down.
 constexpr int64_t kWeightsPerLayer = 6;
 
-// The rows llama.py's `Linear` sends to the small-batch kernel (float32 only; others go
-// to F.linear).
-struct SmallRows {
-  int64_t min, max;
-};
-
+// x @ weight.T (+ bias) as llama.py's `Linear` computes it: by packed_linear where the
+// weight is packed (float32, [panels, k, panel width]), else by F.linear's op. n: the
+// output size, which a packed weight's shape does not carry.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  SmallRows small) {
-  const int64_t rows = x.size(0);
-  if (rows >= small.min && rows <= small.max && x.scalar_type() == at::kFloat) {
+                  int64_t n) {
+  if (weight.dim() == 3) {
     // Called directly, not through the dispatcher: named for torch.profiler here.
-    RECORD_FUNCTION("tandem_cpu::small_batch_linear", c10::ArrayRef<const c10::IValue>{});
-    return tandem_cpu::small_batch_linear(x, weight, bias);
+    RECORD_FUNCTION("tandem_cpu::packed_linear", c10::ArrayRef<const c10::IValue>{});
+    return tandem_cpu::packed_linear(x, weight, n, bias);
   }
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n, "decode_forward: a weight of ", n, " rows expected");
   return at::linear(x, weight, bias);
 }
 
@@ -70,9 +67,7 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
                           const at::Tensor& sin,
                           const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                          int64_t num_heads, int64_t num_kv_heads, int64_t min_small_rows,
-                          int64_t max_small_rows) {
-  const SmallRows small{min_small_rows, max_small_rows};
+                          int64_t num_heads, int64_t num_kv_heads) {
   const int64_t num_layers = kv_caches.size(0);
   TORCH_CHECK(embeddings.dim() == 2 && kv_caches.dim() == 6, "decode_forward: bad ranks");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
@@ -87,15 +82,15 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
   TORCH_CHECK((embeddings.scalar_type() == at::kFloat || embeddings.scalar_type() == at::kBFloat16) &&
                   kv_caches.scalar_type() == embeddings.scalar_type(),
               "decode_forward: float32 or bfloat16 embeddings and kv caches of one dtype expected");
-  TORCH_CHECK(num_layers == 0 || weights[1].size(0) == (heads + num_kv_heads) * head_dim,
-              "decode_forward: qkv weight rows != (num_heads + 2 num_kv_heads) * head_dim");
+  // The projections' output sizes; the down projection's input is the MLP's width.
+  const int64_t hidden_size = embeddings.size(1), qkv_size = (heads + num_kv_heads) * head_dim;
   at::Tensor hidden = embeddings;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
     const c10::optional<at::Tensor> qkv_bias =
         qkv_biases.empty() ? c10::nullopt : c10::optional<at::Tensor>(qkv_biases[layer]);
     // Attention: fused QKV, RoPE on queries and keys in place, K/V into the cache, paged attention.
-    at::Tensor qkv = linear(tandem_cpu::rms_norm(hidden, w[0], norm_eps), w[1], qkv_bias, small);
+    at::Tensor qkv = linear(tandem_cpu::rms_norm(hidden, w[0], norm_eps), w[1], qkv_bias, qkv_size);
     at::Tensor kv_cache = kv_caches[layer];
     {
       RECORD_FUNCTION("tandem_cpu::rotate_and_write_kv", c10::ArrayRef<const c10::IValue>{});
@@ -108,11 +103,11 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
       RECORD_FUNCTION("tandem_cpu::paged_decode", c10::ArrayRef<const c10::IValue>{});
       tandem_cpu::paged_decode(query, kv_cache, block_tables, seq_lens, scale, attention);
     }
-    hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, small).add_(hidden);
+    hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, hidden_size).add_(hidden);
     // MLP: fused gate/up, SiLU(gate) * up, down; the residual added into the output.
     at::Tensor gate_up =
-        linear(tandem_cpu::rms_norm(hidden, w[3], norm_eps), w[4], c10::nullopt, small);
-    hidden = linear(tandem_cpu::silu_and_mul(gate_up), w[5], c10::nullopt, small).add_(hidden);
+        linear(tandem_cpu::rms_norm(hidden, w[3], norm_eps), w[4], c10::nullopt, 2 * w[5].size(1));
+    hidden = linear(tandem_cpu::silu_and_mul(gate_up), w[5], c10::nullopt, hidden_size).add_(hidden);
   }
   return tandem_cpu::rms_norm(hidden, final_norm, norm_eps);
 }

@@ -6,12 +6,13 @@ first use and caches the library under `TORCH_EXTENSIONS_DIR` (default
 cached build in well under a second. They run on torch's own thread pool
 (`at::parallel_for`), so they add no second OpenMP runtime. Loaded, they are
 `torch.ops.tandem_cpu.paged_decode` and `paged_prefill` (decode and prefill attention
-over the paged cache, the `cpu` attention backend), `small_batch_linear` (float32
-matmuls of a few rows, see engine/model/linear.py), `rms_norm`, `silu_and_mul` and
-`rotary_embedding_` (fused float32/bfloat16 elementwise ops, see
-engine/model/cpu_kernels.py), `greedy_argmax` (the greedy sampler's choice,
-engine/sampler.py) and `decode_forward` (a decode-only step's decoder stack, see
-engine/model/cpu_decode.py); cpu_ops.h declares them all, register_ops.cpp registers them.
+over the paged cache, the `cpu` attention backend), `pack_linear_weight` and
+`packed_linear` (float32 matmuls over weights packed at load, see
+engine/model/linear.py), `rms_norm`, `silu_and_mul` and `rotary_embedding_` (fused
+float32/bfloat16 elementwise ops, see engine/model/cpu_kernels.py), `greedy_argmax` (the
+greedy sampler's choice, engine/sampler.py) and `decode_forward` (a decode-only step's
+decoder stack, see engine/model/cpu_decode.py); cpu_ops.h declares them all,
+register_ops.cpp registers them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ SOURCES = [
     for name in (
         "paged_decode.cpp",
         "paged_prefill.cpp",
-        "small_batch_linear.cpp",
+        "packed_linear.cpp",
         "elementwise.cpp",
         "greedy_argmax.cpp",
         "decode_forward.cpp",
@@ -145,12 +146,18 @@ def paged_prefill(
     torch.ops.tandem_cpu.paged_prefill(query, kv_cache, block_table, context_len, scale, out)
 
 
-def small_batch_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [n, k] in the column panels `packed_linear` reads (a new tensor
+    [ceil(n / panel width), k, panel width], zero past row n; the width is the build's)."""
+    return torch.ops.tandem_cpu.pack_linear_weight(weight)
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) as a new [rows, n] tensor: float32, x [rows, k] with k
-    contiguous, weight [n, k] contiguous; streams the weight once for all rows."""
-    return torch.ops.tandem_cpu.small_batch_linear(x, weight, bias)
+    """x @ weight.T (+ bias) as a new [rows, n] float32 tensor, for x [rows, k] with k
+    contiguous and `packed` = pack_linear_weight(weight [n, k])."""
+    return torch.ops.tandem_cpu.packed_linear(x, packed, n, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,8 +12,10 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_prefill(Tensor query, Tensor kv_cache, Tensor block_table, int context_len, float scale, "
         "Tensor(a!) out) -> ()");
   m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::paged_prefill));
-  m.def("small_batch_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-  m.impl("small_batch_linear", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::small_batch_linear));
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.impl("pack_linear_weight", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::pack_linear_weight));
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::packed_linear));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::rms_norm));
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
@@ -25,6 +27,6 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("decode_forward(Tensor embeddings, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
         "float norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int num_heads, "
-        "int num_kv_heads, int min_small_rows, int max_small_rows) -> Tensor");
+        "int num_kv_heads) -> Tensor");
   m.impl("decode_forward", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::decode_forward));
 }

@@ -15,7 +15,7 @@ import torch
 
 from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionMetadata
 from tandem.engine.attention.metadata import AttentionMetadata
-from tandem.engine.model.linear import SMALL_BATCH_MAX_ROWS, SMALL_BATCH_MIN_ROWS
+from tandem.engine.model.linear import Linear
 
 
 class CpuDecodeStack:
@@ -27,9 +27,9 @@ class CpuDecodeStack:
         self.weights = [
             weight.detach()
             for layer in layers
-            for weight in (layer.input_layernorm.weight, layer.self_attn.qkv_proj.weight,
-                           layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                           layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)
+            for weight in (layer.input_layernorm.weight, _weight(layer.self_attn.qkv_proj),
+                           _weight(layer.self_attn.o_proj), layer.post_attention_layernorm.weight,
+                           _weight(layer.mlp.gate_up_proj), _weight(layer.mlp.down_proj))
         ]  # fmt: skip
         self.qkv_biases = (
             [layer.self_attn.qkv_proj.bias.detach() for layer in layers] if cfg.qkv_bias else []
@@ -62,5 +62,11 @@ class CpuDecodeStack:
             embeddings, self.weights, self.qkv_biases, self.final_norm,
             self.norm_eps, cos, sin, kv_caches, meta.slot_mapping,
             meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-            self.num_heads, self.num_kv_heads, SMALL_BATCH_MIN_ROWS, SMALL_BATCH_MAX_ROWS,
+            self.num_heads, self.num_kv_heads,
         )  # fmt: skip
+
+
+def _weight(linear: Linear) -> torch.Tensor:
+    """The weight the op multiplies by: packed where the loader packed it (float32), which
+    the op tells from its rank."""
+    return linear.packed_weight if linear.packed_weight is not None else linear.weight

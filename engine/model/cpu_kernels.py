@@ -4,12 +4,14 @@ The `cpu` attention backend is Tandem's C++ CPU path (the `torch` backend stays 
 pure-torch reference). With it, the model's modules call fused ops instead of chains of
 torch ops: `RMSNorm` one pass per row instead of seven ops, `Attention` RoPE in one loop
 instead of a flip, two multiplies and an add, `MLP` SiLU-and-multiply in one pass, and in
-float32 `Linear` the small-batch matmul for a few rows; decode-only steps run the whole
-stack in one call (cpu_decode.py), through the same functions, so either path gives the
-same bits. In bfloat16 the fused ops round where the torch ops do.
+float32 `Linear` the packed matmul (its weight packed here, once); decode-only steps run
+the whole stack in one call (cpu_decode.py), through the same functions, so either path
+gives the same bits. In bfloat16 the fused ops round where the torch ops do.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch import nn
@@ -34,12 +36,23 @@ def use_cpu_kernels(model: nn.Module) -> int:
             )
         if not param.is_contiguous():
             raise ValueError(f"the cpu kernels need contiguous weights ({name} is not)")
-    with_linear = dtypes == {torch.float32}  # the small-batch matmul is float32 only
-    modules = [
-        m
-        for m in model.modules()
-        if isinstance(m, (RMSNorm, Attention, MLP)) or (with_linear and isinstance(m, Linear))
-    ]
+    modules = [m for m in model.modules() if isinstance(m, (RMSNorm, Attention, MLP))]
     for module in modules:
         module.cpu_kernel = True
-    return len(modules)
+    packed = _pack_linear_weights(model) if dtypes == {torch.float32} else []
+    return len(modules) + len(packed)
+
+
+def _pack_linear_weights(model: nn.Module) -> list[Linear]:
+    """Packs the weight of every `Linear` that owns its weight alone (the packed kernel is
+    float32 only). A weight shared with another module, as a tied `lm_head` shares the
+    embedding's, stays as it is: its other user needs the rows unpacked."""
+    users = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
+    packed: list[Linear] = []
+    for module in model.modules():
+        if not isinstance(module, Linear) or module.packed_weight is not None:
+            continue
+        if users[id(module.weight)] == 1:
+            module.pack_weight()
+            packed.append(module)
+    return packed

@@ -1,12 +1,13 @@
-"""The model's linear layer: `nn.Linear`, except that on CPU float32 a batch of a few rows
-can go to the small-batch kernel (engine/cpu_ops/small_batch_linear.cpp).
+"""The model's linear layer: `nn.Linear`, except that a CPU float32 model's weights can be
+packed once for the packed kernel (engine/cpu_ops/packed_linear.cpp), which then computes
+every call.
 
-A decode step multiplies a handful of rows (one per running sequence) by every weight, so
-it is bound by reading the weights. torch's `F.linear` reads them at full speed for one
-row (a matrix-vector product) but at about half that speed for 4-16 rows (MKL's GEMM
-repacks the weight on every call); the kernel streams each weight once for all rows.
-Measured with `tandem-bench engine` (the matmul floor of each path); past
-`SMALL_BATCH_MAX_ROWS` rows the GEMM is compute-bound and MKL's blocking wins.
+torch's `F.linear` (MKL's sgemm) repacks the weight on every call; at the few rows of a
+decode step that costs about as much as the multiply. Over the small preset's decoder
+layers (12 x qkv, o, gate_up, down; one process, medians of 9 passes, AVX-512 Xeon) the
+packed kernel took 20.4 ms against F.linear's 36.6 ms at 8 rows, 37.9 against 49.4 ms at
+32, 65 against 74 ms at 64, 381-417 against 387-489 ms at 512 (a prefill chunk) and
+matched it at 1 row (a memory-bound matrix-vector product either way).
 """
 
 from __future__ import annotations
@@ -15,21 +16,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.engine.cpu_ops.loader import small_batch_linear
-
-# Rows from MIN to MAX go to the kernel when it is on. Over the small preset's weights on
-# an AVX-512 Xeon it took 1.05-1.2x F.linear's time at 1-3 rows (MKL's matrix-vector
-# path), 0.7x at 4, 0.6x at 8, 0.85x at 16 and 1.25x at 32 (compute-bound: MKL's blocking).
-SMALL_BATCH_MIN_ROWS = 4
-SMALL_BATCH_MAX_ROWS = 16
+from tandem.engine.cpu_ops.loader import pack_linear_weight, packed_linear
 
 
 class Linear(nn.Linear):
-    # Off by default (the kernel is CPU float32 only, and must be built); on for the whole
-    # model by `use_cpu_kernels` (cpu_kernels.py).
-    cpu_kernel = False
+    # The weight in packed_linear's panels, which replace `weight` (`pack_weight`).
+    packed_weight: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("packed_weight", None, persistent=False)
+
+    def pack_weight(self) -> None:
+        """Packs the (loaded, CPU float32) weight for the packed kernel and drops the
+        unpacked one: from now on every call goes through the kernel."""
+        self.packed_weight = pack_linear_weight(self.weight.detach())
+        del self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cpu_kernel and SMALL_BATCH_MIN_ROWS <= x.shape[0] <= SMALL_BATCH_MAX_ROWS:
-            return small_batch_linear(x, self.weight, self.bias)
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.out_features, self.bias)
         return F.linear(x, self.weight, self.bias)

@@ -1,0 +1,113 @@
+"""The packed matmul kernel (engine/cpu_ops/packed_linear.cpp) against float64 matmuls:
+row counts across and past its row tile and row block, sizes that leave a partial last
+panel, a bias, strided rows; a row's result does not depend on its batch; bad input is a
+clear error; the model's `Linear` packs its weight when the cpu kernels are turned on
+(float32 only, never a weight another module shares)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem.engine.cpu_ops.loader import cpu_ops_error, pack_linear_weight, packed_linear
+from tandem.engine.model.cpu_kernels import use_cpu_kernels
+from tandem.engine.model.linear import Linear
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_ops() -> None:
+    error = cpu_ops_error()
+    assert error is None, f"the cpu ops must build on CPU test machines: {error}"
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).float()
+
+
+def packed_times(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    return packed_linear(x, pack_linear_weight(w), w.shape[0], b)
+
+
+@pytest.mark.parametrize("k, n", [(768, 1280), (100, 37), (16, 5), (2048, 9), (7, 1), (5, 97)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 16, 33, 300])
+def test_matches_float64_matmul(rows: int, k: int, n: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=generator)
+    w = torch.randn(n, k, generator=generator)
+    out = packed_times(x, w)
+    assert out.shape == (rows, n) and out.is_contiguous()
+    torch.testing.assert_close(out, reference(x, w, None), rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+def test_packing_keeps_every_weight_and_pads_with_zeros() -> None:
+    w = torch.randn(37, 10)
+    packed = pack_linear_weight(w)
+    panels, k, width = packed.shape
+    assert k == 10 and width % 8 == 0 and panels == -(-37 // width)
+    # packed[p, k, j] = w[p * width + j, k]; rows past w's last are zero.
+    unpacked = packed.permute(0, 2, 1).reshape(panels * width, k)
+    assert torch.equal(unpacked[:37], w) and not unpacked[37:].any()
+
+
+def test_bias_and_strided_rows() -> None:
+    generator = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, 300, generator=generator)
+    x = wide[:, 20:120]  # rows 300 floats apart
+    w = torch.randn(70, 100, generator=generator)
+    bias = torch.randn(70, generator=generator)
+    expected = reference(x, w, bias)
+    torch.testing.assert_close(packed_times(x, w, bias), expected, rtol=1e-4, atol=1e-3)
+
+
+def test_a_rows_result_does_not_depend_on_its_batch() -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 256, generator=generator)
+    packed = pack_linear_weight(torch.randn(200, 256, generator=generator))
+    whole = packed_linear(x, packed, 200, None)
+    for rows in (1, 3, 8, 11):
+        assert torch.equal(packed_linear(x[5 : 5 + rows], packed, 200, None), whole[5 : 5 + rows])
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    x, w = torch.randn(4, 8), torch.randn(3, 8)
+    packed = pack_linear_weight(w)
+    with pytest.raises(RuntimeError, match="float32 CPU weight"):
+        pack_linear_weight(w.double())
+    with pytest.raises(RuntimeError, match="float32 CPU tensors"):
+        packed_linear(x.double(), packed, 3, None)
+    with pytest.raises(RuntimeError, match="from pack_linear_weight with n rows"):
+        packed_linear(x, w, 3, None)  # not packed
+    with pytest.raises(RuntimeError, match="from pack_linear_weight with n rows"):
+        packed_linear(x, packed, 300, None)  # more rows than it holds
+    with pytest.raises(RuntimeError, match=r"x \[rows, k\] with k contiguous"):
+        packed_linear(torch.randn(4, 9), packed, 3, None)
+    with pytest.raises(RuntimeError, match=r"x \[rows, k\] with k contiguous"):
+        packed_linear(torch.randn(8, 4).t(), packed, 3, None)
+    with pytest.raises(RuntimeError, match=r"bias \[n\] float32"):
+        packed_linear(x, packed, 3, torch.randn(4))
+
+
+def test_linear_packs_its_weight_when_the_kernels_are_turned_on() -> None:
+    layer = Linear(8, 3)
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    assert layer.packed_weight is None
+    assert use_cpu_kernels(torch.nn.Sequential(layer, torch.nn.ReLU())) == 1
+    assert layer.packed_weight is not None and "weight" not in dict(layer.named_parameters())
+    with torch.no_grad():
+        for rows in (1, 4, 17):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(layer(x), F.linear(x, weight, bias))
+    # The kernel is float32 only: a bfloat16 model's layers keep F.linear.
+    bf16 = Linear(8, 3).to(torch.bfloat16)
+    assert use_cpu_kernels(bf16) == 0 and bf16.packed_weight is None
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        use_cpu_kernels(Linear(8, 3).to(torch.float16))
+
+
+def test_a_shared_weight_stays_unpacked() -> None:
+    embedding, head, other = torch.nn.Embedding(11, 8), Linear(8, 11, bias=False), Linear(8, 4)
+    head.weight = embedding.weight  # tied, as a tie_word_embeddings lm_head
+    assert use_cpu_kernels(torch.nn.ModuleList([embedding, head, other])) == 1
+    assert head.packed_weight is None and head.weight is embedding.weight
+    assert other.packed_weight is not None
