@@ -3,14 +3,14 @@
 // contiguous stream of k rows of kPanel output columns.
 //
 // Why: torch's F.linear (MKL's sgemm) repacks w on every call. At the few rows of a decode
-// batch that repacking costs as much as the multiply: measured over the small preset's
-// layers it ran 4-64 rows at 0.55-0.9x the speed of this kernel. The kernel is an
-// outer-product GEMM: each task takes one panel and, for kRows rows of x at a time, keeps
-// kRows x kPanel sums in registers while it walks k (one panel row loaded, one x value
-// broadcast per row, kRows x kVectors fused multiply-adds). The panel stays in L2 for the
-// next kRows rows, so from memory w is read once per call whatever the row count.
-// Every output is one dot product summed in k order, so a row's result does not depend on
-// how many rows the call has (batch-invariant, unlike sgemm).
+// batch that repacking costs as much as the multiply (engine/model/linear.py has the
+// numbers). The kernel is an outer-product GEMM: a task takes two adjacent panels and, for
+// kRows rows of x at a time, keeps kRows x kPanel sums in registers while it walks a
+// panel's k rows (one panel row loaded, one x value broadcast per row, kRows x kVectors
+// fused multiply-adds). The panel stays in L2 for the next kRows rows, so from memory w is
+// read once per call whatever the row count. Every output is one dot product summed in k
+// order, so a row's result does not depend on how many rows the call has (batch-invariant,
+// unlike sgemm).
 // Registered as torch.ops.tandem_cpu.packed_linear and pack_linear_weight; built by
 // cpu_ops/loader.py; called by engine/model/linear.py and decode_forward.cpp.
 #include <ATen/Parallel.h>
@@ -34,6 +34,14 @@ constexpr int kVectors = 2;  // 16 columns
 constexpr int kRows = 6;     // 6 x 2 sums, 2 panel vectors and a broadcast: 15 of 16 registers
 #endif
 constexpr int64_t kPanel = kLanes * kVectors;
+// A task's panels. At one or two rows of x (memory-bound: a batch-1 or -2 decode) the kernel
+// walks both side by side, two memory streams instead of one: the weight's pass took ~5%
+// less time, level with F.linear's matrix-vector path; at more rows it takes them in turn.
+constexpr int64_t kPanelsPerTask = 2;
+constexpr int kSideBySideMaxRows = 2;
+// How far ahead of the panel row in use the kernel asks for the panel's later rows, in
+// floats (4 KiB): at 4-32 rows a pass over the small preset's layers took 9-17% less time.
+constexpr int64_t kPrefetchAhead = 1024;
 // Rows of x per parallel pass: one pass's rows stay in cache while every panel uses them.
 constexpr int64_t kRowBlock = 256;
 typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
@@ -44,38 +52,69 @@ inline Vec load(const float* p) {
   return v;
 }
 
-// y[m, j] = sum over k of x[m, k] * panel[k, j] for m < R and j < cols (cols <= kPanel):
-// x rows ldx apart, y rows ldy apart.
-template <int R>
-void rows_times_panel(const float* x, int64_t ldx, const float* panel, int64_t k_len, float* y,
-                      int64_t ldy, int64_t cols) {
-  Vec sums[R][kVectors] = {};
+// y[m, q * kPanel + j] = sum over k of x[m, k] * panels[q][k, j] for m < R, q < P and
+// j < kPanel (j < last_cols in the last panel): x rows ldx apart, y rows ldy apart, the P
+// panels adjacent. Each sum is taken in k order, whatever R and P.
+template <int R, int P>
+void rows_times_panels(const float* x, int64_t ldx, const float* panels, int64_t k_len, float* y,
+                       int64_t ldy, int64_t last_cols) {
+  Vec sums[R][P][kVectors] = {};
   for (int64_t k = 0; k < k_len; ++k) {
-    Vec w[kVectors];
-    for (int v = 0; v < kVectors; ++v) w[v] = load(panel + k * kPanel + v * kLanes);
-    for (int m = 0; m < R; ++m) {
-      const float xs = x[m * ldx + k];
-      for (int v = 0; v < kVectors; ++v) sums[m][v] += w[v] * xs;
+    for (int q = 0; q < P; ++q) {
+      const float* row = panels + q * k_len * kPanel + k * kPanel;
+      if (P == 1) {
+        for (int v = 0; v < kVectors; ++v) __builtin_prefetch(row + v * kLanes + kPrefetchAhead);
+      }
+      Vec w[kVectors];
+      for (int v = 0; v < kVectors; ++v) w[v] = load(row + v * kLanes);
+      for (int m = 0; m < R; ++m) {
+        const float xs = x[m * ldx + k];
+        for (int v = 0; v < kVectors; ++v) sums[m][q][v] += w[v] * xs;
+      }
     }
   }
   for (int m = 0; m < R; ++m) {
-    if (cols == kPanel) {
-      for (int v = 0; v < kVectors; ++v) std::memcpy(y + m * ldy + v * kLanes, &sums[m][v], sizeof(Vec));
-    } else {  // the last panel: its zero columns past w's last row are not written
-      std::memcpy(y + m * ldy, sums[m], cols * sizeof(float));
+    for (int q = 0; q < P; ++q) {
+      float* out = y + m * ldy + q * kPanel;
+      if (q < P - 1 || last_cols == kPanel) {
+        for (int v = 0; v < kVectors; ++v) std::memcpy(out + v * kLanes, &sums[m][q][v], sizeof(Vec));
+      } else {  // the weight's last panel: its zero columns past w's last row are not written
+        std::memcpy(out, sums[m][q], last_cols * sizeof(float));
+      }
     }
   }
 }
 
 using PanelKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
 
-template <int... R>
+template <int P, int... R>
 constexpr std::array<PanelKernel, sizeof...(R) + 1> kernels_by_rows(std::integer_sequence<int, R...>) {
-  return {nullptr, &rows_times_panel<R + 1>...};
+  return {nullptr, &rows_times_panels<R + 1, P>...};
 }
 
-// kPanelKernels[r]: the kernel for r rows, 1 <= r <= kRows.
-constexpr auto kPanelKernels = kernels_by_rows(std::make_integer_sequence<int, kRows>{});
+// kOnePanel[r] / kPanelsSideBySide[r]: the kernel for r rows of x and one panel / a task's panels.
+constexpr auto kOnePanel = kernels_by_rows<1>(std::make_integer_sequence<int, kRows>{});
+constexpr auto kPanelsSideBySide =
+    kernels_by_rows<kPanelsPerTask>(std::make_integer_sequence<int, kSideBySideMaxRows>{});
+
+// y's columns of the task's panels (first .. first + count - 1) for rows of x.
+void panels_task(const float* x, int64_t ldx, int64_t rows, const float* packed, int64_t k_len,
+                 int64_t first, int64_t count, int64_t n, float* y) {
+  const int64_t last_cols = std::min(kPanel, n - (first + count - 1) * kPanel);
+  const float* panels = packed + first * k_len * kPanel;
+  y += first * kPanel;
+  if (rows <= kSideBySideMaxRows && count == kPanelsPerTask) {
+    kPanelsSideBySide[rows](x, ldx, panels, k_len, y, n, last_cols);
+    return;
+  }
+  for (int64_t q = 0; q < count; ++q) {
+    const int64_t cols = q == count - 1 ? last_cols : kPanel;
+    for (int64_t m = 0; m < rows; m += kRows) {
+      const int64_t r = std::min<int64_t>(kRows, rows - m);
+      kOnePanel[r](x + m * ldx, ldx, panels + q * k_len * kPanel, k_len, y + m * n + q * kPanel, n, cols);
+    }
+  }
+}
 
 }  // namespace
 
@@ -122,17 +161,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const int64_t tasks = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
   for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
     const int64_t block_rows = std::min(kRowBlock, rows - row0);
-    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const float* panel = wp + p * k_len * kPanel;
-        const int64_t cols = std::min(kPanel, n - p * kPanel);
-        for (int64_t m = 0; m < block_rows; m += kRows) {
-          const int64_t r = std::min<int64_t>(kRows, block_rows - m);
-          kPanelKernels[r](xp + (row0 + m) * ldx, ldx, panel, k_len, yp + (row0 + m) * n + p * kPanel, n,
-                           cols);
-        }
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t first = t * kPanelsPerTask;
+        panels_task(xp + row0 * ldx, ldx, block_rows, wp, k_len, first,
+                    std::min(kPanelsPerTask, panels - first), n, yp + row0 * n);
       }
     });
   }

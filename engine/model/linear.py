@@ -4,10 +4,12 @@ every call.
 
 torch's `F.linear` (MKL's sgemm) repacks the weight on every call; at the few rows of a
 decode step that costs about as much as the multiply. Over the small preset's decoder
-layers (12 x qkv, o, gate_up, down; one process, medians of 9 passes, AVX-512 Xeon) the
-packed kernel took 20.4 ms against F.linear's 36.6 ms at 8 rows, 37.9 against 49.4 ms at
-32, 65 against 74 ms at 64, 381-417 against 387-489 ms at 512 (a prefill chunk) and
-matched it at 1 row (a memory-bound matrix-vector product either way).
+layers (12 x qkv, o, gate_up, down: 302 MB; one process, interleaved, medians of 15
+passes, AVX-512 Xeon) the packed kernel took 16.0 ms against F.linear's 35.6 at 8 rows
+(reading the weights at 19 GB/s), 16.3 against 29.0 at 4, 23.4 against 35.9 at 16, 32.8
+against 48.8 at 32, 56.4 against 72.4 at 64, level at 1-3 rows (15.1 against 14.9 at 1:
+MKL's matrix-vector path reads at the same speed) and at 128, and 444 against 428 at 512
+(a prefill chunk).
 """
 
 from __future__ import annotations
