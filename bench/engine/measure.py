@@ -293,7 +293,7 @@ def matmul_floor_timer(
                            layer.mlp.gate_up_proj, layer.mlp.down_proj)
     ]  # fmt: skip
     lm_head = model.lm_head
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.norm.weight.dtype
     gen = torch.Generator().manual_seed(0)
     inputs = {
         p.in_features: torch.randn(num_rows, p.in_features, generator=gen).to(dtype)

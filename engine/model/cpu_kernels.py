@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tandem.engine.model.linear import Linear
-from tandem.engine.model.llama import MLP, Attention, RMSNorm
+from tandem.engine.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 
 # The dtypes the fused ops take.
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -44,15 +44,23 @@ def use_cpu_kernels(model: nn.Module) -> int:
 
 
 def _pack_linear_weights(model: nn.Module) -> list[Linear]:
-    """Packs the weight of every `Linear` that owns its weight alone (the packed kernel is
-    float32 only). A weight shared with another module, as a tied `lm_head` shares the
-    embedding's, stays as it is: its other user needs the rows unpacked."""
+    """Packs the weight of every `Linear` that owns its weight alone, and a Llama model's
+    tied `lm_head` (its weight is the embedding table, which then reads the packed rows);
+    any other shared weight stays as it is: its other user needs the rows unpacked. The
+    packed kernel is float32 only."""
+    if (
+        isinstance(model, LlamaForCausalLM)
+        and model.config.tie_word_embeddings
+        and model.embed_tokens is not None
+    ):
+        model.pack_tied_head()
     users = Counter(id(param) for _, param in model.named_parameters(remove_duplicate=False))
     packed: list[Linear] = []
     for module in model.modules():
-        if not isinstance(module, Linear) or module.packed_weight is not None:
+        if not isinstance(module, Linear):
             continue
-        if users[id(module.weight)] == 1:
+        if module.packed_weight is None and users[id(module.weight)] == 1:
             module.pack_weight()
+        if module.packed_weight is not None:
             packed.append(module)
     return packed

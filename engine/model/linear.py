@@ -35,6 +35,14 @@ class Linear(nn.Linear):
         self.packed_weight = pack_linear_weight(self.weight.detach())
         del self.weight
 
+    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids` as a new [len(ids), in_features] tensor: the embedding
+        lookup of a head tied to the embedding table (packed or not, the same values)."""
+        if self.packed_weight is None:
+            return F.embedding(ids, self.weight)
+        width = self.packed_weight.shape[2]
+        return self.packed_weight[ids // width, :, ids % width]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
             return packed_linear(x, self.packed_weight, self.out_features, self.bias)

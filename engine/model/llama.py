@@ -139,7 +139,8 @@ class LlamaForCausalLM(nn.Module):
         # Uninitialized (the checkpoint's weights are copied in): nn.Embedding's own init
         # draws normal_, whose first call on the meta device the loader builds on imports
         # torch's Python decompositions (~2 s of a worker's start).
-        self.embed_tokens = nn.Embedding.from_pretrained(
+        # None once a tied lm_head holds the table alone (`pack_tied_head`).
+        self.embed_tokens: nn.Embedding | None = nn.Embedding.from_pretrained(
             torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=True
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
@@ -161,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """input_ids/positions [T]; kv_caches [layers, 2, blocks, block_size, Hkv, D]."""
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         rope = self.rotary.lookup(positions, hidden.dtype)
         if self.cpu_decode is not None and self.cpu_decode.covers(meta, hidden.shape[0]):
             return self.cpu_decode(hidden, rope, kv_caches, meta)  # type: ignore[arg-type]
@@ -169,5 +170,19 @@ class LlamaForCausalLM(nn.Module):
             hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens is None:
+            return self.lm_head.embedding_rows(input_ids)
+        return self.embed_tokens(input_ids)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def pack_tied_head(self) -> None:
+        """Packs a tied lm_head for the packed kernel (CPU float32, cpu_kernels.py). Its
+        weight is the embedding table: lookups then read the packed rows, and the unpacked
+        table is dropped, so packing adds no memory."""
+        if not self.config.tie_word_embeddings or self.embed_tokens is None:
+            raise ValueError("pack_tied_head: the model's lm_head is not tied, or already packed")
+        self.embed_tokens = None
+        self.lm_head.pack_weight()

@@ -60,7 +60,7 @@ def load_model(
         )
         model = LlamaForCausalLM(cfg, placeholder, backend)
     _materialize(model, device, dtype)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and model.embed_tokens is not None:
         # _materialize gives each occurrence of a shared parameter its own storage.
         model.lm_head.weight = model.embed_tokens.weight
     # The RoPE tables stay float32 (as in transformers) and are built for real here.

@@ -2,17 +2,24 @@
 row counts across and past its row tile and row block, sizes that leave a partial last
 panel, a bias, strided rows; a row's result does not depend on its batch; bad input is a
 clear error; the model's `Linear` packs its weight when the cpu kernels are turned on
-(float32 only, never a weight another module shares)."""
+(float32 only; a weight another module shares only where it is a Llama model's tied
+`lm_head`, whose embedding lookups then read the packed rows)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
+from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_ops.loader import cpu_ops_error, pack_linear_weight, packed_linear
+from tandem.engine.llm_engine import Engine
 from tandem.engine.model.cpu_kernels import use_cpu_kernels
 from tandem.engine.model.linear import Linear
+from tests.helpers.kv_budget import with_test_kv
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -111,3 +118,27 @@ def test_a_shared_weight_stays_unpacked() -> None:
     assert use_cpu_kernels(torch.nn.ModuleList([embedding, head, other])) == 1
     assert head.packed_weight is None and head.weight is embedding.weight
     assert other.packed_weight is not None
+
+
+def test_embedding_rows_are_the_weights_rows_packed_or_not() -> None:
+    layer = Linear(8, 101, bias=False)
+    weight = layer.weight.detach().clone()
+    ids = torch.tensor([0, 47, 48, 100, 3, 3])
+    assert torch.equal(layer.embedding_rows(ids), weight[ids])
+    layer.pack_weight()
+    assert torch.equal(layer.embedding_rows(ids), weight[ids])
+
+
+def test_a_tied_llama_head_is_packed_and_embeds_from_its_panels(tiny_model_dir: Path) -> None:
+    overrides = {"attention_backend": "cpu", "dtype": "float32"}
+    config = EngineConfig(model=str(tiny_model_dir), max_model_len=256, **with_test_kv(overrides))
+    model = Engine(config).runner.model
+    assert model.config.tie_word_embeddings
+    # One copy of the table, packed: no embedding module, no unpacked head weight.
+    assert model.embed_tokens is None and model.lm_head.packed_weight is not None
+    assert not any(name.startswith(("lm_head", "embed")) for name, _ in model.named_parameters())
+    (checkpoint,) = tiny_model_dir.glob("*.safetensors")
+    with safe_open(str(checkpoint), framework="pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight")
+    ids = torch.tensor([0, 5, 47, 48, table.shape[0] - 1])
+    assert torch.equal(model.embed(ids), table[ids])
