@@ -1,5 +1,5 @@
 """The packed matmul kernel (engine/cpu_ops/packed_linear.cpp) against float64 matmuls:
-row counts across and past its row tile and row block, sizes that leave a partial last
+row counts from none to past its row tile and row block, sizes that leave a partial last
 panel, a bias, strided rows; a row's result does not depend on its batch; bad input is a
 clear error; the model's `Linear` packs its weight when the cpu kernels are turned on
 (float32 only; a weight another module shares only where it is a Llama model's tied
@@ -37,7 +37,7 @@ def packed_times(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None
 
 
 @pytest.mark.parametrize("k, n", [(768, 1280), (100, 37), (16, 5), (2048, 9), (7, 1), (5, 97)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 16, 33, 300])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 6, 7, 8, 9, 16, 33, 300])
 def test_matches_float64_matmul(rows: int, k: int, n: int) -> None:
     generator = torch.Generator().manual_seed(rows * 1000 + k + n)
     x = torch.randn(rows, k, generator=generator)
