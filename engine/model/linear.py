@@ -35,11 +35,11 @@ class Linear(nn.Linear):
         self.packed_weight = pack_linear_weight(self.weight.detach())
         del self.weight
 
-    def embedding_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The weight's rows `ids` as a new [len(ids), in_features] tensor: the embedding
-        lookup of a head tied to the embedding table (packed or not, the same values)."""
+    def packed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The weight's rows `ids`, read from its packed panels, as a new [len(ids),
+        in_features] tensor: the embedding lookup of a packed head tied to the table."""
         if self.packed_weight is None:
-            return F.embedding(ids, self.weight)
+            raise ValueError("packed_rows: the weight is not packed")
         width = self.packed_weight.shape[2]
         return self.packed_weight[ids // width, :, ids % width]
 

@@ -171,8 +171,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of input_ids: from the table, or from a tied head's panels
+        once `pack_tied_head` packed it."""
         if self.embed_tokens is None:
-            return self.lm_head.embedding_rows(input_ids)
+            return self.lm_head.packed_rows(input_ids)
         return self.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -120,13 +120,14 @@ def test_a_shared_weight_stays_unpacked() -> None:
     assert other.packed_weight is not None
 
 
-def test_embedding_rows_are_the_weights_rows_packed_or_not() -> None:
+def test_packed_rows_are_the_weights_rows() -> None:
     layer = Linear(8, 101, bias=False)
     weight = layer.weight.detach().clone()
     ids = torch.tensor([0, 47, 48, 100, 3, 3])
-    assert torch.equal(layer.embedding_rows(ids), weight[ids])
+    with pytest.raises(ValueError, match="not packed"):
+        layer.packed_rows(ids)
     layer.pack_weight()
-    assert torch.equal(layer.embedding_rows(ids), weight[ids])
+    assert torch.equal(layer.packed_rows(ids), weight[ids])
 
 
 def test_a_tied_llama_head_is_packed_and_embeds_from_its_panels(tiny_model_dir: Path) -> None:
