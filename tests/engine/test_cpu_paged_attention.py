@@ -29,6 +29,11 @@ CASES = {
     "decodes-mha-bs64": ([1, 1], [31, 100], 2, 2, 64, 64),
     "decodes-hd128-gqa4-bs16": ([1, 1, 1], [200, 33, 1], 8, 2, 128, 16),
     "decodes-gqa8-bs1": ([1, 1, 1], [5, 1, 33], 16, 2, 16, 1),
+    # The vector path's keys 16 at a time (two runs per 32-key block, none in 8-key
+    # blocks) and its query heads' value sums 4 (head dim 64) or 2 (128) at a time.
+    "decodes-hd64-gqa5-bs32": ([1] * 4, [100, 33, 64, 17], 10, 2, 64, 32),
+    "decodes-hd64-gqa8-bs16": ([1, 1], [300, 47], 16, 2, 64, 16),
+    "decodes-hd128-gqa3-bs8": ([1, 1, 1], [50, 9, 130], 6, 2, 128, 8),
     "mixed-prefix-hits": ([1, 1, 37, 5, 16], [45, 3, 100, 21, 16], 4, 2, 64, 16),
     "prefill-only": ([20, 7], [20, 7], 6, 2, 32, 4),
     # 200 query tokens: 4 query blocks; a 1,300-token prefix: past the 512-key tile.
@@ -75,6 +80,9 @@ def test_backend_matches_attention_written_out(case_id: str) -> None:
         # bfloat16 with head dims 64 and 128 takes the vector path, float16 the generic one.
         (torch.bfloat16, "decodes-ragged-gqa3-bs16"),
         (torch.bfloat16, "decodes-hd128-gqa4-bs16"),
+        (torch.bfloat16, "decodes-hd64-gqa5-bs32"),
+        (torch.bfloat16, "decodes-hd64-gqa8-bs16"),
+        (torch.bfloat16, "decodes-hd128-gqa3-bs8"),
         (torch.bfloat16, "mixed-prefix-hits"),
         (torch.float16, "decodes-ragged-gqa3-bs16"),
     ],
