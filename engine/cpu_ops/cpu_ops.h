@@ -20,10 +20,15 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
 void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                    int64_t context_len, double scale, at::Tensor out);
 
-// A float32 weight [n, k] in packed_linear's column panels (packed_linear.cpp).
+// Whether pack_linear_weight takes bfloat16 weights here: torch's batch-reduce GEMM has a
+// bfloat16 kernel for this CPU (AMX) (packed_linear.cpp).
+bool packs_bfloat16();
+
+// A float32 or bfloat16 weight [n, k] in packed_linear's column panels (packed_linear.cpp).
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 
-// x @ weight.T (+ bias) in float32, the weight [n, k] given packed (packed_linear.cpp).
+// x @ weight.T (+ bias) in x's dtype (float32 or bfloat16), the weight [n, k] given packed
+// (packed_linear.cpp).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
                          const c10::optional<at::Tensor>& bias);
 

@@ -18,11 +18,12 @@ namespace {
 constexpr int64_t kWeightsPerLayer = 6;
 
 // x @ weight.T (+ bias) as llama.py's `Linear` computes it: by packed_linear where the
-// weight is packed (float32, [panels, k, panel width]), else by F.linear's op. n: the
-// output size, which a packed weight's shape does not carry.
+// weight is packed (float32 [panels, k, panel width], bfloat16 [panels, k / 2, panel
+// width, 2]), else by F.linear's op. n: the output size, which a packed weight's shape
+// does not carry.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
                   int64_t n) {
-  if (weight.dim() == 3) {
+  if (weight.dim() >= 3) {
     // Called directly, not through the dispatcher: named for torch.profiler here.
     RECORD_FUNCTION("tandem_cpu::packed_linear", c10::ArrayRef<const c10::IValue>{});
     return tandem_cpu::packed_linear(x, weight, n, bias);
@@ -30,6 +31,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n, "decode_forward: a weight of ", n, " rows expected");
   return at::linear(x, weight, bias);
 }
+
+// k of a weight [n, k], packed or not (see linear).
+int64_t in_features(const at::Tensor& weight) { return weight.dim() == 4 ? 2 * weight.size(1) : weight.size(1); }
 
 // The rotated keys and the values of qkv [T, (Hq + 2 Hkv) * D] into their cache slots
 // (the torch backend's index_copy_).
@@ -106,7 +110,7 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
     hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, hidden_size).add_(hidden);
     // MLP: fused gate/up, SiLU(gate) * up, down; the residual added into the output.
     at::Tensor gate_up =
-        linear(tandem_cpu::rms_norm(hidden, w[3], norm_eps), w[4], c10::nullopt, 2 * w[5].size(1));
+        linear(tandem_cpu::rms_norm(hidden, w[3], norm_eps), w[4], c10::nullopt, 2 * in_features(w[5]));
     hidden = linear(tandem_cpu::silu_and_mul(gate_up), w[5], c10::nullopt, hidden_size).add_(hidden);
   }
   return tandem_cpu::rms_norm(hidden, final_norm, norm_eps);

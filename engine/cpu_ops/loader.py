@@ -6,13 +6,13 @@ first use and caches the library under `TORCH_EXTENSIONS_DIR` (default
 cached build in well under a second. They run on torch's own thread pool
 (`at::parallel_for`), so they add no second OpenMP runtime. Loaded, they are
 `torch.ops.tandem_cpu.paged_decode` and `paged_prefill` (decode and prefill attention
-over the paged cache, the `cpu` attention backend), `pack_linear_weight` and
-`packed_linear` (float32 matmuls over weights packed at load, see
-engine/model/linear.py), `rms_norm`, `silu_and_mul` and `rotary_embedding_` (fused
-float32/bfloat16 elementwise ops, see engine/model/cpu_kernels.py), `greedy_argmax` (the
-greedy sampler's choice, engine/sampler.py) and `decode_forward` (a decode-only step's
-decoder stack, see engine/model/cpu_decode.py); cpu_ops.h declares them all,
-register_ops.cpp registers them.
+over the paged cache, the `cpu` attention backend), `pack_linear_weight`, `packed_linear`
+and `packs_bfloat16` (float32 matmuls, and bfloat16 ones on CPUs with AMX, over weights
+packed at load, see engine/model/linear.py), `rms_norm`, `silu_and_mul` and
+`rotary_embedding_` (fused float32/bfloat16 elementwise ops, see
+engine/model/cpu_kernels.py), `greedy_argmax` (the greedy sampler's choice,
+engine/sampler.py) and `decode_forward` (a decode-only step's decoder stack, see
+engine/model/cpu_decode.py); cpu_ops.h declares them all, register_ops.cpp registers them.
 """
 
 from __future__ import annotations
@@ -146,17 +146,25 @@ def paged_prefill(
     torch.ops.tandem_cpu.paged_prefill(query, kv_cache, block_table, context_len, scale, out)
 
 
+def packs_bfloat16() -> bool:
+    """Whether `pack_linear_weight` takes bfloat16 weights on this CPU: torch's batch-reduce
+    GEMM has a bfloat16 kernel for it (AMX). False where the ops do not build."""
+    return cpu_ops_error() is None and bool(torch.ops.tandem_cpu.packs_bfloat16())
+
+
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A float32 weight [n, k] in the column panels `packed_linear` reads (a new tensor
-    [ceil(n / panel width), k, panel width], zero past row n; the width is the build's)."""
+    """A float32 (or, where `packs_bfloat16`, bfloat16) weight [n, k] in the column panels
+    `packed_linear` reads, zero past row n: a new tensor [ceil(n / width), k, width] in
+    float32 (the width is the build's), [ceil(n / 64), k / 2, 64, 2] in bfloat16 (k even;
+    the batch-reduce GEMM's layout)."""
     return torch.ops.tandem_cpu.pack_linear_weight(weight)
 
 
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) as a new [rows, n] float32 tensor, for x [rows, k] with k
-    contiguous and `packed` = pack_linear_weight(weight [n, k])."""
+    """x @ weight.T (+ bias) as a new [rows, n] tensor of x's dtype, for x [rows, k] with k
+    contiguous and `packed` = pack_linear_weight(weight [n, k]) of that dtype."""
     return torch.ops.tandem_cpu.packed_linear(x, packed, n, bias)
 
 

@@ -12,6 +12,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.def("paged_prefill(Tensor query, Tensor kv_cache, Tensor block_table, int context_len, float scale, "
         "Tensor(a!) out) -> ()");
   m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::paged_prefill));
+  m.def("packs_bfloat16() -> bool");
+  m.impl("packs_bfloat16", c10::DispatchKey::CatchAll, TORCH_FN(tandem_cpu::packs_bfloat16));
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.impl("pack_linear_weight", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::pack_linear_weight));
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");

@@ -67,6 +67,6 @@ class CpuDecodeStack:
 
 
 def _weight(linear: Linear) -> torch.Tensor:
-    """The weight the op multiplies by: packed where the loader packed it (float32), which
+    """The weight the op multiplies by: packed where the loader packed it, which
     the op tells from its rank."""
     return linear.packed_weight if linear.packed_weight is not None else linear.weight

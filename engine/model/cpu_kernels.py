@@ -4,7 +4,8 @@ The `cpu` attention backend is Tandem's C++ CPU path (the `torch` backend stays 
 pure-torch reference). With it, the model's modules call fused ops instead of chains of
 torch ops: `RMSNorm` one pass per row instead of seven ops, `Attention` RoPE in one loop
 instead of a flip, two multiplies and an add, `MLP` SiLU-and-multiply in one pass, and in
-float32 `Linear` the packed matmul (its weight packed here, once); decode-only steps run
+float32 (and bfloat16 on CPUs with AMX) `Linear` the packed matmul (its weight packed
+here, once); decode-only steps run
 the whole stack in one call (cpu_decode.py), through the same functions, so either path
 gives the same bits. In bfloat16 the fused ops round where the torch ops do.
 """
@@ -16,6 +17,7 @@ from collections import Counter
 import torch
 from torch import nn
 
+from tandem.engine.cpu_ops.loader import packs_bfloat16
 from tandem.engine.model.linear import Linear
 from tandem.engine.model.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 
@@ -39,15 +41,15 @@ def use_cpu_kernels(model: nn.Module) -> int:
     modules = [m for m in model.modules() if isinstance(m, (RMSNorm, Attention, MLP))]
     for module in modules:
         module.cpu_kernel = True
-    packed = _pack_linear_weights(model) if dtypes == {torch.float32} else []
+    packs = dtypes == {torch.float32} or (dtypes == {torch.bfloat16} and packs_bfloat16())
+    packed = _pack_linear_weights(model) if packs else []
     return len(modules) + len(packed)
 
 
 def _pack_linear_weights(model: nn.Module) -> list[Linear]:
     """Packs the weight of every `Linear` that owns its weight alone, and a Llama model's
     tied `lm_head` (its weight is the embedding table, which then reads the packed rows);
-    any other shared weight stays as it is: its other user needs the rows unpacked. The
-    packed kernel is float32 only."""
+    any other shared weight stays as it is: its other user needs the rows unpacked."""
     if (
         isinstance(model, LlamaForCausalLM)
         and model.config.tie_word_embeddings

@@ -7,8 +7,8 @@ matches `transformers` token for token. Elementwise work runs in place where the
 stay the same (RoPE into the fused QKV output, residual adds, SiLU-and-multiply): on CPU a
 decode step's cost beyond its matmuls is mostly the number of ops and fresh buffers. On
 CPU in float32 or bfloat16 with the `cpu` backend, RMSNorm, RoPE and SiLU-and-multiply
-(and in float32 the matmuls, over weights packed at load) run as C++ ops instead
-(engine/model/cpu_kernels.py).
+(and in float32, or bfloat16 on CPUs with AMX, the matmuls, over weights packed at load)
+run as C++ ops instead (engine/model/cpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def pack_tied_head(self) -> None:
-        """Packs a tied lm_head for the packed kernel (CPU float32, cpu_kernels.py). Its
+        """Packs a tied lm_head for the packed kernel (CPU, cpu_kernels.py). Its
         weight is the embedding table: lookups then read the packed rows, and the unpacked
         table is dropped, so packing adds no memory."""
         if not self.config.tie_word_embeddings or self.embed_tokens is None:

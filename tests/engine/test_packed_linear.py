@@ -2,8 +2,9 @@
 row counts from none to past its row tile and row block, sizes that leave a partial last
 panel, a bias, strided rows; a row's result does not depend on its batch; bad input is a
 clear error; the model's `Linear` packs its weight when the cpu kernels are turned on
-(float32 only; a weight another module shares only where it is a Llama model's tied
-`lm_head`, whose embedding lookups then read the packed rows)."""
+(float32, and bfloat16 where the CPU has AMX; a weight another module shares only where it
+is a Llama model's tied `lm_head`, whose embedding lookups then read the packed rows). The
+bfloat16 kernel's tests run on CPUs with AMX; elsewhere packing bfloat16 is refused."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.cpu_ops.loader import cpu_ops_error, pack_linear_weight, packed_linear
+from tandem.engine.cpu_ops.loader import (
+    cpu_ops_error,
+    pack_linear_weight,
+    packed_linear,
+    packs_bfloat16,
+)
 from tandem.engine.llm_engine import Engine
 from tandem.engine.model.cpu_kernels import use_cpu_kernels
 from tandem.engine.model.linear import Linear
@@ -79,10 +85,12 @@ def test_a_rows_result_does_not_depend_on_its_batch() -> None:
 def test_bad_input_is_a_clear_error() -> None:
     x, w = torch.randn(4, 8), torch.randn(3, 8)
     packed = pack_linear_weight(w)
-    with pytest.raises(RuntimeError, match="float32 CPU weight"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 CPU weight"):
         pack_linear_weight(w.double())
-    with pytest.raises(RuntimeError, match="float32 CPU tensors"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 CPU tensors of one dtype"):
         packed_linear(x.double(), packed, 3, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 CPU tensors of one dtype"):
+        packed_linear(x.bfloat16(), packed, 3, None)
     with pytest.raises(RuntimeError, match="from pack_linear_weight with n rows"):
         packed_linear(x, w, 3, None)  # not packed
     with pytest.raises(RuntimeError, match="from pack_linear_weight with n rows"):
@@ -105,9 +113,10 @@ def test_linear_packs_its_weight_when_the_kernels_are_turned_on() -> None:
         for rows in (1, 4, 17):
             x = torch.randn(rows, 8)
             torch.testing.assert_close(layer(x), F.linear(x, weight, bias))
-    # The kernel is float32 only: a bfloat16 model's layers keep F.linear.
+    # bfloat16 layers are packed where the CPU has AMX, else keep F.linear.
     bf16 = Linear(8, 3).to(torch.bfloat16)
-    assert use_cpu_kernels(bf16) == 0 and bf16.packed_weight is None
+    assert use_cpu_kernels(bf16) == int(packs_bfloat16())
+    assert (bf16.packed_weight is not None) == packs_bfloat16()
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         use_cpu_kernels(Linear(8, 3).to(torch.float16))
 
@@ -143,3 +152,72 @@ def test_a_tied_llama_head_is_packed_and_embeds_from_its_panels(tiny_model_dir: 
         table = f.get_tensor("model.embed_tokens.weight")
     ids = torch.tensor([0, 5, 47, 48, table.shape[0] - 1])
     assert torch.equal(model.embed(ids), table[ids])
+
+
+amx_only = pytest.mark.skipif(not packs_bfloat16(), reason="packs bfloat16 on CPUs with AMX only")
+
+
+def bf16_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """The float64 product of the bfloat16 operands, rounded to bfloat16 as the kernel's is."""
+    return reference(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+
+
+@pytest.mark.skipif(packs_bfloat16(), reason="CPUs without AMX only")
+def test_bfloat16_packing_without_amx_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="no bfloat16 GEMM kernel"):
+        pack_linear_weight(torch.randn(3, 8).bfloat16())
+
+
+@amx_only
+@pytest.mark.parametrize("k, n", [(768, 1280), (100, 37), (32, 64), (2048, 9), (6, 65)])
+@pytest.mark.parametrize("rows", [0, 1, 2, 15, 16, 17, 33, 255, 256, 300])
+def test_bfloat16_matches_float64_matmul(rows: int, k: int, n: int) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=generator).bfloat16()
+    w = torch.randn(n, k, generator=generator).bfloat16()
+    out = packed_times(x, w)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    # One bfloat16 rounding of the output (2^-8 relative) plus float32 sums' error.
+    expected = bf16_reference(x, w, None).float()
+    torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-3 * k**0.5)
+
+
+@amx_only
+def test_bfloat16_packing_keeps_every_weight_and_pads_with_zeros() -> None:
+    w = torch.randn(70, 10).bfloat16()
+    packed = pack_linear_weight(w)
+    panels, pairs, width, two = packed.shape
+    assert (pairs, two) == (5, 2) and panels == -(-70 // width)
+    # packed[p, k // 2, j, k % 2] = w[p * width + j, k]; rows past w's last are zero.
+    unpacked = packed.permute(0, 2, 1, 3).reshape(panels * width, 10)
+    assert torch.equal(unpacked[:70], w) and not unpacked[70:].any()
+    with pytest.raises(RuntimeError, match="even k"):
+        pack_linear_weight(torch.randn(4, 7).bfloat16())
+
+
+@amx_only
+def test_bfloat16_bias_strided_rows_and_batch_invariance() -> None:
+    generator = torch.Generator().manual_seed(2)
+    wide = torch.randn(300, 300, generator=generator).bfloat16()
+    x = wide[:, 20:120]  # rows 300 elements apart
+    w = torch.randn(70, 100, generator=generator).bfloat16()
+    bias = torch.randn(70, generator=generator).bfloat16()
+    packed = pack_linear_weight(w)
+    whole = packed_linear(x, packed, 70, bias)
+    expected = bf16_reference(x, w, bias).float()
+    torch.testing.assert_close(whole.float(), expected, rtol=8e-3, atol=1e-2)
+    for start, rows in ((0, 1), (5, 3), (17, 40), (255, 45)):
+        part = packed_linear(x[start : start + rows], packed, 70, bias)
+        assert torch.equal(part, whole[start : start + rows])
+
+
+@amx_only
+def test_bfloat16_linear_and_its_packed_rows() -> None:
+    layer = Linear(8, 101, bias=False).to(torch.bfloat16)
+    weight = layer.weight.detach().clone()
+    layer.pack_weight()
+    ids = torch.tensor([0, 63, 64, 100, 3, 3])
+    assert torch.equal(layer.packed_rows(ids), weight[ids])
+    x = torch.randn(5, 8).bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).float(), bf16_reference(x, weight, None).float())
