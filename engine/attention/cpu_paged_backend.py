@@ -4,10 +4,11 @@ Per layer, one call of `torch.ops.tandem_cpu.paged_decode` (engine/cpu_ops) cove
 decodes: each (sequence, KV head) task walks its block table, scoring the KV head's query
 heads against each key and summing values, over exactly its own length; no per-layer
 gather into a padded buffer, no mask. Float32, bfloat16 and float16 caches; sums in
-float32. Each float32 prefill chunk (head dims a multiple of 16) is one call of
-`paged_prefill`: causal over its cached prefix and its own tokens, register-blocked score
-and value kernels with an online softmax (no mask tensor); other chunks and the K/V writes
-are the torch backend's (SDPA, `index_copy_`).
+float32. Each float32 prefill chunk (head dims a multiple of 16), and each bfloat16 one on
+CPUs with AMX, is one call of `paged_prefill`: causal over its cached prefix and its own
+tokens with an online softmax (no mask tensor), float32 by register-blocked score and
+value kernels, bfloat16 by oneDNN's AMX GEMM kernels; other chunks and the K/V writes are
+the torch backend's (SDPA, `index_copy_`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tandem.engine.attention.torch_backend import (
 from tandem.engine.cpu_ops.loader import (
     PREFILL_HEAD_DIM_MULTIPLE,
     cpu_ops_error,
+    packs_bfloat16,
     paged_decode,
     paged_prefill,
 )
@@ -41,7 +43,8 @@ class CpuPagedAttentionMetadata(TorchAttentionMetadata):
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
-    """Decodes and float32 prefill chunks through the paged C++ ops."""
+    """Decodes, float32 prefill chunks and (with AMX) bfloat16 ones through the paged C++
+    ops."""
 
     name: ClassVar[str] = "cpu"
     loads_cpu_ops: ClassVar[bool] = True
@@ -52,6 +55,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         error = cpu_ops_error()
         if error is not None:
             raise RuntimeError(f"the cpu attention backend's op does not build here: {error}")
+        self._prefill_dtypes = {torch.float32} | ({torch.bfloat16} if packs_bfloat16() else set())
 
     def build_metadata(self, batch: BatchLayout) -> CpuPagedAttentionMetadata:
         num_decodes = batch.num_decodes
@@ -98,7 +102,10 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         span: PrefillSpan,
         out: torch.Tensor,
     ) -> None:
-        if kv_cache.dtype != torch.float32 or query.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE:
+        if (
+            kv_cache.dtype not in self._prefill_dtypes
+            or query.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE
+        ):
             super()._prefill(query, key, value, kv_cache, span, out)
             return
         rows = slice(span.query_start, span.query_start + span.query_len)

@@ -20,8 +20,9 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
 void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                    int64_t context_len, double scale, at::Tensor out);
 
-// Whether pack_linear_weight takes bfloat16 weights here: torch's batch-reduce GEMM has a
-// bfloat16 kernel for this CPU (AMX) (packed_linear.cpp).
+// Whether the bfloat16 GEMM paths (pack_linear_weight and packed_linear, paged_prefill)
+// run here: torch's batch-reduce GEMM has a bfloat16 kernel for this CPU (AMX)
+// (packed_linear.cpp).
 bool packs_bfloat16();
 
 // A float32 or bfloat16 weight [n, k] in packed_linear's column panels (packed_linear.cpp).

@@ -139,7 +139,8 @@ def paged_prefill(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """out = causal attention of one float32 prefill chunk's queries [T, Hq, D] (token i at
+    """out = causal attention of one float32 (or, where `packs_bfloat16`, bfloat16) prefill
+    chunk's queries [T, Hq, D] (token i at
     position context_len + i) over the cached positions 0..context_len + T - 1, read
     through block_table (int64; the chunk's own K/V already written); GQA by head groups;
     head dims a multiple of PREFILL_HEAD_DIM_MULTIPLE."""
@@ -147,8 +148,9 @@ def paged_prefill(
 
 
 def packs_bfloat16() -> bool:
-    """Whether `pack_linear_weight` takes bfloat16 weights on this CPU: torch's batch-reduce
-    GEMM has a bfloat16 kernel for it (AMX). False where the ops do not build."""
+    """Whether the ops' bfloat16 GEMM paths run on this CPU (`pack_linear_weight` and
+    `packed_linear`, `paged_prefill`): torch's batch-reduce GEMM has a bfloat16 kernel for
+    it (AMX). False where the ops do not build."""
     return cpu_ops_error() is None and bool(torch.ops.tandem_cpu.packs_bfloat16())
 
 

@@ -1,6 +1,7 @@
 // Prefill attention for CPU over the paged cache: one prefill chunk's queries against its
-// cached prefix and its own tokens (causal), GQA, float32, head dims that are multiples of
-// 16. The chunk's K/V are already in the cache. Each KV head's keys are first copied out
+// cached prefix and its own tokens (causal), GQA, float32 (and bfloat16 on CPUs with AMX,
+// prefill_bf16_amx below), head dims that are multiples of 16. The chunk's K/V are
+// already in the cache. float32: Each KV head's keys are first copied out
 // of their blocks into panels of 16 keys stored dimension-major (a panel row is one
 // vector: a key dimension of 16 keys), its values into contiguous rows. Then one task per
 // (KV head, block of kQueryTokens query tokens) stacks the head's query heads token by
@@ -12,6 +13,7 @@
 // mask tensor, no gather. Scratch is bounded by the tiles, not by the context.
 // Registered as torch.ops.tandem_cpu.paged_prefill; built by cpu_ops/loader.py.
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include "cpu_ops.h"
 
@@ -28,6 +30,7 @@ using tandem_cpu::kLanes16;
 using tandem_cpu::load16;
 using tandem_cpu::splat16;
 using tandem_cpu::store16;
+using tandem_cpu::Ints16;
 using tandem_cpu::Vec16;
 
 // Rows per block, and the register tiles: scores as kRows x 2 vectors (32 keys), value
@@ -180,6 +183,166 @@ float softmax_row(float* s, int64_t width, int64_t visible, bool first_tile, flo
   return rescale;
 }
 
+inline void store_row(float* p, Vec16 v) { store16(p, v); }
+inline void store_row(c10::BFloat16* p, Vec16 v) { tandem_cpu::store_bf16(p, v); }
+
+// A task's output: row r * group + g of acc ([rows, head_dim] float sums) divided by its
+// softmax sum, into query head head * group + g of token r of o (the task's first token).
+template <typename T>
+void write_task_rows(const float* acc, const float* row_sum, int64_t tokens, int64_t group, int64_t head,
+                     int64_t head_dim, T* o, int64_t o_row, int64_t o_head) {
+  for (int64_t r = 0; r < tokens; ++r) {
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t i = r * group + g;
+      const float inv = 1.f / row_sum[i];
+      T* dst = o + r * o_row + (head * group + g) * o_head;
+      for (int64_t d = 0; d < head_dim; d += kLanes16) store_row(dst + d, load16(acc + i * head_dim + d) * inv);
+    }
+  }
+}
+
+// bfloat16 on CPUs with AMX: the same walk (a task per KV head and block of query tokens,
+// its query heads stacked into rows, key tiles with an online softmax), with both products
+// by torch's batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's AMX kernels): the
+// scores of all the task's rows against a tile of kAmxKeys keys, then the tile's values
+// weighted by the rows' probabilities (rounded to bfloat16, as the GEMM takes them) added
+// into float sums. Keys and values are first copied out of their blocks into the GEMM's
+// pair-interleaved (VNNI) layout, a tile at a time: the keys as the [D, kAmxKeys] matrix
+// (key pairs of dims side by side), the values as the [kAmxKeys, D] one (dims of key pairs
+// side by side), zero past the last key. A tile of 256 keys: per layer of the small
+// preset at 512 tokens, 64-key tiles took 1.37 ms, 128 1.33 and 256 1.01 (fewer GEMM
+// calls); with the softmax in two fused passes, 0.92 against SDPA's 1.07 (and, after a
+// 1,536-token prefix, ~5.0 against 5.5 ms for SDPA over the gathered context and a mask).
+constexpr int64_t kAmxKeys = 256;
+
+using Pair = uint32_t;  // two bfloat16s side by side
+
+// Keys [0, num_keys) of one KV head: tile t's pair row d2 holds dims 2 d2, 2 d2 + 1 of its
+// kAmxKeys keys.
+void pack_keys_vnni(const c10::BFloat16* k_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+                    int64_t head, int64_t head_dim, int64_t num_keys, Pair* tiles) {
+  const int64_t pairs = head_dim / 2, tile_size = pairs * kAmxKeys;
+  const int64_t num_tiles = (num_keys + kAmxKeys - 1) / kAmxKeys;
+  std::memset(tiles + (num_tiles - 1) * tile_size, 0, tile_size * sizeof(Pair));
+  for (int64_t t = 0; t < num_keys; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const auto* src = reinterpret_cast<const Pair*>(k_cache + (slot * kv_heads + head) * head_dim);
+    Pair* dst = tiles + (t / kAmxKeys) * tile_size + t % kAmxKeys;
+    for (int64_t d2 = 0; d2 < pairs; ++d2) dst[d2 * kAmxKeys] = src[d2];
+  }
+}
+
+// Values [0, num_keys) of one KV head: tile t's row j2 holds, per dim, keys 2 j2 and 2 j2 + 1.
+void pack_values_vnni(const c10::BFloat16* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
+                      int64_t head, int64_t head_dim, int64_t num_keys, c10::BFloat16* tiles) {
+  const int64_t tile_size = kAmxKeys * head_dim;
+  const int64_t num_tiles = (num_keys + kAmxKeys - 1) / kAmxKeys;
+  std::memset(static_cast<void*>(tiles + (num_tiles - 1) * tile_size), 0, tile_size * sizeof(c10::BFloat16));
+  for (int64_t t = 0; t < num_keys; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const c10::BFloat16* src = v_cache + (slot * kv_heads + head) * head_dim;
+    c10::BFloat16* dst = tiles + (t / kAmxKeys) * tile_size + (t % kAmxKeys / 2) * 2 * head_dim + t % 2;
+    for (int64_t d = 0; d < head_dim; ++d) dst[2 * d] = src[d];
+  }
+}
+
+// softmax_row for one row of a key tile's raw scores s (before the scale), in two passes:
+// the visible scores' max, then their weights e^(scale (s - max)) summed in float and
+// written as bfloat16 into w, zeros for the rest of the tile.
+float softmax_row_bf16(const float* s, int64_t visible, bool first_tile, float scale, float& row_max,
+                       float& row_sum, c10::BFloat16* w) {
+  const int64_t n = std::min(std::max<int64_t>(visible, 0), kAmxKeys);
+  int64_t j = 0;
+  if (n == 0) {
+    for (; j < kAmxKeys; j += kLanes16) tandem_cpu::store_bf16(w + j, Vec16{});
+    return 1.f;
+  }
+  const float top = scale * tandem_cpu::max_of(s, n, s[0]);
+  const float new_max = first_tile ? top : std::max(top, row_max);
+  const Ints16 lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  Vec16 sums = Vec16{};
+  for (; j < n; j += kLanes16) {
+    Vec16 e = tandem_cpu::exp16(load16(s + j) * scale - new_max);
+    e = lanes < static_cast<int32_t>(n - j) ? e : Vec16{};
+    sums += e;
+    tandem_cpu::store_bf16(w + j, e);
+  }
+  for (; j < kAmxKeys; j += kLanes16) tandem_cpu::store_bf16(w + j, Vec16{});
+  // No exp(-inf) for a first tile: -ffast-math assumes there are no infinities.
+  const float rescale = first_tile ? 0.f : std::exp(row_max - new_max);
+  row_sum = (first_tile ? 0.f : row_sum * rescale) + tandem_cpu::horizontal_sum16(sums);
+  row_max = new_max;
+  return rescale;
+}
+
+void prefill_bf16_amx(const at::Tensor& query, const at::Tensor& kv_cache, const int64_t* table,
+                      int64_t context_len, float scale, at::Tensor& out) {
+  using c10::BFloat16;
+  const int64_t tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / kv_heads, num_keys = context_len + tokens;
+  const BFloat16* k_cache = kv_cache.data_ptr<BFloat16>();
+  const BFloat16* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
+  const int64_t num_tiles = (num_keys + kAmxKeys - 1) / kAmxKeys, tile_size = kAmxKeys * head_dim;
+  std::vector<Pair> keys(kv_heads * num_tiles * tile_size / 2);
+  std::vector<BFloat16> values(kv_heads * num_tiles * tile_size);
+  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task % kv_heads;
+      if (task < kv_heads) {
+        pack_keys_vnni(k_cache, table, block_size, kv_heads, head, head_dim, num_keys,
+                       keys.data() + head * num_tiles * tile_size / 2);
+      } else {
+        pack_values_vnni(v_cache, table, block_size, kv_heads, head, head_dim, num_keys,
+                         values.data() + head * num_tiles * tile_size);
+      }
+    }
+  });
+  const int64_t query_blocks = (tokens + kQueryTokens - 1) / kQueryTokens;
+  const int64_t max_rows = group * kQueryTokens;
+  const BFloat16* q = query.data_ptr<BFloat16>();
+  BFloat16* o = out.data_ptr<BFloat16>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  at::parallel_for(0, kv_heads * query_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<BFloat16> q_rows(max_rows * head_dim), weights(max_rows * kAmxKeys);
+    std::vector<float> acc(max_rows * head_dim), scores(max_rows * kAmxKeys);
+    std::vector<float> row_max(max_rows), row_sum(max_rows);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t head = task / query_blocks, t0 = (task % query_blocks) * kQueryTokens;
+      const int64_t n = std::min(kQueryTokens, tokens - t0), rows = group * n;
+      const BFloat16* key_tiles = reinterpret_cast<const BFloat16*>(keys.data() + head * num_tiles * tile_size / 2);
+      const BFloat16* value_tiles = values.data() + head * num_tiles * tile_size;
+      // Row r * group + g: query head head * group + g of token t0 + r.
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t g = 0; g < group; ++g) {
+          std::memcpy(static_cast<void*>(q_rows.data() + (r * group + g) * head_dim),
+                      q + (t0 + r) * q_row + (head * group + g) * q_head, head_dim * sizeof(BFloat16));
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+      const int64_t keys_seen = context_len + t0 + n;  // the last key any row may see, plus one
+      for (int64_t k0 = 0; k0 < keys_seen; k0 += kAmxKeys) {
+        at::native::cpublas::brgemm(rows, kAmxKeys, head_dim, head_dim, kAmxKeys, kAmxKeys, false, q_rows.data(),
+                                    key_tiles + (k0 / kAmxKeys) * tile_size, scores.data());
+        for (int64_t i = 0; i < rows; ++i) {
+          const int64_t visible = context_len + t0 + i / group + 1 - k0;
+          const float rescale = softmax_row_bf16(scores.data() + i * kAmxKeys, visible, k0 == 0, scale, row_max[i],
+                                                 row_sum[i], weights.data() + i * kAmxKeys);
+          float* a = acc.data() + i * head_dim;
+          if (rescale != 1.f) {
+            for (int64_t d = 0; d < head_dim; d += kLanes16) store16(a + d, load16(a + d) * rescale);
+          }
+        }
+        at::native::cpublas::brgemm(rows, head_dim, kAmxKeys, kAmxKeys, head_dim, head_dim, true, weights.data(),
+                                    value_tiles + (k0 / kAmxKeys) * tile_size, acc.data());
+      }
+      write_task_rows(acc.data(), row_sum.data(), n, group, head, head_dim, o + t0 * o_row, o_row, o_head);
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+
 }  // namespace
 
 namespace tandem_cpu {
@@ -193,9 +356,10 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_table.device().is_cpu(),
               "paged_prefill: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "paged_prefill: bad ranks");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat,
-              "paged_prefill: float32 only");
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || (dtype == at::kBFloat16 && packs_bfloat16())) &&
+                  kv_cache.scalar_type() == dtype && out.scalar_type() == dtype,
+              "paged_prefill: float32 only (or bfloat16 on CPUs with AMX)");
   TORCH_CHECK(kv_cache.is_contiguous() && query.stride(2) == 1 && out.stride(2) == 1,
               "paged_prefill: a contiguous kv_cache and contiguous head dims expected");
   const int64_t tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
@@ -210,6 +374,10 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
               "paged_prefill: a contiguous int64 block table covering ", num_keys, " positions expected");
   if (tokens == 0) return;
   const int64_t* table = block_table.data_ptr<int64_t>();
+  if (dtype == at::kBFloat16) {
+    prefill_bf16_amx(query, kv_cache, table, context_len, static_cast<float>(scale), out);
+    return;
+  }
   const float* k_cache = kv_cache.data_ptr<float>();
   const float* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
   const int64_t num_panels = (num_keys + kLanes16 - 1) / kLanes16;
@@ -275,16 +443,7 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
                       acc.data() + i0 * head_dim, rescale.data());
         }
       }
-      for (int64_t r = 0; r < n; ++r) {
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t i = r * group + g;
-          const float inv = 1.f / row_sum[i];
-          const float* a = acc.data() + i * head_dim;
-          float* dst = o + (t0 + r) * o_row + (head * group + g) * o_head;
-#pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = a[d] * inv;
-        }
-      }
+      write_task_rows(acc.data(), row_sum.data(), n, group, head, head_dim, o + t0 * o_row, o_row, o_head);
     }
   });
 }

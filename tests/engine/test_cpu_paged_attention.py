@@ -83,6 +83,12 @@ def test_backend_matches_attention_written_out(case_id: str) -> None:
         (torch.bfloat16, "decodes-hd64-gqa5-bs32"),
         (torch.bfloat16, "decodes-hd64-gqa8-bs16"),
         (torch.bfloat16, "decodes-hd128-gqa3-bs8"),
+        # bfloat16 prefill chunks: the prefill op on CPUs with AMX (key tiles of 64), else SDPA.
+        (torch.bfloat16, "prefill-only"),
+        (torch.bfloat16, "prefill-long-prefix-tiles"),
+        (torch.bfloat16, "prefill-mqa-hd128-bs8"),
+        (torch.bfloat16, "prefill-hd80-gqa5-bs16"),
+        (torch.bfloat16, "prefill-hd48-mha"),
         (torch.bfloat16, "mixed-prefix-hits"),
         (torch.float16, "decodes-ragged-gqa3-bs16"),
     ],
