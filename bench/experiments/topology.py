@@ -101,6 +101,12 @@ class TopologyPlan:
         ]
 
 
+def serve_dtype(model_dir: str) -> str:
+    """The dtype `make serve` (`tandem serve --dtype auto`) runs on this machine, which the
+    peer is given too (EngineConfig's own default is float32, not auto)."""
+    return EngineConfig(model=model_dir, device="cpu", dtype="auto").resolved_dtype
+
+
 def peer_spec(model_dir: str, dtype: str) -> ServerSpec:
     """The peer on a free port, with the dtype and KV pool size of a Tandem worker."""
     blocks = EngineConfig(model=model_dir).num_blocks
@@ -247,7 +253,7 @@ def main(args: argparse.Namespace) -> int:
     if args.quick:
         plan = dataclasses.replace(plan, rounds=1, requests_per_slot=1, min_requests=2,
                                    output_len=min(plan.output_len, 16))  # fmt: skip
-    dtype = EngineConfig(model=model_dir, device="cpu").resolved_dtype
+    dtype = serve_dtype(model_dir)
     specs = tandem_specs(model_dir, args.variants)
     if not args.no_peer:
         specs.append(peer_spec(model_dir, dtype))

@@ -10,6 +10,8 @@ import pytest
 from tandem.bench.experiments import topology
 from tandem.bench.harness import session_cpu_s
 from tandem.bench.loadgen.metrics import summarize
+from tandem.cluster.cli import build_parser, cluster_config_from_args
+from tandem.engine import dtype as dtype_module
 
 
 def test_the_default_system_is_make_serve_and_variants_add_flags_and_env(tiny_model_dir):
@@ -23,6 +25,14 @@ def test_the_default_system_is_make_serve_and_variants_add_flags_and_env(tiny_mo
     plain = topology.plain_peer_spec(str(tiny_model_dir), "bfloat16")
     assert plain.argv[-2:] == ("--dtype", "bfloat16")
     assert not any(a.startswith(("--continuous", "--cb-")) for a in plain.argv)
+
+
+@pytest.mark.parametrize(("flags", "expected"), [({"amx_bf16"}, "bfloat16"), (set(), "float32")])
+def test_the_peer_gets_the_dtype_make_serve_runs(tiny_model_dir, monkeypatch, flags, expected):
+    monkeypatch.setattr(dtype_module, "cpu_flags", lambda: frozenset(flags))
+    serve = build_parser().parse_args(["serve", "--model", str(tiny_model_dir)])
+    assert cluster_config_from_args(serve).engine.resolved_dtype == expected
+    assert topology.serve_dtype(str(tiny_model_dir)) == expected
 
 
 def _run(tps: float) -> topology.LevelRun:
