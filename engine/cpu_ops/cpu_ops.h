@@ -28,10 +28,11 @@ bool packs_bfloat16();
 // A float32 or bfloat16 weight [n, k] in packed_linear's column panels (packed_linear.cpp).
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 
-// x @ weight.T (+ bias) in x's dtype (float32 or bfloat16), the weight [n, k] given packed
-// (packed_linear.cpp).
+// x @ weight.T (+ bias) in x's dtype (float32 or bfloat16), the weight [n, k] given packed,
+// plus residual [rows, n] where given (the product rounded first, as `.add_(residual)` after
+// it would; a layer's residual add in the kernel's last step) (packed_linear.cpp).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias);
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual);
 
 // RMSNorm of float32 or bfloat16 rows x [T, H] (contiguous rows) times weight [H] (elementwise.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

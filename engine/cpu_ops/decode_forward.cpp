@@ -17,19 +17,20 @@ namespace {
 // Per layer, in this order: input norm, qkv, o, post-attention norm, gate_up, down.
 constexpr int64_t kWeightsPerLayer = 6;
 
-// x @ weight.T (+ bias) as llama.py's `Linear` computes it: by packed_linear where the
-// weight is packed (float32 [panels, k, panel width], bfloat16 [panels, k / 2, panel
-// width, 2]), else by F.linear's op. n: the output size, which a packed weight's shape
-// does not carry.
+// x @ weight.T (+ bias) (+ residual) as llama.py's `Linear` computes it: by packed_linear
+// where the weight is packed (float32 [panels, k, panel width], bfloat16 [panels, k / 2,
+// panel width, 2]), else by F.linear's op and an add. n: the output size, which a packed
+// weight's shape does not carry.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  int64_t n) {
+                  int64_t n, const c10::optional<at::Tensor>& residual = c10::nullopt) {
   if (weight.dim() >= 3) {
     // Called directly, not through the dispatcher: named for torch.profiler here.
     RECORD_FUNCTION("tandem_cpu::packed_linear", c10::ArrayRef<const c10::IValue>{});
-    return tandem_cpu::packed_linear(x, weight, n, bias);
+    return tandem_cpu::packed_linear(x, weight, n, bias, residual);
   }
   TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n, "decode_forward: a weight of ", n, " rows expected");
-  return at::linear(x, weight, bias);
+  at::Tensor y = at::linear(x, weight, bias);
+  return residual.has_value() ? y.add_(*residual) : y;
 }
 
 // k of a weight [n, k], packed or not (see linear).
@@ -107,11 +108,11 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
       RECORD_FUNCTION("tandem_cpu::paged_decode", c10::ArrayRef<const c10::IValue>{});
       tandem_cpu::paged_decode(query, kv_cache, block_tables, seq_lens, scale, attention);
     }
-    hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, hidden_size).add_(hidden);
-    // MLP: fused gate/up, SiLU(gate) * up, down; the residual added into the output.
+    hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, hidden_size, hidden);
+    // MLP: fused gate/up, SiLU(gate) * up, down with the residual added.
     at::Tensor gate_up =
         linear(tandem_cpu::rms_norm(hidden, w[3], norm_eps), w[4], c10::nullopt, 2 * in_features(w[5]));
-    hidden = linear(tandem_cpu::silu_and_mul(gate_up), w[5], c10::nullopt, hidden_size).add_(hidden);
+    hidden = linear(tandem_cpu::silu_and_mul(gate_up), w[5], c10::nullopt, hidden_size, hidden);
   }
   return tandem_cpu::rms_norm(hidden, final_norm, norm_eps);
 }

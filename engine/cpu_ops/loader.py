@@ -163,11 +163,17 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) as a new [rows, n] tensor of x's dtype, for x [rows, k] with k
-    contiguous and `packed` = pack_linear_weight(weight [n, k]) of that dtype."""
-    return torch.ops.tandem_cpu.packed_linear(x, packed, n, bias)
+    contiguous and `packed` = pack_linear_weight(weight [n, k]) of that dtype; plus
+    `residual` (contiguous [rows, n], x's dtype) where given, the same bits as adding it to
+    the result with `add_`."""
+    return torch.ops.tandem_cpu.packed_linear(x, packed, n, bias, residual)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -58,12 +58,13 @@ inline Vec load(const float* p) {
   return v;
 }
 
-// y[m, q * kPanel + j] = sum over k of x[m, k] * panels[q][k, j] for m < R, q < P and
-// j < kPanel (j < last_cols in the last panel): x rows ldx apart, y rows ldy apart, the P
-// panels adjacent. Each sum is taken in k order, whatever R and P.
+// y[m, q * kPanel + j] = sum over k of x[m, k] * panels[q][k, j] (+ res[m, q * kPanel + j]
+// where res is given) for m < R, q < P and j < kPanel (j < last_cols in the last panel): x
+// rows ldx apart, y and res rows ldy apart, the P panels adjacent. Each sum is taken in k
+// order, whatever R and P, and res added to it last.
 template <int R, int P>
 void rows_times_panels(const float* x, int64_t ldx, const float* panels, int64_t k_len, float* y,
-                       int64_t ldy, int64_t last_cols) {
+                       int64_t ldy, int64_t last_cols, const float* res) {
   Vec sums[R][P][kVectors] = {};
   for (int64_t k = 0; k < k_len; ++k) {
     for (int q = 0; q < P; ++q) {
@@ -82,16 +83,22 @@ void rows_times_panels(const float* x, int64_t ldx, const float* panels, int64_t
   for (int m = 0; m < R; ++m) {
     for (int q = 0; q < P; ++q) {
       float* out = y + m * ldy + q * kPanel;
+      const float* add = res != nullptr ? res + m * ldy + q * kPanel : nullptr;
       if (q < P - 1 || last_cols == kPanel) {
-        for (int v = 0; v < kVectors; ++v) std::memcpy(out + v * kLanes, &sums[m][q][v], sizeof(Vec));
+        for (int v = 0; v < kVectors; ++v) {
+          const Vec sum = add != nullptr ? sums[m][q][v] + load(add + v * kLanes) : sums[m][q][v];
+          std::memcpy(out + v * kLanes, &sum, sizeof(Vec));
+        }
       } else {  // the weight's last panel: its zero columns past w's last row are not written
-        std::memcpy(out, sums[m][q], last_cols * sizeof(float));
+        float panel_sums[kPanel];
+        std::memcpy(panel_sums, sums[m][q], sizeof(panel_sums));
+        for (int64_t j = 0; j < last_cols; ++j) out[j] = add != nullptr ? panel_sums[j] + add[j] : panel_sums[j];
       }
     }
   }
 }
 
-using PanelKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+using PanelKernel = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
 
 template <int P, int... R>
 constexpr std::array<PanelKernel, sizeof...(R) + 1> kernels_by_rows(std::integer_sequence<int, R...>) {
@@ -103,21 +110,24 @@ constexpr auto kOnePanel = kernels_by_rows<1>(std::make_integer_sequence<int, kR
 constexpr auto kPanelsSideBySide =
     kernels_by_rows<kPanelsPerTask>(std::make_integer_sequence<int, kSideBySideMaxRows>{});
 
-// y's columns of the task's panels (first .. first + count - 1) for rows of x.
+// y's columns of the task's panels (first .. first + count - 1) for rows of x (plus res's,
+// where given).
 void panels_task(const float* x, int64_t ldx, int64_t rows, const float* packed, int64_t k_len,
-                 int64_t first, int64_t count, int64_t n, float* y) {
+                 int64_t first, int64_t count, int64_t n, float* y, const float* res) {
   const int64_t last_cols = std::min(kPanel, n - (first + count - 1) * kPanel);
   const float* panels = packed + first * k_len * kPanel;
   y += first * kPanel;
+  if (res != nullptr) res += first * kPanel;
   if (rows <= kSideBySideMaxRows && count == kPanelsPerTask) {
-    kPanelsSideBySide[rows](x, ldx, panels, k_len, y, n, last_cols);
+    kPanelsSideBySide[rows](x, ldx, panels, k_len, y, n, last_cols, res);
     return;
   }
   for (int64_t q = 0; q < count; ++q) {
     const int64_t cols = q == count - 1 ? last_cols : kPanel;
     for (int64_t m = 0; m < rows; m += kRows) {
       const int64_t r = std::min<int64_t>(kRows, rows - m);
-      kOnePanel[r](x + m * ldx, ldx, panels + q * k_len * kPanel, k_len, y + m * n + q * kPanel, n, cols);
+      kOnePanel[r](x + m * ldx, ldx, panels + q * k_len * kPanel, k_len, y + m * n + q * kPanel, n, cols,
+                   res != nullptr ? res + m * n + q * kPanel : nullptr);
     }
   }
 }
@@ -133,15 +143,22 @@ void panels_task(const float* x, int64_t ldx, int64_t rows, const float* packed,
 constexpr int64_t kPanelBf16 = 64;
 constexpr int64_t kBrgemmRows = 256;
 
-// out[j] = bfloat16(sums[j] (+ bias[j])) for j < count, rounded to nearest even.
-inline void round_into_bf16(const float* sums, const float* bias, int64_t count, c10::BFloat16* out) {
+// out[j] = bfloat16(sums[j] (+ bias[j])) for j < count, rounded to nearest even; then, where
+// res is given, that plus res[j], rounded again (as adding res to the output after would).
+inline void round_into_bf16(const float* sums, const float* bias, int64_t count, const c10::BFloat16* res,
+                            c10::BFloat16* out) {
   int64_t j = 0;
   for (; j + tandem_cpu::kLanes16 <= count; j += tandem_cpu::kLanes16) {
     tandem_cpu::Vec16 v = tandem_cpu::load16(sums + j);
     if (bias != nullptr) v += tandem_cpu::load16(bias + j);
+    if (res != nullptr) v = tandem_cpu::round_bf16_16(v) + tandem_cpu::load_bf16(res + j);
     tandem_cpu::store_bf16(out + j, v);
   }
-  for (; j < count; ++j) out[j] = static_cast<c10::BFloat16>(bias != nullptr ? sums[j] + bias[j] : sums[j]);
+  for (; j < count; ++j) {
+    const auto product = static_cast<c10::BFloat16>(bias != nullptr ? sums[j] + bias[j] : sums[j]);
+    out[j] = res != nullptr ? static_cast<c10::BFloat16>(static_cast<float>(product) + static_cast<float>(res[j]))
+                            : product;
+  }
 }
 
 at::Tensor pack_bf16(const at::Tensor& weight) {
@@ -163,7 +180,8 @@ at::Tensor pack_bf16(const at::Tensor& weight) {
   return packed;
 }
 
-at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor* bias) {
+at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor* bias,
+                              const at::Tensor* residual) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanelBf16 && packed.size(3) == 2 && packed.is_contiguous() &&
                   packed.size(0) == (n + kPanelBf16 - 1) / kPanelBf16,
               "packed_linear: a bfloat16 weight from pack_linear_weight with n rows expected");
@@ -177,6 +195,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
   const BFloat16* xp = x.data_ptr<BFloat16>();
   const BFloat16* wp = packed.data_ptr<BFloat16>();
   const float* bp = bias != nullptr ? bias->data_ptr<float>() : nullptr;
+  const BFloat16* rp = residual != nullptr ? residual->data_ptr<BFloat16>() : nullptr;
   BFloat16* yp = y.data_ptr<BFloat16>();
   const int64_t row_blocks = (rows + kBrgemmRows - 1) / kBrgemmRows;
   // Tasks panel-major: a thread's consecutive tasks reuse a panel while it is in cache.
@@ -189,7 +208,8 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
                                   wp + p * k_len * kPanelBf16, sums.data());
       const float* panel_bias = bp != nullptr ? bp + p * kPanelBf16 : nullptr;
       for (int64_t m = 0; m < m_len; ++m) {
-        round_into_bf16(sums.data() + m * kPanelBf16, panel_bias, cols, yp + (m0 + m) * n + p * kPanelBf16);
+        const int64_t at = (m0 + m) * n + p * kPanelBf16;
+        round_into_bf16(sums.data() + m * kPanelBf16, panel_bias, cols, rp != nullptr ? rp + at : nullptr, yp + at);
       }
     }
     at::native::cpublas::brgemm_release();
@@ -231,15 +251,20 @@ at::Tensor pack_linear_weight(const at::Tensor& weight) {
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                         const c10::optional<at::Tensor>& bias) {
+                         const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && x.scalar_type() == packed.scalar_type() &&
                   (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "packed_linear: float32 or bfloat16 CPU tensors of one dtype expected");
+  const bool with_residual = residual.has_value() && residual->defined();
+  TORCH_CHECK(!with_residual || (residual->dim() == 2 && residual->size(0) == x.size(0) && residual->size(1) == n &&
+                                 residual->is_contiguous() && residual->scalar_type() == x.scalar_type()),
+              "packed_linear: a contiguous residual [rows, n] of x's dtype expected");
+  const at::Tensor* residual_rows = with_residual ? &*residual : nullptr;
   if (x.scalar_type() == at::kBFloat16) {
     const bool with_bias = bias.has_value() && bias->defined();
     TORCH_CHECK(!with_bias || (bias->dim() == 1 && bias->size(0) == n), "packed_linear: bias [n] expected");
     const at::Tensor bias_sums = with_bias ? bias->to(at::kFloat).contiguous() : at::Tensor();
-    return packed_linear_bf16(x, packed, n, with_bias ? &bias_sums : nullptr);
+    return packed_linear_bf16(x, packed, n, with_bias ? &bias_sums : nullptr, residual_rows);
   }
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous() &&
                   packed.size(0) == (n + kPanel - 1) / kPanel,
@@ -255,6 +280,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  // With a bias the residual comes after it, as two adds after the product would.
+  const float* rp = with_residual && !with_bias ? residual->data_ptr<float>() : nullptr;
   const int64_t tasks = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
   for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
     const int64_t block_rows = std::min(kRowBlock, rows - row0);
@@ -262,11 +289,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
       for (int64_t t = begin; t < end; ++t) {
         const int64_t first = t * kPanelsPerTask;
         panels_task(xp + row0 * ldx, ldx, block_rows, wp, k_len, first,
-                    std::min(kPanelsPerTask, panels - first), n, yp + row0 * n);
+                    std::min(kPanelsPerTask, panels - first), n, yp + row0 * n,
+                    rp != nullptr ? rp + row0 * n : nullptr);
       }
     });
   }
-  if (with_bias) y.add_(*bias);
+  if (with_bias) {
+    y.add_(*bias);
+    if (with_residual) y.add_(*residual);
+  }
   return y;
 }
 

@@ -16,7 +16,7 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.impl("packs_bfloat16", c10::DispatchKey::CatchAll, TORCH_FN(tandem_cpu::packs_bfloat16));
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.impl("pack_linear_weight", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::pack_linear_weight));
-  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor? residual=None) -> Tensor");
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::packed_linear));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::rms_norm));

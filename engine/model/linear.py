@@ -48,7 +48,10 @@ class Linear(nn.Linear):
         width = packed.shape[2]
         return packed[ids // width, :, ids % width].reshape(len(ids), self.in_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ weight.T (+ bias), plus `residual` where given: added to the rounded product
+        (by the packed kernel as it writes its output)."""
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.out_features, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_linear(x, self.packed_weight, self.out_features, self.bias, residual)
+        out = F.linear(x, self.weight, self.bias)
+        return out if residual is None else out.add_(residual)

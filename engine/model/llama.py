@@ -78,7 +78,9 @@ class Attention(nn.Module):
         hidden: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """The attention sublayer's output (plus `residual`, added by the output projection)."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q_size, kv_size, _ = self.split_sizes
@@ -90,7 +92,7 @@ class Attention(nn.Module):
             apply_rotary_(qk, *rope)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, q_size + kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta), residual)
 
 
 class MLP(nn.Module):
@@ -103,11 +105,12 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output (plus `residual`, added by the down projection)."""
         if self.cpu_kernel:
-            return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+            return self.down_proj(silu_and_mul(self.gate_up_proj(x)), residual)
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(F.silu(gate).mul_(up), residual)
 
 
 class DecoderLayer(nn.Module):
@@ -125,9 +128,11 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        # residual + sublayer, as transformers adds them, into the sublayer's fresh output.
-        hidden = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta).add_(hidden)
-        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+        # residual + sublayer as transformers adds them (the sublayer's output rounded, then
+        # the sum), by each sublayer's last projection: the packed kernel adds it as it
+        # writes its output.
+        hidden = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, meta, hidden)
+        return self.mlp(self.post_attention_layernorm(hidden), hidden)
 
 
 class LlamaForCausalLM(nn.Module):

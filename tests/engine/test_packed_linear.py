@@ -101,6 +101,24 @@ def test_bad_input_is_a_clear_error() -> None:
         packed_linear(torch.randn(8, 4).t(), packed, 3, None)
     with pytest.raises(RuntimeError, match=r"bias \[n\] float32"):
         packed_linear(x, packed, 3, torch.randn(4))
+    with pytest.raises(RuntimeError, match=r"a contiguous residual \[rows, n\] of x's dtype"):
+        packed_linear(x, packed, 3, None, torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match=r"a contiguous residual \[rows, n\] of x's dtype"):
+        packed_linear(x, packed, 3, None, torch.randn(4, 3).double())
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 300])
+def test_a_residual_gives_the_bits_of_adding_it_after(rows: int, with_bias: bool) -> None:
+    """The layer's residual add in the kernel: the same bits as `.add_(residual)` on its
+    output (after the bias, where there is one), partial last panel included."""
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=generator)
+    packed = pack_linear_weight(torch.randn(100, 64, generator=generator))
+    bias = torch.randn(100, generator=generator) if with_bias else None
+    residual = torch.randn(rows, 100, generator=generator)
+    expected = packed_linear(x, packed, 100, bias).add_(residual)
+    assert torch.equal(packed_linear(x, packed, 100, bias, residual), expected)
 
 
 def test_linear_packs_its_weight_when_the_kernels_are_turned_on() -> None:
@@ -221,3 +239,16 @@ def test_bfloat16_linear_and_its_packed_rows() -> None:
     x = torch.randn(5, 8).bfloat16()
     with torch.no_grad():
         torch.testing.assert_close(layer(x).float(), bf16_reference(x, weight, None).float())
+
+
+@amx_only
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 17, 300])
+def test_bfloat16_residual_gives_the_bits_of_adding_it_after(rows: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=generator).bfloat16()
+    packed = pack_linear_weight(torch.randn(100, 64, generator=generator).bfloat16())
+    bias = torch.randn(100, generator=generator).bfloat16() if with_bias else None
+    residual = torch.randn(rows, 100, generator=generator).bfloat16()
+    expected = packed_linear(x, packed, 100, bias).add_(residual)
+    assert torch.equal(packed_linear(x, packed, 100, bias, residual), expected)
