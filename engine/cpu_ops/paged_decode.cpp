@@ -40,9 +40,11 @@ inline float horizontal_sum(Vec16 v) {
 // of partial sums per key, QueryHead; on AVX-512, 16 keys' vectors folded into 16 scores
 // at once, fold16), then, after one softmax per query head, sums the block's values into
 // D / 16 register accumulators per query head, up to 4 query heads per read of a value
-// row (add_weighted_values). In bfloat16 the two changes took a 12-layer batch-32 pass of
-// the small preset from 5.6 to 3.8 ms (batch 8: 1.15 to 0.70 ms); float32 stayed at the
-// memory's pace (5.5 ms). Going block by block through all the task's heads reads each
+// row (add_weighted_values; in bfloat16 with AVX512-BF16 two keys per dot-product
+// instruction, add_weighted_value_pairs). A 12-layer batch-32 pass of the small preset
+// (context 131-150, from memory) took 5.6 ms in bfloat16 before these, 3.8 with the
+// scores' changes, 2.95 with the value pairs (batch 8: 1.15, 0.70, 0.67 ms); float32
+// stays at the memory's pace (~5.5 ms). Going block by block through all the task's heads reads each
 // block's rows whole: one head at a time over the whole context read a quarter of every
 // 1 KiB row (4 KV heads), too sparse for the hardware prefetchers, and long contexts ran
 // at a third of the memory bandwidth.
@@ -148,11 +150,85 @@ void add_weighted_values(const T* values, int64_t stride, int64_t n, const float
   }
 }
 
-// kAddWeightedValues<D, T>[g]: add_weighted_values for g query heads (1 .. 4).
+// Whether a value sum's lanes hold its dims in add_weighted_value_pairs's order.
+template <typename T>
+constexpr bool kValueLanesPaired = false;
+
+#ifdef __AVX512BF16__
+template <>
+constexpr bool kValueLanesPaired<c10::BFloat16> = true;
+
+// add_weighted_values for bfloat16 values with AVX512-BF16: two keys at a time, by
+// dot-product instructions on (key j, key j + 1) pairs: the two value rows interleaved
+// dim by dim (16-bit unpacks), the two weights rounded to bfloat16 side by side (as a
+// bfloat16 GEMM takes them). Per key and query head about half the instructions of
+// converting each value to floats. The unpacks leave a 32-dim half's dims 0-3, 8-11,
+// 16-19, 24-27 in one sum vector and 4-7, 12-15, ... in the next: acc keeps that order
+// (in_dim_order puts it back).
+template <int D, int G>
+void add_weighted_value_pairs(const c10::BFloat16* values, int64_t stride, int64_t n, const float* p,
+                              int64_t p_stride, float* acc) {
+  constexpr int kHalves = D / (2 * kLanes16);  // 32 dims: one 64-byte load per key
+  __m512 sums[G][2 * kHalves];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < 2 * kHalves; ++c) sums[g][c] = _mm512_loadu_ps(acc + g * D + c * kLanes16);
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes16) {
+    const int64_t keys = std::min<int64_t>(kLanes16, n - j0);
+    uint32_t weight_pairs[G][kLanes16 / 2];  // zero weights past the last key
+    for (int g = 0; g < G; ++g) {
+      const Vec16 w = tandem_cpu::load_partial16(p + g * p_stride + j0, keys, 0.f);
+      const __m256bh pairs = _mm512_cvtneps_pbh(__builtin_bit_cast(__m512, w));
+      std::memcpy(weight_pairs[g], &pairs, sizeof(pairs));
+    }
+    for (int64_t j = 0; j < keys; j += 2) {
+      const c10::BFloat16* row = values + (j0 + j) * stride;
+      __m512i lo[kHalves], hi[kHalves];
+      for (int h = 0; h < kHalves; ++h) {
+        const __m512i a = _mm512_loadu_si512(row + h * 2 * kLanes16);
+        // An odd key count's last key pairs with zeros (never the memory past it).
+        const __m512i b = j + 1 < keys ? _mm512_loadu_si512(row + stride + h * 2 * kLanes16) : _mm512_setzero_si512();
+        lo[h] = _mm512_unpacklo_epi16(a, b);
+        hi[h] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(weight_pairs[g][j / 2]));
+        for (int h = 0; h < kHalves; ++h) {
+          sums[g][2 * h] = _mm512_dpbf16_ps(sums[g][2 * h], (__m512bh)lo[h], w);
+          sums[g][2 * h + 1] = _mm512_dpbf16_ps(sums[g][2 * h + 1], (__m512bh)hi[h], w);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < 2 * kHalves; ++c) _mm512_storeu_ps(acc + g * D + c * kLanes16, sums[g][c]);
+  }
+}
+#endif
+
+// kAddWeightedValues<D, T>[g]: the value sums for g query heads (1 .. 4).
 template <int D, typename T>
 constexpr void (*kAddWeightedValues[5])(const T*, int64_t, int64_t, const float*, int64_t, float*) = {
     nullptr, &add_weighted_values<D, T, 1>, &add_weighted_values<D, T, 2>, &add_weighted_values<D, T, 3>,
     &add_weighted_values<D, T, 4>};
+
+#ifdef __AVX512BF16__
+template <int D>
+constexpr void (*kAddWeightedValues<D, c10::BFloat16>[5])(const c10::BFloat16*, int64_t, int64_t, const float*,
+                                                           int64_t, float*) = {
+    nullptr, &add_weighted_value_pairs<D, 1>, &add_weighted_value_pairs<D, 2>, &add_weighted_value_pairs<D, 3>,
+    &add_weighted_value_pairs<D, 4>};
+#endif
+
+// Vectors c and c + 1 (c even) of a value sum in dim order (they hold 32 dims; in
+// add_weighted_value_pairs's lane order where kValueLanesPaired).
+template <typename T>
+inline void in_dim_order(Vec16& first, Vec16& second) {
+  if (!kValueLanesPaired<T>) return;
+  const Vec16 lo = first, hi = second;
+  first = __builtin_shuffle(lo, hi, Ints16{0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23});
+  second = __builtin_shuffle(lo, hi, Ints16{8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31});
+}
 
 template <int D, typename T>
 void decode_vectors(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -228,7 +304,12 @@ void decode_vectors(const at::Tensor& query, const at::Tensor& kv_cache, const a
       }
       for (int64_t i = 0; i < nq; ++i) {
         T* og = o + row * o_row + (q0 + i) * o_head;
-        for (int c = 0; c < kVectors; ++c) store_row(og + c * kLanes16, load16(accs.data() + i * D + c * kLanes16) * inv[i]);
+        for (int c = 0; c < kVectors; c += 2) {
+          Vec16 first = load16(accs.data() + i * D + c * kLanes16), second = load16(accs.data() + i * D + (c + 1) * kLanes16);
+          in_dim_order<T>(first, second);
+          store_row(og + c * kLanes16, first * inv[i]);
+          store_row(og + (c + 1) * kLanes16, second * inv[i]);
+        }
       }
     }
   });
