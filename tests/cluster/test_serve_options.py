@@ -60,7 +60,7 @@ def test_flags_land_in_the_tree(tiny_model_dir, monkeypatch):
         "--max-model-len", "300", "--max-num-batched-tokens", "128",
         "--trace-exporter", "console", "--admission", "queue", "--ttft-slo", "0.5",
         "--itl-slo", "0.05", "--max-local-prefill-tokens", "0", "--api-key", "k",
-        "--ray-address", "auto", "--kv-cache-memory", "48MiB",
+        "--ray-address", "auto", "--kv-cache-memory", "48MiB", "--dtype", "float32",
     )  # fmt: skip
     assert config.ray.address == "auto"
     assert config.engine.kv_cache_memory_bytes == 48 << 20
@@ -139,9 +139,10 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--decode", "4", "--max-workers-per-role", "3"), "num_decode (4) is over max_workers"),
         (("--kv-cache-memory", "lots"), "--kv-cache-memory: expected bytes or a size like"),
         (("--kv-cache-memory", "0MiB"), "--kv-cache-memory: must be at least 1 byte"),
-        # 1 MiB holds 256 tokens of the tiny model, its max_model_len is 2048.
+        # 1 MiB holds 256 tokens of the tiny model in float32 (auto is bfloat16 on AMX
+        # CPUs), its max_model_len is 2048.
         (
-            ("--kv-cache-memory", "1MiB"),
+            ("--kv-cache-memory", "1MiB", "--dtype", "float32"),
             "holds 256 tokens (65536 bytes per 16-token block), fewer than max_model_len 2048",
         ),
     ],
@@ -165,9 +166,9 @@ def test_kv_cache_memory_takes_bytes_or_a_unit(tiny_model_dir, text, num_bytes):
 
 
 def test_a_kv_cache_for_the_longest_sequence_starts(tiny_model_dir):
-    # 1 MiB: 16 blocks of 16 tokens, enough for max_model_len 256 and no more.
+    # 1 MiB: 16 blocks of 16 float32 tokens, enough for max_model_len 256 and no more.
     engine = config_of(tiny_model_dir, "--device", "cpu", "--kv-cache-memory", "1MiB",
-                       "--max-model-len", "256").engine  # fmt: skip
+                       "--max-model-len", "256", "--dtype", "float32").engine  # fmt: skip
     assert engine.num_blocks * engine.block_size == 256
 
 
