@@ -38,6 +38,8 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 INTERVAL_S = 2.0
 CHAT = (8, 96)  # prompt tokens, output tokens
 DOCUMENTS = (1200, 2)
+# Chat requests the router sees before the planner starts (see the steady phase).
+WARM_UP_REQUESTS = 32
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +107,21 @@ def test_auto_planner_moves_toward_prefill_for_documents(ray_session, tiny_model
             t0 = time.monotonic()
             router = await cluster.start()
             print(f"{time.monotonic() - t0:.0f} s: cluster up")
-            planner = await start_planner(config, router)
-            assert planner is not None and planner.budget == 3
+            # Chat runs before the planner starts: the router's latency models start from
+            # probes timed at start-up, while the other workers and Ray's prestarted
+            # processes still load on the same 2 cores. In two of four full-suite runs
+            # (AMX Xeon) the first plans read 83 and 127 ms fixed per prefill (7 ms when
+            # the test runs alone) and asked for 2P+1D. Real traffic corrects the models
+            # first, as in a cluster that has been serving.
             load = Load(router.grpc_endpoint)
             load.start()
+            warm_by = time.monotonic() + 60
+            while load.num_done < WARM_UP_REQUESTS and time.monotonic() < warm_by:
+                await asyncio.sleep(0.2)
+            assert load.num_done >= WARM_UP_REQUESTS and not load.failures, load.failures
+            print(f"{time.monotonic() - t0:.0f} s: warmed up")
+            planner = await start_planner(config, router)
+            assert planner is not None and planner.budget == 3
             # Steady chat: plans come, all recommend 1P+2D, and the split stays.
             recommended = set()
             deadline = time.monotonic() + 90
