@@ -99,6 +99,13 @@ inline Vec16 round_bf16_16(Vec16 v) {
   return __builtin_bit_cast(Vec16, bits);
 }
 
+// 16 elements of a float32 or bfloat16 row as floats, and back (bfloat16 rounded to
+// nearest even): the kernels written once for both dtypes read and write through these.
+inline Vec16 load_row(const float* p) { return load16(p); }
+inline Vec16 load_row(const c10::BFloat16* p) { return load_bf16(p); }
+inline void store_row(float* p, Vec16 v) { store16(p, v); }
+inline void store_row(c10::BFloat16* p, Vec16 v) { store_bf16(p, v); }
+
 // The first n (< 16) floats at p, the other lanes `fill`; and the way back.
 inline Vec16 load_partial16(const float* p, int64_t n, float fill) {
   Vec16 v = splat16(fill);

@@ -168,10 +168,11 @@ at::Tensor pack_bf16(const at::Tensor& weight) {
   const int64_t panels = (n + kPanelBf16 - 1) / kPanelBf16;
   at::Tensor packed = w.new_empty({panels, k_len / 2, kPanelBf16, 2});
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    // The panel's rows as the [k, kPanelBf16] matrix brgemm multiplies by, zero past w's end.
+    at::Tensor panel = w.new_empty({k_len, kPanelBf16});
     for (int64_t p = begin; p < end; ++p) {
-      // The panel's rows as the [k, kPanelBf16] matrix brgemm multiplies by, zero past w's end.
       const int64_t cols = std::min(kPanelBf16, n - p * kPanelBf16);
-      at::Tensor panel = w.new_zeros({k_len, kPanelBf16});
+      if (cols < kPanelBf16) panel.zero_();
       panel.slice(1, 0, cols).copy_(w.slice(0, p * kPanelBf16, p * kPanelBf16 + cols).t());
       at::native::cpublas::pack(k_len, kPanelBf16, kPanelBf16, kPanelBf16, at::kBFloat16, at::kBFloat16,
                                 panel.data_ptr(), packed[p].data_ptr());

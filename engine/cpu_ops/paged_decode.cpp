@@ -21,7 +21,9 @@ namespace {
 using tandem_cpu::Ints16;
 using tandem_cpu::kLanes16;
 using tandem_cpu::load16;
+using tandem_cpu::load_row;
 using tandem_cpu::store16;
+using tandem_cpu::store_row;
 using tandem_cpu::Vec16;
 
 // A tree of lane swaps and adds (4 + 4 instructions; a loop over lanes is 31).
@@ -44,15 +46,10 @@ inline float horizontal_sum(Vec16 v) {
 // instruction, add_weighted_value_pairs). A 12-layer batch-32 pass of the small preset
 // (context 131-150, from memory) took 5.6 ms in bfloat16 before these, 3.8 with the
 // scores' changes, 2.95 with the value pairs (batch 8: 1.15, 0.70, 0.67 ms); float32
-// stays at the memory's pace (~5.5 ms). Going block by block through all the task's heads reads each
-// block's rows whole: one head at a time over the whole context read a quarter of every
-// 1 KiB row (4 KV heads), too sparse for the hardware prefetchers, and long contexts ran
-// at a third of the memory bandwidth.
-// 16 elements of a row as floats, and back (bfloat16 rounded to nearest even).
-inline Vec16 load_row(const float* p) { return load16(p); }
-inline Vec16 load_row(const c10::BFloat16* p) { return tandem_cpu::load_bf16(p); }
-inline void store_row(float* p, Vec16 v) { store16(p, v); }
-inline void store_row(c10::BFloat16* p, Vec16 v) { tandem_cpu::store_bf16(p, v); }
+// stays at the memory's pace (~5.5 ms). Going block by block through all the task's
+// heads reads each block's rows whole: one head at a time over the whole context read a
+// quarter of every 1 KiB row (4 KV heads), too sparse for the hardware prefetchers, and
+// long contexts ran at a third of the memory bandwidth.
 
 // One query head, ready to score keys: dot(k) is a vector whose lanes sum to the head's
 // score for key k before post_scale. float32 (and bfloat16 without AVX512-BF16): the row

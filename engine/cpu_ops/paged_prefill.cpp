@@ -1,7 +1,7 @@
 // Prefill attention for CPU over the paged cache: one prefill chunk's queries against its
 // cached prefix and its own tokens (causal), GQA, float32 (and bfloat16 on CPUs with AMX,
 // prefill_bf16_amx below), head dims that are multiples of 16. The chunk's K/V are
-// already in the cache. float32: Each KV head's keys are first copied out
+// already in the cache. float32: each KV head's keys are first copied out
 // of their blocks into panels of 16 keys stored dimension-major (a panel row is one
 // vector: a key dimension of 16 keys), its values into contiguous rows. Then one task per
 // (KV head, block of kQueryTokens query tokens) stacks the head's query heads token by
@@ -30,6 +30,7 @@ using tandem_cpu::kLanes16;
 using tandem_cpu::load16;
 using tandem_cpu::splat16;
 using tandem_cpu::store16;
+using tandem_cpu::store_row;
 using tandem_cpu::Ints16;
 using tandem_cpu::Vec16;
 
@@ -182,9 +183,6 @@ float softmax_row(float* s, int64_t width, int64_t visible, bool first_tile, flo
   row_max = top;
   return rescale;
 }
-
-inline void store_row(float* p, Vec16 v) { store16(p, v); }
-inline void store_row(c10::BFloat16* p, Vec16 v) { tandem_cpu::store_bf16(p, v); }
 
 // A task's output: row r * group + g of acc ([rows, head_dim] float sums) divided by its
 // softmax sum, into query head head * group + g of token r of o (the task's first token).
