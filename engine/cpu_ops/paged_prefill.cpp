@@ -244,6 +244,17 @@ void pack_values_vnni(const c10::BFloat16* v_cache, const int64_t* table, int64_
   }
 }
 
+// 16 softmax weights in [0, 1] as bfloat16 (rounded to nearest even), by AVX512-BF16's
+// conversion where there is one (all AMX CPUs have it; it flushes subnormals to zero, which
+// weights under 1.2e-38 beside a row's largest weight of 1 are, to the sum, anyway).
+inline void store_weights(c10::BFloat16* w, Vec16 e) {
+#ifdef __AVX512BF16__
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(w), (__m256i)_mm512_cvtneps_pbh(__builtin_bit_cast(__m512, e)));
+#else
+  tandem_cpu::store_bf16(w, e);
+#endif
+}
+
 // softmax_row for one row of a key tile's raw scores s (before the scale), in two passes:
 // the visible scores' max, then their weights e^(scale (s - max)) summed in float and
 // written as bfloat16 into w, zeros for the rest of the tile.
@@ -263,9 +274,9 @@ float softmax_row_bf16(const float* s, int64_t visible, bool first_tile, float s
     Vec16 e = tandem_cpu::exp16(load16(s + j) * scale - new_max);
     e = lanes < static_cast<int32_t>(n - j) ? e : Vec16{};
     sums += e;
-    tandem_cpu::store_bf16(w + j, e);
+    store_weights(w + j, e);
   }
-  for (; j < kAmxKeys; j += kLanes16) tandem_cpu::store_bf16(w + j, Vec16{});
+  for (; j < kAmxKeys; j += kLanes16) store_weights(w + j, Vec16{});
   // No exp(-inf) for a first tile: -ffast-math assumes there are no infinities.
   const float rescale = first_tile ? 0.f : std::exp(row_max - new_max);
   row_sum = (first_tile ? 0.f : row_sum * rescale) + tandem_cpu::horizontal_sum16(sums);
