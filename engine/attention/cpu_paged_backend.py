@@ -7,8 +7,8 @@ gather into a padded buffer, no mask. Float32, bfloat16 and float16 caches; sums
 float32. Each float32 prefill chunk (head dims a multiple of 16), and each bfloat16 one on
 CPUs with AMX, is one call of `paged_prefill`: causal over its cached prefix and its own
 tokens with an online softmax (no mask tensor), float32 by register-blocked score and
-value kernels, bfloat16 by oneDNN's AMX GEMM kernels; other chunks and the K/V writes are
-the torch backend's (SDPA, `index_copy_`).
+value kernels, bfloat16 by oneDNN's AMX GEMM kernels; other chunks are the torch
+backend's (SDPA). The K/V writes are `cache_kv`'s row copies.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tandem.engine.attention.torch_backend import (
 )
 from tandem.engine.cpu_ops.loader import (
     PREFILL_HEAD_DIM_MULTIPLE,
+    cache_kv,
     cpu_ops_error,
     packs_bfloat16,
     paged_decode,
@@ -92,6 +93,11 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                 rows,
             )
         return out
+
+    def _write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        cache_kv(key, value, kv_cache, slots)
 
     def _prefill(
         self,

@@ -100,16 +100,21 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
         meta: TorchAttentionMetadata,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = query.shape
-        num_kv_heads = key.shape[1]
-        k_cache, v_cache = kv_cache[0], kv_cache[1]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
+        self._write_kv(key, value, kv_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         for group in meta.decode_groups:
             self._decode(query, kv_cache, group, out)
         for span in meta.prefills:
             self._prefill(query, key, value, kv_cache, span, out)
         return out.view(num_tokens, num_heads * head_dim)
+
+    def _write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Each token's K/V [tokens, kv_heads, head_dim] into its cache slot."""
+        num_kv_heads, head_dim = key.shape[1:]
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
     def _prefill(
         self,

@@ -50,6 +50,11 @@ void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::T
 // Per row of float32 logits [rows, vocab], the first index of its maximum (greedy_argmax.cpp).
 at::Tensor greedy_argmax(const at::Tensor& logits);
 
+// Each token's key and value [tokens, kv_heads, head_dim] (heads contiguous, token rows
+// may be strided) into its slot of kv_cache [2, blocks, block_size, kv_heads, head_dim]:
+// the torch backend's index_copy_, a row copy per token (decode_forward.cpp).
+void cache_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slot_mapping);
+
 // A decode-only step's decoder stack; returns the final normalized hidden states
 // (decode_forward.cpp).
 at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, at::TensorList qkv_biases,

@@ -197,6 +197,14 @@ def rotary_embedding_(
     torch.ops.tandem_cpu.rotary_embedding_(qkv, cos, sin, num_heads, head_dim)
 
 
+def cache_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Each token's key and value [tokens, kv_heads, head_dim] into its slot
+    (slot_mapping, int64) of kv_cache [2, blocks, block_size, kv_heads, head_dim]."""
+    torch.ops.tandem_cpu.cache_kv(key, value, kv_cache, slot_mapping)
+
+
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
     """Per row of float32 logits [rows, vocab], the first index of its maximum (a NaN
     counts as the maximum), as int64 [rows]: what `logits.max(dim=-1).indices` gives."""

@@ -26,6 +26,8 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.impl("rotary_embedding_", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::rotary_embedding_));
   m.def("greedy_argmax(Tensor logits) -> Tensor");
   m.impl("greedy_argmax", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::greedy_argmax));
+  m.def("cache_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.impl("cache_kv", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::cache_kv));
   m.def("decode_forward(Tensor embeddings, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
         "float norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int num_heads, "

@@ -1,8 +1,9 @@
-"""The fused CPU ops (engine/cpu_ops/elementwise.cpp, greedy_argmax.cpp) against torch:
+"""The fused CPU ops (engine/cpu_ops/elementwise.cpp, greedy_argmax.cpp, cache_kv) against torch:
 RMSNorm and SiLU-and-multiply within float32 rounding of a float64 reference and, in
 bfloat16, within one rounding of the torch modules; RoPE bit for bit with `apply_rotary_`
 in both dtypes; the greedy argmax index for index with `max(dim=-1)` (ties,
-NaN, -inf, strided rows); bad input is a clear error; the model's modules use them only
+NaN, -inf, strided rows); the K/V writes bit for bit with `index_copy_`; bad input is a
+clear error; the model's modules use them only
 once `use_cpu_kernels` turns them on."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engine.cpu_ops.loader import (
+    cache_kv,
     cpu_ops_error,
     greedy_argmax,
     rms_norm,
@@ -121,6 +123,26 @@ def test_sampler_takes_the_op_only_when_asked() -> None:
     assert Sampler().sample(logits, params, [None] * 8).token_ids == expected
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_kv_writes_what_index_copy_writes(dtype: torch.dtype) -> None:
+    """Keys and values as the model hands them over (views into the fused qkv rows, so
+    strided tokens) into scattered slots, the other slots untouched."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, kv_heads, head_dim, num_blocks, block_size = 37, 2, 32, 9, 8
+    qkv = torch.randn(tokens, (4 + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    key = qkv[:, 4 * head_dim : (4 + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    value = qkv[:, (4 + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    expected = cache.clone()
+    expected[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, key)
+    expected[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, value)
+    cache_kv(key, value, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+CACHE = torch.zeros(2, 3, 4, 2, 8)
+KV = torch.ones(5, 2, 8)
 ROPE = torch.ones(2, 1, 4)
 BF16_ROWS = torch.ones(2, 4, dtype=torch.bfloat16)
 
@@ -136,6 +158,17 @@ BF16_ROWS = torch.ones(2, 4, dtype=torch.bfloat16)
         (lambda: greedy_argmax(torch.ones(2, 3, dtype=torch.bfloat16)), "float32 CPU logits"),
         (lambda: rotary_embedding_(torch.ones(2, 8), ROPE, ROPE, 3, 4), "3 heads"),
         (lambda: rotary_embedding_(torch.ones(2, 8), ROPE[:1], ROPE, 2, 4), "cos and sin"),
+        (lambda: cache_kv(KV, KV, CACHE, torch.tensor([0, 1, 2, 3, 12])), "slot 12 outside"),
+        (lambda: cache_kv(KV, KV, CACHE, torch.tensor([0, 1, 2, 3, -1])), "slot -1 outside"),
+        (lambda: cache_kv(KV, KV, CACHE, torch.arange(5, dtype=torch.int32)), "int64 slot_mapping"),
+        (lambda: cache_kv(KV, KV[:4], CACHE, torch.arange(5)), "key and value"),
+        (lambda: cache_kv(KV, KV.bfloat16(), CACHE, torch.arange(5)), "share a dtype"),
+        (
+            lambda: cache_kv(
+                KV.transpose(1, 2).contiguous().transpose(1, 2), KV, CACHE, torch.arange(5)
+            ),
+            "heads must be contiguous",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(call, message: str) -> None:
