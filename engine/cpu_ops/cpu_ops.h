@@ -27,6 +27,17 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
 // (packed_linear.cpp).
 bool packs_bfloat16();
 
+// The AMX tile state that torch's batch-reduce GEMM (at::native::cpublas::brgemm) takes
+// on the calling thread, released when a BrgemmScope ends: by return or by an exception
+// (packed_linear.cpp). One per parallel task that calls brgemm.
+void release_brgemm_tiles();
+struct BrgemmScope {
+  BrgemmScope() = default;
+  BrgemmScope(const BrgemmScope&) = delete;
+  BrgemmScope& operator=(const BrgemmScope&) = delete;
+  ~BrgemmScope() { release_brgemm_tiles(); }
+};
+
 // A float32 or bfloat16 weight [n, k] in packed_linear's column panels (packed_linear.cpp).
 at::Tensor pack_linear_weight(const at::Tensor& weight);
 

@@ -201,6 +201,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
   const int64_t row_blocks = (rows + kBrgemmRows - 1) / kBrgemmRows;
   // Tasks panel-major: a thread's consecutive tasks reuse a panel while it is in cache.
   at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    const tandem_cpu::BrgemmScope brgemm_scope;
     std::vector<float> sums(std::min(rows, kBrgemmRows) * kPanelBf16);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t / row_blocks, m0 = (t % row_blocks) * kBrgemmRows;
@@ -213,7 +214,6 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
         round_into_bf16(sums.data() + m * kPanelBf16, panel_bias, cols, rp != nullptr ? rp + at : nullptr, yp + at);
       }
     }
-    at::native::cpublas::brgemm_release();
   });
   return y;
 }
@@ -221,6 +221,8 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
 }  // namespace
 
 namespace tandem_cpu {
+
+void release_brgemm_tiles() { at::native::cpublas::brgemm_release(); }
 
 bool packs_bfloat16() { return at::native::cpublas::could_pack(at::kBFloat16); }
 

@@ -318,6 +318,7 @@ void prefill_bf16_amx(const at::Tensor& query, const at::Tensor& kv_cache, const
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   at::parallel_for(0, kv_heads * query_blocks, 1, [&](int64_t begin, int64_t end) {
+    const tandem_cpu::BrgemmScope brgemm_scope;
     std::vector<BFloat16> q_rows(max_rows * head_dim), weights(max_rows * kAmxKeys);
     std::vector<float> acc(max_rows * head_dim), scores(max_rows * kAmxKeys);
     std::vector<float> row_max(max_rows), row_sum(max_rows);
@@ -354,7 +355,6 @@ void prefill_bf16_amx(const at::Tensor& query, const at::Tensor& kv_cache, const
       }
       write_task_rows(acc.data(), row_sum.data(), n, group, head, head_dim, o + t0 * o_row, o_row, o_head);
     }
-    at::native::cpublas::brgemm_release();
   });
 }
 
