@@ -12,7 +12,8 @@ do not depend on the batch, on the worker that samples the token, or on how many
 came before.
 
 Each step pays only for what its rows ask for: an all-greedy batch takes one max
-reduction (no argmax over rows that sample anyway), and the chosen token's logprob (a
+reduction over the logits as the model gave them (no float32 copy; no argmax over rows
+that sample anyway), and the chosen token's logprob (a
 logsumexp over the vocabulary) is computed only for rows whose params ask for logprobs.
 """
 
@@ -93,7 +94,11 @@ class Sampler:
             raise ValueError(
                 f"got {num_seqs} logit rows, {len(params)} params, {len(draw_seeds)} draw seeds"
             )
-        raw = logits.float()
+        # Rows that only take the argmax need no float32 copy: a bfloat16 model's logits
+        # convert to floats exactly, so the first maximum is the same.
+        plain_greedy = all(p.is_greedy and not p.logprobs and not p.logit_bias
+                           and not p.has_penalties for p in params)  # fmt: skip
+        raw = logits if plain_greedy else logits.float()
         logits = apply_logit_bias(raw, params)
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised:
@@ -118,7 +123,11 @@ class Sampler:
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
         """The first index of each row's maximum."""
-        if self._cpu_argmax and logits.device.type == "cpu":
+        if (
+            self._cpu_argmax
+            and logits.device.type == "cpu"
+            and logits.dtype in (torch.float32, torch.bfloat16)
+        ):
             return greedy_argmax(logits)
         # `max` picks the first maximum as `argmax` does, in one cheaper pass.
         return logits.max(dim=-1).indices

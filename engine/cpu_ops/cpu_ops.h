@@ -58,7 +58,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                        int64_t num_heads, int64_t head_dim);
 
-// Per row of float32 logits [rows, vocab], the first index of its maximum (greedy_argmax.cpp).
+// Per row of float32 or bfloat16 logits [rows, vocab], the first index of its maximum
+// (greedy_argmax.cpp).
 at::Tensor greedy_argmax(const at::Tensor& logits);
 
 // Each token's key and value [tokens, kv_heads, head_dim] (heads contiguous, token rows

@@ -1,6 +1,7 @@
-// The greedy sampler's choice over float32 logits rows: per row, the first index of its
-// maximum, as torch's max(dim=-1) picks it (a NaN counts as the maximum, the first NaN
-// wins). torch's indexed max walks a row one element at a time (at a 32,000-token
+// The greedy sampler's choice over float32 or bfloat16 logits rows: per row, the first
+// index of its maximum, as torch's max(dim=-1) picks it (a NaN counts as the maximum, the
+// first NaN wins; bfloat16 values compared as the floats they are exactly, so a bfloat16
+// model's logits need no float32 copy first). torch's indexed max walks a row one element at a time (at a 32,000-token
 // vocabulary ~9x the time of its plain amax); here two vectorized passes over a row held
 // in cache: the maximum (and whether a NaN is there), then the first index holding it.
 // Registered as torch.ops.tandem_cpu.greedy_argmax; built by loader.py.
@@ -27,6 +28,15 @@ inline Vec load(const float* p) {
   return v;
 }
 
+// kLanes bfloat16s as floats (exact: a bfloat16 is a float's upper half).
+typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+inline Vec load(const c10::BFloat16* p) {
+  Halves h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_bit_cast(Vec, __builtin_convertvector(h, Words) << 16);
+}
+
 // A NaN's bits, magnitude above infinity's. Tested on the bits: the build's -ffast-math
 // lets the compiler assume no float is a NaN, so a float test could be optimized away.
 constexpr uint32_t kInfinityBits = 0x7f800000u;
@@ -38,10 +48,11 @@ inline bool is_nan(float v) {
   return (bits & kMagnitudeBits) > kInfinityBits;
 }
 
-int64_t row_argmax(const float* row, int64_t n) {
+template <typename T>
+int64_t row_argmax(const T* row, int64_t n) {
   // Pass 1: the maximum, and whether any NaN is in the row.
   const int64_t vectors = n / kLanes * kLanes;
-  float best = row[0];
+  float best = static_cast<float>(row[0]);
   bool any_nan = false;
   if (vectors) {
     Vec max = load(row);
@@ -59,13 +70,14 @@ int64_t row_argmax(const float* row, int64_t n) {
     }
   }
   for (int64_t i = vectors; i < n; ++i) {
-    best = row[i] > best ? row[i] : best;
-    any_nan |= is_nan(row[i]);
+    const float v = static_cast<float>(row[i]);
+    best = v > best ? v : best;
+    any_nan |= is_nan(v);
   }
   // Pass 2: the first index holding it (the first NaN where there is one).
   if (any_nan) {
     for (int64_t i = 0; i < n; ++i) {
-      if (is_nan(row[i])) return i;
+      if (is_nan(static_cast<float>(row[i]))) return i;
     }
   }
   const Vec target = Vec{} + best;
@@ -80,7 +92,7 @@ int64_t row_argmax(const float* row, int64_t n) {
     }
   }
   for (int64_t i = vectors; i < n; ++i) {
-    if (row[i] == best) return i;
+    if (static_cast<float>(row[i]) == best) return i;
   }
   return 0;  // unreachable: `best` is one of the row's values
 }
@@ -90,18 +102,24 @@ int64_t row_argmax(const float* row, int64_t n) {
 namespace tandem_cpu {
 
 at::Tensor greedy_argmax(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu() &&
-                  logits.stride(1) == 1 && logits.size(1) > 0,
-              "greedy_argmax: float32 CPU logits [rows, vocab] with contiguous rows expected, got ",
+  TORCH_CHECK(logits.dim() == 2 && (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16) &&
+                  logits.device().is_cpu() && logits.stride(1) == 1 && logits.size(1) > 0,
+              "greedy_argmax: float32 or bfloat16 CPU logits [rows, vocab] with contiguous rows expected, got ",
               logits.sizes(), " ", logits.scalar_type());
   const int64_t rows = logits.size(0), n = logits.size(1), stride = logits.stride(0);
   at::Tensor out = logits.new_empty({rows}, logits.options().dtype(at::kLong));
-  const float* in = logits.data_ptr<float>();
   int64_t* ids = out.data_ptr<int64_t>();
-  // A row per task from 2 rows up: each is ~n floats of work.
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) ids[r] = row_argmax(in + r * stride, n);
-  });
+  const auto argmax_rows = [&](const auto* in) {
+    // A row per task from 2 rows up: each is ~n values of work.
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) ids[r] = row_argmax(in + r * stride, n);
+    });
+  };
+  if (logits.scalar_type() == at::kFloat) {
+    argmax_rows(logits.data_ptr<float>());
+  } else {
+    argmax_rows(logits.data_ptr<c10::BFloat16>());
+  }
   return out;
 }
 

@@ -206,6 +206,6 @@ def cache_kv(
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Per row of float32 logits [rows, vocab], the first index of its maximum (a NaN
+    """Per row of float32 or bfloat16 logits [rows, vocab], the first index of its maximum (a NaN
     counts as the maximum), as int64 [rows]: what `logits.max(dim=-1).indices` gives."""
     return torch.ops.tandem_cpu.greedy_argmax(logits)

@@ -113,6 +113,19 @@ def test_greedy_argmax_is_torch_max_index_for_index() -> None:
     logits[6, 0] = float("inf")
     for rows in (logits, logits[:1], logits[:, :1000], logits[:, 7:]):
         assert torch.equal(greedy_argmax(rows), rows.max(dim=-1).indices)
+        # bfloat16 holds these values exactly, NaNs and infinities too.
+        rows = rows.bfloat16()
+        assert torch.equal(greedy_argmax(rows), rows.max(dim=-1).indices)
+
+
+def test_greedy_argmax_of_bfloat16_logits_is_that_of_their_floats() -> None:
+    gen = torch.Generator().manual_seed(5)
+    logits = (torch.randn(33, 32000, generator=gen) * 8).bfloat16()  # ties after rounding
+    expected = logits.float().max(dim=-1).indices
+    assert torch.equal(greedy_argmax(logits), expected)
+    params = [SamplingParams(temperature=0.0)] * 33
+    for sampler in (Sampler(cpu_argmax=True), Sampler()):
+        assert sampler.sample(logits, params, [None] * 33).token_ids == expected.tolist()
 
 
 def test_sampler_takes_the_op_only_when_asked() -> None:
@@ -155,7 +168,7 @@ BF16_ROWS = torch.ones(2, 4, dtype=torch.bfloat16)
         (lambda: rms_norm(torch.ones(4, 2).t(), torch.ones(4), 1e-6), "rows must be contiguous"),
         (lambda: silu_and_mul(torch.ones(2, 3)), "even number"),
         (lambda: rms_norm(BF16_ROWS, torch.ones(4), 1e-6), "weight must be BFloat16 like x"),
-        (lambda: greedy_argmax(torch.ones(2, 3, dtype=torch.bfloat16)), "float32 CPU logits"),
+        (lambda: greedy_argmax(torch.ones(2, 3, dtype=torch.float16)), "float32 or bfloat16 CPU"),
         (lambda: rotary_embedding_(torch.ones(2, 8), ROPE, ROPE, 3, 4), "3 heads"),
         (lambda: rotary_embedding_(torch.ones(2, 8), ROPE[:1], ROPE, 2, 4), "cos and sin"),
         (lambda: cache_kv(KV, KV, CACHE, torch.tensor([0, 1, 2, 3, 12])), "slot 12 outside"),
