@@ -40,15 +40,42 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 // k of a weight [n, k], packed or not (see linear).
 int64_t in_features(const at::Tensor& weight) { return weight.dim() == 4 ? 2 * weight.size(1) : weight.size(1); }
 
+// slot_mapping: contiguous int64 [tokens], every slot in [0, num_slots).
+void check_slots(const at::Tensor& slot_mapping, int64_t tokens, int64_t num_slots) {
+  TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
+                  slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
+              "cache_kv: a contiguous int64 slot_mapping [", tokens, "] expected");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "cache_kv: slot ", slots[t], " outside the cache's ", num_slots);
+  }
+}
+
+constexpr int64_t kCacheKvTokensPerTask = 64;
+
+// Token t's key row (slot_size bytes at k + t * k_row) and value row into slot
+// slot_mapping[t] of one layer's kv_cache [2, blocks, block_size, kv_heads, head_dim]
+// (checked slots). Over the threads for a prefill's hundreds of tokens: the writes miss
+// the cache, and one core alone keeps too few misses in flight.
+void copy_into_slots(const char* k, int64_t k_row, const char* v, int64_t v_row, const at::Tensor& slot_mapping,
+                     int64_t slot_size, const at::Tensor& kv_cache) {
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* v_cache = k_cache + kv_cache.size(1) * kv_cache.size(2) * slot_size;
+  at::parallel_for(0, slot_mapping.size(0), kCacheKvTokensPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(k_cache + slots[t] * slot_size, k + t * k_row, slot_size);
+      std::memcpy(v_cache + slots[t] * slot_size, v + t * v_row, slot_size);
+    }
+  });
+}
+
 }  // namespace
 
 namespace tandem_cpu {
 
-constexpr int64_t kCacheKvTokensPerTask = 64;
-
 void cache_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu() &&
-                  slot_mapping.device().is_cpu(),
+  TORCH_CHECK(key.device().is_cpu() && value.device().is_cpu() && kv_cache.device().is_cpu(),
               "cache_kv: CPU tensors only");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
               "cache_kv: a contiguous kv_cache [2, blocks, block_size, kv_heads, head_dim] expected");
@@ -61,30 +88,11 @@ void cache_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_dim, "cache_kv: each token's heads must be contiguous");
   }
-  const int64_t tokens = key.size(0);
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens && slot_mapping.is_contiguous() &&
-                  slot_mapping.scalar_type() == at::kLong,
-              "cache_kv: a contiguous int64 slot_mapping [tokens] expected");
-  // In bytes: the element size is the cache's.
-  const int64_t element = kv_cache.element_size(), slot_size = kv_heads * head_dim * element;
-  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "cache_kv: slot ", slots[t], " outside the cache's ", num_slots);
-  }
-  const char* k = static_cast<const char*>(key.data_ptr());
-  const char* v = static_cast<const char*>(value.data_ptr());
-  const int64_t k_row = key.stride(0) * element, v_row = value.stride(0) * element;
-  char* k_cache = static_cast<char*>(kv_cache.data_ptr());
-  char* v_cache = k_cache + num_slots * slot_size;
-  // Over the threads for a prefill's hundreds of tokens: the writes miss the cache, and
-  // one core alone keeps too few misses in flight.
-  at::parallel_for(0, tokens, kCacheKvTokensPerTask, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(k_cache + slots[t] * slot_size, k + t * k_row, slot_size);
-      std::memcpy(v_cache + slots[t] * slot_size, v + t * v_row, slot_size);
-    }
-  });
+  check_slots(slot_mapping, key.size(0), kv_cache.size(1) * kv_cache.size(2));
+  const int64_t element = kv_cache.element_size();
+  copy_into_slots(static_cast<const char*>(key.data_ptr()), key.stride(0) * element,
+                  static_cast<const char*>(value.data_ptr()), value.stride(0) * element, slot_mapping,
+                  kv_heads * head_dim * element, kv_cache);
 }
 
 // hidden [T, H] (the step's embeddings, T decodes), weights (kWeightsPerLayer per layer),
@@ -114,6 +122,9 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
               "decode_forward: float32 or bfloat16 embeddings and kv caches of one dtype expected");
   // The projections' output sizes; the down projection's input is the MLP's width.
   const int64_t hidden_size = embeddings.size(1), qkv_size = (heads + num_kv_heads) * head_dim;
+  // In bytes, for the K/V rows' copies (qkv's rows are contiguous).
+  const int64_t element = embeddings.element_size(), qkv_row = qkv_size * element;
+  check_slots(slot_mapping, tokens, kv_caches.size(2) * kv_caches.size(3));
   at::Tensor hidden = embeddings;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;
@@ -125,9 +136,9 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
     {
       RECORD_FUNCTION("tandem_cpu::rotate_and_write_kv", c10::ArrayRef<const c10::IValue>{});
       tandem_cpu::rotary_embedding_(qkv, cos, sin, heads, head_dim);
-      const at::Tensor keys = qkv.slice(1, q_size, q_size + kv_size).view({tokens, num_kv_heads, head_dim});
-      const at::Tensor values = qkv.slice(1, q_size + kv_size).view({tokens, num_kv_heads, head_dim});
-      cache_kv(keys, values, kv_cache, slot_mapping);
+      TORCH_CHECK(qkv.is_contiguous(), "decode_forward: contiguous qkv rows expected");
+      const char* keys = static_cast<const char*>(qkv.data_ptr()) + q_size * element;
+      copy_into_slots(keys, qkv_row, keys + kv_size * element, qkv_row, slot_mapping, kv_size * element, kv_cache);
     }
     at::Tensor query = qkv.slice(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor attention = hidden.new_empty({tokens, num_heads, head_dim});
