@@ -22,7 +22,7 @@ class AttentionBackend(ABC, Generic[M]):
     # The name `--attention-backend` selects it by.
     name: ClassVar[str]
     # Whether starting this backend loaded Tandem's C++ CPU ops, so the model's fused
-    # kernels, its decode-only stack and the greedy sampler may use them too.
+    # kernels, its one-call decoder stack and the greedy sampler may use them too.
     loads_cpu_ops: ClassVar[bool] = False
 
     @abstractmethod

@@ -99,6 +99,11 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     ) -> None:
         cache_kv(key, value, kv_cache, slots)
 
+    def attends_in_place(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether prefill chunks of this cache dtype and head dim go through
+        `paged_prefill` (the others through the torch backend's SDPA)."""
+        return dtype in self._prefill_dtypes and head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
+
     def _prefill(
         self,
         query: torch.Tensor,
@@ -108,10 +113,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         span: PrefillSpan,
         out: torch.Tensor,
     ) -> None:
-        if (
-            kv_cache.dtype not in self._prefill_dtypes
-            or query.shape[-1] % PREFILL_HEAD_DIM_MULTIPLE
-        ):
+        if not self.attends_in_place(kv_cache.dtype, query.shape[-1]):
             super()._prefill(query, key, value, kv_cache, span, out)
             return
         rows = slice(span.query_start, span.query_start + span.query_len)

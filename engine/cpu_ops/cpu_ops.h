@@ -64,16 +64,18 @@ at::Tensor greedy_argmax(const at::Tensor& logits);
 
 // Each token's key and value [tokens, kv_heads, head_dim] (heads contiguous, token rows
 // may be strided) into its slot of kv_cache [2, blocks, block_size, kv_heads, head_dim]:
-// the torch backend's index_copy_, a row copy per token (decode_forward.cpp).
+// the torch backend's index_copy_, a row copy per token (decoder_stack.cpp).
 void cache_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cache, const at::Tensor& slot_mapping);
 
-// A decode-only step's decoder stack; returns the final normalized hidden states
-// (decode_forward.cpp).
-at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, at::TensorList qkv_biases,
-                          const at::Tensor& final_norm, double norm_eps, const at::Tensor& cos,
-                          const at::Tensor& sin, const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
-                          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                          int64_t num_heads, int64_t num_kv_heads);
+// A step's decoder stack (its decodes, then its prefill chunks); returns the final
+// normalized hidden states (decoder_stack.cpp).
+at::Tensor decoder_stack(const at::Tensor& embeddings, at::TensorList weights, at::TensorList qkv_biases,
+                         const at::Tensor& final_norm, double norm_eps, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& decode_block_tables, const at::Tensor& decode_seq_lens,
+                         at::TensorList prefill_block_tables, at::IntArrayRef prefill_starts,
+                         at::IntArrayRef prefill_lens, at::IntArrayRef prefill_context_lens, double scale,
+                         int64_t num_heads, int64_t num_kv_heads);
 
 // 16-float vectors (GCC vector extensions: one AVX-512 register, two AVX2 registers).
 constexpr int kLanes16 = 16;

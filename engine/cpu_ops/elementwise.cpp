@@ -1,7 +1,7 @@
 // Fused elementwise ops of the CPU model path, float32 and bfloat16: RMSNorm,
 // SiLU-and-multiply and RoPE, each one pass over its rows where torch takes 2-7 ops and as
 // many temporaries. llama.py's modules call them when the cpu kernels are on
-// (engine/model/cpu_kernels.py), and decode_forward.cpp calls the same functions, so a step
+// (engine/model/cpu_kernels.py), and decoder_stack.cpp calls the same functions, so a step
 // computes the same bits whichever path runs it. In bfloat16 they round where the torch
 // ops round (after each op, computing in float32 between), as transformers' modules do.
 // Registered as torch.ops.tandem_cpu.{rms_norm,silu_and_mul,rotary_embedding_}; built by

@@ -11,8 +11,9 @@ and `packs_bfloat16` (float32 matmuls, and bfloat16 ones on CPUs with AMX, over 
 packed at load, see engine/model/linear.py), `rms_norm`, `silu_and_mul` and
 `rotary_embedding_` (fused float32/bfloat16 elementwise ops, see
 engine/model/cpu_kernels.py), `greedy_argmax` (the greedy sampler's choice,
-engine/sampler.py) and `decode_forward` (a decode-only step's decoder stack, see
-engine/model/cpu_decode.py); cpu_ops.h declares them all, register_ops.cpp registers them.
+engine/sampler.py), `cache_kv` (the K/V writes by slot) and `decoder_stack` (a step's
+decoder stack, see engine/model/cpu_stack.py); cpu_ops.h declares them all,
+register_ops.cpp registers them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ SOURCES = [
         "packed_linear.cpp",
         "elementwise.cpp",
         "greedy_argmax.cpp",
-        "decode_forward.cpp",
+        "decoder_stack.cpp",
         "register_ops.cpp",
     )
 ]

@@ -16,7 +16,7 @@
 // it into float sums that are rounded to bfloat16. The same reason: F.linear (oneDNN)
 // reorders w for AMX on every call.
 // Registered as torch.ops.tandem_cpu.packed_linear, pack_linear_weight and packs_bfloat16;
-// built by cpu_ops/loader.py; called by engine/model/linear.py and decode_forward.cpp.
+// built by cpu_ops/loader.py; called by engine/model/linear.py and decoder_stack.cpp.
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 

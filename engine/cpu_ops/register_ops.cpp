@@ -28,9 +28,10 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.impl("greedy_argmax", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::greedy_argmax));
   m.def("cache_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.impl("cache_kv", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::cache_kv));
-  m.def("decode_forward(Tensor embeddings, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
-        "float norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, float scale, int num_heads, "
+  m.def("decoder_stack(Tensor embeddings, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
+        "float norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, Tensor slot_mapping, "
+        "Tensor decode_block_tables, Tensor decode_seq_lens, Tensor[] prefill_block_tables, "
+        "int[] prefill_starts, int[] prefill_lens, int[] prefill_context_lens, float scale, int num_heads, "
         "int num_kv_heads) -> Tensor");
-  m.impl("decode_forward", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::decode_forward));
+  m.impl("decoder_stack", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::decoder_stack));
 }

@@ -5,9 +5,9 @@ pure-torch reference). With it, the model's modules call fused ops instead of ch
 torch ops: `RMSNorm` one pass per row instead of seven ops, `Attention` RoPE in one loop
 instead of a flip, two multiplies and an add, `MLP` SiLU-and-multiply in one pass, and in
 float32 (and bfloat16 on CPUs with AMX) `Linear` the packed matmul (its weight packed
-here, once); decode-only steps run
-the whole stack in one call (cpu_decode.py), through the same functions, so either path
-gives the same bits. In bfloat16 the fused ops round where the torch ops do.
+here, once); steps run the whole stack
+in one call (cpu_stack.py) where it covers them, through the same functions, so either
+path gives the same bits. In bfloat16 the fused ops round where the torch ops do.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from torch import nn
 from tandem.engine.attention import AttentionBackend, AttentionMetadata
 from tandem.engine.config import ModelConfig
 from tandem.engine.cpu_ops.loader import rms_norm, rotary_embedding_, silu_and_mul
-from tandem.engine.model.cpu_decode import CpuDecodeStack
+from tandem.engine.model.cpu_stack import CpuDecoderStack
 from tandem.engine.model.linear import Linear
 from tandem.engine.model.rotary import RotaryEmbedding, apply_rotary_
 
@@ -156,8 +156,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         # Shared by every layer; the model runner asks it for each step's metadata.
         self.attention_backend = backend
-        # Decode-only steps in one C++ call (cpu_decode.py), where the loader turns it on.
-        self.cpu_decode: CpuDecodeStack | None = None
+        # Steps in one C++ call (cpu_stack.py), where the loader turns it on.
+        self.cpu_stack: CpuDecoderStack | None = None
 
     def forward(
         self,
@@ -169,8 +169,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T]; kv_caches [layers, 2, blocks, block_size, Hkv, D]."""
         hidden = self.embed(input_ids)
         rope = self.rotary.lookup(positions, hidden.dtype)
-        if self.cpu_decode is not None and self.cpu_decode.covers(meta, hidden.shape[0]):
-            return self.cpu_decode(hidden, rope, kv_caches, meta)  # type: ignore[arg-type]
+        if self.cpu_stack is not None and self.cpu_stack.covers(meta):
+            return self.cpu_stack(hidden, rope, kv_caches, meta)  # type: ignore[arg-type]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)

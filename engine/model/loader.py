@@ -17,8 +17,8 @@ from torch import nn
 
 from tandem.engine.attention import get_attention_backend
 from tandem.engine.config import ModelConfig
-from tandem.engine.model.cpu_decode import CpuDecodeStack
 from tandem.engine.model.cpu_kernels import KERNEL_DTYPES, use_cpu_kernels
+from tandem.engine.model.cpu_stack import CpuDecoderStack
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.model.rotary import RotaryEmbedding, inverse_frequencies
 
@@ -69,9 +69,9 @@ def load_model(
     _load_weights(model, Path(model_dir), cfg)
     if backend.loads_cpu_ops and dtype in KERNEL_DTYPES:
         # The C++ CPU path: the ops' build also holds the fused kernels and the
-        # decode-only stack (the torch backend stays the pure-torch reference).
+        # one-call decoder stack (the torch backend stays the pure-torch reference).
         use_cpu_kernels(model)
-        model.cpu_decode = CpuDecodeStack(model)
+        model.cpu_stack = CpuDecoderStack(model)
     return model.eval()
 
 

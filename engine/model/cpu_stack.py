@@ -1,10 +1,11 @@
-"""A decode-only CPU step's decoder stack in one C++ call (engine/cpu_ops/decode_forward.cpp).
+"""A CPU step's decoder stack in one C++ call (engine/cpu_ops/decoder_stack.cpp).
 
 The op runs what `LlamaForCausalLM.forward` runs with the `cpu` attention backend and the
 cpu kernels (cpu_kernels.py), in the same order (so the same numbers), without Python
-between the ops: at batch 1 their Python dispatch cost a third as much as the matmuls.
-Steps with prefill chunks, other backends and dtypes other than float32 and bfloat16 run the
-Python model.
+between the ops: at decode batch 1 their Python dispatch cost a third as much as the
+matmuls, and a short prefill's more than half. It covers a step's decodes and its prefill
+chunks when the backend attends every chunk in place (`paged_prefill`); steps with other
+chunks, other backends and dtypes other than float32 and bfloat16 run the Python model.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ from typing import Any
 
 import torch
 
-from tandem.engine.attention.cpu_paged_backend import CpuPagedAttentionMetadata
+from tandem.engine.attention.cpu_paged_backend import (
+    CpuPagedAttentionBackend,
+    CpuPagedAttentionMetadata,
+)
 from tandem.engine.attention.metadata import AttentionMetadata
 from tandem.engine.model.linear import Linear
 
 
-class CpuDecodeStack:
-    """The model's layers and final norm for decode-only steps (weights shared, not copied)."""
+class CpuDecoderStack:
+    """The model's layers and final norm in one op call (weights shared, not copied)."""
 
     def __init__(self, model: Any) -> None:
         cfg = model.config
@@ -37,16 +41,17 @@ class CpuDecodeStack:
         norm = model.norm
         self.final_norm = norm.weight.detach()
         self.norm_eps = norm.eps
-        self.scale = model.attention_backend.scale
+        backend: CpuPagedAttentionBackend = model.attention_backend
+        self.scale = backend.scale
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        # Whether the backend attends this model's prefill chunks in place.
+        self.attends_prefills = backend.attends_in_place(norm.weight.dtype, cfg.head_dim)
 
-    @staticmethod
-    def covers(meta: AttentionMetadata, num_tokens: int) -> bool:
-        """Whether the step is decodes only, laid out for the `cpu` backend."""
-        return (
-            isinstance(meta, CpuPagedAttentionMetadata)
-            and meta.num_decodes == num_tokens
-            and not meta.prefills
+    def covers(self, meta: AttentionMetadata) -> bool:
+        """Whether the step is laid out for the `cpu` backend, with no prefill chunk the op
+        cannot attend."""
+        return isinstance(meta, CpuPagedAttentionMetadata) and (
+            self.attends_prefills or not meta.prefills
         )
 
     def __call__(
@@ -58,11 +63,14 @@ class CpuDecodeStack:
     ) -> torch.Tensor:
         """Final hidden states [T, hidden]; writes the step's K/V into `kv_caches`."""
         cos, sin = rope
-        return torch.ops.tandem_cpu.decode_forward(
+        spans = meta.prefills
+        return torch.ops.tandem_cpu.decoder_stack(
             embeddings, self.weights, self.qkv_biases, self.final_norm,
             self.norm_eps, cos, sin, kv_caches, meta.slot_mapping,
-            meta.decode_block_tables, meta.decode_seq_lens, self.scale,
-            self.num_heads, self.num_kv_heads,
+            meta.decode_block_tables, meta.decode_seq_lens,
+            [span.block_table for span in spans], [span.query_start for span in spans],
+            [span.query_len for span in spans], [span.context_len for span in spans],
+            self.scale, self.num_heads, self.num_kv_heads,
         )  # fmt: skip
 
 

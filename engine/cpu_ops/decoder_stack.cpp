@@ -1,10 +1,11 @@
-// The decoder stack of a decode-only CPU step in one call. It computes what
-// engine/model/llama.py's forward computes with the cpu attention backend and the cpu
-// kernels on, with the same functions in the same order (so the same numbers, bit for
-// bit), without the Python interpreter between the ops: a decode step issues hundreds of
-// small ops, and at batch 1 their Python dispatch cost a third as much as the step's
-// matmuls. Registered as torch.ops.tandem_cpu.decode_forward; built by loader.py; called
-// by engine/model/cpu_decode.py. Here too: cache_kv, the K/V writes it and the cpu
+// The decoder stack of a CPU step in one call: its decodes and its prefill chunks. It
+// computes what engine/model/llama.py's forward computes with the cpu attention backend
+// and the cpu kernels on, with the same functions in the same order (so the same numbers,
+// bit for bit), without the Python interpreter between the ops: a step issues hundreds of
+// small ops, and at decode batch 1 their Python dispatch cost a third as much as the
+// step's matmuls (a 16-token bfloat16 prefill: 5.4 ms beyond its 10.3 ms of matmuls).
+// Registered as torch.ops.tandem_cpu.decoder_stack; built by loader.py; called by
+// engine/model/cpu_stack.py. Here too: cache_kv, the K/V writes it and the cpu
 // attention backend make: a row copy per token, over the threads for a prefill (512
 // tokens into cold cache blocks, 12 layers: 0.56 ms bfloat16, 0.86 float32, against 1.39
 // and 1.40 for index_copy_).
@@ -32,7 +33,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
     RECORD_FUNCTION("tandem_cpu::packed_linear", c10::ArrayRef<const c10::IValue>{});
     return tandem_cpu::packed_linear(x, weight, n, bias, residual);
   }
-  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n, "decode_forward: a weight of ", n, " rows expected");
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) == n, "decoder_stack: a weight of ", n, " rows expected");
   at::Tensor y = at::linear(x, weight, bias);
   return residual.has_value() ? y.add_(*residual) : y;
 }
@@ -95,31 +96,49 @@ void cache_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
                   kv_heads * head_dim * element, kv_cache);
 }
 
-// hidden [T, H] (the step's embeddings, T decodes), weights (kWeightsPerLayer per layer),
-// qkv_biases (none, or one per layer), final_norm [H], norm_eps, cos and signed sin [T, 1, D],
-// kv_caches [layers, 2, blocks, block_size, Hkv, D], slot_mapping [T] int64, block_tables
-// [T, width] and seq_lens [T] int32. Writes each layer's K/V into its cache; returns the
-// final normalized hidden states [T, H].
-at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, at::TensorList qkv_biases,
-                          const at::Tensor& final_norm, double norm_eps, const at::Tensor& cos,
-                          const at::Tensor& sin,
-                          const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
-                          const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                          int64_t num_heads, int64_t num_kv_heads) {
+// embeddings [T, H]: the step's decodes (rows [0, D), D = decode_block_tables' rows) then its
+// prefill chunks (chunk i: rows prefill_starts[i] .. + prefill_lens[i], contiguous, in
+// order, to T; prefill_context_lens[i] cached tokens before it, prefill_block_tables[i]
+// int64). weights: kWeightsPerLayer per layer; qkv_biases: none, or one per layer;
+// final_norm [H], norm_eps; cos and signed sin [T, 1, head_dim]; kv_caches [layers, 2,
+// blocks, block_size, Hkv, head_dim]; slot_mapping [T] int64; decode_block_tables [D,
+// width] and decode_seq_lens [D] int32. Writes each layer's K/V into its cache; returns
+// the final normalized hidden states [T, H].
+at::Tensor decoder_stack(const at::Tensor& embeddings, at::TensorList weights, at::TensorList qkv_biases,
+                         const at::Tensor& final_norm, double norm_eps, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
+                         const at::Tensor& decode_block_tables, const at::Tensor& decode_seq_lens,
+                         at::TensorList prefill_block_tables, at::IntArrayRef prefill_starts,
+                         at::IntArrayRef prefill_lens, at::IntArrayRef prefill_context_lens, double scale,
+                         int64_t num_heads, int64_t num_kv_heads) {
   const int64_t num_layers = kv_caches.size(0);
-  TORCH_CHECK(embeddings.dim() == 2 && kv_caches.dim() == 6, "decode_forward: bad ranks");
+  TORCH_CHECK(embeddings.dim() == 2 && kv_caches.dim() == 6, "decoder_stack: bad ranks");
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == num_layers * kWeightsPerLayer,
-              "decode_forward: ", kWeightsPerLayer, " weights per layer expected");
+              "decoder_stack: ", kWeightsPerLayer, " weights per layer expected");
   TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == num_layers,
-              "decode_forward: no qkv bias or one per layer");
+              "decoder_stack: no qkv bias or one per layer");
   const int64_t tokens = embeddings.size(0), head_dim = kv_caches.size(5);
   const int64_t heads = num_heads + num_kv_heads;
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(kv_caches.size(4) == num_kv_heads && head_dim % 2 == 0 && kv_caches.is_contiguous(),
-              "decode_forward: bad kv cache shape");
+              "decoder_stack: bad kv cache shape");
   TORCH_CHECK((embeddings.scalar_type() == at::kFloat || embeddings.scalar_type() == at::kBFloat16) &&
                   kv_caches.scalar_type() == embeddings.scalar_type(),
-              "decode_forward: float32 or bfloat16 embeddings and kv caches of one dtype expected");
+              "decoder_stack: float32 or bfloat16 embeddings and kv caches of one dtype expected");
+  // Every row's attention is written: the decodes, then the chunks back to back.
+  const int64_t num_decodes = decode_block_tables.size(0), num_prefills = prefill_starts.size();
+  TORCH_CHECK(static_cast<int64_t>(prefill_block_tables.size()) == num_prefills &&
+                  static_cast<int64_t>(prefill_lens.size()) == num_prefills &&
+                  static_cast<int64_t>(prefill_context_lens.size()) == num_prefills,
+              "decoder_stack: one block table, length and context length per prefill chunk");
+  int64_t next_row = num_decodes;
+  for (int64_t i = 0; i < num_prefills; ++i) {
+    TORCH_CHECK(prefill_starts[i] == next_row && prefill_lens[i] > 0 && prefill_context_lens[i] >= 0,
+                "decoder_stack: prefill chunk ", i, " must start at row ", next_row, " with tokens");
+    next_row += prefill_lens[i];
+  }
+  TORCH_CHECK(next_row == tokens, "decoder_stack: ", num_decodes, " decodes and the prefill chunks cover ",
+              next_row, " of ", tokens, " rows");
   // The projections' output sizes; the down projection's input is the MLP's width.
   const int64_t hidden_size = embeddings.size(1), qkv_size = (heads + num_kv_heads) * head_dim;
   // In bytes, for the K/V rows' copies (qkv's rows are contiguous).
@@ -136,15 +155,22 @@ at::Tensor decode_forward(const at::Tensor& embeddings, at::TensorList weights, 
     {
       RECORD_FUNCTION("tandem_cpu::rotate_and_write_kv", c10::ArrayRef<const c10::IValue>{});
       tandem_cpu::rotary_embedding_(qkv, cos, sin, heads, head_dim);
-      TORCH_CHECK(qkv.is_contiguous(), "decode_forward: contiguous qkv rows expected");
+      TORCH_CHECK(qkv.is_contiguous(), "decoder_stack: contiguous qkv rows expected");
       const char* keys = static_cast<const char*>(qkv.data_ptr()) + q_size * element;
       copy_into_slots(keys, qkv_row, keys + kv_size * element, qkv_row, slot_mapping, kv_size * element, kv_cache);
     }
     at::Tensor query = qkv.slice(1, 0, q_size).view({tokens, num_heads, head_dim});
     at::Tensor attention = hidden.new_empty({tokens, num_heads, head_dim});
-    {
+    for (int64_t i = 0; i < num_prefills; ++i) {
+      RECORD_FUNCTION("tandem_cpu::paged_prefill", c10::ArrayRef<const c10::IValue>{});
+      const int64_t end = prefill_starts[i] + prefill_lens[i];
+      tandem_cpu::paged_prefill(query.slice(0, prefill_starts[i], end), kv_cache, prefill_block_tables[i],
+                                prefill_context_lens[i], scale, attention.slice(0, prefill_starts[i], end));
+    }
+    if (num_decodes > 0) {
       RECORD_FUNCTION("tandem_cpu::paged_decode", c10::ArrayRef<const c10::IValue>{});
-      tandem_cpu::paged_decode(query, kv_cache, block_tables, seq_lens, scale, attention);
+      tandem_cpu::paged_decode(query.slice(0, 0, num_decodes), kv_cache, decode_block_tables, decode_seq_lens,
+                               scale, attention.slice(0, 0, num_decodes));
     }
     hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, hidden_size, hidden);
     // MLP: fused gate/up, SiLU(gate) * up, down with the residual added.
