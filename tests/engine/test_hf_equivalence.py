@@ -61,7 +61,7 @@ def expected(tiny_model_dir: Path, prompts) -> list[list[int]]:
 
 # Every test runs both CPU backends: `torch` (the reference: F.linear, the Python model,
 # gathered attention) and `cpu` (what `auto` picks on CPU: the C++ ops, the packed
-# matmul and the decode-only stack). Triton runs under its interpreter in
+# matmul and the one-call decoder stack). Triton runs under its interpreter in
 # test_triton_equivalence.py.
 BACKENDS = pytest.mark.parametrize("backend", ["torch", "cpu"])
 
