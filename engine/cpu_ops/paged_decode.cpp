@@ -233,10 +233,11 @@ inline void in_dim_order(Vec16& first, Vec16& second) {
 // core has few buffers for outstanding misses, and a burst of a whole 8 KiB block's
 // prefetches stalled on them (half the kernel's time, by perf). Scoring a block asks for
 // the block's values (summed after the softmax) and the next block's keys this way. The
-// hardware prefetchers alone stop at each 4 KiB page of the scattered blocks: a batch-32
-// 12-layer pass (context 131-150, from memory, two threads, side by side) took 4.6 ms in
-// bfloat16 and 6.5 in float32 without these requests, 2.6 and 4.3 with them (float32 at
-// ~25 GB/s, the machine's copy bandwidth).
+// hardware prefetchers alone stop at each 4 KiB page (a block is 8-16 KiB, a used pool's
+// blocks scattered): a batch-32 12-layer pass (context 131-150, from memory, two threads,
+// side by side) over shuffled blocks took 4.6 ms in bfloat16 and 6.5 in float32 without
+// these requests, 2.6 and 4.3 with them (float32 at ~25 GB/s, the machine's copy
+// bandwidth); over blocks in order 4.4-4.9 and 6.5-6.7 ms without, 3.4-3.5 and 5.2-5.4 with.
 class SpreadPrefetch {
  public:
   SpreadPrefetch(const void* begin, int64_t bytes, int64_t shares)
