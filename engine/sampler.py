@@ -13,8 +13,8 @@ came before.
 
 Each step pays only for what its rows ask for: an all-greedy batch takes one max
 reduction over the logits as the model gave them (no float32 copy; no argmax over rows
-that sample anyway), and the chosen token's logprob (a
-logsumexp over the vocabulary) is computed only for rows whose params ask for logprobs.
+that sample anyway), and the chosen token's logprob (a logsumexp over the vocabulary) is
+computed only for rows whose params ask for logprobs.
 """
 
 from __future__ import annotations

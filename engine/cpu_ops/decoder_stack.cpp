@@ -41,14 +41,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 // k of a weight [n, k], packed or not (see linear).
 int64_t in_features(const at::Tensor& weight) { return weight.dim() == 4 ? 2 * weight.size(1) : weight.size(1); }
 
-// slot_mapping: contiguous int64 [tokens], every slot in [0, num_slots).
-void check_slots(const at::Tensor& slot_mapping, int64_t tokens, int64_t num_slots) {
+// slot_mapping: contiguous int64 [tokens], every slot in [0, num_slots); `op` names the
+// caller in the error.
+void check_slots(const char* op, const at::Tensor& slot_mapping, int64_t tokens, int64_t num_slots) {
   TORCH_CHECK(slot_mapping.device().is_cpu() && slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens &&
                   slot_mapping.is_contiguous() && slot_mapping.scalar_type() == at::kLong,
-              "cache_kv: a contiguous int64 slot_mapping [", tokens, "] expected");
+              op, ": a contiguous int64 slot_mapping [", tokens, "] expected");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "cache_kv: slot ", slots[t], " outside the cache's ", num_slots);
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, op, ": slot ", slots[t], " outside the cache's ", num_slots);
   }
 }
 
@@ -89,7 +90,7 @@ void cache_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
   for (const at::Tensor* t : {&key, &value}) {
     TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == head_dim, "cache_kv: each token's heads must be contiguous");
   }
-  check_slots(slot_mapping, key.size(0), kv_cache.size(1) * kv_cache.size(2));
+  check_slots("cache_kv", slot_mapping, key.size(0), kv_cache.size(1) * kv_cache.size(2));
   const int64_t element = kv_cache.element_size();
   copy_into_slots(static_cast<const char*>(key.data_ptr()), key.stride(0) * element,
                   static_cast<const char*>(value.data_ptr()), value.stride(0) * element, slot_mapping,
@@ -143,7 +144,7 @@ at::Tensor decoder_stack(const at::Tensor& embeddings, at::TensorList weights, a
   const int64_t hidden_size = embeddings.size(1), qkv_size = (heads + num_kv_heads) * head_dim;
   // In bytes, for the K/V rows' copies (qkv's rows are contiguous).
   const int64_t element = embeddings.element_size(), qkv_row = qkv_size * element;
-  check_slots(slot_mapping, tokens, kv_caches.size(2) * kv_caches.size(3));
+  check_slots("decoder_stack", slot_mapping, tokens, kv_caches.size(2) * kv_caches.size(3));
   at::Tensor hidden = embeddings;
   for (int64_t layer = 0; layer < num_layers; ++layer) {
     const at::Tensor* w = weights.data() + layer * kWeightsPerLayer;

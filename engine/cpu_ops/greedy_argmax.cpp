@@ -1,9 +1,10 @@
 // The greedy sampler's choice over float32 or bfloat16 logits rows: per row, the first
 // index of its maximum, as torch's max(dim=-1) picks it (a NaN counts as the maximum, the
 // first NaN wins; bfloat16 values compared as the floats they are exactly, so a bfloat16
-// model's logits need no float32 copy first). torch's indexed max walks a row one element at a time (at a 32,000-token
-// vocabulary ~9x the time of its plain amax); here two vectorized passes over a row held
-// in cache: the maximum (and whether a NaN is there), then the first index holding it.
+// model's logits need no float32 copy first). torch's indexed max walks a row one element
+// at a time (at a 32,000-token vocabulary ~9x the time of its plain amax); here two
+// vectorized passes over a row held in cache: the maximum (and whether a NaN is there),
+// then the first index holding it.
 // Registered as torch.ops.tandem_cpu.greedy_argmax; built by loader.py.
 #include <ATen/Parallel.h>
 

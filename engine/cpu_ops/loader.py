@@ -141,10 +141,10 @@ def paged_prefill(
     out: torch.Tensor,
 ) -> None:
     """out = causal attention of one float32 (or, where `packs_bfloat16`, bfloat16) prefill
-    chunk's queries [T, Hq, D] (token i at
-    position context_len + i) over the cached positions 0..context_len + T - 1, read
-    through block_table (int64; the chunk's own K/V already written); GQA by head groups;
-    head dims a multiple of PREFILL_HEAD_DIM_MULTIPLE."""
+    chunk's queries [T, Hq, D] (token i at position context_len + i) over the cached
+    positions 0..context_len + T - 1, read through block_table (int64; the chunk's own K/V
+    already written); GQA by head groups; head dims a multiple of
+    PREFILL_HEAD_DIM_MULTIPLE."""
     torch.ops.tandem_cpu.paged_prefill(query, kv_cache, block_table, context_len, scale, out)
 
 
@@ -207,6 +207,7 @@ def cache_kv(
 
 
 def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Per row of float32 or bfloat16 logits [rows, vocab], the first index of its maximum (a NaN
-    counts as the maximum), as int64 [rows]: what `logits.max(dim=-1).indices` gives."""
+    """Per row of float32 or bfloat16 logits [rows, vocab], the first index of its maximum
+    (a NaN counts as the maximum), as int64 [rows]: what `logits.max(dim=-1).indices`
+    gives."""
     return torch.ops.tandem_cpu.greedy_argmax(logits)

@@ -267,7 +267,7 @@ float softmax_row_bf16(const float* s, int64_t visible, bool first_tile, float s
   const int64_t n = std::min(std::max<int64_t>(visible, 0), kAmxKeys);
   int64_t j = 0;
   if (n == 0) {
-    for (; j < kAmxKeys; j += kLanes16) tandem_cpu::store_bf16(w + j, Vec16{});
+    for (; j < kAmxKeys; j += kLanes16) store_weights(w + j, Vec16{});
     return 1.f;
   }
   const float top = scale * tandem_cpu::max_of(s, n, s[0]);
