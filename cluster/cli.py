@@ -79,7 +79,7 @@ def _add_model_commands(commands: argparse._SubParsersAction) -> None:
 
 DTYPE_HELP = (
     "weights and KV: auto = the checkpoint's on CUDA; on CPU bfloat16 where the CPU has bf16 "
-    "matrix units (AMX), else float32 [auto]"
+    "GEMM instructions (AMX or AVX512-BF16), else float32 [auto]"
 )
 
 

@@ -198,7 +198,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     mode: EngineMode = EngineMode.COLOCATED
     # float32 | bfloat16 | float16 | "auto" (`auto_dtype`: the checkpoint's dtype on CUDA,
-    # bf16 on CPUs with bf16 matrix units, else float32). The library default is exact
+    # bf16 on CPUs with bf16 GEMM instructions, else float32). The library default is exact
     # float32 (the equality contract's dtype); the CLIs default to "auto".
     dtype: str = "float32"
     # "cpu", "cuda" or "cuda:N" (a `DeviceKind`, optionally with a GPU index).

@@ -1,7 +1,7 @@
 """Which dtype an engine runs: `--dtype auto` resolved from the device and the CPU.
 
 `auto` is the checkpoint's dtype on CUDA; on CPU bfloat16 only where the CPU has bf16
-matrix units, else float32 (see `auto_dtype` for why flags, not a timing probe).
+GEMM instructions, else float32 (see `auto_dtype` for why flags, not a timing probe).
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ if TYPE_CHECKING:
 # What `--dtype` accepts on `tandem serve`, `tandem demo` and `tandem-bench engine`.
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 
-# CPU flags (Linux /proc/cpuinfo) of bf16 matrix units: Intel AMX tiles run bf16 GEMMs
-# several times faster than fp32 FMA. Without them (AVX-512 or AVX2 only, AMD before
-# Zen 5) torch runs bf16 linear layers slower than fp32, so `auto` keeps float32.
-BF16_MATRIX_FLAGS = ("amx_bf16",)
+# CPU flags (Linux /proc/cpuinfo) of bf16 GEMM instructions: Intel AMX tiles, and
+# AVX512-BF16's pair dot products (AMD Zen 4 and later, Intel Cooper Lake and later). With
+# either the engine ran faster in bf16 than in fp32 at every batch (engine table,
+# docs/benchmarks.md: on an AMD EPYC with avx512_bf16 and no AMX, decode steps 1.5-2.1x
+# and a 512-token prefill 1.9x faster; on AMX Xeons more). Without them (AVX-512 or AVX2
+# only) torch runs bf16 linear layers slower than fp32, so `auto` keeps float32.
+BF16_GEMM_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @functools.cache
@@ -37,7 +40,7 @@ def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
 
 def auto_dtype(device: str, checkpoint_dtype: str, flags: frozenset[str] | None = None) -> str:
     """What `dtype="auto"` runs: the checkpoint's dtype on CUDA; on CPU bfloat16 when the
-    CPU has bf16 matrix units (`BF16_MATRIX_FLAGS`), else float32.
+    CPU has bf16 GEMM instructions (`BF16_GEMM_FLAGS`), else float32.
 
     Decided from CPU flags, not a timing probe: every worker on a machine type picks the
     same dtype (their KV layouts must match to move KV), start-up costs nothing, and a
@@ -46,7 +49,7 @@ def auto_dtype(device: str, checkpoint_dtype: str, flags: frozenset[str] | None 
         name = str(checkpoint_dtype).removeprefix("torch.")
         return name if name in ("float32", "bfloat16", "float16") else "bfloat16"
     flags = cpu_flags() if flags is None else flags
-    return "bfloat16" if any(f in flags for f in BF16_MATRIX_FLAGS) else "float32"
+    return "bfloat16" if any(f in flags for f in BF16_GEMM_FLAGS) else "float32"
 
 
 def dtype_banner(config: EngineConfig) -> str:
@@ -56,6 +59,6 @@ def dtype_banner(config: EngineConfig) -> str:
         return f"dtype {resolved}"
     if config.device != "cpu":
         return f"dtype {resolved} (auto: the checkpoint's)"
-    units = sorted(set(BF16_MATRIX_FLAGS) & cpu_flags())
-    why = f"CPU has {', '.join(units)}" if units else "no bf16 matrix units on this CPU"
+    units = sorted(set(BF16_GEMM_FLAGS) & cpu_flags())
+    why = f"CPU has {', '.join(units)}" if units else "no bf16 GEMM instructions on this CPU"
     return f"dtype {resolved} (auto: {why})"

@@ -4,11 +4,12 @@ Per layer, one call of `torch.ops.tandem_cpu.paged_decode` (engine/cpu_ops) cove
 decodes: each (sequence, KV head) task walks its block table, scoring the KV head's query
 heads against each key and summing values, over exactly its own length; no per-layer
 gather into a padded buffer, no mask. Float32, bfloat16 and float16 caches; sums in
-float32. Each float32 prefill chunk (head dims a multiple of 16), and each bfloat16 one on
-CPUs with AMX, is one call of `paged_prefill`: causal over its cached prefix and its own
-tokens with an online softmax (no mask tensor), float32 by register-blocked score and
-value kernels, bfloat16 by oneDNN's AMX GEMM kernels; other chunks are the torch
-backend's (SDPA). The K/V writes are `cache_kv`'s row copies.
+float32. Each float32 or bfloat16 prefill chunk (head dims a multiple of 16) is one call
+of `paged_prefill`: causal over its cached prefix and its own tokens with an online
+softmax (no mask tensor), by register-blocked float32 score and value kernels (bfloat16
+K/V made floats as they are copied into tiles), or in bfloat16 on CPUs with AMX by
+oneDNN's AMX GEMM kernels; other chunks are the torch backend's (SDPA). The K/V writes
+are `cache_kv`'s row copies.
 """
 
 from __future__ import annotations
@@ -29,10 +30,12 @@ from tandem.engine.cpu_ops.loader import (
     PREFILL_HEAD_DIM_MULTIPLE,
     cache_kv,
     cpu_ops_error,
-    packs_bfloat16,
     paged_decode,
     paged_prefill,
 )
+
+# The cache dtypes whose prefill chunks `paged_prefill` attends.
+PREFILL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -44,8 +47,7 @@ class CpuPagedAttentionMetadata(TorchAttentionMetadata):
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
-    """Decodes, float32 prefill chunks and (with AMX) bfloat16 ones through the paged C++
-    ops."""
+    """Decodes, and float32 and bfloat16 prefill chunks, through the paged C++ ops."""
 
     name: ClassVar[str] = "cpu"
     loads_cpu_ops: ClassVar[bool] = True
@@ -56,7 +58,6 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         error = cpu_ops_error()
         if error is not None:
             raise RuntimeError(f"the cpu attention backend's op does not build here: {error}")
-        self._prefill_dtypes = {torch.float32} | ({torch.bfloat16} if packs_bfloat16() else set())
 
     def build_metadata(self, batch: BatchLayout) -> CpuPagedAttentionMetadata:
         num_decodes = batch.num_decodes
@@ -102,7 +103,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def attends_in_place(self, dtype: torch.dtype, head_dim: int) -> bool:
         """Whether prefill chunks of this cache dtype and head dim go through
         `paged_prefill` (the others through the torch backend's SDPA)."""
-        return dtype in self._prefill_dtypes and head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
+        return dtype in PREFILL_DTYPES and head_dim % PREFILL_HEAD_DIM_MULTIPLE == 0
 
     def _prefill(
         self,

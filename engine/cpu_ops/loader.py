@@ -7,9 +7,9 @@ cached build in well under a second. They run on torch's own thread pool
 (`at::parallel_for`), so they add no second OpenMP runtime. Loaded, they are
 `torch.ops.tandem_cpu.paged_decode` and `paged_prefill` (decode and prefill attention
 over the paged cache, the `cpu` attention backend), `pack_linear_weight`, `packed_linear`
-and `packs_bfloat16` (float32 matmuls, and bfloat16 ones on CPUs with AMX, over weights
-packed at load, see engine/model/linear.py), `rms_norm`, `silu_and_mul` and
-`rotary_embedding_` (fused float32/bfloat16 elementwise ops, see
+and `packs_bfloat16` (float32 matmuls, and bfloat16 ones on CPUs with AMX or
+AVX512-BF16, over weights packed at load, see engine/model/linear.py), `rms_norm`,
+`silu_and_mul` and `rotary_embedding_` (fused float32/bfloat16 elementwise ops, see
 engine/model/cpu_kernels.py), `greedy_argmax` (the greedy sampler's choice,
 engine/sampler.py), `cache_kv` (the K/V writes by slot) and `decoder_stack` (a step's
 decoder stack, see engine/model/cpu_stack.py); cpu_ops.h declares them all,
@@ -140,18 +140,17 @@ def paged_prefill(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """out = causal attention of one float32 (or, where `packs_bfloat16`, bfloat16) prefill
-    chunk's queries [T, Hq, D] (token i at position context_len + i) over the cached
-    positions 0..context_len + T - 1, read through block_table (int64; the chunk's own K/V
-    already written); GQA by head groups; head dims a multiple of
-    PREFILL_HEAD_DIM_MULTIPLE."""
+    """out = causal attention of one float32 or bfloat16 prefill chunk's queries [T, Hq,
+    D] (token i at position context_len + i) over the cached positions 0..context_len + T
+    - 1, read through block_table (int64; the chunk's own K/V already written); GQA by
+    head groups; head dims a multiple of PREFILL_HEAD_DIM_MULTIPLE."""
     torch.ops.tandem_cpu.paged_prefill(query, kv_cache, block_table, context_len, scale, out)
 
 
 def packs_bfloat16() -> bool:
-    """Whether the ops' bfloat16 GEMM paths run on this CPU (`pack_linear_weight` and
-    `packed_linear`, `paged_prefill`): torch's batch-reduce GEMM has a bfloat16 kernel for
-    it (AMX). False where the ops do not build."""
+    """Whether `pack_linear_weight` and `packed_linear` take bfloat16 on this CPU: with
+    AMX (torch's batch-reduce GEMM) or AVX512-BF16 (the op's own kernel). False where the
+    ops do not build."""
     return cpu_ops_error() is None and bool(torch.ops.tandem_cpu.packs_bfloat16())
 
 
@@ -159,7 +158,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     """A float32 (or, where `packs_bfloat16`, bfloat16) weight [n, k] in the column panels
     `packed_linear` reads, zero past row n: a new tensor [ceil(n / width), k, width] in
     float32 (the width is the build's), [ceil(n / 64), k / 2, 64, 2] in bfloat16 (k even;
-    the batch-reduce GEMM's layout)."""
+    pairs of k side by side, the batch-reduce GEMM's layout)."""
     return torch.ops.tandem_cpu.pack_linear_weight(weight)
 
 

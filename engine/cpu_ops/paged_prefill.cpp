@@ -1,6 +1,7 @@
 // Prefill attention for CPU over the paged cache: one prefill chunk's queries against its
-// cached prefix and its own tokens (causal), GQA, float32 (and bfloat16 on CPUs with AMX,
-// prefill_bf16_amx below), head dims that are multiples of 16. The chunk's K/V are
+// cached prefix and its own tokens (causal), GQA, float32 and bfloat16 (on CPUs with AMX
+// by its GEMMs, prefill_bf16_amx below; elsewhere by the float32 walk over K/V and queries
+// made floats as they are copied), head dims that are multiples of 16. The chunk's K/V are
 // already in the cache. float32: each KV head's keys are first copied out
 // of their blocks into panels of 16 keys stored dimension-major (a panel row is one
 // vector: a key dimension of 16 keys), its values into contiguous rows. Then one task per
@@ -48,23 +49,26 @@ constexpr int kValueVectors = 4;
 
 // Keys [0, num_keys) of one KV head in panels of kLanes16 keys: panel p's row d holds
 // dimension d of keys p * kLanes16 ... + kLanes16 - 1 (zeros past the last key).
-void pack_keys(const float* k_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
-               int64_t head, int64_t head_dim, int64_t num_keys, float* panels) {
+template <typename T>
+void pack_keys(const T* k_cache, const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t head,
+               int64_t head_dim, int64_t num_keys, float* panels) {
   const int64_t num_panels = (num_keys + kLanes16 - 1) / kLanes16;
   std::memset(panels + (num_panels - 1) * head_dim * kLanes16, 0, head_dim * kLanes16 * sizeof(float));
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const float* src = k_cache + (slot * kv_heads + head) * head_dim;
+    const T* src = k_cache + (slot * kv_heads + head) * head_dim;
     float* dst = panels + (t / kLanes16) * head_dim * kLanes16 + t % kLanes16;
-    for (int64_t d = 0; d < head_dim; ++d) dst[d * kLanes16] = src[d];
+    for (int64_t d = 0; d < head_dim; ++d) dst[d * kLanes16] = static_cast<float>(src[d]);
   }
 }
 
-void copy_values(const float* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
-                 int64_t head, int64_t head_dim, int64_t num_keys, float* rows) {
+template <typename T>
+void copy_values(const T* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t head,
+                 int64_t head_dim, int64_t num_keys, float* rows) {
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    std::memcpy(rows + t * head_dim, v_cache + (slot * kv_heads + head) * head_dim, head_dim * sizeof(float));
+    const T* src = v_cache + (slot * kv_heads + head) * head_dim;
+    for (int64_t d = 0; d < head_dim; d += kLanes16) store16(rows + t * head_dim + d, tandem_cpu::load_row(src + d));
   }
 }
 
@@ -358,43 +362,18 @@ void prefill_bf16_amx(const at::Tensor& query, const at::Tensor& kv_cache, const
   });
 }
 
-}  // namespace
-
-namespace tandem_cpu {
-
-// query [T, Hq, D] (token rows may be strided, D contiguous, D a multiple of 16),
-// kv_cache [2, blocks, block_size, Hkv, D] contiguous with the chunk's K/V written,
-// block_table [>= blocks for context_len + T positions] int64; query token i sits at
-// position context_len + i. Writes the attention output into out [T, Hq, D] (D contiguous).
-void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
-                   int64_t context_len, double scale, at::Tensor out) {
-  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_table.device().is_cpu(),
-              "paged_prefill: CPU tensors only");
-  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "paged_prefill: bad ranks");
-  const at::ScalarType dtype = query.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || (dtype == at::kBFloat16 && packs_bfloat16())) &&
-                  kv_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-              "paged_prefill: float32 only (or bfloat16 on CPUs with AMX)");
-  TORCH_CHECK(kv_cache.is_contiguous() && query.stride(2) == 1 && out.stride(2) == 1,
-              "paged_prefill: a contiguous kv_cache and contiguous head dims expected");
+// The float32 walk (the file's head comment) over float32 or bfloat16 K/V: bfloat16 keys,
+// values and queries become floats as they are copied into the task's panels and rows, and
+// the output is rounded to bfloat16 as it is written. With AMX bfloat16 goes through
+// prefill_bf16_amx instead.
+template <typename T>
+void prefill_tiles(const at::Tensor& query, const at::Tensor& kv_cache, const int64_t* table, int64_t context_len,
+                   float scale, at::Tensor& out) {
   const int64_t tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
-  TORCH_CHECK(num_heads % kv_heads == 0 && kv_cache.size(4) == head_dim && out.sizes() == query.sizes(),
-              "paged_prefill: bad shapes");
-  TORCH_CHECK(head_dim % kLanes16 == 0, "paged_prefill: head dims that are multiples of ", kLanes16,
-              " only, got ", head_dim);
   const int64_t num_keys = context_len + tokens;
-  TORCH_CHECK(context_len >= 0 && block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
-                  block_table.numel() * block_size >= num_keys,
-              "paged_prefill: a contiguous int64 block table covering ", num_keys, " positions expected");
-  if (tokens == 0) return;
-  const int64_t* table = block_table.data_ptr<int64_t>();
-  if (dtype == at::kBFloat16) {
-    prefill_bf16_amx(query, kv_cache, table, context_len, static_cast<float>(scale), out);
-    return;
-  }
-  const float* k_cache = kv_cache.data_ptr<float>();
-  const float* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
+  const T* k_cache = kv_cache.data_ptr<T>();
+  const T* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
   const int64_t num_panels = (num_keys + kLanes16 - 1) / kLanes16;
   const int64_t panels_size = num_panels * kLanes16 * head_dim, values_size = num_keys * head_dim;
   std::vector<float> keys_packed(kv_heads * panels_size), values(kv_heads * values_size);
@@ -414,9 +393,8 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
   const int64_t group = num_heads / kv_heads;
   const int64_t query_blocks = (tokens + kQueryTokens - 1) / kQueryTokens;
   const int64_t max_rows = group * kQueryTokens;
-  const float sc = static_cast<float>(scale);
-  const float* q = query.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+  const T* q = query.data_ptr<T>();
+  T* o = out.data_ptr<T>();
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   at::parallel_for(0, kv_heads * query_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -430,10 +408,10 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
       // Row r * group + g: query head head * group + g of token t0 + r, scaled.
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t g = 0; g < group; ++g) {
-          const float* src = q + (t0 + r) * q_row + (head * group + g) * q_head;
+          const T* src = q + (t0 + r) * q_row + (head * group + g) * q_head;
           float* dst = q_rows.data() + (r * group + g) * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * sc;
+          for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
         }
       }
       std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
@@ -461,6 +439,46 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
       write_task_rows(acc.data(), row_sum.data(), n, group, head, head_dim, o + t0 * o_row, o_row, o_head);
     }
   });
+}
+
+}  // namespace
+
+namespace tandem_cpu {
+
+// query [T, Hq, D] (token rows may be strided, D contiguous, D a multiple of 16),
+// kv_cache [2, blocks, block_size, Hkv, D] contiguous with the chunk's K/V written,
+// block_table [>= blocks for context_len + T positions] int64; query token i sits at
+// position context_len + i. Writes the attention output into out [T, Hq, D] (D contiguous).
+void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                   int64_t context_len, double scale, at::Tensor out) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() && block_table.device().is_cpu(),
+              "paged_prefill: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "paged_prefill: bad ranks");
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && kv_cache.scalar_type() == dtype &&
+                  out.scalar_type() == dtype,
+              "paged_prefill: float32 or bfloat16 query, kv_cache and out of one dtype expected");
+  TORCH_CHECK(kv_cache.is_contiguous() && query.stride(2) == 1 && out.stride(2) == 1,
+              "paged_prefill: a contiguous kv_cache and contiguous head dims expected");
+  const int64_t tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
+  TORCH_CHECK(num_heads % kv_heads == 0 && kv_cache.size(4) == head_dim && out.sizes() == query.sizes(),
+              "paged_prefill: bad shapes");
+  TORCH_CHECK(head_dim % kLanes16 == 0, "paged_prefill: head dims that are multiples of ", kLanes16,
+              " only, got ", head_dim);
+  const int64_t num_keys = context_len + tokens;
+  TORCH_CHECK(context_len >= 0 && block_table.scalar_type() == at::kLong && block_table.is_contiguous() &&
+                  block_table.numel() * block_size >= num_keys,
+              "paged_prefill: a contiguous int64 block table covering ", num_keys, " positions expected");
+  if (tokens == 0) return;
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  if (dtype == at::kBFloat16 && at::native::cpublas::could_pack(at::kBFloat16)) {
+    prefill_bf16_amx(query, kv_cache, table, context_len, static_cast<float>(scale), out);
+  } else if (dtype == at::kBFloat16) {
+    prefill_tiles<c10::BFloat16>(query, kv_cache, table, context_len, static_cast<float>(scale), out);
+  } else {
+    prefill_tiles<float>(query, kv_cache, table, context_len, static_cast<float>(scale), out);
+  }
 }
 
 }  // namespace tandem_cpu

@@ -4,9 +4,9 @@ The `cpu` attention backend is Tandem's C++ CPU path (the `torch` backend stays 
 pure-torch reference). With it, the model's modules call fused ops instead of chains of
 torch ops: `RMSNorm` one pass per row instead of seven ops, `Attention` RoPE in one loop
 instead of a flip, two multiplies and an add, `MLP` SiLU-and-multiply in one pass, and in
-float32 (and bfloat16 on CPUs with AMX) `Linear` the packed matmul (its weight packed
-here, once); steps run the whole stack
-in one call (cpu_stack.py) where it covers them, through the same functions, so either
+float32 (and bfloat16 on CPUs with AMX or AVX512-BF16) `Linear` the packed matmul (its
+weight packed here, once); steps run the whole stack in one call (cpu_stack.py) where it
+covers them, through the same functions, so either
 path gives the same bits. In bfloat16 the fused ops round where the torch ops do.
 """
 

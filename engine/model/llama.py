@@ -7,7 +7,8 @@ matches `transformers` token for token. Elementwise work runs in place where the
 stay the same (RoPE into the fused QKV output, residual adds, SiLU-and-multiply): on CPU a
 decode step's cost beyond its matmuls is mostly the number of ops and fresh buffers. On
 CPU in float32 or bfloat16 with the `cpu` backend, RMSNorm, RoPE and SiLU-and-multiply
-(and in float32, or bfloat16 on CPUs with AMX, the matmuls, over weights packed at load)
+(and in float32, or bfloat16 on CPUs with AMX or AVX512-BF16, the matmuls, over weights
+packed at load)
 run as C++ ops instead (engine/model/cpu_kernels.py).
 """
 

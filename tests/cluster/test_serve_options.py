@@ -139,8 +139,8 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--decode", "4", "--max-workers-per-role", "3"), "num_decode (4) is over max_workers"),
         (("--kv-cache-memory", "lots"), "--kv-cache-memory: expected bytes or a size like"),
         (("--kv-cache-memory", "0MiB"), "--kv-cache-memory: must be at least 1 byte"),
-        # 1 MiB holds 256 tokens of the tiny model in float32 (auto is bfloat16 on AMX
-        # CPUs), its max_model_len is 2048.
+        # 1 MiB holds 256 tokens of the tiny model in float32 (auto is bfloat16 on CPUs
+        # with bf16 GEMM instructions), its max_model_len is 2048.
         (
             ("--kv-cache-memory", "1MiB", "--dtype", "float32"),
             "holds 256 tokens (65536 bytes per 16-token block), fewer than max_model_len 2048",

@@ -15,7 +15,6 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.cpu_ops.loader import packs_bfloat16
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
@@ -86,8 +85,7 @@ def test_stack_equals_the_python_model(qwen2_dir: Path, batch: int, dtype: str) 
     prompts = make_prompts(2048, [5 + 37 * i % 200 for i in range(batch)], seed=batch)
     fused, steps, calls = run(qwen2_dir, prompts, fused=True, dtype=dtype)
     python, _, _ = run(qwen2_dir, prompts, fused=False, dtype=dtype)
-    # Every step where the backend attends the chunks in place (bfloat16 prefills need AMX).
-    assert calls == (steps if dtype == "float32" or packs_bfloat16() else PARAMS.max_tokens - 1)
+    assert calls == steps  # every step: the backend attends both dtypes' chunks in place
     for a, b in zip(fused, python, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs  # exact floats: the same ops in the same order
@@ -104,8 +102,7 @@ def test_chunked_prefills_after_cached_prefixes(qwen2_dir: Path, dtype: str) -> 
     overrides = {"max_num_batched_tokens": 48, "enable_prefix_caching": True}
     fused, steps, calls = run(qwen2_dir, prompts, fused=True, dtype=dtype, **overrides)
     python, _, _ = run(qwen2_dir, prompts, fused=False, dtype=dtype, **overrides)
-    if dtype == "float32" or packs_bfloat16():
-        assert calls == steps
+    assert calls == steps
     for a, b in zip(fused, python, strict=True):
         assert a.token_ids == b.token_ids
         assert a.logprobs == b.logprobs

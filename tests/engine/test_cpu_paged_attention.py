@@ -1,5 +1,5 @@
-"""The `cpu` backend (decodes through the paged decode op; float32 prefill chunks through
-the paged prefill op, other dtypes' through SDPA) against attention written out per
+"""The `cpu` backend (decodes through the paged decode op; float32 and bfloat16 prefill
+chunks through the paged prefill op, float16 ones through SDPA) against attention written out per
 sequence in float64: ragged decodes, block sizes 1 to 64, GQA ratios 1 to 8, head dims
 16 to 128 (64 and 128 take the decode op's float32 fast path), long contexts, mixed
 batches with prefix hits, prefill chunks past the prefill op's query block and key tile,
@@ -83,7 +83,7 @@ def test_backend_matches_attention_written_out(case_id: str) -> None:
         (torch.bfloat16, "decodes-hd64-gqa5-bs32"),
         (torch.bfloat16, "decodes-hd64-gqa8-bs16"),
         (torch.bfloat16, "decodes-hd128-gqa3-bs8"),
-        # bfloat16 prefill chunks: the prefill op on CPUs with AMX (key tiles of 64), else SDPA.
+        # bfloat16 prefill chunks: the prefill op (AMX GEMMs, else the float32 walk).
         (torch.bfloat16, "prefill-only"),
         (torch.bfloat16, "prefill-long-prefix-tiles"),
         (torch.bfloat16, "prefill-mqa-hd128-bs8"),
@@ -112,7 +112,8 @@ def test_op_refuses_wrong_index_dtype() -> None:
     [
         (torch.zeros(2, dtype=torch.int32), torch.float32, 16, "int64 block table"),
         (torch.zeros(1, dtype=torch.int64), torch.float32, 16, "covering 6 positions"),
-        (torch.zeros(2, dtype=torch.int64), torch.bfloat16, 16, "float32 only"),
+        (torch.zeros(2, dtype=torch.int64), torch.bfloat16, 16, "of one dtype"),
+        (torch.zeros(2, dtype=torch.int64), torch.float16, 16, "float32 or bfloat16"),
         (torch.zeros(2, dtype=torch.int64), torch.float32, 8, "multiples of 16 only, got 8"),
     ],
 )

@@ -1,4 +1,4 @@
-"""`dtype="auto"`: bf16 only on CPUs with bf16 matrix units, float32 elsewhere, the
+"""`dtype="auto"`: bf16 only on CPUs with bf16 GEMM instructions, float32 elsewhere, the
 checkpoint's dtype on CUDA; the `--dtype` flags of `tandem serve` / `demo` / bench."""
 
 from __future__ import annotations
@@ -25,8 +25,10 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_auto_follows_the_cpu_flags_and_the_checkpoint_on_cuda() -> None:
     amx = frozenset({"avx512f", "amx_tile", "amx_bf16"})
+    zen4 = frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})
     avx512 = frozenset({"avx512f", "avx512_vnni"})
     assert auto_dtype("cpu", "float32", amx) == "bfloat16"
+    assert auto_dtype("cpu", "float32", zen4) == "bfloat16"
     assert auto_dtype("cpu", "bfloat16", avx512) == "float32"
     assert auto_dtype("cpu", "bfloat16", frozenset()) == "float32"
     assert auto_dtype("cuda", "float16", frozenset()) == "float16"

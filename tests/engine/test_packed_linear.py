@@ -2,9 +2,10 @@
 row counts from none to past its row tile and row block, sizes that leave a partial last
 panel, a bias, strided rows; a row's result does not depend on its batch; bad input is a
 clear error; the model's `Linear` packs its weight when the cpu kernels are turned on
-(float32, and bfloat16 where the CPU has AMX; a weight another module shares only where it
-is a Llama model's tied `lm_head`, whose embedding lookups then read the packed rows). The
-bfloat16 kernel's tests run on CPUs with AMX; elsewhere packing bfloat16 is refused."""
+(float32, and bfloat16 where the CPU has AMX or AVX512-BF16; a weight another module shares
+only where it is a Llama model's tied `lm_head`, whose embedding lookups then read the
+packed rows). The bfloat16 kernel's tests run on CPUs with either (AMX's GEMM where there
+is AMX, else the op's VDPBF16PS kernel); elsewhere packing bfloat16 is refused."""
 
 from __future__ import annotations
 
@@ -131,7 +132,7 @@ def test_linear_packs_its_weight_when_the_kernels_are_turned_on() -> None:
         for rows in (1, 4, 17):
             x = torch.randn(rows, 8)
             torch.testing.assert_close(layer(x), F.linear(x, weight, bias))
-    # bfloat16 layers are packed where the CPU has AMX, else keep F.linear.
+    # bfloat16 layers are packed where the CPU has AMX or AVX512-BF16, else keep F.linear.
     bf16 = Linear(8, 3).to(torch.bfloat16)
     assert use_cpu_kernels(bf16) == int(packs_bfloat16())
     assert (bf16.packed_weight is not None) == packs_bfloat16()
@@ -172,7 +173,9 @@ def test_a_tied_llama_head_is_packed_and_embeds_from_its_panels(tiny_model_dir: 
     assert torch.equal(model.embed(ids), table[ids])
 
 
-amx_only = pytest.mark.skipif(not packs_bfloat16(), reason="packs bfloat16 on CPUs with AMX only")
+packs_bf16_only = pytest.mark.skipif(
+    not packs_bfloat16(), reason="packs bfloat16 on CPUs with AMX or AVX512-BF16 only"
+)
 
 
 def bf16_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -180,13 +183,13 @@ def bf16_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
     return reference(x.float(), w.float(), None if b is None else b.float()).bfloat16()
 
 
-@pytest.mark.skipif(packs_bfloat16(), reason="CPUs without AMX only")
-def test_bfloat16_packing_without_amx_is_refused() -> None:
+@pytest.mark.skipif(packs_bfloat16(), reason="CPUs without AMX or AVX512-BF16 only")
+def test_bfloat16_packing_without_bf16_units_is_refused() -> None:
     with pytest.raises(RuntimeError, match="no bfloat16 GEMM kernel"):
         pack_linear_weight(torch.randn(3, 8).bfloat16())
 
 
-@amx_only
+@packs_bf16_only
 @pytest.mark.parametrize("k, n", [(768, 1280), (100, 37), (32, 64), (2048, 9), (6, 65)])
 @pytest.mark.parametrize("rows", [0, 1, 2, 15, 16, 17, 33, 255, 256, 300])
 def test_bfloat16_matches_float64_matmul(rows: int, k: int, n: int) -> None:
@@ -200,7 +203,7 @@ def test_bfloat16_matches_float64_matmul(rows: int, k: int, n: int) -> None:
     torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-3 * k**0.5)
 
 
-@amx_only
+@packs_bf16_only
 def test_bfloat16_packing_keeps_every_weight_and_pads_with_zeros() -> None:
     w = torch.randn(70, 10).bfloat16()
     packed = pack_linear_weight(w)
@@ -213,7 +216,7 @@ def test_bfloat16_packing_keeps_every_weight_and_pads_with_zeros() -> None:
         pack_linear_weight(torch.randn(4, 7).bfloat16())
 
 
-@amx_only
+@packs_bf16_only
 def test_bfloat16_bias_strided_rows_and_batch_invariance() -> None:
     generator = torch.Generator().manual_seed(2)
     wide = torch.randn(300, 300, generator=generator).bfloat16()
@@ -229,7 +232,7 @@ def test_bfloat16_bias_strided_rows_and_batch_invariance() -> None:
         assert torch.equal(part, whole[start : start + rows])
 
 
-@amx_only
+@packs_bf16_only
 def test_bfloat16_linear_and_its_packed_rows() -> None:
     layer = Linear(8, 101, bias=False).to(torch.bfloat16)
     weight = layer.weight.detach().clone()
@@ -241,7 +244,7 @@ def test_bfloat16_linear_and_its_packed_rows() -> None:
         torch.testing.assert_close(layer(x).float(), bf16_reference(x, weight, None).float())
 
 
-@amx_only
+@packs_bf16_only
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 17, 300])
 def test_bfloat16_residual_gives_the_bits_of_adding_it_after(rows: int, with_bias: bool) -> None:

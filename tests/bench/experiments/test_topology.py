@@ -27,7 +27,10 @@ def test_the_default_system_is_make_serve_and_variants_add_flags_and_env(tiny_mo
     assert not any(a.startswith(("--continuous", "--cb-")) for a in plain.argv)
 
 
-@pytest.mark.parametrize(("flags", "expected"), [({"amx_bf16"}, "bfloat16"), (set(), "float32")])
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [({"amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "bfloat16"), ({"avx512f"}, "float32")],
+)
 def test_the_peer_gets_the_dtype_make_serve_runs(tiny_model_dir, monkeypatch, flags, expected):
     monkeypatch.setattr(dtype_module, "cpu_flags", lambda: frozenset(flags))
     serve = build_parser().parse_args(["serve", "--model", str(tiny_model_dir)])
