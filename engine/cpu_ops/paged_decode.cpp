@@ -238,13 +238,18 @@ inline void in_dim_order(Vec16& first, Vec16& second) {
 // side by side) over shuffled blocks took 4.6 ms in bfloat16 and 6.5 in float32 without
 // these requests, 2.6 and 4.3 with them (float32 at ~25 GB/s, the machine's copy
 // bandwidth); over blocks in order 4.4-4.9 and 6.5-6.7 ms without, 3.4-3.5 and 5.2-5.4 with.
+// (Those on an AMX Xeon, requests into L1.) The requests go into L2 (T1 hint): on an AMD
+// EPYC (Zen 4) requests into L1 stalled the kernel (perf: a quarter of its time on the
+// prefetch instructions); the same pass there took 3.8-4.5 ms in
+// bfloat16 and 7.2-7.4 in float32 with them, 2.6-3.1 and 4.9-5.2 with requests into L2
+// (interleaved runs), 3.9-4.0 with L2 requests all at once.
 class SpreadPrefetch {
  public:
   SpreadPrefetch(const void* begin, int64_t bytes, int64_t shares)
       : at_(static_cast<const char*>(begin)), end_(at_ + bytes),
         share_(std::max<int64_t>(1, (bytes / kLine + shares - 1) / shares) * kLine) {}
   void next() {
-    for (const char* stop = std::min(at_ + share_, end_); at_ < stop; at_ += kLine) _mm_prefetch(at_, _MM_HINT_T0);
+    for (const char* stop = std::min(at_ + share_, end_); at_ < stop; at_ += kLine) _mm_prefetch(at_, _MM_HINT_T1);
   }
 
  private:
