@@ -1,9 +1,9 @@
 // Prefill attention for CPU over the paged cache: one prefill chunk's queries against its
 // cached prefix and its own tokens (causal), GQA, float32 and bfloat16 (on CPUs with AMX
-// by its GEMMs, prefill_bf16_amx below; elsewhere by the float32 walk over K/V and queries
-// made floats as they are copied), head dims that are multiples of 16. The chunk's K/V are
-// already in the cache. float32: each KV head's keys are first copied out
-// of their blocks into panels of 16 keys stored dimension-major (a panel row is one
+// or AVX512-BF16 by bfloat16 GEMMs, prefill_bf16 below; elsewhere by the float32 walk over
+// K/V and queries made floats as they are copied), head dims that are multiples of 16.
+// The chunk's K/V are already in the cache. float32: each KV head's keys are first copied
+// out of their blocks into panels of 16 keys stored dimension-major (a panel row is one
 // vector: a key dimension of 16 keys), its values into contiguous rows. Then one task per
 // (KV head, block of kQueryTokens query tokens) stacks the head's query heads token by
 // token into rows and walks them in blocks of kRows rows, flash-attention style: per key
@@ -19,8 +19,11 @@
 #include "cpu_ops.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -203,51 +206,51 @@ void write_task_rows(const float* acc, const float* row_sum, int64_t tokens, int
   }
 }
 
-// bfloat16 on CPUs with AMX: the same walk (a task per KV head and block of query tokens,
-// its query heads stacked into rows, key tiles with an online softmax), with both products
-// by torch's batch-reduce GEMM (at::native::cpublas::brgemm, oneDNN's AMX kernels): the
-// scores of all the task's rows against a tile of kAmxKeys keys, then the tile's values
-// weighted by the rows' probabilities (rounded to bfloat16, as the GEMM takes them) added
-// into float sums. Keys and values are first copied out of their blocks into the GEMM's
-// pair-interleaved (VNNI) layout, a tile at a time: the keys as the [D, kAmxKeys] matrix
-// (key pairs of dims side by side), the values as the [kAmxKeys, D] one (dims of key pairs
-// side by side), zero past the last key. A tile of 256 keys: per layer of the small
-// preset at 512 tokens, 64-key tiles took 1.37 ms, 128 1.33 and 256 1.01 (fewer GEMM
-// calls); with the softmax in two fused passes, 0.92 against SDPA's 1.07 (and, after a
-// 1,536-token prefix, ~5.0 against 5.5 ms for SDPA over the gathered context and a mask).
-// A task's last tile is multiplied only as far as the task's last row sees, in steps of
-// kAmxKeyStep keys (at 512 tokens a third of the products were of keys no row sees; the
-// op ~5% faster).
-constexpr int64_t kAmxKeys = 256;
-constexpr int64_t kAmxKeyStep = 64;
+// bfloat16 on CPUs with AMX or AVX512-BF16: the same walk (a task per KV head and block of
+// query tokens, its query heads stacked into rows, key tiles with an online softmax), with
+// both products by a bfloat16 GEMM (torch's batch-reduce GEMM, at::native::cpublas::brgemm,
+// oneDNN's AMX kernels; without AMX dot_gemm below): the scores of all the task's rows
+// against a tile of kPairTileKeys keys, then the tile's values weighted by the rows'
+// probabilities (rounded to bfloat16, as the GEMM takes them) added into float sums. Keys
+// and values are first copied out of their blocks into the GEMM's pair-interleaved (VNNI)
+// layout, a tile at a time: the keys as the [D, kPairTileKeys] matrix (key pairs of dims
+// side by side), the values as the [kPairTileKeys, D] one (dims of key pairs side by
+// side), zero past the last key. A tile of 256 keys: per layer of the small preset at 512
+// tokens (AMX Xeon), 64-key tiles took 1.37 ms, 128 1.33 and 256 1.01 (fewer GEMM calls);
+// with the softmax in two fused passes, 0.92 against SDPA's 1.07 (and, after a 1,536-token
+// prefix, ~5.0 against 5.5 ms for SDPA over the gathered context and a mask). A task's last
+// tile is multiplied only as far as the task's last row sees, in steps of kPairTileStep
+// keys (at 512 tokens a third of the products were of keys no row sees; the op ~5% faster).
+constexpr int64_t kPairTileKeys = 256;
+constexpr int64_t kPairTileStep = 64;
 
 using Pair = uint32_t;  // two bfloat16s side by side
 
 // Keys [0, num_keys) of one KV head: tile t's pair row d2 holds dims 2 d2, 2 d2 + 1 of its
-// kAmxKeys keys.
+// kPairTileKeys keys.
 void pack_keys_vnni(const c10::BFloat16* k_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
                     int64_t head, int64_t head_dim, int64_t num_keys, Pair* tiles) {
-  const int64_t pairs = head_dim / 2, tile_size = pairs * kAmxKeys;
-  const int64_t num_tiles = (num_keys + kAmxKeys - 1) / kAmxKeys;
+  const int64_t pairs = head_dim / 2, tile_size = pairs * kPairTileKeys;
+  const int64_t num_tiles = (num_keys + kPairTileKeys - 1) / kPairTileKeys;
   std::memset(tiles + (num_tiles - 1) * tile_size, 0, tile_size * sizeof(Pair));
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
     const auto* src = reinterpret_cast<const Pair*>(k_cache + (slot * kv_heads + head) * head_dim);
-    Pair* dst = tiles + (t / kAmxKeys) * tile_size + t % kAmxKeys;
-    for (int64_t d2 = 0; d2 < pairs; ++d2) dst[d2 * kAmxKeys] = src[d2];
+    Pair* dst = tiles + (t / kPairTileKeys) * tile_size + t % kPairTileKeys;
+    for (int64_t d2 = 0; d2 < pairs; ++d2) dst[d2 * kPairTileKeys] = src[d2];
   }
 }
 
 // Values [0, num_keys) of one KV head: tile t's row j2 holds, per dim, keys 2 j2 and 2 j2 + 1.
 void pack_values_vnni(const c10::BFloat16* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
                       int64_t head, int64_t head_dim, int64_t num_keys, c10::BFloat16* tiles) {
-  const int64_t tile_size = kAmxKeys * head_dim;
-  const int64_t num_tiles = (num_keys + kAmxKeys - 1) / kAmxKeys;
+  const int64_t tile_size = kPairTileKeys * head_dim;
+  const int64_t num_tiles = (num_keys + kPairTileKeys - 1) / kPairTileKeys;
   std::memset(static_cast<void*>(tiles + (num_tiles - 1) * tile_size), 0, tile_size * sizeof(c10::BFloat16));
   for (int64_t t = 0; t < num_keys; ++t) {
     const int64_t slot = table[t / block_size] * block_size + t % block_size;
     const c10::BFloat16* src = v_cache + (slot * kv_heads + head) * head_dim;
-    c10::BFloat16* dst = tiles + (t / kAmxKeys) * tile_size + (t % kAmxKeys / 2) * 2 * head_dim + t % 2;
+    c10::BFloat16* dst = tiles + (t / kPairTileKeys) * tile_size + (t % kPairTileKeys / 2) * 2 * head_dim + t % 2;
     for (int64_t d = 0; d < head_dim; ++d) dst[2 * d] = src[d];
   }
 }
@@ -268,10 +271,10 @@ inline void store_weights(c10::BFloat16* w, Vec16 e) {
 // written as bfloat16 into w, zeros for the rest of the tile.
 float softmax_row_bf16(const float* s, int64_t visible, bool first_tile, float scale, float& row_max,
                        float& row_sum, c10::BFloat16* w) {
-  const int64_t n = std::min(std::max<int64_t>(visible, 0), kAmxKeys);
+  const int64_t n = std::min(std::max<int64_t>(visible, 0), kPairTileKeys);
   int64_t j = 0;
   if (n == 0) {
-    for (; j < kAmxKeys; j += kLanes16) store_weights(w + j, Vec16{});
+    for (; j < kPairTileKeys; j += kLanes16) store_weights(w + j, Vec16{});
     return 1.f;
   }
   const float top = scale * tandem_cpu::max_of(s, n, s[0]);
@@ -284,7 +287,7 @@ float softmax_row_bf16(const float* s, int64_t visible, bool first_tile, float s
     sums += e;
     store_weights(w + j, e);
   }
-  for (; j < kAmxKeys; j += kLanes16) store_weights(w + j, Vec16{});
+  for (; j < kPairTileKeys; j += kLanes16) store_weights(w + j, Vec16{});
   // No exp(-inf) for a first tile: -ffast-math assumes there are no infinities.
   const float rescale = first_tile ? 0.f : std::exp(row_max - new_max);
   row_sum = (first_tile ? 0.f : row_sum * rescale) + tandem_cpu::horizontal_sum16(sums);
@@ -292,15 +295,88 @@ float softmax_row_bf16(const float* s, int64_t visible, bool first_tile, float s
   return rescale;
 }
 
-void prefill_bf16_amx(const at::Tensor& query, const at::Tensor& kv_cache, const int64_t* table,
-                      int64_t context_len, float scale, at::Tensor& out) {
+#ifdef __AVX512BF16__
+// Without AMX, with AVX512-BF16: c[m, n] (+ c[m, n] where add_c) = sum over k of a[m, k] *
+// b[k, n] for m < rows, n < cols (a multiple of 16), k < depth (even): a bfloat16 rows lda
+// apart, b in pairs of k ([depth / 2, ldb, 2], the GEMM's VNNI layout), c float rows ldc
+// apart; what cpublas::brgemm computes for prefill_bf16 with AMX. Register tiles of up to
+// kDotRows rows by 4 vectors (64 columns): per pair of k one broadcast of a's pair and a
+// VDPBF16PS per row and vector.
+constexpr int kDotRows = 6;  // 6 x 4 sums, 4 vectors of b and a broadcast: 29 of 32 registers
+// Chunks that see at most this many keys take the float32 walk instead: over 12 layers of
+// the small preset's heads (AMD EPYC, 2 threads, interleaved) 16 tokens took 0.26 ms by the
+// float32 walk and 1.0 ms by this one, 64 1.1 against 1.8, 128 level; 256 tokens 12.5
+// against 9.6, 512 32-35 against 21, 512 after 1,536 cached 210 against 124, 64 after 512
+// 11.3 against 8.2, 16 after 1,000 11.2 against 7.3.
+constexpr int64_t kDotWalkMinKeys = 128;
+
+template <int R, int V>
+void dot_tile(int64_t depth, int64_t lda, int64_t ldb, int64_t ldc, bool add_c, const c10::BFloat16* a,
+              const c10::BFloat16* b, float* c) {
+  __m512 sums[R][V];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) sums[r][v] = add_c ? _mm512_loadu_ps(c + r * ldc + v * kLanes16) : _mm512_setzero_ps();
+  }
+  for (int64_t k2 = 0; k2 < depth / 2; ++k2) {
+    __m512bh cols[V];
+    for (int v = 0; v < V; ++v) cols[v] = (__m512bh)_mm512_loadu_si512(b + (k2 * ldb + v * kLanes16) * 2);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * lda + 2 * k2, sizeof(pair));
+      const __m512bh as = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < V; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], cols[v], as);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(c + r * ldc + v * kLanes16, sums[r][v]);
+  }
+}
+
+using DotTile = void (*)(int64_t, int64_t, int64_t, int64_t, bool, const c10::BFloat16*, const c10::BFloat16*,
+                         float*);
+
+template <int V, int... R>
+constexpr std::array<DotTile, sizeof...(R) + 1> dot_tiles_by_rows(std::integer_sequence<int, R...>) {
+  return {nullptr, &dot_tile<R + 1, V>...};
+}
+
+// kDotTiles[v][r]: the tile of r rows and v vectors.
+constexpr std::array<DotTile, kDotRows + 1> kDotTiles[5] = {
+    {}, dot_tiles_by_rows<1>(std::make_integer_sequence<int, kDotRows>{}),
+    dot_tiles_by_rows<2>(std::make_integer_sequence<int, kDotRows>{}),
+    dot_tiles_by_rows<3>(std::make_integer_sequence<int, kDotRows>{}),
+    dot_tiles_by_rows<4>(std::make_integer_sequence<int, kDotRows>{})};
+
+void dot_gemm(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+              const c10::BFloat16* a, const c10::BFloat16* b, float* c) {
+  for (int64_t n0 = 0; n0 < cols; n0 += 4 * kLanes16) {
+    const int64_t v = std::min<int64_t>(4, (cols - n0) / kLanes16);
+    for (int64_t m0 = 0; m0 < rows; m0 += kDotRows) {
+      const int64_t r = std::min<int64_t>(kDotRows, rows - m0);
+      kDotTiles[v][r](depth, lda, ldb, ldc, add_c, a + m0 * lda, b + n0 * 2, c + m0 * ldc + n0);
+    }
+  }
+}
+#endif
+
+// The GEMM prefill_bf16 multiplies by (cpublas::brgemm's arguments).
+using PairGemm = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const c10::BFloat16*,
+                          const c10::BFloat16*, float*);
+
+void amx_gemm(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+              const c10::BFloat16* a, const c10::BFloat16* b, float* c) {
+  at::native::cpublas::brgemm(rows, cols, depth, lda, ldb, ldc, add_c, a, b, c);
+}
+
+void prefill_bf16(const at::Tensor& query, const at::Tensor& kv_cache, const int64_t* table, int64_t context_len,
+                  float scale, PairGemm gemm, at::Tensor& out) {
   using c10::BFloat16;
   const int64_t tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / kv_heads, num_keys = context_len + tokens;
   const BFloat16* k_cache = kv_cache.data_ptr<BFloat16>();
   const BFloat16* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
-  const int64_t num_tiles = (num_keys + kAmxKeys - 1) / kAmxKeys, tile_size = kAmxKeys * head_dim;
+  const int64_t num_tiles = (num_keys + kPairTileKeys - 1) / kPairTileKeys, tile_size = kPairTileKeys * head_dim;
   std::vector<Pair> keys(kv_heads * num_tiles * tile_size / 2);
   std::vector<BFloat16> values(kv_heads * num_tiles * tile_size);
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -322,9 +398,10 @@ void prefill_bf16_amx(const at::Tensor& query, const at::Tensor& kv_cache, const
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   at::parallel_for(0, kv_heads * query_blocks, 1, [&](int64_t begin, int64_t end) {
-    const tandem_cpu::BrgemmScope brgemm_scope;
-    std::vector<BFloat16> q_rows(max_rows * head_dim), weights(max_rows * kAmxKeys);
-    std::vector<float> acc(max_rows * head_dim), scores(max_rows * kAmxKeys);
+    std::optional<tandem_cpu::BrgemmScope> brgemm_scope;  // AMX's tile state, released at the end
+    if (gemm == &amx_gemm) brgemm_scope.emplace();
+    std::vector<BFloat16> q_rows(max_rows * head_dim), weights(max_rows * kPairTileKeys);
+    std::vector<float> acc(max_rows * head_dim), scores(max_rows * kPairTileKeys);
     std::vector<float> row_max(max_rows), row_sum(max_rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / query_blocks, t0 = (task % query_blocks) * kQueryTokens;
@@ -340,22 +417,23 @@ void prefill_bf16_amx(const at::Tensor& query, const at::Tensor& kv_cache, const
       }
       std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
       const int64_t keys_seen = context_len + t0 + n;  // the last key any row may see, plus one
-      for (int64_t k0 = 0; k0 < keys_seen; k0 += kAmxKeys) {
-        // The last tile only as far as the task's last row sees (in steps of kAmxKeyStep).
-        const int64_t keys = std::min(kAmxKeys, (keys_seen - k0 + kAmxKeyStep - 1) / kAmxKeyStep * kAmxKeyStep);
-        at::native::cpublas::brgemm(rows, keys, head_dim, head_dim, kAmxKeys, kAmxKeys, false, q_rows.data(),
-                                    key_tiles + (k0 / kAmxKeys) * tile_size, scores.data());
+      for (int64_t k0 = 0; k0 < keys_seen; k0 += kPairTileKeys) {
+        // The last tile only as far as the task's last row sees (in steps of kPairTileStep).
+        const int64_t keys =
+            std::min(kPairTileKeys, (keys_seen - k0 + kPairTileStep - 1) / kPairTileStep * kPairTileStep);
+        gemm(rows, keys, head_dim, head_dim, kPairTileKeys, kPairTileKeys, false, q_rows.data(),
+             key_tiles + (k0 / kPairTileKeys) * tile_size, scores.data());
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t visible = context_len + t0 + i / group + 1 - k0;
-          const float rescale = softmax_row_bf16(scores.data() + i * kAmxKeys, visible, k0 == 0, scale, row_max[i],
-                                                 row_sum[i], weights.data() + i * kAmxKeys);
+          const float rescale = softmax_row_bf16(scores.data() + i * kPairTileKeys, visible, k0 == 0, scale, row_max[i],
+                                                 row_sum[i], weights.data() + i * kPairTileKeys);
           float* a = acc.data() + i * head_dim;
           if (rescale != 1.f) {
             for (int64_t d = 0; d < head_dim; d += kLanes16) store16(a + d, load16(a + d) * rescale);
           }
         }
-        at::native::cpublas::brgemm(rows, head_dim, keys, kAmxKeys, head_dim, head_dim, true, weights.data(),
-                                    value_tiles + (k0 / kAmxKeys) * tile_size, acc.data());
+        gemm(rows, head_dim, keys, kPairTileKeys, head_dim, head_dim, true, weights.data(),
+             value_tiles + (k0 / kPairTileKeys) * tile_size, acc.data());
       }
       write_task_rows(acc.data(), row_sum.data(), n, group, head, head_dim, o + t0 * o_row, o_row, o_head);
     }
@@ -364,8 +442,8 @@ void prefill_bf16_amx(const at::Tensor& query, const at::Tensor& kv_cache, const
 
 // The float32 walk (the file's head comment) over float32 or bfloat16 K/V: bfloat16 keys,
 // values and queries become floats as they are copied into the task's panels and rows, and
-// the output is rounded to bfloat16 as it is written. With AMX bfloat16 goes through
-// prefill_bf16_amx instead.
+// the output is rounded to bfloat16 as it is written. With AMX or AVX512-BF16 bfloat16
+// goes through prefill_bf16 instead.
 template <typename T>
 void prefill_tiles(const at::Tensor& query, const at::Tensor& kv_cache, const int64_t* table, int64_t context_len,
                    float scale, at::Tensor& out) {
@@ -473,7 +551,11 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
   if (tokens == 0) return;
   const int64_t* table = block_table.data_ptr<int64_t>();
   if (dtype == at::kBFloat16 && at::native::cpublas::could_pack(at::kBFloat16)) {
-    prefill_bf16_amx(query, kv_cache, table, context_len, static_cast<float>(scale), out);
+    prefill_bf16(query, kv_cache, table, context_len, static_cast<float>(scale), &amx_gemm, out);
+#ifdef __AVX512BF16__
+  } else if (dtype == at::kBFloat16 && num_keys > kDotWalkMinKeys) {
+    prefill_bf16(query, kv_cache, table, context_len, static_cast<float>(scale), &dot_gemm, out);
+#endif
   } else if (dtype == at::kBFloat16) {
     prefill_tiles<c10::BFloat16>(query, kv_cache, table, context_len, static_cast<float>(scale), out);
   } else {

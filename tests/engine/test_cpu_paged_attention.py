@@ -42,6 +42,10 @@ CASES = {
     # Head dims of 3 and 5 vectors (value sums in slabs of 4), GQA 5, MHA.
     "prefill-hd80-gqa5-bs16": ([33], [90], 10, 2, 80, 16),
     "prefill-hd48-mha": ([1, 17], [40, 17], 3, 3, 48, 16),
+    # bfloat16's GEMM walk (chunks that see over 128 keys) at head dims of 5 vectors and of
+    # two 64-column panels, the last key tile partial.
+    "prefill-hd80-long": ([150], [301], 10, 2, 80, 16),
+    "prefill-mqa-hd128-long": ([1, 77], [20, 333], 4, 1, 128, 8),
     # Not a whole number of vectors: the chunk takes SDPA.
     "prefill-hd24-sdpa": ([9, 4], [9, 30], 2, 1, 24, 4),
 }
@@ -83,12 +87,15 @@ def test_backend_matches_attention_written_out(case_id: str) -> None:
         (torch.bfloat16, "decodes-hd64-gqa5-bs32"),
         (torch.bfloat16, "decodes-hd64-gqa8-bs16"),
         (torch.bfloat16, "decodes-hd128-gqa3-bs8"),
-        # bfloat16 prefill chunks: the prefill op (AMX GEMMs, else the float32 walk).
+        # bfloat16 prefill chunks: the prefill op (bfloat16 GEMMs, short chunks without AMX
+        # and CPUs without AVX512-BF16 the float32 walk).
         (torch.bfloat16, "prefill-only"),
         (torch.bfloat16, "prefill-long-prefix-tiles"),
         (torch.bfloat16, "prefill-mqa-hd128-bs8"),
         (torch.bfloat16, "prefill-hd80-gqa5-bs16"),
         (torch.bfloat16, "prefill-hd48-mha"),
+        (torch.bfloat16, "prefill-hd80-long"),
+        (torch.bfloat16, "prefill-mqa-hd128-long"),
         (torch.bfloat16, "mixed-prefix-hits"),
         (torch.float16, "decodes-ragged-gqa3-bs16"),
     ],
