@@ -114,6 +114,16 @@ def test_op_refuses_wrong_index_dtype() -> None:
                      torch.ones(1, dtype=torch.int32), 1.0, torch.empty_like(query))  # fmt: skip
 
 
+@pytest.mark.parametrize("length", [0, 9])
+def test_decode_op_refuses_lengths_its_block_table_does_not_cover(length: int) -> None:
+    query = torch.randn(1, 2, 64)
+    cache = torch.randn(2, 3, 4, 1, 64)  # block size 4: a 2-block table covers 8 positions
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=f"seq_lens\\[0\\] = {length} is outside 1..8"):
+        paged_decode(query, cache, table, torch.tensor([length], dtype=torch.int32), 1.0,
+                     torch.empty_like(query))  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("table", "cache_dtype", "head_dim", "message"),
     [
