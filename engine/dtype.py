@@ -19,8 +19,8 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 # CPU flags (Linux /proc/cpuinfo) of bf16 GEMM instructions: Intel AMX tiles, and
 # AVX512-BF16's pair dot products (AMD Zen 4 and later, Intel Cooper Lake and later). With
 # either the engine ran faster in bf16 than in fp32 at every batch (engine table,
-# docs/benchmarks.md: on an AMD EPYC with avx512_bf16 and no AMX, decode steps 1.5-2.1x
-# and a 512-token prefill 1.9x faster; on AMX Xeons more). Without them (AVX-512 or AVX2
+# docs/benchmarks.md: on an AMD EPYC with avx512_bf16 and no AMX, decode steps 1.2-2.1x
+# and a 512-token prefill 1.8-1.9x faster over three runs). Without them (AVX-512 or AVX2
 # only) torch runs bf16 linear layers slower than fp32, so `auto` keeps float32.
 BF16_GEMM_FLAGS = ("amx_bf16", "avx512_bf16")
 
