@@ -22,6 +22,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -304,10 +305,9 @@ float softmax_row_bf16(const float* s, int64_t visible, bool first_tile, float s
 // VDPBF16PS per row and vector.
 constexpr int kDotRows = 6;  // 6 x 4 sums, 4 vectors of b and a broadcast: 29 of 32 registers
 // Chunks that see at most this many keys take the float32 walk instead: over 12 layers of
-// the small preset's heads (AMD EPYC, 2 threads, interleaved) 16 tokens took 0.26 ms by the
-// float32 walk and 1.0 ms by this one, 64 1.1 against 1.8, 128 level; 256 tokens 12.5
-// against 9.6, 512 32-35 against 21, 512 after 1,536 cached 210 against 124, 64 after 512
-// 11.3 against 8.2, 16 after 1,000 11.2 against 7.3.
+// the small preset's heads (AMD EPYC, 2 threads, interleaved) 16 tokens took 0.26-0.29 ms
+// by the float32 walk and 0.39-0.69 by this one, 64 and 128 about level; 512 tokens 22-35
+// against 21, 512 after 1,536 cached 210 against 124, 64 after 512 11.3 against 8.2.
 constexpr int64_t kDotWalkMinKeys = 128;
 
 template <int R, int V>
@@ -377,22 +377,23 @@ void prefill_bf16(const at::Tensor& query, const at::Tensor& kv_cache, const int
   const BFloat16* k_cache = kv_cache.data_ptr<BFloat16>();
   const BFloat16* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
   const int64_t num_tiles = (num_keys + kPairTileKeys - 1) / kPairTileKeys, tile_size = kPairTileKeys * head_dim;
-  std::vector<Pair> keys(kv_heads * num_tiles * tile_size / 2);
-  std::vector<BFloat16> values(kv_heads * num_tiles * tile_size);
+  // Scratch left uninitialized: every element read is written first.
+  std::unique_ptr<Pair[]> keys(new Pair[kv_heads * num_tiles * tile_size / 2]);
+  std::unique_ptr<BFloat16[]> values(new BFloat16[kv_heads * num_tiles * tile_size]);
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task % kv_heads;
       if (task < kv_heads) {
         pack_keys_vnni(k_cache, table, block_size, kv_heads, head, head_dim, num_keys,
-                       keys.data() + head * num_tiles * tile_size / 2);
+                       keys.get() + head * num_tiles * tile_size / 2);
       } else {
         pack_values_vnni(v_cache, table, block_size, kv_heads, head, head_dim, num_keys,
-                         values.data() + head * num_tiles * tile_size);
+                         values.get() + head * num_tiles * tile_size);
       }
     }
   });
   const int64_t query_blocks = (tokens + kQueryTokens - 1) / kQueryTokens;
-  const int64_t max_rows = group * kQueryTokens;
+  const int64_t max_rows = group * std::min(kQueryTokens, tokens);
   const BFloat16* q = query.data_ptr<BFloat16>();
   BFloat16* o = out.data_ptr<BFloat16>();
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
@@ -400,42 +401,43 @@ void prefill_bf16(const at::Tensor& query, const at::Tensor& kv_cache, const int
   at::parallel_for(0, kv_heads * query_blocks, 1, [&](int64_t begin, int64_t end) {
     std::optional<tandem_cpu::BrgemmScope> brgemm_scope;  // AMX's tile state, released at the end
     if (gemm == &amx_gemm) brgemm_scope.emplace();
-    std::vector<BFloat16> q_rows(max_rows * head_dim), weights(max_rows * kPairTileKeys);
-    std::vector<float> acc(max_rows * head_dim), scores(max_rows * kPairTileKeys);
+    std::unique_ptr<BFloat16[]> q_rows(new BFloat16[max_rows * head_dim]);
+    std::unique_ptr<BFloat16[]> weights(new BFloat16[max_rows * kPairTileKeys]);
+    std::unique_ptr<float[]> acc(new float[max_rows * head_dim]), scores(new float[max_rows * kPairTileKeys]);
     std::vector<float> row_max(max_rows), row_sum(max_rows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / query_blocks, t0 = (task % query_blocks) * kQueryTokens;
       const int64_t n = std::min(kQueryTokens, tokens - t0), rows = group * n;
-      const BFloat16* key_tiles = reinterpret_cast<const BFloat16*>(keys.data() + head * num_tiles * tile_size / 2);
-      const BFloat16* value_tiles = values.data() + head * num_tiles * tile_size;
+      const BFloat16* key_tiles = reinterpret_cast<const BFloat16*>(keys.get() + head * num_tiles * tile_size / 2);
+      const BFloat16* value_tiles = values.get() + head * num_tiles * tile_size;
       // Row r * group + g: query head head * group + g of token t0 + r.
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t g = 0; g < group; ++g) {
-          std::memcpy(static_cast<void*>(q_rows.data() + (r * group + g) * head_dim),
+          std::memcpy(static_cast<void*>(q_rows.get() + (r * group + g) * head_dim),
                       q + (t0 + r) * q_row + (head * group + g) * q_head, head_dim * sizeof(BFloat16));
         }
       }
-      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+      std::fill(acc.get(), acc.get() + rows * head_dim, 0.f);
       const int64_t keys_seen = context_len + t0 + n;  // the last key any row may see, plus one
       for (int64_t k0 = 0; k0 < keys_seen; k0 += kPairTileKeys) {
         // The last tile only as far as the task's last row sees (in steps of kPairTileStep).
         const int64_t keys =
             std::min(kPairTileKeys, (keys_seen - k0 + kPairTileStep - 1) / kPairTileStep * kPairTileStep);
-        gemm(rows, keys, head_dim, head_dim, kPairTileKeys, kPairTileKeys, false, q_rows.data(),
-             key_tiles + (k0 / kPairTileKeys) * tile_size, scores.data());
+        gemm(rows, keys, head_dim, head_dim, kPairTileKeys, kPairTileKeys, false, q_rows.get(),
+             key_tiles + (k0 / kPairTileKeys) * tile_size, scores.get());
         for (int64_t i = 0; i < rows; ++i) {
           const int64_t visible = context_len + t0 + i / group + 1 - k0;
-          const float rescale = softmax_row_bf16(scores.data() + i * kPairTileKeys, visible, k0 == 0, scale, row_max[i],
-                                                 row_sum[i], weights.data() + i * kPairTileKeys);
-          float* a = acc.data() + i * head_dim;
+          const float rescale = softmax_row_bf16(scores.get() + i * kPairTileKeys, visible, k0 == 0, scale, row_max[i],
+                                                 row_sum[i], weights.get() + i * kPairTileKeys);
+          float* a = acc.get() + i * head_dim;
           if (rescale != 1.f) {
             for (int64_t d = 0; d < head_dim; d += kLanes16) store16(a + d, load16(a + d) * rescale);
           }
         }
-        gemm(rows, head_dim, keys, kPairTileKeys, head_dim, head_dim, true, weights.data(),
-             value_tiles + (k0 / kPairTileKeys) * tile_size, acc.data());
+        gemm(rows, head_dim, keys, kPairTileKeys, head_dim, head_dim, true, weights.get(),
+             value_tiles + (k0 / kPairTileKeys) * tile_size, acc.get());
       }
-      write_task_rows(acc.data(), row_sum.data(), n, group, head, head_dim, o + t0 * o_row, o_row, o_head);
+      write_task_rows(acc.get(), row_sum.data(), n, group, head, head_dim, o + t0 * o_row, o_row, o_head);
     }
   });
 }
@@ -454,45 +456,47 @@ void prefill_tiles(const at::Tensor& query, const at::Tensor& kv_cache, const in
   const T* v_cache = k_cache + num_blocks * block_size * kv_heads * head_dim;
   const int64_t num_panels = (num_keys + kLanes16 - 1) / kLanes16;
   const int64_t panels_size = num_panels * kLanes16 * head_dim, values_size = num_keys * head_dim;
-  std::vector<float> keys_packed(kv_heads * panels_size), values(kv_heads * values_size);
+  // Scratch left uninitialized: every element read is written first.
+  std::unique_ptr<float[]> keys_packed(new float[kv_heads * panels_size]), values(new float[kv_heads * values_size]);
   at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task % kv_heads;
       if (task < kv_heads) {
         pack_keys(k_cache, table, block_size, kv_heads, head, head_dim, num_keys,
-                  keys_packed.data() + head * panels_size);
+                  keys_packed.get() + head * panels_size);
       } else {
         copy_values(v_cache, table, block_size, kv_heads, head, head_dim, num_keys,
-                    values.data() + head * values_size);
+                    values.get() + head * values_size);
       }
     }
   });
 
   const int64_t group = num_heads / kv_heads;
   const int64_t query_blocks = (tokens + kQueryTokens - 1) / kQueryTokens;
-  const int64_t max_rows = group * kQueryTokens;
+  const int64_t max_rows = group * std::min(kQueryTokens, tokens);
   const T* q = query.data_ptr<T>();
   T* o = out.data_ptr<T>();
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   at::parallel_for(0, kv_heads * query_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q_rows(max_rows * head_dim), acc(max_rows * head_dim), scores(kRows * kKeyTile);
+    std::unique_ptr<float[]> q_rows(new float[max_rows * head_dim]), acc(new float[max_rows * head_dim]);
+    std::unique_ptr<float[]> scores(new float[kRows * kKeyTile]);
     std::vector<float> row_max(max_rows), row_sum(max_rows), rescale(kRows);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / query_blocks, t0 = (task % query_blocks) * kQueryTokens;
       const int64_t n = std::min(kQueryTokens, tokens - t0), rows = group * n;
-      const float* panels = keys_packed.data() + head * panels_size;
-      const float* v = values.data() + head * values_size;
+      const float* panels = keys_packed.get() + head * panels_size;
+      const float* v = values.get() + head * values_size;
       // Row r * group + g: query head head * group + g of token t0 + r, scaled.
       for (int64_t r = 0; r < n; ++r) {
         for (int64_t g = 0; g < group; ++g) {
           const T* src = q + (t0 + r) * q_row + (head * group + g) * q_head;
-          float* dst = q_rows.data() + (r * group + g) * head_dim;
+          float* dst = q_rows.get() + (r * group + g) * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<float>(src[d]) * scale;
         }
       }
-      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+      std::fill(acc.get(), acc.get() + rows * head_dim, 0.f);
       // The last key any row of this task may see.
       const int64_t keys_seen = context_len + t0 + n;
       for (int64_t k0 = 0; k0 < keys_seen; k0 += kKeyTile) {
@@ -504,17 +508,17 @@ void prefill_tiles(const at::Tensor& query, const at::Tensor& kv_cache, const in
           const int64_t width = std::min(std::max<int64_t>(visible(i0 + block_rows - 1), 0), keys);
           if (width == 0) continue;  // no row of the block sees this tile: nothing changes
           const int64_t panels_seen = (width + kLanes16 - 1) / kLanes16;
-          score_block(block_rows, q_rows.data() + i0 * head_dim, head_dim,
-                      panels + (k0 / kLanes16) * head_dim * kLanes16, panels_seen, scores.data(), kKeyTile);
+          score_block(block_rows, q_rows.get() + i0 * head_dim, head_dim,
+                      panels + (k0 / kLanes16) * head_dim * kLanes16, panels_seen, scores.get(), kKeyTile);
           for (int r = 0; r < block_rows; ++r) {
-            rescale[r] = softmax_row(scores.data() + r * kKeyTile, width, visible(i0 + r), k0 == 0, row_max[i0 + r],
+            rescale[r] = softmax_row(scores.get() + r * kKeyTile, width, visible(i0 + r), k0 == 0, row_max[i0 + r],
                                      row_sum[i0 + r]);
           }
-          value_block(block_rows, scores.data(), kKeyTile, v + k0 * head_dim, head_dim, width,
-                      acc.data() + i0 * head_dim, rescale.data());
+          value_block(block_rows, scores.get(), kKeyTile, v + k0 * head_dim, head_dim, width,
+                      acc.get() + i0 * head_dim, rescale.data());
         }
       }
-      write_task_rows(acc.data(), row_sum.data(), n, group, head, head_dim, o + t0 * o_row, o_row, o_head);
+      write_task_rows(acc.get(), row_sum.data(), n, group, head, head_dim, o + t0 * o_row, o_row, o_head);
     }
   });
 }
