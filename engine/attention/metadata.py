@@ -33,6 +33,25 @@ class BatchLayout:
     block_size: int
     device: torch.device
 
+    def __post_init__(self) -> None:
+        # Backends attend the first num_decodes sequences as one-token decodes: a layout
+        # with a longer one among them would be attended wrongly, not refused.
+        if (
+            len(self.query_start_loc) != self.num_seqs + 1
+            or not 0 <= self.num_decodes <= self.num_seqs
+        ):
+            raise ValueError(
+                f"BatchLayout: {self.num_seqs} sequences need {self.num_seqs + 1} query starts "
+                f"and 0..{self.num_seqs} decodes, got {len(self.query_start_loc)} and "
+                f"{self.num_decodes}"
+            )
+        longer = [i for i in range(self.num_decodes) if self.query_len(i) != 1]
+        if longer:
+            raise ValueError(
+                f"BatchLayout: decodes come first with one query token each; sequence "
+                f"{longer[0]} (of the first {self.num_decodes}) has {self.query_len(longer[0])}"
+            )
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)

@@ -1,12 +1,14 @@
 """The torch backend against attention written out per sequence (float64, K/V repeated
 per query head): ragged decodes in several length groups, prefill chunks over cached
-prefixes, GQA/MQA/MHA; and how decodes are grouped."""
+prefixes, GQA/MQA/MHA; how decodes are grouped; and a layout that does not put its
+one-token decodes first is refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tandem.engine.attention.metadata import BatchLayout
 from tandem.engine.attention.torch_backend import (
     GROUP_SLACK_TOKENS,
     TorchAttentionBackend,
@@ -59,3 +61,20 @@ def test_decode_groups_bound_the_padding() -> None:
         for start, end in group_decodes(lens):
             low, high = min(lens[start:end]), max(lens[start:end])
             assert high - low <= GROUP_SLACK_TOKENS or 4 * (high - low) <= high
+
+
+@pytest.mark.parametrize(
+    ("starts", "num_decodes", "message"),
+    [
+        ([0, 3, 4], 1, "sequence 0 \\(of the first 1\\) has 3"),
+        ([0, 1, 4], 3, "0..2 decodes, got 3 and 3"),
+        ([0, 1], 0, "2 sequences need 3 query starts"),
+    ],
+)
+def test_a_layout_whose_decodes_are_not_first_is_refused(starts, num_decodes, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        BatchLayout(
+            query_start_loc=starts, seq_lens=[3, 9], block_tables=[[0], [1]],
+            slot_mapping=torch.zeros(4, dtype=torch.int64), num_decodes=num_decodes,
+            block_size=16, device=torch.device("cpu"),
+        )  # fmt: skip

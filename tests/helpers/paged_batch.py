@@ -48,7 +48,8 @@ def make_paged_batch(
         seq_lens=list(seq_lens),
         block_tables=tables,
         slot_mapping=torch.tensor(slots),
-        num_decodes=sum(1 for n in query_lens if n == 1),
+        # Decodes: the leading one-token sequences (as the model runner orders them).
+        num_decodes=next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens)),
         block_size=block_size,
         device=torch.device("cpu"),
     )
