@@ -7,9 +7,9 @@ gather into a padded buffer, no mask. Float32, bfloat16 and float16 caches; sums
 float32. Each float32 or bfloat16 prefill chunk (head dims a multiple of 16) is one call
 of `paged_prefill`: causal over its cached prefix and its own tokens with an online
 softmax (no mask tensor), by register-blocked float32 score and value kernels (bfloat16
-K/V made floats as they are copied into tiles), or in bfloat16 on CPUs with AMX by
-oneDNN's AMX GEMM kernels; other chunks are the torch backend's (SDPA). The K/V writes
-are `cache_kv`'s row copies.
+K/V made floats as they are copied into tiles), or in bfloat16 on CPUs with AMX or
+AVX512-BF16 by bfloat16 GEMMs (oneDNN's AMX kernels, or the op's dot-product tiles);
+other chunks are the torch backend's (SDPA). The K/V writes are `cache_kv`'s row copies.
 """
 
 from __future__ import annotations

@@ -22,6 +22,10 @@ void paged_decode(const at::Tensor& query, const at::Tensor& kv_cache, const at:
 void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                    int64_t context_len, double scale, at::Tensor out);
 
+// Whether torch's batch-reduce GEMM (at::native::cpublas::brgemm) has a bfloat16 kernel
+// for this CPU (AMX): asked once per process (packed_linear.cpp).
+bool amx_gemm();
+
 // Whether pack_linear_weight and packed_linear take bfloat16 here: on CPUs with AMX (by
 // torch's batch-reduce GEMM) or AVX512-BF16 (by the op's own kernel) (packed_linear.cpp).
 bool packs_bfloat16();

@@ -174,7 +174,7 @@ at::Tensor pack_bf16(const at::Tensor& weight) {
   TORCH_CHECK(k_len % 2 == 0, "pack_linear_weight: a bfloat16 weight needs an even k, got ", k_len);
   const int64_t panels = (n + kPanelBf16 - 1) / kPanelBf16, pairs = k_len / 2;
   at::Tensor packed = w.new_zeros({panels, pairs, kPanelBf16, 2});
-  if (at::native::cpublas::could_pack(at::kBFloat16)) {  // AMX: by the GEMM's own packer
+  if (tandem_cpu::amx_gemm()) {  // by the GEMM's own packer
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
       // The panel's rows as the [k, kPanelBf16] matrix brgemm multiplies by, zero past w's end.
       at::Tensor panel = w.new_empty({k_len, kPanelBf16});
@@ -316,7 +316,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
   const BFloat16* rp = residual != nullptr ? residual->data_ptr<BFloat16>() : nullptr;
   BFloat16* yp = y.data_ptr<BFloat16>();
 #ifdef __AVX512BF16__
-  if (!at::native::cpublas::could_pack(at::kBFloat16)) {
+  if (!tandem_cpu::amx_gemm()) {
     const int64_t tasks = (panels + kPanelsPerTask - 1) / kPanelsPerTask;
     for (int64_t row0 = 0; row0 < rows; row0 += kRowBlock) {
       const int64_t block_rows = std::min(kRowBlock, rows - row0);
@@ -358,11 +358,16 @@ namespace tandem_cpu {
 
 void release_brgemm_tiles() { at::native::cpublas::brgemm_release(); }
 
+bool amx_gemm() {
+  static const bool available = at::native::cpublas::could_pack(at::kBFloat16);
+  return available;
+}
+
 bool packs_bfloat16() {
 #ifdef __AVX512BF16__
   return true;
 #else
-  return at::native::cpublas::could_pack(at::kBFloat16);
+  return amx_gemm();
 #endif
 }
 

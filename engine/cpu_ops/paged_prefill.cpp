@@ -363,8 +363,8 @@ void dot_gemm(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ld
 using PairGemm = void (*)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const c10::BFloat16*,
                           const c10::BFloat16*, float*);
 
-void amx_gemm(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
-              const c10::BFloat16* a, const c10::BFloat16* b, float* c) {
+void amx_brgemm(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb, int64_t ldc, bool add_c,
+                const c10::BFloat16* a, const c10::BFloat16* b, float* c) {
   at::native::cpublas::brgemm(rows, cols, depth, lda, ldb, ldc, add_c, a, b, c);
 }
 
@@ -400,7 +400,7 @@ void prefill_bf16(const at::Tensor& query, const at::Tensor& kv_cache, const int
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   at::parallel_for(0, kv_heads * query_blocks, 1, [&](int64_t begin, int64_t end) {
     std::optional<tandem_cpu::BrgemmScope> brgemm_scope;  // AMX's tile state, released at the end
-    if (gemm == &amx_gemm) brgemm_scope.emplace();
+    if (gemm == &amx_brgemm) brgemm_scope.emplace();
     std::unique_ptr<BFloat16[]> q_rows(new BFloat16[max_rows * head_dim]);
     std::unique_ptr<BFloat16[]> weights(new BFloat16[max_rows * kPairTileKeys]);
     std::unique_ptr<float[]> acc(new float[max_rows * head_dim]), scores(new float[max_rows * kPairTileKeys]);
@@ -554,8 +554,8 @@ void paged_prefill(const at::Tensor& query, const at::Tensor& kv_cache, const at
               "paged_prefill: a contiguous int64 block table covering ", num_keys, " positions expected");
   if (tokens == 0) return;
   const int64_t* table = block_table.data_ptr<int64_t>();
-  if (dtype == at::kBFloat16 && at::native::cpublas::could_pack(at::kBFloat16)) {
-    prefill_bf16(query, kv_cache, table, context_len, static_cast<float>(scale), &amx_gemm, out);
+  if (dtype == at::kBFloat16 && amx_gemm()) {
+    prefill_bf16(query, kv_cache, table, context_len, static_cast<float>(scale), &amx_brgemm, out);
 #ifdef __AVX512BF16__
   } else if (dtype == at::kBFloat16 && num_keys > kDotWalkMinKeys) {
     prefill_bf16(query, kv_cache, table, context_len, static_cast<float>(scale), &dot_gemm, out);
