@@ -95,6 +95,26 @@ inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(Vec16)); }
 
 inline Vec16 splat16(float x) { return Vec16{} + x; }
 
+// A 16 x 16 matrix's rows r become its columns: four rounds, each swapping the off-diagonal
+// w x w blocks of every 2w x 2w block on the diagonal (w = 8, 4, 2, 1), two rows at a time
+// by one two-source permute per row. Bits are moved, not computed: a bfloat16 pair
+// bit-cast to a float goes through unchanged.
+inline void transpose16x16(Vec16 (&r)[kLanes16]) {
+  for (int w = kLanes16 / 2; w >= 1; w /= 2) {
+    Ints16 to_upper, to_lower;  // lanes 0-15 pick from the upper row, 16-31 from the lower
+    for (int l = 0; l < kLanes16; ++l) {
+      to_upper[l] = (l & w) ? kLanes16 + l - w : l;
+      to_lower[l] = (l & w) ? kLanes16 + l : l + w;
+    }
+    for (int i = 0; i < kLanes16; ++i) {
+      if (i & w) continue;
+      const Vec16 upper = r[i], lower = r[i + w];
+      r[i] = __builtin_shuffle(upper, lower, to_upper);
+      r[i + w] = __builtin_shuffle(upper, lower, to_lower);
+    }
+  }
+}
+
 // 16 bfloat16s as floats (exact), and floats to bfloat16 rounded to nearest even as
 // torch's casts round (a NaN becomes torch's 0x7fc0); `round_bf16_16` does both.
 typedef uint16_t Bf16x16 __attribute__((vector_size(kLanes16 * sizeof(uint16_t))));
