@@ -11,7 +11,7 @@ or masked over its cached prefix plus its own tokens).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -35,13 +35,21 @@ class PrefillSpan:
     context_len: int
     # Block ids covering `context_len + query_len` positions.
     block_table: torch.Tensor
-    # [query_len, context_len + query_len] bool, True = may attend; None when causal
-    # from position 0 (context_len == 0).
-    mask: torch.Tensor | None
+    # causal_mask()'s, once built (only the SDPA path over a cached prefix asks for it).
+    _mask: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def seq_len(self) -> int:
         return self.context_len + self.query_len
+
+    def causal_mask(self) -> torch.Tensor:
+        """[query_len, seq_len] bool, True where query i (at position context_len + i) may
+        attend key j: built on first use, on the block table's device, once per step."""
+        if self._mask is None:
+            device = self.block_table.device
+            positions = torch.arange(self.query_len, device=device)[:, None] + self.context_len
+            self._mask = torch.arange(self.seq_len, device=device)[None, :] <= positions
+        return self._mask
 
 
 @dataclass
@@ -129,7 +137,8 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
         else masked over its gathered cached prefix plus its own tokens."""
         end = span.query_start + span.query_len
         q = query[span.query_start : end].transpose(0, 1).unsqueeze(0)
-        if span.mask is None:
+        from_start = span.context_len == 0
+        if from_start:
             k = key[span.query_start : end]
             v = value[span.query_start : end]
         else:
@@ -139,8 +148,8 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
             q,
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
+            attn_mask=None if from_start else span.causal_mask(),
+            is_causal=from_start,
             scale=self.scale,
             enable_gqa=True,
         )
@@ -183,16 +192,10 @@ def prefill_spans(batch: BatchLayout, block_tables: torch.Tensor) -> list[Prefil
     on the batch's device."""
     spans = []
     for i in range(batch.num_decodes, batch.num_seqs):
-        num_blocks = -(-batch.seq_lens[i] // batch.block_size)
-        span = _prefill_span(
-            batch.query_start_loc[i],
-            batch.seq_lens[i],
-            batch.query_len(i),
-            block_tables[i, :num_blocks],
-        )
-        if span.mask is not None:
-            span.mask = span.mask.to(batch.device)
-        spans.append(span)
+        seq_len, query_len = batch.seq_lens[i], batch.query_len(i)
+        num_blocks = -(-seq_len // batch.block_size)
+        table = block_tables[i, :num_blocks]
+        spans.append(PrefillSpan(batch.query_start_loc[i], query_len, seq_len - query_len, table))
     return spans
 
 
@@ -241,15 +244,3 @@ def _gather(
     else:
         gathered = torch.index_select(blocks, 1, block_index, out=out)
     return gathered.view(2, -1, *kv_cache.shape[3:])
-
-
-def _prefill_span(
-    query_start: int, seq_len: int, query_len: int, block_table: torch.Tensor
-) -> PrefillSpan:
-    context_len = seq_len - query_len
-    mask = None
-    if context_len:
-        # Query i sits at absolute position context_len + i and sees keys 0..that position.
-        rows = torch.arange(query_len)[:, None] + context_len
-        mask = torch.arange(seq_len)[None, :] <= rows
-    return PrefillSpan(query_start, query_len, context_len, block_table, mask)
