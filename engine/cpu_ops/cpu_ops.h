@@ -95,22 +95,30 @@ inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(Vec16)); }
 
 inline Vec16 splat16(float x) { return Vec16{} + x; }
 
-// A 16 x 16 matrix's rows r become its columns: four rounds, each swapping the off-diagonal
-// w x w blocks of every 2w x 2w block on the diagonal (w = 8, 4, 2, 1), two rows at a time
-// by one two-source permute per row. Bits are moved, not computed: a bfloat16 pair
-// bit-cast to a float goes through unchanged.
+// Two-source lane picks that pair up blocks of w = 8, 4, 2, 1 lanes (round 0-3): with a
+// the first source and b the second, kBlockPairs[round] takes a's first w lanes of every
+// 2w and b's first w, side by side; adding w to it takes the second halves instead.
+constexpr Ints16 kBlockPairs[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                                   {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                                   {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                                   {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+
+// A 16 x 16 matrix's rows r become its columns: four rounds (w = 8, 4, 2, 1), each
+// swapping the off-diagonal w x w blocks of every 2w x 2w block on the diagonal, two rows
+// at a time by one two-source permute per row. Fully unrolled, so the rows stay in
+// registers. Bits are moved, not computed: a bfloat16 pair bit-cast to a float goes
+// through unchanged.
 inline void transpose16x16(Vec16 (&r)[kLanes16]) {
-  for (int w = kLanes16 / 2; w >= 1; w /= 2) {
-    Ints16 to_upper, to_lower;  // lanes 0-15 pick from the upper row, 16-31 from the lower
-    for (int l = 0; l < kLanes16; ++l) {
-      to_upper[l] = (l & w) ? kLanes16 + l - w : l;
-      to_lower[l] = (l & w) ? kLanes16 + l : l + w;
-    }
+#pragma GCC unroll 4
+  for (int round = 0; round < 4; ++round) {
+    const int w = 8 >> round;
+    const Ints16 first_halves = kBlockPairs[round], second_halves = kBlockPairs[round] + w;
+#pragma GCC unroll 16
     for (int i = 0; i < kLanes16; ++i) {
-      if (i & w) continue;
+      if (i & w) continue;  // row i + w is the lower of the pair
       const Vec16 upper = r[i], lower = r[i + w];
-      r[i] = __builtin_shuffle(upper, lower, to_upper);
-      r[i + w] = __builtin_shuffle(upper, lower, to_lower);
+      r[i] = __builtin_shuffle(upper, lower, first_halves);
+      r[i + w] = __builtin_shuffle(upper, lower, second_halves);
     }
   }
 }

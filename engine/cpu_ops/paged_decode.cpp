@@ -105,15 +105,11 @@ constexpr bool kFoldKeys = false;
 #endif
 
 inline Vec16 fold16(Vec16 (&v)[kLanes16]) {
-  constexpr Ints16 kLo[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-                             {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-                             {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-                             {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
-  constexpr int kHiOffset[4] = {8, 4, 2, 1};
+  using tandem_cpu::kBlockPairs;
   for (int round = 0, count = kLanes16; round < 4; ++round, count /= 2) {
-    const Ints16 hi = kLo[round] + kHiOffset[round];
+    const Ints16 hi = kBlockPairs[round] + (8 >> round);
     for (int i = 0; i < count / 2; ++i) {
-      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], kLo[round]) +
+      v[i] = __builtin_shuffle(v[2 * i], v[2 * i + 1], kBlockPairs[round]) +
              __builtin_shuffle(v[2 * i], v[2 * i + 1], hi);
     }
   }

@@ -17,7 +17,9 @@
 // other at the join), and keys are transposed sixteen at a time in registers, not stored
 // one element at a time: over 12 layers of the small preset's heads (AMD EPYC, 2 threads,
 // interleaved) bfloat16 16 tokens after 1,000 cached went 4.1-6.5 -> 3.6-4.2 ms, 64 after
-// 2,000 27-30 -> 20-22, 16 after 200 1.2 -> 0.8-1.0; float32 and 512-token chunks level.
+// 2,000 27-30 -> 20-22, 16 after 200 1.2 -> 0.8-1.0, 512-token chunks level; with the
+// transpose fully unrolled (its rows had spilled to the stack), 16 after 1,008 float32
+// 7.7-8.1 -> 6.0-6.2 ms and bfloat16 4.2-5.2 -> 3.1-4.3 (medians of 100, 3 rounds).
 // Registered as torch.ops.tandem_cpu.paged_prefill; built by cpu_ops/loader.py.
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -57,20 +59,48 @@ constexpr int kValueRows = 1;
 #endif
 constexpr int kValueVectors = 4;
 
+// One KV head's rows (head_dim elements per token) in a paged cache's K or V half, and
+// look-ahead requests for them into L2: a head's rows lie a whole token's heads apart in
+// their blocks and the blocks are scattered over the pool, which the hardware prefetchers
+// do not follow. The copies below ask for the rows kCopyAheadKeys tokens ahead of the ones
+// they copy: engine steps of 16 tokens after 1,008 cached (AMD EPYC, 2 threads, 3
+// interleaved rounds of 60) took bfloat16 16.6-17.3 ms (medians) against 17.7-18.7
+// without, float32 26.6-28.2 against 27.8-29.6.
+constexpr int64_t kCopyAheadKeys = 64;
+
+template <typename T>
+struct HeadRows {
+  const T* cache;
+  const int64_t* table;
+  int64_t block_size, kv_heads, head, head_dim, num_keys;
+
+  const T* row(int64_t t) const {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    return cache + (slot * kv_heads + head) * head_dim;
+  }
+
+  // Rows [t0 + kCopyAheadKeys, + count) that exist.
+  void prefetch_ahead(int64_t t0, int64_t count) const {
+    const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(T));
+    for (int64_t t = t0 + kCopyAheadKeys; t < std::min(t0 + kCopyAheadKeys + count, num_keys); ++t) {
+      const char* p = reinterpret_cast<const char*>(row(t));
+      for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
+    }
+  }
+};
+
 // Keys [0, num_keys) of one KV head in panels of kLanes16 keys: panel p's row d holds
 // dimension d of keys p * kLanes16 ... + kLanes16 - 1 (zeros past the last key). Sixteen
 // keys at a time: 16 dims of each read as floats, transposed in registers, written as 16
 // panel rows.
 template <typename T>
-void pack_keys(const T* k_cache, const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t head,
-               int64_t head_dim, int64_t num_keys, float* panels) {
+void pack_keys(const HeadRows<T>& keys, float* panels) {
+  const int64_t num_keys = keys.num_keys, head_dim = keys.head_dim;
   const T* key_rows[kLanes16];
   for (int64_t t0 = 0; t0 < num_keys; t0 += kLanes16) {
+    keys.prefetch_ahead(t0, kLanes16);
     const int64_t n = std::min<int64_t>(kLanes16, num_keys - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j, slot = table[t / block_size] * block_size + t % block_size;
-      key_rows[j] = k_cache + (slot * kv_heads + head) * head_dim;
-    }
+    for (int64_t j = 0; j < n; ++j) key_rows[j] = keys.row(t0 + j);
     float* panel = panels + (t0 / kLanes16) * head_dim * kLanes16;
     for (int64_t d0 = 0; d0 < head_dim; d0 += kLanes16) {
       Vec16 r[kLanes16];
@@ -82,11 +112,11 @@ void pack_keys(const T* k_cache, const int64_t* table, int64_t block_size, int64
 }
 
 template <typename T>
-void copy_values(const T* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads, int64_t head,
-                 int64_t head_dim, int64_t num_keys, float* rows) {
-  for (int64_t t = 0; t < num_keys; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const T* src = v_cache + (slot * kv_heads + head) * head_dim;
+void copy_values(const HeadRows<T>& values, float* rows) {
+  const int64_t head_dim = values.head_dim;
+  for (int64_t t = 0; t < values.num_keys; ++t) {
+    if (t % kLanes16 == 0) values.prefetch_ahead(t, kLanes16);
+    const T* src = values.row(t);
     for (int64_t d = 0; d < head_dim; d += kLanes16) store16(rows + t * head_dim + d, tandem_cpu::load_row(src + d));
   }
 }
@@ -245,18 +275,15 @@ using Pair = uint32_t;  // two bfloat16s side by side
 // Keys [0, num_keys) of one KV head: tile t's pair row d2 holds dims 2 d2, 2 d2 + 1 of its
 // kPairTileKeys keys. Sixteen keys and sixteen pairs at a time, transposed in registers
 // (pairs as 32-bit lanes; a head dim's last pairs short of sixteen one by one).
-void pack_keys_vnni(const c10::BFloat16* k_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
-                    int64_t head, int64_t head_dim, int64_t num_keys, Pair* tiles) {
-  const int64_t pairs = head_dim / 2, tile_size = pairs * kPairTileKeys;
+void pack_keys_vnni(const HeadRows<c10::BFloat16>& keys, Pair* tiles) {
+  const int64_t num_keys = keys.num_keys, pairs = keys.head_dim / 2, tile_size = pairs * kPairTileKeys;
   const int64_t num_tiles = (num_keys + kPairTileKeys - 1) / kPairTileKeys;
   std::memset(tiles + (num_tiles - 1) * tile_size, 0, tile_size * sizeof(Pair));
   const Pair* key_rows[kLanes16];
   for (int64_t t0 = 0; t0 < num_keys; t0 += kLanes16) {
+    keys.prefetch_ahead(t0, kLanes16);
     const int64_t n = std::min<int64_t>(kLanes16, num_keys - t0);
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = t0 + j, slot = table[t / block_size] * block_size + t % block_size;
-      key_rows[j] = reinterpret_cast<const Pair*>(k_cache + (slot * kv_heads + head) * head_dim);
-    }
+    for (int64_t j = 0; j < n; ++j) key_rows[j] = reinterpret_cast<const Pair*>(keys.row(t0 + j));
     Pair* dst = tiles + (t0 / kPairTileKeys) * tile_size + t0 % kPairTileKeys;
     int64_t p0 = 0;
     for (; p0 + kLanes16 <= pairs; p0 += kLanes16) {
@@ -275,20 +302,16 @@ void pack_keys_vnni(const c10::BFloat16* k_cache, const int64_t* table, int64_t 
 
 // Values [0, num_keys) of one KV head: tile t's row j2 holds, per dim, keys 2 j2 and 2 j2 + 1
 // (the even key's bfloat16 in a pair's low half), sixteen dims at a time.
-void pack_values_vnni(const c10::BFloat16* v_cache, const int64_t* table, int64_t block_size, int64_t kv_heads,
-                      int64_t head, int64_t head_dim, int64_t num_keys, c10::BFloat16* tiles) {
+void pack_values_vnni(const HeadRows<c10::BFloat16>& values, c10::BFloat16* tiles) {
   using tandem_cpu::Bf16x16;
   using tandem_cpu::Bits16;
-  const int64_t tile_size = kPairTileKeys * head_dim;
+  const int64_t num_keys = values.num_keys, head_dim = values.head_dim, tile_size = kPairTileKeys * head_dim;
   const int64_t num_tiles = (num_keys + kPairTileKeys - 1) / kPairTileKeys;
   std::memset(static_cast<void*>(tiles + (num_tiles - 1) * tile_size), 0, tile_size * sizeof(c10::BFloat16));
-  auto value_row = [&](int64_t t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    return v_cache + (slot * kv_heads + head) * head_dim;
-  };
   for (int64_t t = 0; t < num_keys; t += 2) {
-    const c10::BFloat16* even = value_row(t);
-    const c10::BFloat16* odd = t + 1 < num_keys ? value_row(t + 1) : nullptr;
+    if (t % kLanes16 == 0) values.prefetch_ahead(t, kLanes16);
+    const c10::BFloat16* even = values.row(t);
+    const c10::BFloat16* odd = t + 1 < num_keys ? values.row(t + 1) : nullptr;
     c10::BFloat16* dst = tiles + (t / kPairTileKeys) * tile_size + (t % kPairTileKeys / 2) * 2 * head_dim;
     for (int64_t d = 0; d < head_dim; d += kLanes16) {
       Bf16x16 low, high = {};
@@ -428,10 +451,10 @@ void prefill_bf16(const at::Tensor& query, const at::Tensor& kv_cache, const int
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / 2;  // a head's keys, then its values: each thread gets both kinds
       if (task % 2 == 0) {
-        pack_keys_vnni(k_cache, table, block_size, kv_heads, head, head_dim, num_keys,
+        pack_keys_vnni({k_cache, table, block_size, kv_heads, head, head_dim, num_keys},
                        keys.get() + head * num_tiles * tile_size / 2);
       } else {
-        pack_values_vnni(v_cache, table, block_size, kv_heads, head, head_dim, num_keys,
+        pack_values_vnni({v_cache, table, block_size, kv_heads, head, head_dim, num_keys},
                          values.get() + head * num_tiles * tile_size);
       }
     }
@@ -506,10 +529,10 @@ void prefill_tiles(const at::Tensor& query, const at::Tensor& kv_cache, const in
     for (int64_t task = begin; task < end; ++task) {
       const int64_t head = task / 2;  // a head's keys, then its values: each thread gets both kinds
       if (task % 2 == 0) {
-        pack_keys(k_cache, table, block_size, kv_heads, head, head_dim, num_keys,
+        pack_keys(HeadRows<T>{k_cache, table, block_size, kv_heads, head, head_dim, num_keys},
                   keys_packed.get() + head * panels_size);
       } else {
-        copy_values(v_cache, table, block_size, kv_heads, head, head_dim, num_keys,
+        copy_values(HeadRows<T>{v_cache, table, block_size, kv_heads, head, head_dim, num_keys},
                     values.get() + head * values_size);
       }
     }
