@@ -45,6 +45,9 @@ class BenchPlan:
     max_attempts: int  # measurements of a row at most, while other processes keep disturbing it
     prefill_len: int = 512
     prompt_len: int = 128
+    # The prefix-hit row: prefix_new fresh tokens after prefix_len cached ones.
+    prefix_len: int = 1008
+    prefix_new: int = 16
 
     @property
     def decode_seq_len(self) -> int:
@@ -111,6 +114,28 @@ def _measure_rows(plan: BenchPlan, subjects: Subjects, prompt: list[int]) -> lis
     return [_measure_row(plan, row) for row in (prefill, *decodes)]
 
 
+def _prefix_hit_row(
+    plan: BenchPlan, subjects: Subjects, dtype: str, backend: str
+) -> tuple[report.Row, list[report.Profile]]:
+    """The prefix-hit row, by an engine of its own with prefix caching on (the other rows'
+    engine has it off: their prefills must not hit), and its profile where it misses a
+    target and `backend` is what `auto` picks."""
+    engine = measure.build_engine(
+        plan.model_dir, dtype, plan.num_threads, plan.prefill_len, 2,
+        plan.prefix_len + plan.prefix_new, backend, enable_prefix_caching=True,
+    )  # fmt: skip
+    prefix = measure.random_prompt(plan.prefix_len, subjects.shape.vocab_size, seed=plan.prefix_len)
+    hit = measure.PrefixHit(engine, prefix, plan.prefix_new)
+    row = _measure_row(plan, functools.partial(measure.prefix_hit_row, subjects, hit, plan.decode))
+    profiles = []
+    if backend == "auto" and not (row.floor_met and row.transformers_met):
+        _wait_quiet(plan)
+        profiles.append(measure.profile_prefix_hit(hit, dtype, row.name))
+    del hit, engine
+    gc.collect()
+    return row, profiles
+
+
 def _run_dtype(
     plan: BenchPlan, dtype: str, backend: str, shape: report.ModelShape, bandwidth: float,
     peaks: dict[str, float],
@@ -134,12 +159,13 @@ def _run_dtype(
     subjects = Subjects(engine, hf_model, shape, elem_size, bandwidth, peak)
     prompt = measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
     rows = _measure_rows(plan, subjects, prompt)
+    prefix_row, profiles = _prefix_hit_row(plan, subjects, dtype, backend)
     del subjects, hf_model  # frees the transformers model before profiling
     gc.collect()
-    profiles = []
     if backend == "auto":
         _wait_quiet(plan)
-        profiles = measure.profile_missed(engine, dtype, rows, prompt, plan.prompt_len)
+        profiles = measure.profile_missed(engine, dtype, rows, prompt, plan.prompt_len) + profiles
+    rows.insert(1, prefix_row)  # after the prefill from position 0
     del engine
     gc.collect()
     return report.DtypeResult(dtype, peak, rows, resolved), profiles

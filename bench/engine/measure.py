@@ -182,17 +182,18 @@ def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
 
 def build_engine(
     model_dir: str, dtype: str, num_threads: int, prefill_len: int, max_batch_size: int,
-    decode_seq_len: int, attention_backend: str = "auto",
+    decode_seq_len: int, attention_backend: str = "auto", enable_prefix_caching: bool = False,
 ) -> Engine:  # fmt: skip
-    """An engine sized for the benchmark: prefix caching off, one-step prefill of `prefill_len`."""
+    """An engine sized for the benchmark: one-step prefill of `prefill_len`, prefix caching
+    off unless asked for (the prefix-hit row's engine)."""
     blocks_per_seq = -(-decode_seq_len // _BLOCK_SIZE)
     num_blocks = max(max_batch_size * blocks_per_seq, -(-(prefill_len + 1) // _BLOCK_SIZE))
     config = EngineConfig(
         model=model_dir, dtype=dtype, num_threads=num_threads, block_size=_BLOCK_SIZE,
         num_blocks=num_blocks, max_num_seqs=max_batch_size,
         max_num_batched_tokens=max(prefill_len, max_batch_size),
-        max_model_len=max(prefill_len, decode_seq_len) + 1, enable_prefix_caching=False,
-        attention_backend=attention_backend,
+        max_model_len=max(prefill_len, decode_seq_len) + 1,
+        enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
     )  # fmt: skip
     return Engine(config)
 
@@ -221,6 +222,42 @@ def prefill_timer(engine: Engine, prompt: list[int]) -> Callable[[], float]:
         return elapsed
 
     return run_once
+
+
+class PrefixHit:
+    """Steps that prefill `num_new` fresh tokens after `prefix`, which the engine's prefix
+    cache holds (as a chat's next turn finds its history), and sample one token."""
+
+    def __init__(self, engine: Engine, prefix: list[int], num_new: int) -> None:
+        if not engine.config.enable_prefix_caching or len(prefix) % engine.config.block_size:
+            raise ValueError("a prefix hit needs prefix caching and a prefix of whole blocks")
+        self.engine, self.prefix, self.num_new = engine, prefix, num_new
+        self._counter = itertools.count()
+        self._params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        # Caches the prefix (a prompt longer than a step's token budget takes several steps).
+        engine.add_request("prefix-hit-warm", [*prefix, _FIRST_PLAIN_TOKEN], self._params)
+        for _ in range(-(-len(prefix) // engine.config.max_num_batched_tokens) + 1):
+            engine.step()
+        expect_idle(engine)
+
+    def step(self) -> float:
+        """Seconds of one such step (its request checked to have hit the whole prefix)."""
+        run = next(self._counter)
+        req_id = f"prefix-hit-{run}"
+        vocab = self.engine.model_config.vocab_size
+        prompt = [*self.prefix, *random_prompt(self.num_new, vocab, seed=1_000 + run)]
+        self.engine.add_request(req_id, prompt, self._params)
+        outputs: list[RequestOutput] = []
+        elapsed = time_call(lambda: outputs.extend(self.engine.step()))
+        _expect_tokens(outputs, 1, "prefix hit")
+        if outputs[0].num_cached_tokens != len(self.prefix):
+            raise RuntimeError(
+                f"the prefix-hit step found {outputs[0].num_cached_tokens} of the prefix's "
+                f"{len(self.prefix)} tokens cached"
+            )
+        if self.engine.has_unfinished_requests():
+            self.engine.abort(req_id)
+        return elapsed
 
 
 class DecodeBatch:
@@ -354,16 +391,54 @@ def hf_decode_timer(
     return run_once
 
 
+def hf_prefix_hit_timer(
+    model: PreTrainedModel, prefix_len: int, new_tokens: list[int]
+) -> Callable[[], float]:
+    """Times one [1, len(new_tokens)] forward over a cache holding `prefix_len` tokens
+    (the cache rebuilt from the same tensors before each run: the forward appends to it),
+    logits for the last token."""
+    prefix = _random_kv(model, 1, prefix_len)
+    params = inspect.signature(model.forward).parameters
+    cache_kwarg = "cache" if "cache" in params else "past_key_values"
+    input_ids = torch.tensor([new_tokens])
+
+    def run_once() -> float:
+        kwargs = {
+            "input_ids": input_ids, "use_cache": True, "logits_to_keep": 1,
+            cache_kwarg: _cache_of(model, prefix),
+        }  # fmt: skip
+        with torch.inference_mode():
+            return time_call(lambda: model(**kwargs))
+
+    return run_once
+
+
+# One layer's keys and values [batch, kv_heads, tokens, head_dim] (a transformers cache's).
+LayerKv = tuple[torch.Tensor, torch.Tensor]
+
+
 def _filled_cache(model: PreTrainedModel, batch_size: int, prompt_len: int) -> DynamicCache:
+    return _cache_of(model, _random_kv(model, batch_size, prompt_len))
+
+
+def _random_kv(model: PreTrainedModel, batch_size: int, num_tokens: int) -> list[LayerKv]:
+    """Per layer, random keys and values [batch, kv_heads, num_tokens, head_dim]."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = (batch_size, cfg.num_key_value_heads, prompt_len, head_dim)
+    shape = (batch_size, cfg.num_key_value_heads, num_tokens, head_dim)
     gen = torch.Generator().manual_seed(0)
-    cache = DynamicCache(config=cfg)
+    return [
+        (torch.randn(shape, generator=gen).to(model.dtype),
+         torch.randn(shape, generator=gen).to(model.dtype))
+        for _ in range(cfg.num_hidden_layers)
+    ]  # fmt: skip
+
+
+def _cache_of(model: PreTrainedModel, layers: list[LayerKv]) -> DynamicCache:
+    """A cache holding `layers`' keys and values (a forward appends to copies, not to them)."""
+    cache = DynamicCache(config=model.config)
     with torch.inference_mode():
-        for layer_idx in range(cfg.num_hidden_layers):
-            keys = torch.randn(shape, generator=gen).to(model.dtype)
-            values = torch.randn(shape, generator=gen).to(model.dtype)
+        for layer_idx, (keys, values) in enumerate(layers):
             cache.update(keys, values, layer_idx)
     return cache
 
@@ -403,7 +478,7 @@ def _measure(
     load = foreign_cores(start, snapshot())
     # The measured GEMM peak, or the rate the model's own matmuls reached if higher: a
     # square GEMM is not always the fastest shape (bf16 on AVX2 especially).
-    floor_flops = subjects.shape.matmul_flops(num_tokens, 1 if kind == "prefill" else num_tokens)
+    floor_flops = subjects.shape.matmul_flops(num_tokens, num_tokens if kind == "decode" else 1)
     peak = max(subjects.peak_flops, floor_flops / min(times["floor"]))
     bound, context = roofline(peak, len(times["engine"]))
     return report.Row(
@@ -427,6 +502,38 @@ def prefill_row(subjects: Subjects, prompt: list[int], policy: RepeatPolicy) -> 
     )  # fmt: skip
     expect_idle(engine)
     return row
+
+
+def prefix_hit_row(subjects: Subjects, prefix_hit: PrefixHit, policy: RepeatPolicy) -> report.Row:
+    """The prefix-hit row; `prefix_hit` has an engine of its own (prefix caching on)."""
+    engine, num_new, prefix_len = prefix_hit.engine, prefix_hit.num_new, len(prefix_hit.prefix)
+    new_tokens = random_prompt(num_new, subjects.shape.vocab_size, seed=999)
+    timers = {
+        "engine": prefix_hit.step,
+        "transformers": hf_prefix_hit_timer(subjects.hf_model, prefix_len, new_tokens),
+        "floor": matmul_floor_timer(engine.runner.model, num_new, 1),
+    }
+    ceilings = (subjects.elem_size, subjects.bandwidth)
+    row = _measure(
+        subjects, timers, policy, f"prefix hit {num_new}", "prefix hit", num_new,
+        lambda peak, _: (
+            report.prefill_roofline(subjects.shape, num_new, *ceilings, peak, prefix_len),
+            f"{prefix_len:,} cached",
+        ),
+    )  # fmt: skip
+    expect_idle(engine)
+    return row
+
+
+def profile_prefix_hit(prefix_hit: PrefixHit, dtype: str, row_name: str) -> report.Profile:
+    """One prefix-hit step under the profiler."""
+    self_times_us, wall_s = profile_self_times(prefix_hit.step)
+    expect_idle(prefix_hit.engine)
+    matmul_us = sum(us for op, us in self_times_us.items() if op in report.MATMUL_OPS)
+    return report.Profile(
+        dtype, row_name, 1, wall_s, sum(self_times_us.values()) / 1e6, matmul_us / 1e6,
+        top_ops(self_times_us, NUM_PROFILE_OPS),
+    )  # fmt: skip
 
 
 def decode_row(

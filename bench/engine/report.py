@@ -19,9 +19,12 @@ MATMUL_OPS = (
 )  # fmt: skip
 
 
-def floor_target(kind: str, batch_size: int) -> float:
+def floor_target(kind: str, batch_size: int) -> float | None:
     """Largest acceptable engine ÷ matmul-floor ratio (issue 13): 1.1× for a decode step,
-    1.2× for a prefill."""
+    1.2× for a prefill from position 0; none for a prefix hit (its attention over the
+    cached prefix is work the matmul floor leaves out)."""
+    if kind == "prefix hit":
+        return None
     return 1.1 if kind == "decode" else 1.2
 
 
@@ -29,16 +32,18 @@ def floor_target(kind: str, batch_size: int) -> float:
 class Row:
     """One step shape measured four ways (times are medians, in seconds)."""
 
-    name: str  # "prefill 512", "decode b8"
-    kind: str  # "prefill" or "decode"
-    num_tokens: int  # prompt tokens (prefill) or sequences (decode) the step handles
+    name: str  # "prefill 512", "prefix hit 16", "decode b8"
+    kind: str  # "prefill", "prefix hit" or "decode"
+    num_tokens: int  # new prompt tokens (prefill, prefix hit) or sequences (decode)
     engine_s: float
     transformers_s: float
     floor_s: float
     roofline_s: float
     roofline_bound: str  # "memory" or "compute"
-    floor_target: float
-    context: str = ""  # keys each sequence attends to while timed, "first-last" ("" for prefill)
+    floor_target: float | None  # None: no floor target (see floor_target)
+    # Keys each sequence attends to while timed, "first-last" (decode), or "N cached"
+    # (prefix hit); "" for a prefill from position 0.
+    context: str = ""
     # Average cores other processes kept busy while this row was measured.
     foreign_cores: float = 0.0
     samples: dict[str, list[float]] = field(default_factory=dict)
@@ -57,7 +62,7 @@ class Row:
 
     @property
     def floor_met(self) -> bool:
-        return self.engine_over_floor <= self.floor_target
+        return self.floor_target is None or self.engine_over_floor <= self.floor_target
 
     @property
     def transformers_met(self) -> bool:
@@ -127,6 +132,12 @@ def _timed(row: Row, seconds: float) -> str:
     return f"{format_time(seconds)} ({row.num_tokens / seconds:,.0f} tok/s)"
 
 
+def _floor_verdict(row: Row) -> str:
+    if row.floor_target is None:
+        return "floor: no target"
+    return f"floor ≤{row.floor_target:.1f}×: {_met(row.floor_met)}"
+
+
 def _row_cells(row: Row) -> list[str]:
     num_runs = len(row.samples.get("engine", []))
     name = f"{row.name} (ctx {row.context})" if row.context else row.name
@@ -136,8 +147,8 @@ def _row_cells(row: Row) -> list[str]:
         f"{format_time(row.roofline_s)} ({row.roofline_bound})",
         *(f"{ratio:.2f}×" for ratio in (row.engine_over_floor, row.engine_over_roofline,
                                          row.engine_over_transformers)),
-        f"floor ≤{row.floor_target:.1f}×: {_met(row.floor_met)}; "
-        f"≤ HF: {_met(row.transformers_met)}", f"{row.foreign_cores:.2f} cores",
+        f"{_floor_verdict(row)}; ≤ HF: {_met(row.transformers_met)}",
+        f"{row.foreign_cores:.2f} cores",
     ]  # fmt: skip
 
 
@@ -243,12 +254,15 @@ def roofline(num_bytes: float, flops: float, bandwidth: float, peak_flops: float
 
 
 def prefill_roofline(
-    shape: ModelShape, num_tokens: int, elem_size: int, bandwidth: float, peak_flops: float
-) -> Roofline:
-    """One prompt of `num_tokens` from position 0; logits for its last token only."""
-    kv = shape.kv_elements_per_token * num_tokens * elem_size
+    shape: ModelShape, num_tokens: int, elem_size: int, bandwidth: float, peak_flops: float,
+    context_len: int = 0,
+) -> Roofline:  # fmt: skip
+    """`num_tokens` prompt tokens after `context_len` cached ones (whose K/V it reads);
+    logits for its last token only."""
+    kv = shape.kv_elements_per_token * (context_len + num_tokens) * elem_size
     num_bytes = shape.matmul_params * elem_size + kv
-    flops = shape.matmul_flops(num_tokens, 1) + shape.attention_flops(num_tokens, 0, causal=True)
+    flops = shape.matmul_flops(num_tokens, 1)
+    flops += shape.attention_flops(num_tokens, context_len, causal=True)
     return roofline(num_bytes, flops, bandwidth, peak_flops)
 
 

@@ -1,6 +1,9 @@
-"""The engine benchmark's pure helpers on synthetic numbers (no timing is asserted)."""
+"""The engine benchmark's pure helpers on synthetic numbers, and its prefix-hit step on the
+tiny model (no timing is asserted)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -8,10 +11,13 @@ from tandem.bench.cli import parse_args
 from tandem.bench.engine.bench import make_plan
 from tandem.bench.engine.measure import (
     CpuSnapshot,
+    PrefixHit,
     RepeatPolicy,
+    build_engine,
     busy_seconds,
     foreign_cores,
     median,
+    random_prompt,
     repeat_interleaved,
     top_ops,
 )
@@ -50,18 +56,23 @@ def small_shape() -> ModelShape:
     return ModelShape.from_model_config(ModelConfig.from_dict(SMALL_CONFIG))
 
 
+ROW_NAMES = {"decode": "decode b1", "prefill": "prefill 512", "prefix hit": "prefix hit 16"}
+ROW_TOKENS = {"decode": 1, "prefill": 512, "prefix hit": 16}
+ROW_CONTEXTS = {"decode": "129–148", "prefill": "", "prefix hit": "1,008 cached"}
+
+
 def make_row(engine_s: float, floor_s: float, hf_s: float, kind: str = "decode") -> Row:
     return Row(
-        name="decode b1" if kind == "decode" else "prefill 512",
+        name=ROW_NAMES[kind],
         kind=kind,
-        num_tokens=1 if kind == "decode" else 512,
+        num_tokens=ROW_TOKENS[kind],
         engine_s=engine_s,
         transformers_s=hf_s,
         floor_s=floor_s,
         roofline_s=0.010,
         roofline_bound="memory",
         floor_target=floor_target(kind, 1),
-        context="129–148" if kind == "decode" else "",
+        context=ROW_CONTEXTS[kind],
         foreign_cores=0.9,
     )
 
@@ -146,6 +157,25 @@ def test_floor_targets():
     assert floor_target("decode", 1) == 1.1
     assert floor_target("decode", 32) == 1.1
     assert floor_target("prefill", 512) == 1.2
+    assert floor_target("prefix hit", 16) is None
+
+
+def test_prefix_hit_row_has_no_floor_target_only_the_transformers_one():
+    row = make_row(0.030, 0.010, 0.040, kind="prefix hit")
+    assert row.engine_over_floor == pytest.approx(3.0)
+    assert row.floor_met and row.transformers_met
+    line = format_table([row]).splitlines()[2]
+    assert "floor: no target; ≤ HF: met" in line and "(ctx 1,008 cached)" in line
+    assert not make_row(0.050, 0.010, 0.040, kind="prefix hit").transformers_met
+
+
+def test_prefill_roofline_after_a_cached_prefix_reads_its_kv_and_attends_it(small_shape):
+    fresh = prefill_roofline(small_shape, 16, 4, bandwidth=1.5e10, peak_flops=8e10)
+    hit = prefill_roofline(small_shape, 16, 4, 1.5e10, 8e10, context_len=1008)
+    assert hit.num_bytes - fresh.num_bytes == small_shape.kv_elements_per_token * 1008 * 4
+    assert hit.flops - fresh.flops == pytest.approx(
+        small_shape.attention_flops(16, 1008, True) - small_shape.attention_flops(16, 0, True)
+    )
 
 
 def test_row_ratios_and_targets():
@@ -259,3 +289,28 @@ def test_busy_seconds_and_foreign_cores():
     end = CpuSnapshot(busy_s=14.0, own_s=6.0, wall_s=102.0)
     assert foreign_cores(start, end) == pytest.approx(1.0)  # (4 - 2) CPU-s over 2 s
     assert foreign_cores(end, start) == 0.0
+
+
+def test_prefix_hit_steps_find_the_whole_prefix_cached_and_leave_the_engine_idle(
+    tiny_model_dir: Path,
+):
+    engine = build_engine(
+        str(tiny_model_dir), "float32", 1, 32, 2, 64 + 8, "auto", enable_prefix_caching=True
+    )
+    prefix = random_prompt(64, engine.model_config.vocab_size, seed=3)
+    hit = PrefixHit(engine, prefix, 8)
+    assert all(hit.step() > 0 for _ in range(3))  # each checks its request hit all 64 tokens
+    assert engine.is_idle()
+
+
+def test_prefix_hit_refuses_an_engine_without_prefix_caching_or_a_partial_block(
+    tiny_model_dir: Path,
+):
+    engine = build_engine(str(tiny_model_dir), "float32", 1, 32, 2, 64 + 8, "auto")
+    with pytest.raises(ValueError, match="prefix caching"):
+        PrefixHit(engine, list(range(5, 69)), 8)
+    cached = build_engine(
+        str(tiny_model_dir), "float32", 1, 32, 2, 64 + 8, "auto", enable_prefix_caching=True
+    )
+    with pytest.raises(ValueError, match="whole blocks"):
+        PrefixHit(cached, list(range(5, 65)), 8)
