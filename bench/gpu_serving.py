@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from tandem.bench.engine import measure
+from tandem.bench.engine import hf_timers, measure
 from tandem.bench.harness import free_port, running, tandem_spec
 from tandem.engine.config import EngineConfig
 from tandem.engine.generate import generate
@@ -55,7 +55,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def hf_greedy(model_dir: Path, device: str, max_tokens: int) -> list[list[int]]:
     """transformers' greedy tokens for `prompts` (float32, on `device`)."""
-    hf = measure.load_hf_model(str(model_dir), torch.float32).to(device)  # type: ignore[arg-type]
+    hf = hf_timers.load_hf_model(str(model_dir), torch.float32).to(device)  # type: ignore[arg-type]
     outputs = []
     for prompt in prompts(2048):
         ids = torch.tensor([prompt], device=device)

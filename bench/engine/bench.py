@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.bench.engine import measure, report
+from tandem.bench.engine import hf_timers, measure, report
 from tandem.bench.engine.measure import RepeatPolicy, Subjects
 from tandem.bench.harness import ensure_model
 from tandem.bench.report import machine_facts, publish, write_json
@@ -154,7 +154,7 @@ def _run_dtype(
     )  # fmt: skip
     resolved = engine.config.resolved_attention_backend
     _say(f"{dtype}, attention backend {backend} ({resolved})")
-    hf_model = measure.load_hf_model(plan.model_dir, torch_dtype)
+    hf_model = hf_timers.load_hf_model(plan.model_dir, torch_dtype)
     elem_size = torch.empty((), dtype=torch_dtype).element_size()
     subjects = Subjects(engine, hf_model, shape, elem_size, bandwidth, peak)
     prompt = measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
@@ -179,7 +179,7 @@ def run(plan: BenchPlan, command: str) -> report.BenchReport:
     bandwidth = measure.measure_bandwidth(num_runs=plan.num_hardware_runs)
     _say(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s (load avg {os.getloadavg()[0]:.2f})")
     shape = report.ModelShape.from_model_config(ModelConfig.from_model_dir(plan.model_dir))
-    hf_attention = measure.ATTN_IMPLEMENTATION
+    hf_attention = hf_timers.ATTN_IMPLEMENTATION
     bench_report = report.BenchReport(command, plan.quick, machine, bandwidth, hf_attention)
     peaks: dict[str, float] = {}
     for dtype, backend in plan.runs:

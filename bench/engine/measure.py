@@ -1,9 +1,9 @@
-"""What the engine benchmark times (engine, `transformers`, bare matmuls) and how: interleaved
-repeats, other processes' load, the profiler, the hardware ceilings."""
+"""What the engine benchmark times (the engine, `transformers` through hf_timers.py, bare
+matmuls) and how: interleaved repeats, other processes' load, the profiler, the hardware
+ceilings."""
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import os
 import random
@@ -18,9 +18,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from tandem.bench.engine import report
+from tandem.bench.engine.hf_timers import hf_decode_timer, hf_prefill_timer, hf_prefix_hit_timer
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import Engine
 from tandem.engine.model.llama import LlamaForCausalLM
@@ -350,99 +351,6 @@ def matmul_floor_timer(
     return run_once
 
 
-# transformers' default attention; "eager" would be slower and an unfair baseline.
-ATTN_IMPLEMENTATION = "sdpa"
-
-
-def load_hf_model(model_dir: str, dtype: torch.dtype) -> PreTrainedModel:
-    kwargs = {"dtype": dtype, "attn_implementation": ATTN_IMPLEMENTATION}
-    return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs).eval()
-
-
-def hf_prefill_timer(model: PreTrainedModel, prompt: list[int]) -> Callable[[], float]:
-    """Times one forward of the whole prompt (a fresh KV cache each run)."""
-    input_ids = torch.tensor([prompt])
-
-    def run_once() -> float:
-        with torch.inference_mode():
-            return time_call(lambda: model(input_ids=input_ids, logits_to_keep=1))
-
-    return run_once
-
-
-def hf_decode_timer(
-    model: PreTrainedModel, batch_size: int, prompt_len: int
-) -> Callable[[], float]:
-    """Times one [B, 1] forward of B sequences whose cache holds `prompt_len` tokens (and
-    grows by one per call)."""
-    token_ids = random_prompt(batch_size, model.config.vocab_size, seed=1)
-    # transformers 5.x renamed `past_key_values` to `cache` (the old name warns).
-    params = inspect.signature(model.forward).parameters
-    cache_kwarg = "cache" if "cache" in params else "past_key_values"
-    kwargs = {
-        "input_ids": torch.tensor(token_ids)[:, None], "use_cache": True,
-        cache_kwarg: _filled_cache(model, batch_size, prompt_len),
-    }  # fmt: skip
-
-    def run_once() -> float:
-        with torch.inference_mode():
-            return time_call(lambda: model(**kwargs))
-
-    return run_once
-
-
-def hf_prefix_hit_timer(
-    model: PreTrainedModel, prefix_len: int, new_tokens: list[int]
-) -> Callable[[], float]:
-    """Times one [1, len(new_tokens)] forward over a cache holding `prefix_len` tokens
-    (the cache rebuilt from the same tensors before each run: the forward appends to it),
-    logits for the last token."""
-    prefix = _random_kv(model, 1, prefix_len)
-    params = inspect.signature(model.forward).parameters
-    cache_kwarg = "cache" if "cache" in params else "past_key_values"
-    input_ids = torch.tensor([new_tokens])
-
-    def run_once() -> float:
-        kwargs = {
-            "input_ids": input_ids, "use_cache": True, "logits_to_keep": 1,
-            cache_kwarg: _cache_of(model, prefix),
-        }  # fmt: skip
-        with torch.inference_mode():
-            return time_call(lambda: model(**kwargs))
-
-    return run_once
-
-
-# One layer's keys and values [batch, kv_heads, tokens, head_dim] (a transformers cache's).
-LayerKv = tuple[torch.Tensor, torch.Tensor]
-
-
-def _filled_cache(model: PreTrainedModel, batch_size: int, prompt_len: int) -> DynamicCache:
-    return _cache_of(model, _random_kv(model, batch_size, prompt_len))
-
-
-def _random_kv(model: PreTrainedModel, batch_size: int, num_tokens: int) -> list[LayerKv]:
-    """Per layer, random keys and values [batch, kv_heads, num_tokens, head_dim]."""
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = (batch_size, cfg.num_key_value_heads, num_tokens, head_dim)
-    gen = torch.Generator().manual_seed(0)
-    return [
-        (torch.randn(shape, generator=gen).to(model.dtype),
-         torch.randn(shape, generator=gen).to(model.dtype))
-        for _ in range(cfg.num_hidden_layers)
-    ]  # fmt: skip
-
-
-def _cache_of(model: PreTrainedModel, layers: list[LayerKv]) -> DynamicCache:
-    """A cache holding `layers`' keys and values (a forward appends to copies, not to them)."""
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        for layer_idx, (keys, values) in enumerate(layers):
-            cache.update(keys, values, layer_idx)
-    return cache
-
-
 NUM_PROFILE_STEPS = 3
 NUM_PROFILE_OPS = 8
 
@@ -554,7 +462,11 @@ def decode_row(
 
         timers = {
             "engine": batch.step,
-            "transformers": hf_decode_timer(subjects.hf_model, batch_size, prompt_len),
+            "transformers": hf_decode_timer(
+                subjects.hf_model,
+                random_prompt(batch_size, subjects.shape.vocab_size, seed=1),
+                prompt_len,
+            ),
             "floor": matmul_floor_timer(engine.runner.model, batch_size, batch_size),
         }
         name = f"decode b{batch_size}"
