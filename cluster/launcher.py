@@ -19,6 +19,7 @@ from tandem.cluster.config import ClusterConfig, ThreadPolicy, role_resource
 from tandem.cluster.pool_controller import (
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
+    CONTROLLER_REPLY_S,
     RemotePoolController,
 )
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
@@ -74,9 +75,14 @@ class LocalCluster:
         self.controller = RemotePoolController.options(
             name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE
         ).remote(config, threads, env)
-        self.controller_metrics_url = await self.controller.start.remote()
         timeout_s = config.ray.worker_start_timeout_s
-        membership: Membership = await self.controller.wait_at_target.remote(timeout_s)
+        # The first call also waits for the controller's process to start.
+        self.controller_metrics_url = await asyncio.wait_for(
+            self.controller.start.remote(), timeout_s + CONTROLLER_REPLY_S
+        )
+        membership: Membership = await asyncio.wait_for(
+            self.controller.wait_at_target.remote(timeout_s), timeout_s + CONTROLLER_REPLY_S
+        )
         self.workers = serving_endpoints(membership)
         self._attached = AttachedRouter(config.router, self.controller)
         # The router learns block size and max model length from the workers' Stats.
@@ -89,7 +95,7 @@ class LocalCluster:
         return ray.get_runtime_context().gcs_address
 
     async def membership(self) -> Membership:
-        return await self.controller.get_membership.remote()
+        return await asyncio.wait_for(self.controller.get_membership.remote(), CONTROLLER_REPLY_S)
 
     def _init_ray(self) -> None:
         if ray.is_initialized():

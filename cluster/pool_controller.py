@@ -38,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "tandem-pool-controller"
 CONTROLLER_NAMESPACE = "tandem"
+# How long a call to the controller may take beyond the wait it asks for: its callers
+# bound their awaits by it, so a stuck controller or a lost reply fails them with a
+# TimeoutError instead of hanging them.
+CONTROLLER_REPLY_S = 30.0
 
 
 class PoolController:

@@ -8,6 +8,7 @@ changes through a `MembershipWatcher`, and answers admin calls through a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -15,7 +16,11 @@ import ray
 
 from tandem.cluster.admin_backend import RayAdminBackend
 from tandem.cluster.membership_watcher import MembershipWatcher
-from tandem.cluster.pool_controller import CONTROLLER_NAME, CONTROLLER_NAMESPACE
+from tandem.cluster.pool_controller import (
+    CONTROLLER_NAME,
+    CONTROLLER_NAMESPACE,
+    CONTROLLER_REPLY_S,
+)
 from tandem.router.config import RouterConfig
 from tandem.router.membership import Membership, WorkerLifecycle
 from tandem.router.server import Router
@@ -59,7 +64,10 @@ class AttachedRouter:
         self.watcher: MembershipWatcher | None = None
 
     async def start(self, timeout_s: float = 60.0) -> Router:
-        membership: Membership = await self.controller.wait_at_target.remote(timeout_s)
+        # The controller gives up after timeout_s; the margin bounds a reply that never comes.
+        membership: Membership = await asyncio.wait_for(
+            self.controller.wait_at_target.remote(timeout_s), timeout_s + CONTROLLER_REPLY_S
+        )
         admin = RayAdminBackend(self.controller)
         workers = serving_endpoints(membership)
         router = Router(self.config, workers, admin=admin)
