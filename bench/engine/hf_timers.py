@@ -5,11 +5,12 @@ decode step over a filled `DynamicCache`, new tokens over a cached prefix."""
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from tandem.bench.engine.timing import time_call
 
 # transformers' default attention; "eager" would be slower and an unfair baseline.
 ATTN_IMPLEMENTATION = "sdpa"
@@ -26,7 +27,7 @@ def hf_prefill_timer(model: PreTrainedModel, prompt: list[int]) -> Callable[[], 
 
     def run_once() -> float:
         with torch.inference_mode():
-            return _time_call(lambda: model(input_ids=input_ids, logits_to_keep=1))
+            return time_call(lambda: model(input_ids=input_ids, logits_to_keep=1))
 
     return run_once
 
@@ -43,7 +44,7 @@ def hf_decode_timer(
 
     def run_once() -> float:
         with torch.inference_mode():
-            return _time_call(lambda: model(**kwargs))
+            return time_call(lambda: model(**kwargs))
 
     return run_once
 
@@ -56,14 +57,15 @@ def hf_prefix_hit_timer(
     logits for the last token."""
     prefix = _random_kv(model, 1, prefix_len)
     input_ids = torch.tensor([new_tokens])
+    cache_kwarg = _cache_kwarg(model)
 
     def run_once() -> float:
         kwargs = {
             "input_ids": input_ids, "use_cache": True, "logits_to_keep": 1,
-            _cache_kwarg(model): _cache_of(model, prefix),
+            cache_kwarg: _cache_of(model, prefix),
         }  # fmt: skip
         with torch.inference_mode():
-            return _time_call(lambda: model(**kwargs))
+            return time_call(lambda: model(**kwargs))
 
     return run_once
 
@@ -101,9 +103,3 @@ def _cache_of(model: PreTrainedModel, layers: list[LayerKv]) -> DynamicCache:
 def _cache_kwarg(model: PreTrainedModel) -> str:
     """transformers 5.x renamed `past_key_values` to `cache` (the old name warns)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _time_call(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start

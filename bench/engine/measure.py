@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from tandem.bench.engine import report
 from tandem.bench.engine.hf_timers import hf_decode_timer, hf_prefill_timer, hf_prefix_hit_timer
+from tandem.bench.engine.timing import time_call
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import Engine
 from tandem.engine.model.llama import LlamaForCausalLM
@@ -68,13 +69,6 @@ def repeat_interleaved(
         if num_rounds >= policy.min_runs and spent >= policy.budget_s:
             break
     return samples
-
-
-def time_call(fn: Callable[[], object]) -> float:
-    """Seconds one call of `fn` takes."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def top_ops(self_times_us: dict[str, float], num_ops: int) -> list[report.OpTime]:
@@ -437,11 +431,7 @@ def profile_prefix_hit(prefix_hit: PrefixHit, dtype: str, row_name: str) -> repo
     """One prefix-hit step under the profiler."""
     self_times_us, wall_s = profile_self_times(prefix_hit.step)
     expect_idle(prefix_hit.engine)
-    matmul_us = sum(us for op, us in self_times_us.items() if op in report.MATMUL_OPS)
-    return report.Profile(
-        dtype, row_name, 1, wall_s, sum(self_times_us.values()) / 1e6, matmul_us / 1e6,
-        top_ops(self_times_us, NUM_PROFILE_OPS),
-    )  # fmt: skip
+    return _profile(dtype, row_name, 1, self_times_us, wall_s)
 
 
 def decode_row(
@@ -486,13 +476,17 @@ def profile_missed(
         else:
             num_steps = NUM_PROFILE_STEPS
             self_times_us, wall_s = profile_decode(engine, row.num_tokens, prompt_len, num_steps)
-        per_step_us = {op: us / num_steps for op, us in self_times_us.items()}
-        matmul_us = sum(us for op, us in per_step_us.items() if op in report.MATMUL_OPS)
-        profiles.append(
-            report.Profile(
-                dtype, row.name, num_steps, wall_s / num_steps,
-                sum(per_step_us.values()) / 1e6, matmul_us / 1e6,
-                top_ops(per_step_us, NUM_PROFILE_OPS),
-            )
-        )  # fmt: skip
+        profiles.append(_profile(dtype, row.name, num_steps, self_times_us, wall_s))
     return profiles
+
+
+def _profile(
+    dtype: str, row_name: str, num_steps: int, self_times_us: dict[str, float], wall_s: float
+) -> report.Profile:
+    """A row's profile from `num_steps` steps' op self times and wall time, per step."""
+    per_step_us = {op: us / num_steps for op, us in self_times_us.items()}
+    matmul_us = sum(us for op, us in per_step_us.items() if op in report.MATMUL_OPS)
+    return report.Profile(
+        dtype, row_name, num_steps, wall_s / num_steps, sum(per_step_us.values()) / 1e6,
+        matmul_us / 1e6, top_ops(per_step_us, NUM_PROFILE_OPS),
+    )  # fmt: skip

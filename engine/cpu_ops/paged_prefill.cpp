@@ -13,13 +13,13 @@
 // second register-blocked kernel; a block's scores stay in L1. No GEMM library calls, no
 // mask tensor, no gather. The copies hold the context's K/V once (every task of a head
 // reads them); a task's own scratch is bounded by its rows and the key tile. The copy
-// tasks alternate keys and values (a thread given only keys, the slower copy, held the
-// other at the join), and keys are transposed sixteen at a time in registers, not stored
-// one element at a time: over 12 layers of the small preset's heads (AMD EPYC, 2 threads,
-// interleaved) bfloat16 16 tokens after 1,000 cached went 4.1-6.5 -> 3.6-4.2 ms, 64 after
-// 2,000 27-30 -> 20-22, 16 after 200 1.2 -> 0.8-1.0, 512-token chunks level; with the
-// transpose fully unrolled (its rows had spilled to the stack), 16 after 1,008 float32
-// 7.7-8.1 -> 6.0-6.2 ms and bfloat16 4.2-5.2 -> 3.1-4.3 (medians of 100, 3 rounds).
+// tasks alternate keys and values (copy_heads), and keys are transposed sixteen at a time
+// in registers (store_transposed16), not stored one element at a time: over 12 layers of
+// the small preset's heads (AMD EPYC, 2 threads, interleaved) bfloat16 16 tokens after
+// 1,000 cached went 4.1-6.5 -> 3.6-4.2 ms, 64 after 2,000 27-30 -> 20-22, 16 after 200
+// 1.2 -> 0.8-1.0, 512-token chunks level; with the transpose fully unrolled (its rows had
+// spilled to the stack), 16 after 1,008 float32 7.7-8.1 -> 6.0-6.2 ms and bfloat16
+// 4.2-5.2 -> 3.1-4.3 (medians of 100, 3 rounds).
 // Registered as torch.ops.tandem_cpu.paged_prefill; built by cpu_ops/loader.py.
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -89,6 +89,33 @@ struct HeadRows {
   }
 };
 
+// Sixteen keys' rows transposed: load(j) gives 16 32-bit lanes of key j (j < n; zeros for
+// the keys past n), and lane l of the sixteen keys is written as one vector at
+// dst + l * dst_stride. Both walks' key copies go through it (floats, or bfloat16 pairs).
+template <typename Load>
+void store_transposed16(int64_t n, const Load& load, float* dst, int64_t dst_stride) {
+  Vec16 r[kLanes16];
+  for (int64_t j = 0; j < kLanes16; ++j) r[j] = j < n ? load(j) : Vec16{};
+  tandem_cpu::transpose16x16(r);
+  for (int64_t l = 0; l < kLanes16; ++l) store16(dst + l * dst_stride, r[l]);
+}
+
+// The copy phase of both walks: each KV head's keys and values, as 2 * kv_heads tasks
+// that alternate keys and values, so each thread gets both kinds (a thread given only
+// keys, the slower copy, held the other at the join).
+template <typename CopyKeys, typename CopyValues>
+void copy_heads(int64_t kv_heads, const CopyKeys& copy_keys, const CopyValues& copy_values) {
+  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      if (task % 2 == 0) {
+        copy_keys(task / 2);
+      } else {
+        copy_values(task / 2);
+      }
+    }
+  });
+}
+
 // Keys [0, num_keys) of one KV head in panels of kLanes16 keys: panel p's row d holds
 // dimension d of keys p * kLanes16 ... + kLanes16 - 1 (zeros past the last key). Sixteen
 // keys at a time: 16 dims of each read as floats, transposed in registers, written as 16
@@ -103,10 +130,8 @@ void pack_keys(const HeadRows<T>& keys, float* panels) {
     for (int64_t j = 0; j < n; ++j) key_rows[j] = keys.row(t0 + j);
     float* panel = panels + (t0 / kLanes16) * head_dim * kLanes16;
     for (int64_t d0 = 0; d0 < head_dim; d0 += kLanes16) {
-      Vec16 r[kLanes16];
-      for (int64_t j = 0; j < kLanes16; ++j) r[j] = j < n ? tandem_cpu::load_row(key_rows[j] + d0) : Vec16{};
-      tandem_cpu::transpose16x16(r);
-      for (int64_t d = 0; d < kLanes16; ++d) store16(panel + (d0 + d) * kLanes16, r[d]);
+      const auto dims = [&](int64_t j) { return tandem_cpu::load_row(key_rows[j] + d0); };
+      store_transposed16(n, dims, panel + d0 * kLanes16, kLanes16);
     }
   }
 }
@@ -287,12 +312,8 @@ void pack_keys_vnni(const HeadRows<c10::BFloat16>& keys, Pair* tiles) {
     Pair* dst = tiles + (t0 / kPairTileKeys) * tile_size + t0 % kPairTileKeys;
     int64_t p0 = 0;
     for (; p0 + kLanes16 <= pairs; p0 += kLanes16) {
-      Vec16 r[kLanes16];
-      for (int64_t j = 0; j < kLanes16; ++j) {
-        r[j] = j < n ? load16(reinterpret_cast<const float*>(key_rows[j] + p0)) : Vec16{};
-      }
-      tandem_cpu::transpose16x16(r);
-      for (int64_t p = 0; p < kLanes16; ++p) store16(reinterpret_cast<float*>(dst + (p0 + p) * kPairTileKeys), r[p]);
+      const auto dim_pairs = [&](int64_t j) { return load16(reinterpret_cast<const float*>(key_rows[j] + p0)); };
+      store_transposed16(n, dim_pairs, reinterpret_cast<float*>(dst + p0 * kPairTileKeys), kPairTileKeys);
     }
     for (; p0 < pairs; ++p0) {
       for (int64_t j = 0; j < n; ++j) dst[p0 * kPairTileKeys + j] = key_rows[j][p0];
@@ -447,18 +468,16 @@ void prefill_bf16(const at::Tensor& query, const at::Tensor& kv_cache, const int
   // Scratch left uninitialized: every element read is written first.
   std::unique_ptr<Pair[]> keys(new Pair[kv_heads * num_tiles * tile_size / 2]);
   std::unique_ptr<BFloat16[]> values(new BFloat16[kv_heads * num_tiles * tile_size]);
-  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / 2;  // a head's keys, then its values: each thread gets both kinds
-      if (task % 2 == 0) {
+  copy_heads(
+      kv_heads,
+      [&](int64_t head) {
         pack_keys_vnni({k_cache, table, block_size, kv_heads, head, head_dim, num_keys},
                        keys.get() + head * num_tiles * tile_size / 2);
-      } else {
+      },
+      [&](int64_t head) {
         pack_values_vnni({v_cache, table, block_size, kv_heads, head, head_dim, num_keys},
                          values.get() + head * num_tiles * tile_size);
-      }
-    }
-  });
+      });
   const int64_t query_blocks = (tokens + kQueryTokens - 1) / kQueryTokens;
   const int64_t max_rows = group * std::min(kQueryTokens, tokens);
   const BFloat16* q = query.data_ptr<BFloat16>();
@@ -525,18 +544,16 @@ void prefill_tiles(const at::Tensor& query, const at::Tensor& kv_cache, const in
   const int64_t panels_size = num_panels * kLanes16 * head_dim, values_size = num_keys * head_dim;
   // Scratch left uninitialized: every element read is written first.
   std::unique_ptr<float[]> keys_packed(new float[kv_heads * panels_size]), values(new float[kv_heads * values_size]);
-  at::parallel_for(0, 2 * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t head = task / 2;  // a head's keys, then its values: each thread gets both kinds
-      if (task % 2 == 0) {
+  copy_heads(
+      kv_heads,
+      [&](int64_t head) {
         pack_keys(HeadRows<T>{k_cache, table, block_size, kv_heads, head, head_dim, num_keys},
                   keys_packed.get() + head * panels_size);
-      } else {
+      },
+      [&](int64_t head) {
         copy_values(HeadRows<T>{v_cache, table, block_size, kv_heads, head, head_dim, num_keys},
                     values.get() + head * values_size);
-      }
-    }
-  });
+      });
 
   const int64_t group = num_heads / kv_heads;
   const int64_t query_blocks = (tokens + kQueryTokens - 1) / kQueryTokens;
