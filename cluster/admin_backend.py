@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from tandem.cluster.pool_controller import CONTROLLER_REPLY_S
 from tandem.router.membership import Membership, PoolTargets
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 class RayAdminBackend:
     """Implements `tandem.router.membership.AdminBackend` over a controller handle."""
 
-    def __init__(self, controller: Any, timeout_s: float = 30.0) -> None:
+    def __init__(self, controller: Any, timeout_s: float = CONTROLLER_REPLY_S) -> None:
         self.controller = controller
         self.timeout_s = timeout_s
 
