@@ -2,9 +2,9 @@
 // index of its maximum, as torch's max(dim=-1) picks it (a NaN counts as the maximum, the
 // first NaN wins; bfloat16 values compared as the floats they are exactly, so a bfloat16
 // model's logits need no float32 copy first). torch's indexed max walks a row one element
-// at a time (at a 32,000-token vocabulary ~9x the time of its plain amax); here two
-// vectorized passes over a row held in cache: the maximum (and whether a NaN is there),
-// then the first index holding it.
+// at a time (at a 32,000-token vocabulary ~9x the time of its plain amax); here one
+// vectorized pass over a row held in cache keeps each lane's maximum and its first index
+// (and whether a NaN is there).
 // Registered as torch.ops.tandem_cpu.greedy_argmax; built by loader.py.
 #include <ATen/Parallel.h>
 
@@ -49,53 +49,67 @@ inline bool is_nan(float v) {
   return (bits & kMagnitudeBits) > kInfinityBits;
 }
 
+// Vectors of kLanes taken side by side in the row's pass: their chains of compares and
+// blends overlap (one chain waited on each compare's latency).
+constexpr int kChains = 4;
+
+// Lane k of each chain c holds, of the elements at row offsets congruent to c * kLanes + k,
+// the greatest and the first index holding it (a later equal value does not replace it).
+// One pass: the maximum, its first index, and whether any NaN is in the row. 32,000-token
+// rows, 1 thread (AMD EPYC): bfloat16 5.5 us for one row and 126 for 32, float32 4.5 and
+// 107, against 13.7, 300, 7.3 and 261 with a pass for the maximum, then one for its index.
 template <typename T>
 int64_t row_argmax(const T* row, int64_t n) {
-  // Pass 1: the maximum, and whether any NaN is in the row.
-  const int64_t vectors = n / kLanes * kLanes;
+  constexpr int64_t kStep = kLanes * kChains;
+  const int64_t whole = n / kStep * kStep;
   float best = static_cast<float>(row[0]);
+  int64_t best_at = 0;
   bool any_nan = false;
-  if (vectors) {
-    Vec max = load(row);
+  if (whole) {
+    Mask lane{};
+    for (int k = 0; k < kLanes; ++k) lane[k] = k;
+    Vec max[kChains];
+    Mask at[kChains];
     Mask nan = Mask{} != Mask{};  // all false
-    for (int64_t i = 0; i < vectors; i += kLanes) {
-      const Vec v = load(row + i);
-      Mask bits;
-      std::memcpy(&bits, &v, sizeof(bits));
-      nan |= (bits & static_cast<int32_t>(kMagnitudeBits)) > static_cast<int32_t>(kInfinityBits);
-      max = v > max ? v : max;
+    for (int c = 0; c < kChains; ++c) {
+      max[c] = load(row + c * kLanes);
+      at[c] = lane + c * kLanes;
     }
-    for (int k = 0; k < kLanes; ++k) {
-      best = max[k] > best ? max[k] : best;
-      any_nan |= nan[k] != 0;
+    for (int64_t i = 0; i < whole; i += kStep) {
+      for (int c = 0; c < kChains; ++c) {
+        const Vec v = load(row + i + c * kLanes);
+        Mask bits;
+        std::memcpy(&bits, &v, sizeof(bits));
+        nan |= (bits & static_cast<int32_t>(kMagnitudeBits)) > static_cast<int32_t>(kInfinityBits);
+        const Mask greater = v > max[c];
+        max[c] = greater ? v : max[c];
+        at[c] = greater ? lane + static_cast<int32_t>(i + c * kLanes) : at[c];
+      }
+    }
+    for (int c = 0; c < kChains; ++c) {
+      for (int k = 0; k < kLanes; ++k) {
+        if (max[c][k] > best || (max[c][k] == best && at[c][k] < best_at)) {
+          best = max[c][k];
+          best_at = at[c][k];
+        }
+        any_nan |= nan[k] != 0;
+      }
     }
   }
-  for (int64_t i = vectors; i < n; ++i) {
+  for (int64_t i = whole; i < n; ++i) {
     const float v = static_cast<float>(row[i]);
-    best = v > best ? v : best;
     any_nan |= is_nan(v);
+    if (v > best) {
+      best = v;
+      best_at = i;
+    }
   }
-  // Pass 2: the first index holding it (the first NaN where there is one).
-  if (any_nan) {
+  if (any_nan) {  // the first NaN wins
     for (int64_t i = 0; i < n; ++i) {
       if (is_nan(static_cast<float>(row[i]))) return i;
     }
   }
-  const Vec target = Vec{} + best;
-  for (int64_t i = 0; i < vectors; i += kLanes) {
-    const Mask hit = load(row + i) == target;
-    int32_t any = 0;
-    for (int k = 0; k < kLanes; ++k) any |= hit[k];
-    if (any) {
-      for (int k = 0; k < kLanes; ++k) {
-        if (hit[k]) return i + k;
-      }
-    }
-  }
-  for (int64_t i = vectors; i < n; ++i) {
-    if (static_cast<float>(row[i]) == best) return i;
-  }
-  return 0;  // unreachable: `best` is one of the row's values
+  return best_at;
 }
 
 }  // namespace
