@@ -292,10 +292,76 @@ class BlocksPrefetch {
 // How much of the next task's keys a task asks for while it sums its values.
 constexpr int64_t kKeysAheadBytes = 128 * 1024;
 
+// Keys per partition of a long context, about: a context longer than this is split into
+// partitions of equal whole blocks, each a task over all KV heads whose results are merged
+// (the flash-decoding split). Split by KV heads instead, a task read a quarter of each
+// block row (4 KV heads), and a lone 8,000-token context ran at a third of the memory
+// bandwidth. The split depends only on the context's length, so a sequence's attention
+// comes out the same whatever batch and thread count it runs in.
+constexpr int64_t kPartitionKeys = 512;
+
+// One task: query row `row`'s KV heads [first_head, end_head) over context positions
+// [first_key, end_key); partial: its slot among a split context's partitions, or -1 (it
+// writes the row's output itself).
+struct DecodeTask {
+  int64_t row, first_head, end_head, first_key, end_key, partial;
+  bool whole_blocks(int64_t kv_heads) const { return first_head == 0 && end_head == kv_heads; }
+};
+
+// A split context: its partitions' slots [first_partial, end_partial).
+struct SplitRow {
+  int64_t row, first_partial, end_partial;
+};
+
+struct DecodePlan {
+  std::vector<DecodeTask> tasks;  // in the rows' order
+  std::vector<SplitRow> split_rows;
+  int64_t num_partials = 0;
+};
+
+// The vector path's tasks. A context over kPartitionKeys: partitions of equal whole blocks.
+// Any other: one task over all its KV heads, or, where the batch has too few rows to give
+// each thread two tasks, ranges of KV heads (down to one).
+DecodePlan plan_decode(const int32_t* lens, int64_t rows, int64_t kv_heads, int64_t block_size, int64_t threads) {
+  DecodePlan plan;
+  const int64_t head_splits = std::min<int64_t>(kv_heads, std::max<int64_t>(1, (2 * threads + rows - 1) / rows));
+  const int64_t heads_per_task = (kv_heads + head_splits - 1) / head_splits;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t len = lens[r];
+    if (len <= kPartitionKeys) {
+      for (int64_t h = 0; h < kv_heads; h += heads_per_task) {
+        plan.tasks.push_back({r, h, std::min(kv_heads, h + heads_per_task), 0, len, -1});
+      }
+      continue;
+    }
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    const int64_t parts = (len + kPartitionKeys - 1) / kPartitionKeys;
+    const int64_t part_keys = (blocks + parts - 1) / parts * block_size;
+    const int64_t first_partial = plan.num_partials;
+    for (int64_t k = 0; k < len; k += part_keys) {
+      plan.tasks.push_back({r, 0, kv_heads, k, std::min(len, k + part_keys), plan.num_partials++});
+    }
+    plan.split_rows.push_back({r, first_partial, plan.num_partials});
+  }
+  return plan;
+}
+
+// One query head's output: its value sum acc (D floats, in the value sums' lane order)
+// times scale, into out (D elements of T).
+template <int D, typename T>
+void store_head(const float* acc, float scale, T* out) {
+  for (int c = 0; c < D / kLanes16; c += 2) {
+    Vec16 first = load16(acc + c * kLanes16);
+    Vec16 second = load16(acc + (c + 1) * kLanes16);
+    in_dim_order<T>(first, second);
+    store_row(out + c * kLanes16, first * scale);
+    store_row(out + (c + 1) * kLanes16, second * scale);
+  }
+}
+
 template <int D, typename T>
 void decode_vectors(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                   const at::Tensor& seq_lens, double scale, at::Tensor& out) {
-  constexpr int kVectors = D / kLanes16;
   const int64_t rows = query.size(0), num_heads = query.size(1);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2);
   const int64_t kv_heads = kv_cache.size(3), group = num_heads / kv_heads;
@@ -310,39 +376,40 @@ void decode_vectors(const at::Tensor& query, const at::Tensor& kv_cache, const a
   T* o = out.data_ptr<T>();
   const int64_t token_stride = kv_heads * D;
   const float sc = static_cast<float>(scale);
-  // Tasks: at least two per thread where the batch allows (a long sequence's task can
-  // take several times a short one's), each a whole number of KV heads.
   const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::min<int64_t>(kv_heads, std::max<int64_t>(1, (2 * threads + rows - 1) / rows));
-  const int64_t heads_per_task = (kv_heads + splits - 1) / splits;
-  const int64_t tasks_per_row = (kv_heads + heads_per_task - 1) / heads_per_task;
+  const DecodePlan plan = plan_decode(lens, rows, kv_heads, block_size, threads);
+  const int64_t num_tasks = static_cast<int64_t>(plan.tasks.size());
+  // Per partition of a split context: each query head's score maximum, its sum of
+  // e^(score - maximum), and its value sum weighted so (in the value sums' lane order).
+  std::vector<float> partial_top(plan.num_partials * num_heads), partial_total(plan.num_partials * num_heads);
+  std::vector<float> partial_accs(plan.num_partials * num_heads * D);
   // Threads claim tasks one at a time from a shared counter, so a thread that drew short
   // sequences takes more of them. The model runner lays decodes out longest first, and a
   // fixed split gave the first thread all the long ones: 32 contexts of 50-1000, 12 layers
   // (AMD EPYC, 2 threads, interleaved) took 12.0-12.2 ms in bfloat16 and 24.7-25.0 in
   // float32 split so, 8.6-9.4 and 16.7-18.8 claimed; contexts of 131-150 level.
-  const int64_t num_tasks = rows * tasks_per_row;
   std::atomic<int64_t> next_unclaimed{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, accs, inv;
+    std::vector<float> scores, accs, top, total;
     int64_t keys_requested = 0;  // this task's first blocks whose keys the task before asked for
-    for (int64_t task = next_unclaimed.fetch_add(1), following; task < num_tasks; task = following) {
-      const int64_t row = task / tasks_per_row;
-      const int64_t h0 = (task % tasks_per_row) * heads_per_task, h1 = std::min(kv_heads, h0 + heads_per_task);
+    for (int64_t index = next_unclaimed.fetch_add(1), following; index < num_tasks; index = following) {
+      const DecodeTask& task = plan.tasks[index];
+      const int64_t row = task.row, h0 = task.first_head, h1 = task.end_head;
+      const int64_t k0 = task.first_key, k1 = task.end_key, len = k1 - k0;
       const int64_t q0 = h0 * group, nq = (h1 - h0) * group;
-      const int64_t len = lens[row];
       const int32_t* table = tables + row * width;
       scores.resize(nq * len);
       accs.assign(nq * D, 0.f);
-      inv.resize(nq);
+      top.resize(nq);
+      total.resize(nq);
       float* s = scores.data();
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+      for (int64_t t0 = k0; t0 < k1; t0 += block_size) {
         const T* block = k_cache + table[t0 / block_size] * block_size * token_stride;
-        const int64_t n = std::min(block_size, len - t0), next_n = std::min(block_size, len - t0 - n);
+        const int64_t n = std::min(block_size, k1 - t0), next_n = std::min(block_size, k1 - t0 - n);
         const int64_t shares = (h1 - h0) * group;
         SpreadPrefetch values(v_cache + table[t0 / block_size] * block_size * token_stride,
                               n * token_stride * sizeof(T), shares);
-        const bool next_requested = t0 / block_size + 1 < keys_requested;
+        const bool next_requested = (t0 - k0) / block_size + 1 < keys_requested;
         SpreadPrefetch next_keys(k_cache + (next_n > 0 ? table[t0 / block_size + 1] : 0) * block_size * token_stride,
                                  next_requested ? 0 : std::max<int64_t>(0, next_n) * token_stride * sizeof(T), shares);
         for (int64_t h = h0; h < h1; ++h) {
@@ -352,7 +419,7 @@ void decode_vectors(const at::Tensor& query, const at::Tensor& kv_cache, const a
             const int64_t hq = h * group + g;
             const QueryHead<D, T> query_head(q + row * q_row + hq * q_head, sc);
             const T* keys = block + h * D;
-            float* sg = s + (hq - q0) * len + t0;
+            float* sg = s + (hq - q0) * len + (t0 - k0);
             int64_t j = 0;
             for (; kFoldKeys && j + kLanes16 <= n; j += kLanes16) {
               Vec16 dots[kLanes16];
@@ -365,48 +432,68 @@ void decode_vectors(const at::Tensor& query, const at::Tensor& kv_cache, const a
       }
       for (int64_t i = 0; i < nq; ++i) {
         float* si = s + i * len;
-        const float top = tandem_cpu::max_of(si, len, si[0]);
-        inv[i] = 1.f / tandem_cpu::exp_shifted_sum(si, len, top);
+        top[i] = tandem_cpu::max_of(si, len, si[0]);
+        total[i] = tandem_cpu::exp_shifted_sum(si, len, top[i]);
       }
       // The thread's next task, claimed now so that its first blocks of keys can be asked for
       // while this one sums its values (when it takes whole blocks: all KV heads).
       following = next_unclaimed.fetch_add(1);
       BlocksPrefetch next_task_keys;
       keys_requested = 0;
-      if (following < num_tasks && heads_per_task == kv_heads) {
-        const int64_t next_row = following / tasks_per_row, block_bytes = block_size * token_stride * sizeof(T);
-        const int64_t blocks = std::min((lens[next_row] + block_size - 1) / block_size,
+      if (following < num_tasks && plan.tasks[following].whole_blocks(kv_heads)) {
+        const DecodeTask& next = plan.tasks[following];
+        const int64_t block_bytes = block_size * token_stride * sizeof(T);
+        const int64_t blocks = std::min((next.end_key - next.first_key + block_size - 1) / block_size,
                                         std::max<int64_t>(1, kKeysAheadBytes / block_bytes));
         const int64_t value_steps = (len + block_size - 1) / block_size * (h1 - h0) *
                                     ((group + kHeadsPerValueRead<D> - 1) / kHeadsPerValueRead<D>);
-        next_task_keys = BlocksPrefetch(k_cache, tables + next_row * width, blocks, block_bytes, value_steps);
+        next_task_keys = BlocksPrefetch(k_cache, tables + next.row * width + next.first_key / block_size, blocks,
+                                        block_bytes, value_steps);
         keys_requested = blocks;
       }
-      for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+      for (int64_t t0 = k0; t0 < k1; t0 += block_size) {
         const T* block = v_cache + table[t0 / block_size] * block_size * token_stride;
-        const int64_t n = std::min(block_size, len - t0);
+        const int64_t n = std::min(block_size, k1 - t0);
         for (int64_t h = h0; h < h1; ++h) {
           for (int64_t g = 0; g < group; g += kHeadsPerValueRead<D>) {
             next_task_keys.next();
             const int64_t i = h * group + g - q0;
             const int heads = static_cast<int>(std::min<int64_t>(kHeadsPerValueRead<D>, group - g));
-            kAddWeightedValues<D, T>[heads](block + h * D, token_stride, n, s + i * len + t0, len,
+            kAddWeightedValues<D, T>[heads](block + h * D, token_stride, n, s + i * len + (t0 - k0), len,
                                             accs.data() + i * D);
           }
         }
       }
+      if (task.partial >= 0) {  // every query head (whole blocks); merged after the tasks
+        std::copy(top.begin(), top.end(), partial_top.begin() + task.partial * num_heads);
+        std::copy(total.begin(), total.end(), partial_total.begin() + task.partial * num_heads);
+        std::copy(accs.begin(), accs.end(), partial_accs.begin() + task.partial * num_heads * D);
+        continue;
+      }
       for (int64_t i = 0; i < nq; ++i) {
-        T* og = o + row * o_row + (q0 + i) * o_head;
-        for (int c = 0; c < kVectors; c += 2) {
-          Vec16 first = load16(accs.data() + i * D + c * kLanes16);
-          Vec16 second = load16(accs.data() + i * D + (c + 1) * kLanes16);
-          in_dim_order<T>(first, second);
-          store_row(og + c * kLanes16, first * inv[i]);
-          store_row(og + (c + 1) * kLanes16, second * inv[i]);
-        }
+        store_head<D, T>(accs.data() + i * D, 1.f / total[i], o + row * o_row + (q0 + i) * o_head);
       }
     }
   });
+  // A split context's partitions merged: each rescaled to the greatest of their maxima.
+  for (const SplitRow& split : plan.split_rows) {
+    std::vector<float> acc(D);
+    for (int64_t hq = 0; hq < num_heads; ++hq) {
+      float top = partial_top[split.first_partial * num_heads + hq];
+      for (int64_t p = split.first_partial + 1; p < split.end_partial; ++p) {
+        top = std::max(top, partial_top[p * num_heads + hq]);
+      }
+      float total = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t p = split.first_partial; p < split.end_partial; ++p) {
+        const float weight = std::exp(partial_top[p * num_heads + hq] - top);
+        total += weight * partial_total[p * num_heads + hq];
+        const float* part = partial_accs.data() + (p * num_heads + hq) * D;
+        for (int64_t d = 0; d < D; ++d) acc[d] += weight * part[d];
+      }
+      store_head<D, T>(acc.data(), 1.f / total, o + split.row * o_row + hq * o_head);
+    }
+  }
 }
 
 template <typename T>

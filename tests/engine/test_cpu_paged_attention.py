@@ -29,6 +29,9 @@ CASES = {
     "decodes-mha-bs64": ([1, 1], [31, 100], 2, 2, 64, 64),
     "decodes-hd128-gqa4-bs16": ([1, 1, 1], [200, 33, 1], 8, 2, 128, 16),
     "decodes-gqa8-bs1": ([1, 1, 1], [5, 1, 33], 16, 2, 16, 1),
+    # Enough rows for whole-row tasks, but the first context is most of the batch's keys:
+    # with several threads its KV heads are split over tasks.
+    "decodes-long-among-short-gqa3-bs16": ([1] * 8, [1200, 40, 33, 17, 16, 9, 2, 1], 12, 4, 64, 16),
     # The vector path's keys 16 at a time (two runs per 32-key block, none in 8-key
     # blocks) and its query heads' value sums 4 (head dim 64) or 2 (128) at a time.
     "decodes-hd64-gqa5-bs32": ([1] * 4, [100, 33, 64, 17], 10, 2, 64, 32),
@@ -83,6 +86,7 @@ def test_backend_matches_attention_written_out(case_id: str) -> None:
     [
         # bfloat16 with head dims 64 and 128 takes the vector path, float16 the generic one.
         (torch.bfloat16, "decodes-ragged-gqa3-bs16"),
+        (torch.bfloat16, "decodes-long-among-short-gqa3-bs16"),
         (torch.bfloat16, "decodes-hd128-gqa4-bs16"),
         (torch.bfloat16, "decodes-hd64-gqa5-bs32"),
         (torch.bfloat16, "decodes-hd64-gqa8-bs16"),
@@ -104,6 +108,42 @@ def test_half_precision_caches(dtype: torch.dtype, case_id: str) -> None:
     out, expected = run_backend(case_id, dtype)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_contexts_decode_does_not_depend_on_its_batch_or_threads(dtype: torch.dtype) -> None:
+    # Contexts over 512 keys are split into partitions whose results are merged; the split
+    # depends on the context's length only, so the row's output is the same bits alone, in
+    # a batch, on one thread or several.
+    gen = torch.Generator().manual_seed(11)
+    lens = [1300, 600, 40, 7]
+    block_size, kv_heads, group, head_dim = 16, 4, 3, 64
+    widths = [-(-n // block_size) for n in lens]
+    cache = torch.randn(2, sum(widths) + 1, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    blocks = (torch.randperm(sum(widths), generator=gen) + 1).tolist()
+    tables = torch.zeros(len(lens), max(widths), dtype=torch.int32)
+    for row, width in enumerate(widths):
+        tables[row, :width] = torch.tensor(blocks[:width])
+        blocks = blocks[width:]
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
+
+    def decode(rows: slice) -> torch.Tensor:
+        out = torch.empty_like(query[rows])
+        paged_decode(query[rows], cache, tables[rows].contiguous(), seq_lens[rows].contiguous(),
+                     head_dim**-0.5, out)  # fmt: skip
+        return out
+
+    threads = torch.get_num_threads()
+    try:
+        batch = decode(slice(0, 4))
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            assert torch.equal(decode(slice(0, 4)), batch)
+            assert torch.equal(decode(slice(0, 1)), batch[:1])
+            assert torch.equal(decode(slice(1, 3)), batch[1:3])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_op_refuses_wrong_index_dtype() -> None:
