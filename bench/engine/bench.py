@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import os
@@ -48,10 +49,16 @@ class BenchPlan:
     # The prefix-hit row: prefix_new fresh tokens after prefix_len cached ones.
     prefix_len: int = 1008
     prefix_new: int = 16
+    # The long-context decode row's prompt (one sequence), at most what the model's
+    # positions leave room for.
+    long_prompt_len: int = 3840
 
     @property
     def decode_seq_len(self) -> int:
         return self.prompt_len + measure.decode_max_tokens(self.decode)
+
+    def long_prompt_len_for(self, max_positions: int) -> int:
+        return min(self.long_prompt_len, max_positions - measure.decode_max_tokens(self.decode) - 1)
 
 
 def make_plan(args: argparse.Namespace) -> BenchPlan:
@@ -136,6 +143,33 @@ def _prefix_hit_row(
     return row, profiles
 
 
+def _long_decode_row(
+    plan: BenchPlan, subjects: Subjects, dtype: str, backend: str
+) -> tuple[report.Row, list[report.Profile]]:
+    """The long-context decode row (one sequence after a prompt of thousands of tokens), by
+    an engine of its own sized for it, and its profile where it misses a target and
+    `backend` is what `auto` picks."""
+    max_positions = ModelConfig.from_model_dir(plan.model_dir).max_position_embeddings
+    prompt_len = plan.long_prompt_len_for(max_positions)
+    engine = measure.build_engine(
+        plan.model_dir, dtype, plan.num_threads, plan.prefill_len, 1,
+        prompt_len + measure.decode_max_tokens(plan.decode), backend,
+    )  # fmt: skip
+    long_subjects = dataclasses.replace(subjects, engine=engine)
+    row = _measure_row(plan, functools.partial(
+        measure.decode_row, long_subjects, 1, prompt_len, plan.decode, kind="long decode",
+    ))  # fmt: skip
+    profiles = []
+    if backend == "auto" and not (row.floor_met and row.transformers_met):
+        _wait_quiet(plan)
+        steps = measure.NUM_PROFILE_STEPS
+        self_times_us, wall_s = measure.profile_decode(engine, 1, prompt_len, steps)
+        profiles.append(measure.profile_of_steps(dtype, row.name, steps, self_times_us, wall_s))
+    del long_subjects, engine
+    gc.collect()
+    return row, profiles
+
+
 def _run_dtype(
     plan: BenchPlan, dtype: str, backend: str, shape: report.ModelShape, bandwidth: float,
     peaks: dict[str, float],
@@ -160,12 +194,15 @@ def _run_dtype(
     prompt = measure.random_prompt(plan.prefill_len, shape.vocab_size, seed=512)
     rows = _measure_rows(plan, subjects, prompt)
     prefix_row, profiles = _prefix_hit_row(plan, subjects, dtype, backend)
+    long_row, long_profiles = _long_decode_row(plan, subjects, dtype, backend)
     del subjects, hf_model  # frees the transformers model before profiling
     gc.collect()
     if backend == "auto":
         _wait_quiet(plan)
         profiles = measure.profile_missed(engine, dtype, rows, prompt, plan.prompt_len) + profiles
+    profiles += long_profiles
     rows.insert(1, prefix_row)  # after the prefill from position 0
+    rows.append(long_row)
     del engine
     gc.collect()
     return report.DtypeResult(dtype, peak, rows, resolved), profiles

@@ -380,7 +380,8 @@ def _measure(
     load = foreign_cores(start, snapshot())
     # The measured GEMM peak, or the rate the model's own matmuls reached if higher: a
     # square GEMM is not always the fastest shape (bf16 on AVX2 especially).
-    floor_flops = subjects.shape.matmul_flops(num_tokens, num_tokens if kind == "decode" else 1)
+    decodes = kind in report.DECODE_KINDS
+    floor_flops = subjects.shape.matmul_flops(num_tokens, num_tokens if decodes else 1)
     peak = max(subjects.peak_flops, floor_flops / min(times["floor"]))
     bound, context = roofline(peak, len(times["engine"]))
     return report.Row(
@@ -431,12 +432,15 @@ def profile_prefix_hit(prefix_hit: PrefixHit, dtype: str, row_name: str) -> repo
     """One prefix-hit step under the profiler."""
     self_times_us, wall_s = profile_self_times(prefix_hit.step)
     expect_idle(prefix_hit.engine)
-    return _profile(dtype, row_name, 1, self_times_us, wall_s)
+    return profile_of_steps(dtype, row_name, 1, self_times_us, wall_s)
 
 
 def decode_row(
-    subjects: Subjects, batch_size: int, prompt_len: int, policy: RepeatPolicy
-) -> report.Row:
+    subjects: Subjects, batch_size: int, prompt_len: int, policy: RepeatPolicy,
+    kind: str = "decode",
+) -> report.Row:  # fmt: skip
+    """Decode steps of `batch_size` sequences after `prompt_len`-token prompts; `kind`
+    "long decode" for a context of thousands of keys (no floor target)."""
     engine = subjects.engine
     with decode_batch(engine, batch_size, prompt_len, decode_max_tokens(policy)) as batch:
 
@@ -448,7 +452,7 @@ def decode_row(
             bound = report.decode_roofline(
                 subjects.shape, batch_size, context, subjects.elem_size, subjects.bandwidth, peak
             )
-            return bound, f"{first}–{last}"
+            return bound, f"{first:,}–{last:,}"
 
         timers = {
             "engine": batch.step,
@@ -459,8 +463,8 @@ def decode_row(
             ),
             "floor": matmul_floor_timer(engine.runner.model, batch_size, batch_size),
         }
-        name = f"decode b{batch_size}"
-        return _measure(subjects, timers, policy, name, "decode", batch_size, roofline)
+        name = f"{kind} b{batch_size}"
+        return _measure(subjects, timers, policy, name, kind, batch_size, roofline)
 
 
 def profile_missed(
@@ -476,11 +480,11 @@ def profile_missed(
         else:
             num_steps = NUM_PROFILE_STEPS
             self_times_us, wall_s = profile_decode(engine, row.num_tokens, prompt_len, num_steps)
-        profiles.append(_profile(dtype, row.name, num_steps, self_times_us, wall_s))
+        profiles.append(profile_of_steps(dtype, row.name, num_steps, self_times_us, wall_s))
     return profiles
 
 
-def _profile(
+def profile_of_steps(
     dtype: str, row_name: str, num_steps: int, self_times_us: dict[str, float], wall_s: float
 ) -> report.Profile:
     """A row's profile from `num_steps` steps' op self times and wall time, per step."""

@@ -19,11 +19,15 @@ MATMUL_OPS = (
 )  # fmt: skip
 
 
+# Row kinds whose step decodes one token per sequence.
+DECODE_KINDS = ("decode", "long decode")
+
+
 def floor_target(kind: str, batch_size: int) -> float | None:
     """Largest acceptable engine ÷ matmul-floor ratio (issue 13): 1.1× for a decode step,
-    1.2× for a prefill from position 0; none for a prefix hit (its attention over the
-    cached prefix is work the matmul floor leaves out)."""
-    if kind == "prefix hit":
+    1.2× for a prefill from position 0; none for a prefix hit or a long-context decode
+    (their attention over thousands of cached keys is work the matmul floor leaves out)."""
+    if kind in ("prefix hit", "long decode"):
         return None
     return 1.1 if kind == "decode" else 1.2
 
@@ -32,9 +36,9 @@ def floor_target(kind: str, batch_size: int) -> float | None:
 class Row:
     """One step shape measured four ways (times are medians, in seconds)."""
 
-    name: str  # "prefill 512", "prefix hit 16", "decode b8"
-    kind: str  # "prefill", "prefix hit" or "decode"
-    num_tokens: int  # new prompt tokens (prefill, prefix hit) or sequences (decode)
+    name: str  # "prefill 512", "prefix hit 16", "decode b8", "long decode b1"
+    kind: str  # "prefill", "prefix hit", "decode" or "long decode"
+    num_tokens: int  # new prompt tokens (prefill, prefix hit) or sequences (decodes)
     engine_s: float
     transformers_s: float
     floor_s: float

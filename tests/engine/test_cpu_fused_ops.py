@@ -111,7 +111,9 @@ def test_greedy_argmax_is_torch_max_index_for_index() -> None:
     logits[4, 31999] = -0.0
     logits[5, 32000] = 1e30  # in the row's tail past the vectors
     logits[6, 0] = float("inf")
-    for rows in (logits, logits[:1], logits[:, :1000], logits[:, 7:], logits[:, :63], logits[:, :65]):
+    # Widths past and short of one pass's 64 lanes too.
+    widths = (logits[:, :1000], logits[:, 7:], logits[:, :63], logits[:, :65])
+    for rows in (logits, logits[:1], *widths):
         assert torch.equal(greedy_argmax(rows), rows.max(dim=-1).indices)
         # bfloat16 holds these values exactly, NaNs and infinities too.
         rows = rows.bfloat16()

@@ -15,6 +15,7 @@ from tandem.bench.engine.measure import (
     RepeatPolicy,
     build_engine,
     busy_seconds,
+    decode_max_tokens,
     foreign_cores,
     median,
     random_prompt,
@@ -158,6 +159,7 @@ def test_floor_targets():
     assert floor_target("decode", 32) == 1.1
     assert floor_target("prefill", 512) == 1.2
     assert floor_target("prefix hit", 16) is None
+    assert floor_target("long decode", 1) is None
 
 
 def test_prefix_hit_row_has_no_floor_target_only_the_transformers_one():
@@ -277,6 +279,9 @@ def test_quick_plan_is_smaller_than_full():
     assert only.runs == (("bfloat16", "auto"),)
     assert quick.decode.max_runs <= full.decode.max_runs
     assert full.decode_seq_len > full.prompt_len + full.decode.max_runs
+    # The long-context decode row's prompt leaves room for its steps in the model's positions.
+    assert full.long_prompt_len_for(4096) == full.long_prompt_len == 3840
+    assert full.long_prompt_len_for(2048) + decode_max_tokens(full.decode) < 2048
 
 
 def test_busy_seconds_and_foreign_cores():
