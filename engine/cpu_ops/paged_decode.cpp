@@ -476,22 +476,22 @@ void decode_vectors(const at::Tensor& query, const at::Tensor& kv_cache, const a
     }
   });
   // A split context's partitions merged: each rescaled to the greatest of their maxima.
+  float acc[D];
   for (const SplitRow& split : plan.split_rows) {
-    std::vector<float> acc(D);
     for (int64_t hq = 0; hq < num_heads; ++hq) {
       float top = partial_top[split.first_partial * num_heads + hq];
       for (int64_t p = split.first_partial + 1; p < split.end_partial; ++p) {
         top = std::max(top, partial_top[p * num_heads + hq]);
       }
       float total = 0.f;
-      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc, acc + D, 0.f);
       for (int64_t p = split.first_partial; p < split.end_partial; ++p) {
         const float weight = std::exp(partial_top[p * num_heads + hq] - top);
         total += weight * partial_total[p * num_heads + hq];
         const float* part = partial_accs.data() + (p * num_heads + hq) * D;
         for (int64_t d = 0; d < D; ++d) acc[d] += weight * part[d];
       }
-      store_head<D, T>(acc.data(), 1.f / total, o + split.row * o_row + hq * o_head);
+      store_head<D, T>(acc, 1.f / total, o + split.row * o_row + hq * o_head);
     }
   }
 }
