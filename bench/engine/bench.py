@@ -149,8 +149,7 @@ def _long_decode_row(
     """The long-context decode row (one sequence after a prompt of thousands of tokens), by
     an engine of its own sized for it, and its profile where it misses a target and
     `backend` is what `auto` picks."""
-    max_positions = ModelConfig.from_model_dir(plan.model_dir).max_position_embeddings
-    prompt_len = plan.long_prompt_len_for(max_positions)
+    prompt_len = plan.long_prompt_len_for(subjects.engine.model_config.max_position_embeddings)
     engine = measure.build_engine(
         plan.model_dir, dtype, plan.num_threads, plan.prefill_len, 1,
         prompt_len + measure.decode_max_tokens(plan.decode), backend,

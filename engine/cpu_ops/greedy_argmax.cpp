@@ -92,9 +92,9 @@ int64_t row_argmax(const T* row, int64_t n) {
           best = max[c][k];
           best_at = at[c][k];
         }
-        any_nan |= nan[k] != 0;
       }
     }
+    for (int k = 0; k < kLanes; ++k) any_nan |= nan[k] != 0;
   }
   for (int64_t i = whole; i < n; ++i) {
     const float v = static_cast<float>(row[i]);
