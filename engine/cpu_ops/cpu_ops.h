@@ -128,11 +128,19 @@ inline void transpose16x16(Vec16 (&r)[kLanes16]) {
 typedef uint16_t Bf16x16 __attribute__((vector_size(kLanes16 * sizeof(uint16_t))));
 typedef uint32_t Bits16 __attribute__((vector_size(kLanes16 * sizeof(uint32_t))));
 
+// With AVX-512 the widening and narrowing are one instruction each (vpmovzxwd, vpmovdw);
+// GCC 12 compiled the generic vector conversions to two 256-bit halves and a merge
+// (bfloat16 RoPE over 32 rows, one thread: 26.6 -> 21-22.7 us).
 inline Vec16 load_bf16(const c10::BFloat16* p) {
+#ifdef __AVX512F__
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return __builtin_bit_cast(Vec16, _mm512_slli_epi32(wide, 16));
+#else
   Bf16x16 h;
   std::memcpy(&h, p, sizeof(h));
   const Bits16 bits = __builtin_convertvector(h, Bits16) << 16;
   return __builtin_bit_cast(Vec16, bits);
+#endif
 }
 
 inline Bits16 bf16_bits(Vec16 v) {
@@ -142,8 +150,12 @@ inline Bits16 bf16_bits(Vec16 v) {
 }
 
 inline void store_bf16(c10::BFloat16* p, Vec16 v) {
+#ifdef __AVX512F__
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(__builtin_bit_cast(__m512i, bf16_bits(v))));
+#else
   const Bf16x16 h = __builtin_convertvector(bf16_bits(v), Bf16x16);
   std::memcpy(p, &h, sizeof(h));
+#endif
 }
 
 inline Vec16 round_bf16_16(Vec16 v) {

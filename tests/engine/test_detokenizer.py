@@ -201,3 +201,19 @@ def test_prompt_context_keeps_leading_space_of_sentencepiece_tokens() -> None:
     detok = IncrementalDetokenizer(metaspace, [1], SamplingParams())
     deltas = [detok.add_token(i).delta_text for i in [2, 3]]
     assert deltas == [" world", "!"]
+
+
+def test_tokenizer_with_space_clean_up_streams_its_own_decode() -> None:
+    """transformers' clean-up of tokenization spaces changes the decoded text; the stream
+    keeps it (it decodes through the tokenizer, not the Rust tokenizer directly)."""
+    vocab = {"<unk>": 0, "Hello": 1, ",": 2, "world": 3, "!": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    cleaning = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", clean_up_tokenization_spaces=True
+    )
+    output_ids = [1, 2, 3, 4]
+    assert tok.decode(output_ids) == "Hello , world !"
+    assert cleaning.decode(output_ids) == "Hello, world!"
+    deltas, _, _ = stream(cleaning, [], output_ids, SamplingParams())
+    assert "".join(deltas) == "Hello, world!"
