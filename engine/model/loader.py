@@ -53,7 +53,7 @@ def load_model(
     inv_freq, scaling = inverse_frequencies(cfg.head_dim, cfg.rope_parameters, hf_config)
     # A one-position table on the CPU (the real one is built below): its arange on the
     # meta device would import torch's Python decompositions (~2 s of a worker's start).
-    placeholder = RotaryEmbedding(inv_freq, scaling, 1)
+    placeholder = RotaryEmbedding(inv_freq, scaling, 1, dtype)
     with torch.device("meta"):
         backend = get_attention_backend(
             attention_backend, scale=cfg.head_dim**-0.5, device=device.type
@@ -63,8 +63,8 @@ def load_model(
     if cfg.tie_word_embeddings and model.embed_tokens is not None:
         # _materialize gives each occurrence of a shared parameter its own storage.
         model.lm_head.weight = model.embed_tokens.weight
-    # The RoPE tables stay float32 (as in transformers) and are built for real here.
-    rotary = RotaryEmbedding(inv_freq, scaling, max_model_len).to(device)
+    # The RoPE tables, computed in float32 (as in transformers), are built for real here.
+    rotary = RotaryEmbedding(inv_freq, scaling, max_model_len, dtype).to(device)
     model.rotary = rotary
     _load_weights(model, Path(model_dir), cfg)
     if backend.loads_cpu_ops and dtype in KERNEL_DTYPES:

@@ -39,27 +39,29 @@ class RotaryEmbedding(nn.Module):
 
     # A registered buffer [2, max_len, 1, D] (it follows the module's `.to(device)`): cos,
     # then sin with its first half negated (`apply_rotary_` swaps halves instead of
-    # negating one). One table, so that a step looks both up in one op: a step's few torch
-    # calls outside the model cost ~17 us each after the forward has streamed the weights
-    # through the caches (5 us back to back), and the lookup took six.
+    # negating one), computed in float32 and stored in the model's dtype (transformers
+    # casts its float32 cos and sin to the activations' dtype: the same values). One
+    # table, already cast, so that a step looks both up in one op: a step's torch calls
+    # outside the model cost ~17-90 us each after the forward has streamed the weights
+    # through the caches (5 us back to back), and the lookup took six, then two.
     cos_sin: torch.Tensor
 
-    def __init__(self, inv_freq: torch.Tensor, scaling: float, max_len: int) -> None:
+    def __init__(
+        self, inv_freq: torch.Tensor, scaling: float, max_len: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         positions = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         sin = emb.sin() * scaling
         sin[:, : inv_freq.shape[0]].neg_()
-        cos_sin = torch.stack((emb.cos() * scaling, sin)).unsqueeze(2)
+        cos_sin = torch.stack((emb.cos() * scaling, sin)).unsqueeze(2).to(dtype)
         self.register_buffer("cos_sin", cos_sin, persistent=False)
 
-    def lookup(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin) [T, 1, D] for a step's positions; looked up once, used by
-        every layer."""
-        cos, sin = self.cos_sin.index_select(1, positions).to(dtype)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [T, 1, D] in the model's dtype for a step's positions;
+        looked up once, used by every layer."""
+        cos, sin = self.cos_sin.index_select(1, positions).unbind(0)
         return cos, sin
 
 

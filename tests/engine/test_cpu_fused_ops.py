@@ -89,9 +89,9 @@ def test_rotary_is_apply_rotary_bit_for_bit(
     tokens: int, heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
     inv_freq, scaling = inverse_frequencies(head_dim, {"rope_theta": 10000.0})
-    rotary = RotaryEmbedding(inv_freq, scaling, 4096)
+    rotary = RotaryEmbedding(inv_freq, scaling, 4096, dtype)
     positions = torch.randint(0, 4096, (tokens,), generator=torch.Generator().manual_seed(1))
-    cos, sin = rotary.lookup(positions, dtype)
+    cos, sin = rotary.lookup(positions)
     # Rows wider than the rotated heads (values follow them, as in the fused QKV output).
     gen = torch.Generator().manual_seed(2)
     qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=gen).to(dtype)

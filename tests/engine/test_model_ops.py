@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tandem.engine.model.llama import RMSNorm
+from tandem.engine.model.rotary import RotaryEmbedding, inverse_frequencies
 
 
 def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,3 +43,28 @@ def test_rms_norm_built_on_the_meta_device_runs_on_the_host() -> None:
     x = torch.randn(3, 64)
     with torch.inference_mode():
         assert torch.equal(norm(x), hf_rms_norm(x, norm.weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_lookup_equals_transformers(dtype: torch.dtype) -> None:
+    """The table is stored in the model's dtype; its rows are transformers' float32 cos and
+    sin cast to the activations' dtype (sin signed: its first half negated)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, max_position_embeddings=2048,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    head_dim = config.hidden_size // config.num_attention_heads
+    inv_freq, scaling = inverse_frequencies(head_dim, config.rope_parameters, config)
+    rotary = RotaryEmbedding(inv_freq, scaling, config.max_position_embeddings, dtype)
+    positions = torch.tensor([0, 1, 7, 130, 1000, 2047])
+    cos, sin = rotary.lookup(positions)
+    x = torch.zeros(1, len(positions), head_dim, dtype=dtype)
+    hf_cos, hf_sin = LlamaRotaryEmbedding(config)(x, positions.unsqueeze(0))
+    half = head_dim // 2
+    assert cos.dtype == sin.dtype == dtype and cos.shape == (len(positions), 1, head_dim)
+    assert torch.equal(cos[:, 0], hf_cos[0])
+    assert torch.equal(sin[:, 0, half:], hf_sin[0, :, half:])
+    assert torch.equal(sin[:, 0, :half], -hf_sin[0, :, :half])
