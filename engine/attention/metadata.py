@@ -59,11 +59,15 @@ class BatchLayout:
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
 
-    def padded_block_tables(self, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """[num_seqs, max_num_blocks] on the host, padded with block 0."""
-        width = max(len(t) for t in self.block_tables)
-        rows = [t + [0] * (width - len(t)) for t in self.block_tables]
-        return torch.tensor(rows, dtype=dtype)
+    def padded_block_tables(
+        self, dtype: torch.dtype = torch.int64, num_rows: int | None = None
+    ) -> torch.Tensor:
+        """[num_rows, max_num_blocks] on the host, padded with block 0: the first
+        `num_rows` sequences' tables (all of them by default), as wide as the widest."""
+        tables = self.block_tables[:num_rows]
+        width = max((len(t) for t in tables), default=0)
+        rows = [t + [0] * (width - len(t)) for t in tables]
+        return torch.tensor(rows, dtype=dtype).reshape(len(rows), width)
 
 
 @dataclass
