@@ -55,7 +55,8 @@ void check_slots(const char* op, const int64_t* slots, int64_t tokens, int64_t n
 // [panels, hidden / 2, width, 2]), which hold the table once the model packed its tied head
 // (llama.py's pack_tied_head; its last panel's columns past the vocabulary are padding).
 at::Tensor embedding_rows(const at::Tensor& table, int64_t vocab_size, at::IntArrayRef ids) {
-  const bool packed = table.dim() == 3 || (table.dim() == 4 && table.size(3) == 2);
+  const bool packed = (table.dim() == 3 && table.scalar_type() == at::kFloat) ||
+                      (table.dim() == 4 && table.size(3) == 2 && table.scalar_type() == at::kBFloat16);
   TORCH_CHECK(table.is_contiguous() && (table.dim() == 2 || packed),
               "decoder_stack: a contiguous embedding table [vocab, hidden] or packed head expected");
   // A row is `pieces` pieces of `piece` elements: the whole row, or a packed row's columns
