@@ -72,8 +72,7 @@ class CpuDecoderStack:
         """Final hidden states [T, hidden]; writes the step's K/V into `kv_caches`."""
         num_decodes = batch.num_decodes
         decode_tables, width = batch.flat_block_tables(num_decodes)
-        has_prefills = num_decodes < batch.num_seqs
-        spans = prefill_spans(batch, batch.padded_block_tables()) if has_prefills else []
+        spans = prefill_spans(batch)
         return torch.ops.tandem_cpu.decoder_stack(
             self.embedding_table, self.vocab_size, token_ids, self.rope_table, positions,
             self.weights, self.qkv_biases, self.final_norm, self.norm_eps, kv_caches, batch.slots,
