@@ -77,8 +77,8 @@ class ModelRunner:
         chunks = sorted(
             out.chunks, key=lambda c: (c.num_new_tokens != 1, -c.request.num_computed_tokens)
         )
-        input_ids, positions, batch = self._prepare(chunks)
-        hidden = self._forward(input_ids, positions, batch)
+        token_ids, positions, batch = self._prepare(chunks)
+        hidden = self._forward(token_ids, positions, batch)
         if any(c.request.params.prompt_logprobs for c in chunks):
             starts = torch.tensor(batch.query_start_loc)
             record_prompt_logprobs(self.model, hidden, chunks, starts)
@@ -104,16 +104,25 @@ class ModelRunner:
         }
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: BatchLayout
+        self, token_ids: list[int], positions: list[int], batch: BatchLayout
     ) -> torch.Tensor:
         """Final hidden states: a graph replay for a decode-only step that fits a bucket,
-        else the model run eagerly."""
+        the CPU stack op for a step it covers (it takes the lists), else the model run
+        eagerly."""
         graphs = self.decode_graphs
         bucket = graphs.bucket_for(batch) if graphs is not None else None
         if graphs is not None and bucket is not None:
-            return graphs.run(bucket, input_ids, positions, batch)
+            return graphs.run(bucket, self._on_device(token_ids), self._on_device(positions), batch)
+        stack = self.model.cpu_stack
+        if stack is not None and stack.covers(batch):
+            return stack(token_ids, positions, self.kv_caches, batch)
         meta: AttentionMetadata = self.attention_backend.build_metadata(batch)
-        return self.model(input_ids, positions, self.kv_caches, meta)
+        return self.model(
+            self._on_device(token_ids), self._on_device(positions), self.kv_caches, meta
+        )
+
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _mask_early_stops(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> None:
         """Forbid EOS and stop token ids while a request is below its `min_tokens`."""
@@ -127,9 +136,8 @@ class ModelRunner:
             if banned:
                 logits[row, banned] = float("-inf")
 
-    def _prepare(
-        self, chunks: list[ScheduledChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
+    def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], BatchLayout]:
+        """The step's token ids, positions and layout, as host lists."""
         block_size = self.block_size
         token_ids: list[int] = []
         positions: list[int] = []
@@ -164,13 +172,9 @@ class ModelRunner:
             query_start_loc=starts,
             seq_lens=seq_lens,
             block_tables=tables,
-            slot_mapping=torch.tensor(slots, device=self.device),
+            slots=slots,
             num_decodes=num_decodes,
             block_size=block_size,
             device=self.device,
         )
-        return (
-            torch.tensor(token_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            batch,
-        )
+        return token_ids, positions, batch

@@ -2,8 +2,8 @@
 
 For decode batches of 1, 8 and 32 (1 and 8 with `--quick`) it times, in one torch thread
 and in thread CPU time (what this thread ran, not what other processes took from it),
-the whole `Engine.step()` and its parts: scheduling, input preparation, attention
-metadata, the model forward, sampling, request updates and detokenizing; and, in
+the whole `Engine.step()` and its parts: scheduling, input preparation, the model
+forward (attention metadata included), sampling, request updates and detokenizing; and, in
 alternation with the steps, the bare matmul floor (`measure.matmul_floor_timer`); the
 step less its floor is the cost beyond the matmuls. The minimum over the runs stands for
 the cost on a quiet machine. Then a few steps under
@@ -57,8 +57,9 @@ def instrument(engine: Engine) -> PartTimer:
     runner = engine.runner
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(runner, "_prepare", "inputs")
-    timer.wrap(runner.attention_backend, "build_metadata", "metadata")
-    timer.wrap(runner.model, "forward", "forward")
+    # The forward by whichever path the step takes (the CPU stack op, a graph replay, or
+    # the Python model after its attention metadata).
+    timer.wrap(runner, "_forward", "forward")
     timer.wrap(runner.model, "compute_logits", "lm_head")
     timer.wrap(runner.sampler, "sample", "sample")
     timer.wrap(engine.scheduler, "update", "update")

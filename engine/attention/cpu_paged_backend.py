@@ -61,15 +61,13 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
     def build_metadata(self, batch: BatchLayout) -> CpuPagedAttentionMetadata:
         num_decodes = batch.num_decodes
-        # The decode rows' int32 table, built as the op takes it; the prefill spans' int64
-        # table only for a step that has prefill chunks.
-        has_prefills = num_decodes < batch.num_seqs
+        # The decode rows' int32 table, built as the op takes it.
         return CpuPagedAttentionMetadata(
             slot_mapping=batch.slot_mapping,
             num_decodes=num_decodes,
             # The torch backend's gather plan for decodes: the op needs none.
             decode_groups=[],
-            prefills=prefill_spans(batch, batch.padded_block_tables()) if has_prefills else [],
+            prefills=prefill_spans(batch),
             decode_block_tables=batch.padded_block_tables(torch.int32, num_rows=num_decodes),
             decode_seq_lens=torch.tensor(batch.seq_lens[:num_decodes], dtype=torch.int32),
         )

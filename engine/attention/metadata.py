@@ -12,6 +12,7 @@ subclass (tensors on the device, masks or launch sizes), which all layers share.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -26,8 +27,8 @@ class BatchLayout:
     seq_lens: list[int]
     # Block ids per sequence (unpadded; each covers at least its seq_len positions).
     block_tables: list[list[int]]
-    # [num_tokens] int64 on the device: cache slot (block_id * block_size + offset).
-    slot_mapping: torch.Tensor
+    # [num_tokens]: each new token's cache slot (block_id * block_size + offset).
+    slots: list[int]
     # The first `num_decodes` sequences have exactly one query token.
     num_decodes: int
     block_size: int
@@ -59,15 +60,29 @@ class BatchLayout:
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
 
+    @cached_property
+    def slot_mapping(self) -> torch.Tensor:
+        """`slots` as an int64 tensor on the device (built on first use: the CPU stack op
+        takes the list)."""
+        return torch.tensor(self.slots, dtype=torch.int64, device=self.device)
+
+    def flat_block_tables(self, num_rows: int | None = None) -> tuple[list[int], int]:
+        """(the first `num_rows` sequences' tables, all of them by default, row after row,
+        each padded with block 0 to the widest; that width)."""
+        tables = self.block_tables[:num_rows]
+        width = max((len(t) for t in tables), default=0)
+        flat: list[int] = []
+        for table in tables:
+            flat += table
+            flat += [0] * (width - len(table))
+        return flat, width
+
     def padded_block_tables(
         self, dtype: torch.dtype = torch.int64, num_rows: int | None = None
     ) -> torch.Tensor:
-        """[num_rows, max_num_blocks] on the host, padded with block 0: the first
-        `num_rows` sequences' tables (all of them by default), as wide as the widest."""
-        tables = self.block_tables[:num_rows]
-        width = max((len(t) for t in tables), default=0)
-        rows = [t + [0] * (width - len(t)) for t in tables]
-        return torch.tensor(rows, dtype=dtype).reshape(len(rows), width)
+        """`flat_block_tables` as a [num_rows, width] tensor on the host."""
+        flat, width = self.flat_block_tables(num_rows)
+        return torch.tensor(flat, dtype=dtype).reshape(len(self.block_tables[:num_rows]), width)
 
 
 @dataclass

@@ -96,7 +96,7 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
             slot_mapping=batch.slot_mapping,
             num_decodes=num_decodes,
             decode_groups=groups,
-            prefills=prefill_spans(batch, block_tables),
+            prefills=prefill_spans(batch),
         )
 
     def forward(
@@ -187,14 +187,15 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
         return buf[:numel].view(2, -1, block_numel)
 
 
-def prefill_spans(batch: BatchLayout, block_tables: torch.Tensor) -> list[PrefillSpan]:
-    """One span per prefill chunk of `batch`; `block_tables` is its padded int64 table
-    on the batch's device."""
+def prefill_spans(batch: BatchLayout) -> list[PrefillSpan]:
+    """One span per prefill chunk of `batch` (none for a decode-only step), each with its
+    own int64 block table on the batch's device."""
     spans = []
     for i in range(batch.num_decodes, batch.num_seqs):
         seq_len, query_len = batch.seq_lens[i], batch.query_len(i)
         num_blocks = -(-seq_len // batch.block_size)
-        table = block_tables[i, :num_blocks]
+        table = torch.tensor(batch.block_tables[i][:num_blocks], dtype=torch.int64,
+                             device=batch.device)  # fmt: skip
         spans.append(PrefillSpan(batch.query_start_loc[i], query_len, seq_len - query_len, table))
     return spans
 

@@ -72,10 +72,11 @@ void cache_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor kv_cach
 
 // A step's decoder stack (its decodes, then its prefill chunks); returns the final
 // normalized hidden states (decoder_stack.cpp).
-at::Tensor decoder_stack(const at::Tensor& embeddings, at::TensorList weights, at::TensorList qkv_biases,
-                         const at::Tensor& final_norm, double norm_eps, const at::Tensor& cos, const at::Tensor& sin,
-                         const at::Tensor& kv_caches, const at::Tensor& slot_mapping,
-                         const at::Tensor& decode_block_tables, const at::Tensor& decode_seq_lens,
+at::Tensor decoder_stack(const at::Tensor& embedding_table, int64_t vocab_size, at::IntArrayRef token_ids,
+                         const at::Tensor& rope_table, at::IntArrayRef positions, at::TensorList weights,
+                         at::TensorList qkv_biases, const at::Tensor& final_norm, double norm_eps,
+                         const at::Tensor& kv_caches, at::IntArrayRef slots, at::IntArrayRef decode_block_tables,
+                         int64_t decode_table_width, at::IntArrayRef decode_seq_lens,
                          at::TensorList prefill_block_tables, at::IntArrayRef prefill_starts,
                          at::IntArrayRef prefill_lens, at::IntArrayRef prefill_context_lens, double scale,
                          int64_t num_heads, int64_t num_kv_heads);

@@ -28,10 +28,10 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.impl("greedy_argmax", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::greedy_argmax));
   m.def("cache_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
   m.impl("cache_kv", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::cache_kv));
-  m.def("decoder_stack(Tensor embeddings, Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, "
-        "float norm_eps, Tensor cos, Tensor sin, Tensor(a!) kv_caches, Tensor slot_mapping, "
-        "Tensor decode_block_tables, Tensor decode_seq_lens, Tensor[] prefill_block_tables, "
-        "int[] prefill_starts, int[] prefill_lens, int[] prefill_context_lens, float scale, int num_heads, "
-        "int num_kv_heads) -> Tensor");
+  m.def("decoder_stack(Tensor embedding_table, int vocab_size, int[] token_ids, Tensor rope_table, int[] positions, "
+        "Tensor[] weights, Tensor[] qkv_biases, Tensor final_norm, float norm_eps, Tensor(a!) kv_caches, "
+        "int[] slots, int[] decode_block_tables, int decode_table_width, int[] decode_seq_lens, "
+        "Tensor[] prefill_block_tables, int[] prefill_starts, int[] prefill_lens, int[] prefill_context_lens, "
+        "float scale, int num_heads, int num_kv_heads) -> Tensor");
   m.impl("decoder_stack", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::decoder_stack));
 }

@@ -157,7 +157,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = rotary
         # Shared by every layer; the model runner asks it for each step's metadata.
         self.attention_backend = backend
-        # Steps in one C++ call (cpu_stack.py), where the loader turns it on.
+        # What `forward` computes, in one C++ call (cpu_stack.py), where the loader turns it
+        # on; the model runner calls it for the steps it covers.
         self.cpu_stack: CpuDecoderStack | None = None
 
     def forward(
@@ -170,8 +171,6 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T]; kv_caches [layers, 2, blocks, block_size, Hkv, D]."""
         hidden = self.embed(input_ids)
         rope = self.rotary.lookup(positions)
-        if self.cpu_stack is not None and self.cpu_stack.covers(meta):
-            return self.cpu_stack(hidden, rope, kv_caches, meta)  # type: ignore[arg-type]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(rope, hidden, kv_cache, meta)
         return self.norm(hidden)

@@ -27,15 +27,18 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eo
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def qwen2_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_qwen2(tiny_model_dir: Path, out: Path, tied: bool) -> Path:
     config = Qwen2Config(
         vocab_size=2048, hidden_size=128, intermediate_size=320, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, rope_theta=1e6,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=tied, rope_theta=1e6,
     )  # fmt: skip
-    out = tmp_path_factory.mktemp("models") / "qwen2"
     return save_random_model(Qwen2ForCausalLM, config, out, tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_qwen2(tiny_model_dir, tmp_path_factory.mktemp("models") / "qwen2", tied=False)
 
 
 class CountingStack:
@@ -92,6 +95,28 @@ def test_stack_equals_the_python_model(qwen2_dir: Path, batch: int, dtype: str) 
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_head_packed_for_the_kernel(
+    tiny_model_dir: Path, tmp_path: Path, dtype: str
+) -> None:
+    """A tied LM head packed for the packed kernel holds the embedding table alone: the op
+    reads token rows from its panels, as the Python model's `packed_rows` does."""
+    model_dir = save_qwen2(tiny_model_dir, tmp_path / "qwen2-tied", tied=True)
+    engine = Engine(EngineConfig(model=str(model_dir), max_model_len=512,
+                                 attention_backend="cpu", dtype=dtype))  # fmt: skip
+    stack = engine.runner.model.cpu_stack
+    if engine.runner.model.embed_tokens is not None:
+        pytest.skip("this CPU does not pack bfloat16 weights")
+    assert stack is not None and stack.embedding_table.dim() > 2  # the packed panels
+    prompts = make_prompts(2048, [5, 70, 131], seed=3)
+    fused, steps, calls = run(model_dir, prompts, fused=True, dtype=dtype)
+    python, _, _ = run(model_dir, prompts, fused=False, dtype=dtype)
+    assert calls == steps
+    for a, b in zip(fused, python, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_chunked_prefills_after_cached_prefixes(qwen2_dir: Path, dtype: str) -> None:
     """A step budget of 48 tokens splits the prompts into chunks that run beside other
     requests' decodes; shared prefixes hit the prefix cache, so chunks start after cached
@@ -116,7 +141,7 @@ def test_off_for_other_backends_and_dtypes(tiny_model_dir: Path) -> None:
         assert engine.runner.model.cpu_stack is None
 
 
-def test_a_layout_that_leaves_rows_unattended_is_an_error(tiny_model_dir: Path) -> None:
+def test_a_bad_layout_is_an_error(tiny_model_dir: Path) -> None:
     engine = Engine(
         EngineConfig(
             model=str(tiny_model_dir), max_model_len=256,
@@ -125,14 +150,23 @@ def test_a_layout_that_leaves_rows_unattended_is_an_error(tiny_model_dir: Path) 
     )  # fmt: skip
     stack, kv_caches = engine.runner.model.cpu_stack, engine.runner.kv_caches
     assert stack is not None
-    hidden = torch.zeros(4, engine.model_config.hidden_size)
     table = torch.zeros(1, dtype=torch.int64)
+    vocab, max_len = engine.model_config.vocab_size, stack.rope_table.shape[1]
 
-    def call(starts: list[int], lens: list[int]) -> None:
+    def call(starts: list[int], lens: list[int], **lists: list[int]) -> None:
+        """Four tokens: no decodes, the prefill chunks `starts` and `lens`."""
+        step = {
+            "token_ids": [1, 2, 3, 4],
+            "positions": [0, 1, 2, 3],
+            "slots": [0, 1, 2, 3],
+            "decode_block_tables": [],
+            "decode_seq_lens": [],
+            **lists,
+        }
         torch.ops.tandem_cpu.decoder_stack(
-            hidden, stack.weights, stack.qkv_biases, stack.final_norm, stack.norm_eps,
-            hidden, hidden, kv_caches, torch.arange(4),
-            torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32),
+            stack.embedding_table, vocab, step["token_ids"], stack.rope_table, step["positions"],
+            stack.weights, stack.qkv_biases, stack.final_norm, stack.norm_eps, kv_caches,
+            step["slots"], step["decode_block_tables"], 1, step["decode_seq_lens"],
             [table] * len(starts), starts, lens, [0] * len(starts),
             stack.scale, stack.num_heads, stack.num_kv_heads,
         )  # fmt: skip
@@ -143,4 +177,12 @@ def test_a_layout_that_leaves_rows_unattended_is_an_error(tiny_model_dir: Path) 
         call([0], [3])
     with pytest.raises(RuntimeError, match="prefill chunk 1 must start at row 2"):
         call([0, 3], [2, 1])
+    with pytest.raises(RuntimeError, match=f"token id {vocab} outside the vocabulary"):
+        call([0], [4], token_ids=[1, 2, vocab, 4])
+    with pytest.raises(RuntimeError, match=f"position {max_len} outside the RoPE table's"):
+        call([0], [4], positions=[0, 1, 2, max_len])
+    with pytest.raises(RuntimeError, match="one position and one slot per token"):
+        call([0], [4], slots=[0, 1, 2])
+    with pytest.raises(RuntimeError, match="decode_block_tables of 1 values expected, got 0"):
+        call([1], [3], decode_seq_lens=[1])
     assert engine.is_idle()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,28 +33,33 @@ engine = llm_engine.Engine(
 )
 params = SamplingParams(max_tokens=1, temperature=0.0)
 faults = []
-for i in range(6):
+for i in range(10):
     engine.add_request(f"r{i}", [(7 * i + j) % 2000 + 3 for j in range(512)], params)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     engine.step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(sum(faults[2:]))  # after two warm-up steps
+print(*faults[2:])  # after two warm-up steps
 """
 
 
-def prefill_faults(model_dir: Path, mode: str) -> int:
-    """Minor page faults of four prefill steps after two warm-up ones; mode "engine" (its
-    malloc settings) or "glibc" (none, mmap threshold pinned at 128 KiB)."""
+def prefill_faults(model_dir: Path, mode: str) -> float:
+    """Median minor page faults of eight prefill steps after two warm-up ones; mode
+    "engine" (its malloc settings) or "glibc" (none, mmap threshold pinned at 128 KiB).
+
+    The median is the steady state: the heap still grows now and then in the first few
+    steps after warm-up (a step then faults a few hundred to ~1,100 pages, once), by how
+    much and when varying between identical runs."""
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
     result = subprocess.run(
         [sys.executable, "-c", PREFILL_FAULTS, str(model_dir), mode],
         capture_output=True, text=True, timeout=240, check=True, env=env,
     )  # fmt: skip
-    return int(result.stdout.split()[-1])
+    return statistics.median(int(n) for n in result.stdout.split())
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_prefill_steps_reuse_freed_activations(tiny_model_dir: Path) -> None:
-    # Measured: 0-650 against ~33,000 for the four steps.
-    assert prefill_faults(tiny_model_dir, "engine") < 1000
+    # Measured per step: engine 0 (median; single steps up to 1,152 while the heap grows),
+    # glibc ~8,000-8,300 every step.
+    assert prefill_faults(tiny_model_dir, "engine") < 100
     assert prefill_faults(tiny_model_dir, "glibc") > 2000

@@ -75,6 +75,6 @@ def test_a_layout_whose_decodes_are_not_first_is_refused(starts, num_decodes, me
     with pytest.raises(ValueError, match=message):
         BatchLayout(
             query_start_loc=starts, seq_lens=[3, 9], block_tables=[[0], [1]],
-            slot_mapping=torch.zeros(4, dtype=torch.int64), num_decodes=num_decodes,
+            slots=[0, 0, 0, 0], num_decodes=num_decodes,
             block_size=16, device=torch.device("cpu"),
         )  # fmt: skip

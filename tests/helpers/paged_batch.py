@@ -47,7 +47,7 @@ def make_paged_batch(
         query_start_loc=starts,
         seq_lens=list(seq_lens),
         block_tables=tables,
-        slot_mapping=torch.tensor(slots),
+        slots=slots,
         # Decodes: the leading one-token sequences (as the model runner orders them).
         num_decodes=next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens)),
         block_size=block_size,
