@@ -4,9 +4,10 @@ glibc's malloc serves large blocks with mmap and hands freed memory back to the 
 and a step allocates and frees tens of MB of activations (a 512-token prefill of the
 `small` preset: ~22 MB per layer). So each step faulted its activation pages in again, a
 page at a time inside the matmuls that first wrote them: 3,800-16,000 minor faults per
-512-token prefill step with glibc's defaults, 0-800 once freed memory stays in the heap
-(getrusage around `Engine.step`; tests/engine/test_host_memory.py). A serving process
-then keeps about one step's activations beyond its steady state.
+512-token prefill step with glibc's defaults; 0 once freed memory stays in the heap and
+the heap has grown to its steady size, a few steps after start (up to ~1,100 in one of
+those first steps; getrusage around `Engine.step`; tests/engine/test_host_memory.py). A
+serving process then keeps about one step's activations beyond its steady state.
 """
 
 from __future__ import annotations
