@@ -180,8 +180,13 @@ class Engine:
             if not request.is_finished:
                 self.scheduler.finish(request, FinishReason.ABORT)
             return
-        if not grammar.is_terminated:
-            return
+        if grammar.is_terminated:
+            self._stop(request)
+
+    def _stop(self, request: Request) -> None:
+        """End a request with `stop` (a finished grammar, a completed stop string). One a
+        prefill worker just prefilled ends too: nothing is left to decode, so its KV is
+        freed, not held for a decode worker."""
         if request.finish_reason is FinishReason.PREFILLED:
             self.kv.free(request)
             request.finish_reason = FinishReason.STOP
@@ -209,8 +214,8 @@ class Engine:
         detok = self._detokenizers[req_id]
         update = detok.add_token(request.output_token_ids[-1])
         delta = update.delta_text
-        if update.stop_string is not None and not request.is_finished:
-            self.scheduler.finish(request, FinishReason.STOP)
+        if update.stop_string is not None:
+            self._stop(request)
         reason = request.finish_reason
         if request.is_finished:
             if update.stop_string is None and reason is not FinishReason.PREFILLED:

@@ -164,6 +164,30 @@ def test_stop_string_truncates_output(tiny_model_dir):
     assert engine.is_idle()
 
 
+def test_stop_string_in_the_first_token_ends_the_request_at_the_prefill(tiny_model_dir):
+    """A prefill engine's first token that completes a stop string ends the request there
+    (stop, its KV freed, not held for a decode worker that would decode past the stop)."""
+    engine = make_engine(tiny_model_dir)
+    prompt = engine.tokenizer.encode("the model and the cache")
+    greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    [free_run] = generate(engine, [prompt], greedy)
+    first_text = free_run.text.strip()
+    assert first_text, free_run
+    stop = first_text[-1]
+    cut = free_run.text.index(stop)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, stop=[stop])
+    prefill = make_engine(tiny_model_dir, mode=EngineMode.PREFILL_ONLY)
+    prefill.add_request("s", prompt, params)
+    [out] = drain(prefill)
+    assert out.finished and out.finish_reason is FinishReason.STOP
+    assert out.new_token_ids == free_run.token_ids
+    assert out.delta_text == free_run.text[:cut]
+    assert prefill.stats().num_held == 0
+    with pytest.raises(KeyError):
+        prefill.export_kv("s")
+    assert prefill.is_idle() and engine.is_idle()
+
+
 def test_stop_token_ids_and_min_tokens(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     prompt = make_prompts(2048, (20,), seed=5)

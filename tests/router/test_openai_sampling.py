@@ -209,6 +209,27 @@ def test_n_choices_when_the_first_token_ends_sequence_0(client, cluster, colocat
     assert response.usage.completion_tokens == 3
 
 
+def test_stop_string_in_the_first_token_ends_the_request_at_the_prefill(client, cluster):
+    """The prefill worker's first token completes a stop string: the request ends there
+    (`stop`, the text cut before it). Such a request once went on to the decode worker,
+    whose engine failed on its next token, and every request on that worker with it."""
+    args = dict(model=cluster.router.config.model_name, prompt=PROMPT, temperature=0.0,
+                extra_body={"ignore_eos": True})  # fmt: skip
+    first_text = client.completions.create(**args, max_tokens=1).choices[0].text
+    assert first_text.strip(), first_text
+    stop = first_text.strip()[-1]
+    before = prompt_tokens_prefilled(cluster)
+    cut = client.completions.create(**args, max_tokens=8, stop=[stop])
+    assert prompt_tokens_prefilled(cluster) == before + len(PROMPT)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == first_text[: first_text.index(stop)]
+    assert cut.usage.completion_tokens == 1
+    # The decode worker still serves.
+    longer = client.completions.create(**args, max_tokens=4)
+    assert longer.choices[0].finish_reason == "length"
+    assert longer.choices[0].text.startswith(first_text)
+
+
 def test_n_choices_stream_with_their_index(client, cluster):
     stream = client.chat.completions.create(
         model=cluster.router.config.model_name,
