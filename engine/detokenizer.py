@@ -8,7 +8,8 @@ settled:
 
 * text ending in U+FFFD: the last token(s) end inside a multi-byte UTF-8 character;
 * a tail that could still grow into a stop string, so a streaming client never sees part
-  of one. When a stop string completes, the output is cut right before it (OpenAI style).
+  of one. When a stop string completes, the output is cut right before it (OpenAI style);
+  as in vLLM, only in a token past the request's first `min_tokens`.
 
 Exactness: for tokenizers whose decode is a concatenation over tokens (byte-level BPE:
 GPT-2, Llama 3, Qwen), the deltas plus `flush()` equal
@@ -71,6 +72,8 @@ class IncrementalDetokenizer:
         self._skip_special_tokens = params.skip_special_tokens
         self._stops = list(params.stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        # Stop strings end the output only in a token past the first min_tokens (vLLM).
+        self._min_tokens = params.min_tokens
 
         context = list(prompt_token_ids[-NUM_PROMPT_CONTEXT_TOKENS:])
         # A prompt ending inside a UTF-8 character would make the window's text lengths
@@ -149,7 +152,7 @@ class IncrementalDetokenizer:
         """Add settled text, cut at a completed stop string, release what is safe."""
         old_len = len(self._text)
         self._text += new_text
-        stop = self._find_stop(old_len)
+        stop = self._find_stop(old_len) if self._stops_allowed() else None
         if stop is not None:
             stop_start, self._stop_string = stop
             self._text = self._text[:stop_start]
@@ -160,6 +163,12 @@ class IncrementalDetokenizer:
         delta = self._text[self._num_released : release_to]
         self._num_released = release_to
         return DetokenizerUpdate(delta_text=delta, stop_string=None)
+
+    def _stops_allowed(self) -> bool:
+        """Whether more than min_tokens output tokens are in: a stop string completed in
+        an earlier token does not end the output (nor is it found later: the search covers
+        only text that ends after the previous call's)."""
+        return len(self._ids) - self._num_context_ids > self._min_tokens
 
     def _find_stop(self, old_len: int) -> tuple[int, str] | None:
         """The stop string occurrence that completes first, ending after old_len.

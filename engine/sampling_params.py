@@ -40,7 +40,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     # Keep generating past the EOS token (benchmarks want fixed-length outputs).
     ignore_eos: bool = False
-    # EOS and stop_token_ids may not end generation before this many tokens are generated.
+    # EOS, stop_token_ids and stop strings may not end generation before this many tokens
+    # are generated (as in vLLM; a stop string completed earlier is not matched later).
     min_tokens: int = 0
     # Whether the caller wants the chosen token's logprob reported (only then computed).
     logprobs: bool = False

@@ -135,6 +135,27 @@ def test_partial_stop_string_is_held_back(tokenizer: Any) -> None:
         detok.add_token(0)
 
 
+@pytest.mark.parametrize(
+    ("text", "stop", "min_tokens", "expected"),
+    [
+        ("a.b.c.d", ".", 0, "a"),
+        ("a.b.c.d", ".", 1, "a"),  # the first "." is the second token
+        ("a.b.c.d", ".", 2, "a.b"),
+        ("a.b.c.d", ".", 3, "a.b"),
+        ("a.b.c.d", ".", 4, "a.b.c"),
+        ("a.b.c.d", ".", 7, None),  # every "." within the first min_tokens
+        ("xy", "xy", 1, ""),  # begun within min_tokens, completed past them
+    ],
+)
+def test_stop_strings_end_the_output_only_past_min_tokens(
+    tokenizer: Any, text: str, stop: str, min_tokens: int, expected: str | None
+) -> None:
+    params = SamplingParams(max_tokens=16, min_tokens=min_tokens, stop=[stop])
+    deltas, found, detok = stream(tokenizer, [], char_tokens(tokenizer, text), params)
+    assert found == (None if expected is None else stop)
+    assert "".join(deltas) == detok.output_text == (text if expected is None else expected)
+
+
 def test_false_start_of_stop_string_is_released(tokenizer: Any) -> None:
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["world"]))
     deltas = [detok.add_token(i).delta_text for i in char_tokens(tokenizer, "Hello word")]

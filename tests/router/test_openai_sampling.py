@@ -211,8 +211,9 @@ def test_n_choices_when_the_first_token_ends_sequence_0(client, cluster, colocat
 
 def test_stop_string_in_the_first_token_ends_the_request_at_the_prefill(client, cluster):
     """The prefill worker's first token completes a stop string: the request ends there
-    (`stop`, the text cut before it). Such a request once went on to the decode worker,
-    whose engine failed on its next token, and every request on that worker with it."""
+    (`stop`, the text cut before it), unless min_tokens asks for more. Such a request once
+    went on to the decode worker, whose engine failed on its next token, and every request
+    on that worker with it."""
     args = dict(model=cluster.router.config.model_name, prompt=PROMPT, temperature=0.0,
                 extra_body={"ignore_eos": True})  # fmt: skip
     first_text = client.completions.create(**args, max_tokens=1).choices[0].text
@@ -224,10 +225,15 @@ def test_stop_string_in_the_first_token_ends_the_request_at_the_prefill(client, 
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].text == first_text[: first_text.index(stop)]
     assert cut.usage.completion_tokens == 1
-    # The decode worker still serves.
-    longer = client.completions.create(**args, max_tokens=4)
+    # Past min_tokens only: the first token's stop string does not count, nor is it found
+    # later; the decode worker goes on (and still serves).
+    held_args = {**args, "extra_body": {"ignore_eos": True, "min_tokens": 3}}
+    held = client.completions.create(**held_args, max_tokens=8, stop=[stop])
+    assert held.usage.completion_tokens > 3
+    assert held.choices[0].text.startswith(first_text)
+    longer = client.completions.create(**args, max_tokens=8)
     assert longer.choices[0].finish_reason == "length"
-    assert longer.choices[0].text.startswith(first_text)
+    assert longer.choices[0].text.startswith(held.choices[0].text)
 
 
 def test_n_choices_stream_with_their_index(client, cluster):
