@@ -1,8 +1,9 @@
 """Decode side of KV transfer: pull a prefilled request's blocks from its prefill worker.
 
 One channel per prefill worker (keyed by worker id and endpoint), opened on the first
-pull and reused; pulls to one prefill worker are serialised on its channel (each one
-already saturates the link). Blocking socket work runs in a small executor the client
+pull (in a task of the client's, which a cancelled pull leaves running) and reused; pulls
+to one prefill worker are serialised on its channel (each one already saturates the
+link). Blocking socket work runs in a small executor the client
 owns. A channel that breaks is dropped and the next pull opens a new one.
 """
 
@@ -85,6 +86,8 @@ class KvTransferClient:
             max_workers=max_num_threads, thread_name_prefix=self._thread_prefix
         )
         self._channels: dict[_ChannelKey, Channel] = {}
+        # Channels being opened: the client owns each opening until its channel is stored.
+        self._opening: dict[_ChannelKey, asyncio.Task[Channel]] = {}
         self._locks: dict[_ChannelKey, asyncio.Lock] = {}
         self._grpc: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task[None]] = set()
@@ -133,11 +136,7 @@ class KvTransferClient:
         async with lock:
             if self._closed:  # closed while this pull waited for the channel
                 raise KvTransferError("KV transfer client is closed")
-            channel = self._channels.get(key)
-            if channel is None or not channel.is_open:
-                self._drop(key)
-                channel = await self._open(handle)
-                self._channels[key] = channel
+            channel = await self._channel_to(key, handle)
             try:
                 if writer is not None and isinstance(channel, TcpChannel):
                     return await writer.run(
@@ -153,9 +152,32 @@ class KvTransferClient:
                 self._drop(key)
                 raise
 
+    async def _channel_to(self, key: _ChannelKey, handle: KvHandle) -> Channel:
+        """The open channel to the handle's prefill worker, opened first if needed (under
+        the worker's lock). The opening runs in a task of the client's: a pull cancelled
+        meanwhile leaves the channel, once open, to the next pull (or to `close`), never
+        half-open on the prefill side (opened there, never connected)."""
+        channel = self._channels.get(key)
+        if channel is not None and channel.is_open:
+            return channel
+        self._drop(key)
+        opening = self._opening.get(key)
+        if opening is None:
+            opening = asyncio.create_task(self._open(handle))
+            self._opening[key] = opening
+            opening.add_done_callback(functools.partial(self._opened, key))
+        return await asyncio.shield(opening)
+
+    def _opened(self, key: _ChannelKey, opening: asyncio.Task[Channel]) -> None:
+        self._opening.pop(key, None)
+        if not opening.cancelled() and opening.exception() is None:
+            self._channels[key] = opening.result()
+
     async def close(self) -> None:
         """Close every channel (CloseChannel RPC, sockets, gRPC channels) and threads."""
         self._closed = True
+        # Channels still opening join the others (each opening is bounded by timeout_s).
+        await asyncio.gather(*self._opening.values(), return_exceptions=True)
         channels = list(self._channels.items())
         self._channels.clear()
         for _, channel in channels:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import warnings
 
@@ -18,11 +19,13 @@ from tandem.kv_transfer import (
 from tests.helpers.kv_transfer_harness import (
     TINY,
     FakeEngine,
+    bits,
     prefill_server,
     random_cache,
     socket_fds,
     thread_names,
 )
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -76,3 +79,49 @@ def test_closed_client_refuses_pulls() -> None:
             await client.pull(KvHandle("p", "127.0.0.1:1", "r", [1], 4, TINY.fingerprint()))
 
     asyncio.run(run())
+
+
+async def cancel_one_pull_while_opening(prefill, client: KvTransferClient) -> bool:
+    """Cancel a first pull as soon as the prefill side counts a channel the client does
+    not; True when that moment came before the pull finished."""
+
+    def server_channels() -> int:
+        return prefill.service.stats().num_open_channels
+
+    pull = asyncio.create_task(client.pull(prefill.handle(TINY, "r1", [1, 2])))
+    await wait_until(lambda: pull.done() or server_channels() > client.stats().num_open_channels)
+    in_window = not pull.done()
+    pull.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await pull
+    await wait_until(
+        lambda: server_channels() == client.stats().num_open_channels, 5,
+        "as many channels on the prefill side as on the client",
+    )  # fmt: skip
+    return in_window
+
+
+def test_a_pull_cancelled_while_its_channel_opens_leaves_no_half_open_channel() -> None:
+    """Cancelled after the prefill side opened the channel, before the client stored it:
+    the prefill side once kept a channel nobody would connect to (counted open until a
+    later opening, timeout_s after, dropped it). The opening now completes, for the next
+    pull or for `close`."""
+    engine = FakeEngine(random_cache(TINY, 16), {"r1": [1, 2]})
+
+    async def run() -> int:
+        num_in_window = 0
+        async with prefill_server(TINY, engine.read_blocks) as prefill:
+            for _ in range(10):  # each round a new client: a new opening
+                client = KvTransferClient(TINY, "decode-0", timeout_s=5.0)
+                try:
+                    num_in_window += await cancel_one_pull_while_opening(prefill, client)
+                    got = await client.pull(prefill.handle(TINY, "r1", [1, 2]))
+                    assert bits(got).equal(bits(engine.expected("r1")))
+                finally:
+                    await client.close()
+                await wait_until(
+                    lambda: prefill.service.stats().num_open_channels == 0, 5, "none after close"
+                )
+        return num_in_window
+
+    assert asyncio.run(run()) >= 1  # some cancellations hit the opening
