@@ -3,8 +3,8 @@
 One channel per prefill worker (keyed by worker id and endpoint), opened on the first
 pull (in a task of the client's, which a cancelled pull leaves running) and reused; pulls
 to one prefill worker are serialised on its channel (each one already saturates the
-link). Blocking socket work runs in a small executor the client
-owns. A channel that breaks is dropped and the next pull opens a new one.
+link). Blocking socket work runs in a small executor the client owns. A channel that
+breaks is dropped and the next pull opens a new one.
 """
 
 from __future__ import annotations
