@@ -46,8 +46,11 @@ grpcclient, triton_pb, triton_grpc, InferenceServerException = _import_tritoncli
 
 PROMPTS = ("the cache block decode worker", "router latency is the")
 GREEDY = {"temperature": 0, "max_tokens": 12}
-# Far longer than a test waits for: only cancellation ends it early.
-LONG = {"temperature": 0, "max_tokens": 500, "ignore_eos": True}
+# Far longer than a test waits for: only cancellation ends it early. The most the tiny
+# model's 1,024-token context leaves after these prompts: ~0.9 s of decoding here (500
+# tokens took 0.66 s, and once finished inside test_infer_deadline's 0.5 s deadline);
+# the workers get 0.3 s to become idle after a cancel (they take ~10 ms).
+LONG = {"temperature": 0, "max_tokens": 1000, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
@@ -364,7 +367,7 @@ def test_stream_cancel_frees_workers(cluster, client, model_name):
     result, error = collector.next()
     assert error is None and not _is_final(result)
     client.stop_stream(cancel_requests=True)
-    cluster.assert_idle(timeout_s=1.0)
+    cluster.assert_idle(timeout_s=0.3)
     finals = []
     while not collector.items.empty():
         result, _ = collector.next()
@@ -377,10 +380,10 @@ def test_infer_deadline_cancels_generation(cluster, client, model_name):
     prompt = PROMPTS[1]
     started = time.monotonic()
     with pytest.raises(InferenceServerException) as info:
-        client.infer(model_name, _inputs(prompt, LONG), client_timeout=0.5)
+        client.infer(model_name, _inputs(prompt, LONG), client_timeout=0.2)
     assert info.value.status() == "StatusCode.DEADLINE_EXCEEDED"
     assert time.monotonic() - started < 5
-    cluster.assert_idle(timeout_s=1.0)
+    cluster.assert_idle(timeout_s=0.3)
 
 
 @pytest.mark.timeout(60)
