@@ -151,16 +151,18 @@ def test_kill_decode_worker_mid_stream_continues_every_request(decode_pair):
     cluster.assert_idle()
 
 
+PREFILLS = ("prefill-0", "prefill-1")
+
+
 def test_kill_prefill_worker_with_queued_prompts(tiny_model_dir):
     """kill -9 of a prefill worker with prompts queued on it (2P + 1D): every request
     completes, token-equal to a run without the kill."""
-    roles = {"prefill-0": WorkerRole.PREFILL, "prefill-1": WorkerRole.PREFILL,
-             "decode-0": WorkerRole.DECODE}  # fmt: skip
+    roles = {**dict.fromkeys(PREFILLS, WorkerRole.PREFILL), "decode-0": WorkerRole.DECODE}
     # Every prompt goes through a prefill worker.
     cluster = ProcessCluster(str(tiny_model_dir), roles, max_local_prefill_tokens=0).start()
     try:
 
-        async def scenario() -> list[tuple[list[int], str]]:
+        async def scenario() -> tuple[str, list[tuple[list[int], str]]]:
             tasks = [
                 asyncio.ensure_future(
                     stream_tokens(cluster.grpc_endpoint, f"req-{i}", p, max_tokens=24)
@@ -168,22 +170,27 @@ def test_kill_prefill_worker_with_queued_prompts(tiny_model_dir):
                 for i, p in enumerate(new_prompts)
             ]
             policy = cluster.router.policy_runtime.policy
+
+            def queued_on(worker_id: str) -> int:
+                return sum(not f.prefilled for f in policy.workers[worker_id].in_flight.values())
+
             deadline = time.monotonic() + 60
-            # Kill while at least two prompts wait for (or are in) prefill there.
-            while sum(not f.prefilled for f in policy.workers["prefill-0"].in_flight.values()) < 2:
-                assert time.monotonic() < deadline, "no prompts queued on prefill-0"
+            # Kill a prefill worker while at least two prompts wait for (or are in) prefill
+            # there (prefix affinity may have sent most of them to either).
+            while (victim := next((w for w in PREFILLS if queued_on(w) >= 2), None)) is None:
+                assert time.monotonic() < deadline, "no prompts queued on a prefill worker"
                 await asyncio.sleep(0.001)
-            await asyncio.get_running_loop().run_in_executor(None, cluster.kill, "prefill-0")
-            return list(await asyncio.gather(*tasks))
+            await asyncio.get_running_loop().run_in_executor(None, cluster.kill, victim)
+            return victim, list(await asyncio.gather(*tasks))
 
         new_prompts = make_prompts(2048, (700, 650, 600, 720, 680, 610, 690, 640), seed=73)
         expected = cluster.run(run_all(cluster, "exp", new_prompts, max_tokens=24))
         cluster.assert_idle()
         # (The prompts hit the prefix caches now; greedy output does not depend on it.)
-        results = cluster.run(scenario(), timeout_s=300)
+        victim, results = cluster.run(scenario(), timeout_s=300)
         assert [r[0] for r in results] == [r[0] for r in expected]
         assert cluster.migrations().get("prefill_failed", 0) >= 1
-        cluster.set_state("prefill-0", WorkerLifecycle.DEAD)
+        cluster.set_state(victim, WorkerLifecycle.DEAD)
         cluster.assert_idle()
     finally:
         cluster.stop()
