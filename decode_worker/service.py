@@ -32,7 +32,12 @@ from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerConfig
-from tandem.worker.convert import FINISH_REASONS, sampling_params_from_proto, stats_to_proto
+from tandem.worker.convert import (
+    FINISH_REASONS,
+    sampling_params_from_proto,
+    stats_to_proto,
+    top_logprobs_to_proto,
+)
 from tandem.worker.engine_loop import EngineLoop, RequestStream
 from tandem.worker.metrics import WorkerMetrics
 
@@ -126,6 +131,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         msg = pb.DecodeResponse(
             token_ids=out.new_token_ids,
             logprobs=out.new_logprobs,
+            top_logprobs=[top_logprobs_to_proto(top) for top in out.new_top_logprobs],
             text=out.delta_text,
             finish_reason=FINISH_REASONS[out.finish_reason],
             num_prompt_tokens=out.num_prompt_tokens,

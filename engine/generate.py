@@ -32,6 +32,7 @@ def generate(
             result = results[out.req_id]
             result.token_ids += out.new_token_ids
             result.logprobs += out.new_logprobs
+            result.top_logprobs += out.new_top_logprobs
             result.text += out.delta_text
             result.num_cached_tokens = out.num_cached_tokens
             if out.finished:

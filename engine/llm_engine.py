@@ -236,6 +236,7 @@ class Engine:
             req_id=req_id,
             new_token_ids=request.output_token_ids[-1:],
             new_logprobs=request.output_logprobs[-1:],
+            new_top_logprobs=request.output_top_logprobs[-1:],
             delta_text=delta,
             finished=request.is_finished,
             finish_reason=reason,

@@ -99,8 +99,10 @@ class ModelRunner:
             [c.request for c in sampling],
         )
         return {
-            c.request.req_id: SampledToken(tok, lp)
-            for c, tok, lp in zip(sampling, result.token_ids, result.logprobs, strict=True)
+            c.request.req_id: SampledToken(tok, lp, top)
+            for c, tok, lp, top in zip(
+                sampling, result.token_ids, result.logprobs, result.top_logprobs, strict=True
+            )
         }
 
     def _forward(

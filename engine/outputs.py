@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.engine.request import FinishReason
+from tandem.engine.sampler import TopLogprobs
 
 
 @dataclass
@@ -34,6 +35,8 @@ class RequestOutput:
     prefill_s: float | None = None
     # With the first token, when params.prompt_logprobs: logprob of prompt token i + 1.
     prompt_logprobs: list[float] | None = None
+    # params.top_logprobs > 0: the most likely tokens at each new token's position.
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0

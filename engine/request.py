@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tandem.engine.sampler import token_draw_seed
+from tandem.engine.sampler import TopLogprobs, token_draw_seed
 from tandem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,6 +41,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # params.top_logprobs > 0: the alternatives at each sampled token (as output_logprobs).
+    output_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # Tokens whose KV is in the pool (prefix-cache hits + computed chunks).
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache at the first admission.

@@ -32,6 +32,15 @@ from tandem.engine.sampling_params import SamplingParams
 NOT_COMPUTED = float("nan")
 
 
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The most likely tokens at one position, most likely first, and their logprobs
+    (log_softmax of the raw logits, as the chosen token's)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 @dataclass
 class SamplerOutput:
     """One entry per input row, in row order."""
@@ -42,6 +51,9 @@ class SamplerOutput:
     # penalties, temperature, top-k and top-p), as vLLM reports by default; NaN for rows
     # whose params do not ask for logprobs (not computed).
     logprobs: list[float]
+    # The params.top_logprobs most likely tokens of that distribution; None for rows
+    # that ask for none.
+    top_logprobs: list[TopLogprobs | None]
 
 
 _MASK_64 = (1 << 64) - 1
@@ -117,8 +129,9 @@ class Sampler:
             )
             token_ids = self._greedy(logits)
             token_ids[rows] = sampled
+        logprobs, top_logprobs = _logprobs(raw, token_ids, params)
         return SamplerOutput(
-            token_ids=token_ids.tolist(), logprobs=_chosen_logprobs(raw, token_ids, params)
+            token_ids=token_ids.tolist(), logprobs=logprobs, top_logprobs=top_logprobs
         )
 
     def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
@@ -173,25 +186,35 @@ class Sampler:
         return self._generators[device]
 
 
-def _chosen_logprobs(
+def _logprobs(
     raw: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams]
-) -> list[float]:
-    """log_softmax(raw) at each row's chosen token for the rows that ask for logprobs;
-    NaN for the others."""
+) -> tuple[list[float], list[TopLogprobs | None]]:
+    """log_softmax(raw) at each row's chosen token for the rows that ask for logprobs
+    (NaN for the others), and at the row's params.top_logprobs largest logits (ties in
+    index order) for the rows that ask for those (None for the others)."""
+    logprobs = [NOT_COMPUTED] * len(params)
+    top_logprobs: list[TopLogprobs | None] = [None] * len(params)
     wanted = [i for i, p in enumerate(params) if p.logprobs]
     if not wanted:
-        return [NOT_COMPUTED] * len(params)
+        return logprobs, top_logprobs
     if len(wanted) != len(params):
         rows = torch.tensor(wanted, device=raw.device)
         raw, token_ids = raw[rows], token_ids[rows]
-    chosen = raw.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-    values = (chosen - torch.logsumexp(raw, dim=-1)).tolist()
-    if len(wanted) == len(params):
-        return values
-    logprobs = [NOT_COMPUTED] * len(params)
-    for row, value in zip(wanted, values, strict=True):
+    log_totals = torch.logsumexp(raw, dim=-1, keepdim=True)
+    chosen = raw.gather(1, token_ids.unsqueeze(1)) - log_totals
+    for row, value in zip(wanted, chosen.squeeze(1).tolist(), strict=True):
         logprobs[row] = value
-    return logprobs
+    num_top = max(params[i].top_logprobs for i in wanted)
+    if num_top:
+        # A stable descending sort keeps tied logits in index order (topk does not).
+        ranked, order = raw.sort(dim=-1, descending=True, stable=True)
+        top_values = (ranked[:, :num_top] - log_totals).tolist()
+        top_ids = order[:, :num_top].tolist()
+        for j, row in enumerate(wanted):
+            k = params[row].top_logprobs
+            if k:
+                top_logprobs[row] = TopLogprobs(top_ids[j][:k], top_values[j][:k])
+    return logprobs, top_logprobs
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -18,6 +18,8 @@ MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
 # Most logit_bias entries one request may carry (OpenAI allows 300).
 MAX_NUM_LOGIT_BIAS = 300
+# Most alternatives reported per position (OpenAI's and vLLM's default limit).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -45,6 +47,9 @@ class SamplingParams:
     min_tokens: int = 0
     # Whether the caller wants the chosen token's logprob reported (only then computed).
     logprobs: bool = False
+    # With logprobs: also this many most likely tokens at each position, with their
+    # logprobs (OpenAI's top_logprobs; 0 = none), at most MAX_TOP_LOGPROBS.
+    top_logprobs: int = 0
     # Leave special tokens (BOS, EOS, ...) out of the detokenized text.
     skip_special_tokens: bool = True
     # Structured output: the grammar every generated token must follow (None = free).
@@ -104,6 +109,11 @@ class SamplingParams:
         for token_id in self.stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
                 raise ValueError(f"stop_token_ids must be non-negative ints, got {token_id!r}")
+        top = self.top_logprobs
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+        if top and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs")
         self._check_penalties()
 
     def _check_penalties(self) -> None:

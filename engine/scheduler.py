@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.request import FinishReason, Request, RequestStatus
+from tandem.engine.sampler import TopLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class SampledToken:
 
     token_id: int
     logprob: float
+    # The most likely tokens, when the request's params.top_logprobs asks for them.
+    top_logprobs: TopLogprobs | None = None
 
 
 class Scheduler:
@@ -153,6 +156,8 @@ class Scheduler:
                 continue
             req.output_token_ids.append(token.token_id)
             req.output_logprobs.append(token.logprob)
+            if token.top_logprobs is not None:
+                req.output_top_logprobs.append(token.top_logprobs)
             advanced.append(req)
             reason = self._stop_reason(req)
             if reason is None and self.config.mode is EngineMode.PREFILL_ONLY:

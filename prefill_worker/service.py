@@ -24,7 +24,12 @@ from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerConfig
-from tandem.worker.convert import FINISH_REASONS, sampling_params_from_proto, stats_to_proto
+from tandem.worker.convert import (
+    FINISH_REASONS,
+    sampling_params_from_proto,
+    stats_to_proto,
+    top_logprobs_to_proto,
+)
 from tandem.worker.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
@@ -89,6 +94,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             ),
             prompt_logprobs=last.prompt_logprobs or [],
         )
+        if last.new_top_logprobs:
+            top = top_logprobs_to_proto(last.new_top_logprobs[0])
+            response.first_token_top_logprobs.CopyFrom(top)
         if last.finish_reason is not FinishReason.PREFILLED:
             response.finish_reason = FINISH_REASONS[last.finish_reason]
             return response

@@ -7,6 +7,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from tandem.engine.request import FinishReason
+from tandem.engine.sampler import TopLogprobs
 
 
 @dataclass
@@ -31,6 +32,9 @@ class GenerationChunk:
     # With the first token when asked (SamplingParams.prompt_logprobs): the logprob of
     # prompt token i + 1 given tokens 0..i.
     prompt_logprobs: list[float] | None = None
+    # One per token when asked (SamplingParams.top_logprobs > 0): the most likely tokens
+    # at its position.
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
 
 _END = object()

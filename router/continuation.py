@@ -64,6 +64,7 @@ def redetokenize(chunk: GenerationChunk, detok: IncrementalDetokenizer) -> Gener
                 token_ids=chunk.token_ids[: i + 1],
                 text=text,
                 logprobs=chunk.logprobs[: i + 1],
+                top_logprobs=chunk.top_logprobs[: i + 1],
                 finish_reason=FinishReason.STOP,
             )
     if chunk.finish_reason is not None:

@@ -70,6 +70,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     token_ids=chunk.token_ids,
                     text=chunk.text,
                     logprobs=chunk.logprobs,
+                    top_logprobs=[
+                        gen_pb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+                        for top in chunk.top_logprobs
+                    ],
                     finish_reason=_FINISH[chunk.finish_reason],
                     index=chunk.index,
                 )
@@ -145,6 +149,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
             min_tokens=request.min_tokens,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,

@@ -49,7 +49,11 @@ from tandem.router.policy import GoodputPolicy, Placement
 from tandem.router.sequence import Sequence
 from tandem.router.worker_calls import WorkerCalls
 from tandem.router.worker_pool import WorkerPair, WorkerPool
-from tandem.worker.convert import finish_reason_from_proto, sampling_params_to_proto
+from tandem.worker.convert import (
+    finish_reason_from_proto,
+    sampling_params_to_proto,
+    top_logprobs_from_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +237,9 @@ class SequenceFlow:
             [prefill.first_token_logprob] if params.logprobs else [],
             finish_reason_from_proto(prefill.finish_reason),
             prompt_logprobs=list(prefill.prompt_logprobs) if params.prompt_logprobs else None,
+            top_logprobs=[top_logprobs_from_proto(prefill.first_token_top_logprobs)]
+            if params.top_logprobs
+            else [],
         )
 
     async def decode_held(

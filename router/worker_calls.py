@@ -24,7 +24,7 @@ from tandem.router.policy import GoodputPolicy
 from tandem.router.sequence import Sequence
 from tandem.router.worker_pool import WorkerPair
 from tandem.telemetry.tracing import Tracing
-from tandem.worker.convert import finish_reason_from_proto
+from tandem.worker.convert import finish_reason_from_proto, top_logprobs_from_proto
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +121,7 @@ class WorkerCalls:
                     list(msg.logprobs) if seq.params.logprobs else [],
                     finish,
                     prompt_logprobs=list(msg.prompt_logprobs) or None,
+                    top_logprobs=[top_logprobs_from_proto(top) for top in msg.top_logprobs],
                 )
                 if finish is not None:
                     return

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import EngineStats
 from tandem.engine.request import FinishReason
+from tandem.engine.sampler import TopLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
@@ -86,6 +87,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         ignore_eos=msg.ignore_eos,
         min_tokens=msg.min_tokens,
         logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
@@ -110,6 +112,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
@@ -123,6 +126,14 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     if params.structured is not None:
         msg.structured.CopyFrom(guided_to_proto(params.structured))
     return msg
+
+
+def top_logprobs_to_proto(top: TopLogprobs) -> pb.TopLogprobs:
+    return pb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+
+
+def top_logprobs_from_proto(msg: pb.TopLogprobs) -> TopLogprobs:
+    return TopLogprobs(list(msg.token_ids), list(msg.logprobs))
 
 
 def stats_to_proto(

@@ -130,7 +130,7 @@ class OpenAIHandlers:
     def _logprobs(self, generation: GenerationRequest) -> LogprobsFormatter | None:
         if not generation.logprobs:
             return None
-        return LogprobsFormatter(self.tokenizer, generation.num_top_logprobs)
+        return LogprobsFormatter(self.tokenizer)
 
     async def _run(
         self, request: web.Request, generation: GenerationRequest, builder: ResponseBuilder

@@ -14,7 +14,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from tandem.engine.sampling_params import MAX_NUM_STOP_STRINGS, SamplingParams
+from tandem.engine.sampling_params import MAX_NUM_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
 from tandem.router.errors import InvalidRequest, ModelNotFound
 from tandem.router.openai.chat_messages import chat_message
 from tandem.router.openai.errors import ContextLengthExceeded
@@ -36,7 +36,7 @@ from tandem.router.policy import RequestSlo, SloConfig
 from tandem.router.tokenization import PromptTokenizer
 
 # Most alternatives a client may ask for per position (vLLM's default `max_logprobs`).
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
 # Seeds travel as uint64.
 MAX_SEED = 2**64 - 1
 # OpenAI's default for /v1/completions when `max_tokens` is absent.
@@ -62,10 +62,9 @@ class GenerationRequest:
     stream: bool
     # stream_options.include_usage: end the stream with a usage chunk (empty `choices`).
     include_usage: bool
-    # Report the chosen token's logprob for each generated token.
+    # Report the chosen token's logprob for each generated token (and, with
+    # params.top_logprobs, the most likely tokens at its position).
     logprobs: bool
-    # Alternatives asked per position; only the chosen token is reported (see responses).
-    num_top_logprobs: int
     # The request's SLO (Tandem extension fields `slo_class`, `ttft_slo_s`, `itl_slo_s`).
     slo: RequestSlo
     # Penalties, logit_bias (already in `params`), n, echo.
@@ -244,14 +243,13 @@ class RequestParser:
                     f"field 'include_usage' must be true or false, got {show(include_usage)}",
                 )
         max_tokens = self._max_tokens(body, len(prompt_ids), prompt_field, default_max_tokens)
-        params = self._sampling_params(body, max_tokens, logprobs, extras)
+        params = self._sampling_params(body, max_tokens, logprobs, num_top_logprobs, extras)
         return GenerationRequest(
             prompt_ids=prompt_ids,
             params=params,
             stream=stream,
             include_usage=include_usage,
             logprobs=logprobs,
-            num_top_logprobs=num_top_logprobs,
             extras=extras,
             slo=self.slo.resolve(
                 get_str(body, "slo_class"),
@@ -300,7 +298,12 @@ class RequestParser:
         return max_tokens
 
     def _sampling_params(
-        self, body: dict[str, Any], max_tokens: int, logprobs: bool, extras: SamplingExtras
+        self,
+        body: dict[str, Any],
+        max_tokens: int,
+        logprobs: bool,
+        num_top_logprobs: int,
+        extras: SamplingExtras,
     ) -> SamplingParams:
         temperature = get_float(body, "temperature")
         if temperature is not None and temperature < 0:
@@ -331,6 +334,7 @@ class RequestParser:
                 ignore_eos=ignore_eos,
                 min_tokens=min_tokens or 0,
                 logprobs=logprobs,
+                top_logprobs=num_top_logprobs,
                 skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
                 **extras.params_kwargs(),
             )

@@ -3,8 +3,10 @@
 One builder per request turns the `GenerationChunk`s of `RequestFlow` into stream chunks
 (`text_completion` / `chat.completion.chunk`) or, collected, into one whole response.
 
-Logprobs: the engine computes only the chosen token's logprob, so `top_logprobs` holds
-that one token however many alternatives were asked for.
+Logprobs: each generated token's logprob and, when asked, the most likely tokens at its
+position (the engine's `TopLogprobs`). Completions' `top_logprobs` maps token text to
+logprob for those alternatives plus the chosen token (as vLLM: up to k + 1 entries);
+chat's lists the k alternatives. An echoed prompt's positions carry only their own token.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.engine.request import FinishReason
+from tandem.engine.sampler import TopLogprobs
 from tandem.router.chunk_stream import public_finish_reason
 from tandem.router.request_flow import GenerationChunk, Usage
 from tandem.router.tokenization import PromptTokenizer
 
 # What OpenAI reports for a token whose logprob is -inf (JSON has no infinities).
 _MIN_LOGPROB = -9999.0
+
+# A token's alternatives: None where none were computed (an echoed prompt's tokens, or
+# top_logprobs not asked for).
+Alternatives = TopLogprobs | None
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
@@ -40,6 +47,7 @@ class Collected:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     prompt_logprobs: list[float] | None = None
@@ -50,6 +58,7 @@ class Collected:
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
+        self.top_logprobs += chunk.top_logprobs
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.usage = chunk.usage or self.usage
 
@@ -57,15 +66,16 @@ class Collected:
 class LogprobsFormatter:
     """Per-request logprobs JSON; remembers the text offset across stream chunks."""
 
-    def __init__(self, tokenizer: PromptTokenizer, num_top_logprobs: int) -> None:
+    def __init__(self, tokenizer: PromptTokenizer) -> None:
         self.tokenizer = tokenizer
-        self.num_top_logprobs = num_top_logprobs
         self._text_offset = 0
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def completion(self, token_ids: list[int], logprobs: Sequence[float | None]) -> dict[str, Any]:
+    def completion(
+        self, token_ids: list[int], logprobs: Sequence[float | None], tops: Sequence[Alternatives]
+    ) -> dict[str, Any]:
         """None for a token without a logprob (the first token of an echoed prompt)."""
         tokens = [self._token_text(t) for t in token_ids]
         values = [None if lp is None else _finite(lp) for lp in logprobs]
@@ -73,23 +83,42 @@ class LogprobsFormatter:
         for token in tokens:
             offsets.append(self._text_offset)
             self._text_offset += len(token)
+        top_json: list[dict[str, float] | None] = []
+        for token, value, top in zip(tokens, values, tops, strict=True):
+            if value is None:
+                top_json.append(None)
+                continue
+            alternatives = {} if top is None else self._alternatives(top)
+            top_json.append({**alternatives, token: value} if token not in alternatives
+                            else alternatives)  # fmt: skip
         return {
             "tokens": tokens,
             "token_logprobs": values,
-            "top_logprobs": [
-                None if lp is None else {t: lp} for t, lp in zip(tokens, values, strict=True)
-            ],
+            "top_logprobs": top_json,
             "text_offset": offsets,
         }
 
-    def chat(self, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    def chat(
+        self, token_ids: list[int], logprobs: list[float], tops: Sequence[Alternatives]
+    ) -> dict[str, Any]:
         content = []
-        for token_id, logprob in zip(token_ids, logprobs, strict=True):
-            token = self._token_text(token_id)
-            entry = {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
-            top = [dict(entry)] if self.num_top_logprobs else []
-            content.append({**entry, "top_logprobs": top})
+        for token_id, logprob, top in zip(token_ids, logprobs, tops, strict=True):
+            alternatives = [] if top is None else [
+                self._chat_entry(t, lp) for t, lp in zip(top.token_ids, top.logprobs, strict=True)
+            ]  # fmt: skip
+            content.append({**self._chat_entry(token_id, logprob), "top_logprobs": alternatives})
         return {"content": content}
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self._token_text(token_id)
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
+
+    def _alternatives(self, top: TopLogprobs) -> dict[str, float]:
+        """Token text -> logprob, most likely first (a text two ids share keeps the first)."""
+        alternatives: dict[str, float] = {}
+        for token_id, logprob in zip(top.token_ids, top.logprobs, strict=True):
+            alternatives.setdefault(self._token_text(token_id), _finite(logprob))
+        return alternatives
 
 
 class ResponseBuilder:
@@ -163,7 +192,11 @@ class ResponseBuilder:
         return body
 
     def _logprobs_json(
-        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: Sequence[float | None]
+        self,
+        formatter: LogprobsFormatter,
+        token_ids: list[int],
+        logprobs: Sequence[float | None],
+        tops: Sequence[Alternatives],
     ) -> Any:
         raise NotImplementedError
 
@@ -174,14 +207,20 @@ class ResponseBuilder:
         raise NotImplementedError
 
     def _logprobs_of(
-        self, token_ids: list[int], logprobs: Sequence[float | None], index: int
+        self,
+        token_ids: list[int],
+        logprobs: Sequence[float | None],
+        tops: Sequence[TopLogprobs],
+        index: int,
     ) -> Any:
+        """`tops`: one per token, or none (not asked for)."""
         if self.logprobs is None:
             return None
         formatter = self._formatters.get(index)
         if formatter is None:
             formatter = self._formatters[index] = copy.copy(self.logprobs)
-        return self._logprobs_json(formatter, token_ids, logprobs)
+        alternatives: list[Alternatives] = list(tops) or [None] * len(token_ids)
+        return self._logprobs_json(formatter, token_ids, logprobs, alternatives)
 
 
 class CompletionResponses(ResponseBuilder):
@@ -203,29 +242,43 @@ class CompletionResponses(ResponseBuilder):
         return super().chunk(chunk)
 
     def _echoed(
-        self, text: str, token_ids: list[int], logprobs: list[float], index: int, first: bool
+        self,
+        text: str,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[TopLogprobs],
+        index: int,
+        first: bool,
     ) -> tuple[str, Any]:
         """Text and logprobs JSON, the echoed prompt in front when `first`."""
         if first and self.echo_text is not None and self.logprobs is not None:
             prompt_ids = self.echo_prompt_ids or []
             prompt_lps: list[float | None] = [None, *(self._prompt_logprobs or [])]
             values = [*prompt_lps[: len(prompt_ids)], *logprobs]
-            logprobs_json = self._logprobs_of([*prompt_ids, *token_ids], values, index)
+            formatter = self._formatters.get(index) or copy.copy(self.logprobs)
+            self._formatters[index] = formatter
+            alternatives: list[Alternatives] = [None] * len(prompt_ids)
+            alternatives += list(tops) or [None] * len(token_ids)
+            logprobs_json = formatter.completion([*prompt_ids, *token_ids], values, alternatives)
             return self.echo_text + text, logprobs_json
         if first and self.echo_text is not None:
             text = self.echo_text + text
-        return text, self._logprobs_of(token_ids, logprobs, index)
+        return text, self._logprobs_of(token_ids, logprobs, tops, index)
 
     def _logprobs_json(
-        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: Sequence[float | None]
+        self,
+        formatter: LogprobsFormatter,
+        token_ids: list[int],
+        logprobs: Sequence[float | None],
+        tops: Sequence[Alternatives],
     ) -> Any:
-        return formatter.completion(token_ids, logprobs)
+        return formatter.completion(token_ids, logprobs, tops)
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
         first = self.logprobs is not None and chunk.index not in self._echoed_indexes
         self._echoed_indexes.add(chunk.index)
         text, logprobs = self._echoed(
-            chunk.text, chunk.token_ids, chunk.logprobs, chunk.index, first
+            chunk.text, chunk.token_ids, chunk.logprobs, chunk.top_logprobs, chunk.index, first
         )
         return {
             "text": text,
@@ -241,7 +294,12 @@ class CompletionResponses(ResponseBuilder):
 
     def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         text, logprobs = self._echoed(
-            collected.text, collected.token_ids, collected.logprobs, index, first=True
+            collected.text,
+            collected.token_ids,
+            collected.logprobs,
+            collected.top_logprobs,
+            index,
+            first=True,
         )
         return {
             "text": text,
@@ -255,10 +313,14 @@ class ChatResponses(ResponseBuilder):
     chunk_object_name = "chat.completion.chunk"
 
     def _logprobs_json(
-        self, formatter: LogprobsFormatter, token_ids: list[int], logprobs: Sequence[float | None]
+        self,
+        formatter: LogprobsFormatter,
+        token_ids: list[int],
+        logprobs: Sequence[float | None],
+        tops: Sequence[Alternatives],
     ) -> Any:
         # Chat never echoes the prompt, so every generated token has its logprob.
-        return formatter.chat(token_ids, [lp for lp in logprobs if lp is not None])
+        return formatter.chat(token_ids, [lp for lp in logprobs if lp is not None], tops)
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
@@ -268,14 +330,18 @@ class ChatResponses(ResponseBuilder):
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
         return {
             "delta": {"content": chunk.text} if chunk.text else {},
-            "logprobs": self._logprobs_of(chunk.token_ids, chunk.logprobs, chunk.index),
+            "logprobs": self._logprobs_of(
+                chunk.token_ids, chunk.logprobs, chunk.top_logprobs, chunk.index
+            ),
             "finish_reason": public_finish_reason(chunk.finish_reason),
         }
 
     def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         return {
             "message": {"role": "assistant", "content": collected.text},
-            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs, index),
+            "logprobs": self._logprobs_of(
+                collected.token_ids, collected.logprobs, collected.top_logprobs, index
+            ),
             "finish_reason": public_finish_reason(collected.finish_reason),
         }
 

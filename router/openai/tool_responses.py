@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.engine.request import FinishReason
+from tandem.engine.sampler import TopLogprobs
 from tandem.router.chunk_stream import public_finish_reason
 from tandem.router.openai.responses import ChatResponses, Collected, LogprobsFormatter
 from tandem.router.openai.tool_parsers import ToolCall, may_be_tool_call, parse_output
@@ -66,7 +67,7 @@ class ToolChatResponses(ChatResponses):
         delta: dict[str, Any] = {"tool_calls": [c.json(i) for i, c in enumerate(parsed.calls)]}
         if parsed.content:
             delta["content"] = parsed.content
-        return self._delta(delta, held.token_ids, held.logprobs, chunk)
+        return self._delta(delta, held.token_ids, held.logprobs, held.top_logprobs, chunk)
 
     def _named_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         if not chunk.text and chunk.finish_reason is None:
@@ -80,19 +81,20 @@ class ToolChatResponses(ChatResponses):
             else:
                 entry = {"index": 0, "function": {"arguments": chunk.text}}
             delta["tool_calls"] = [entry]
-        return self._delta(delta, chunk.token_ids, chunk.logprobs, chunk)
+        return self._delta(delta, chunk.token_ids, chunk.logprobs, chunk.top_logprobs, chunk)
 
     def _delta(
         self,
         delta: dict[str, Any],
         token_ids: list[int],
         logprobs: list[float],
+        tops: list[TopLogprobs],
         chunk: GenerationChunk,
     ) -> dict[str, Any]:
         """A chunk of tool-call deltas (finishing with `tool_calls` on a stop)."""
         body = {
             "delta": delta,
-            "logprobs": self._logprobs_of(token_ids, logprobs, chunk.index),
+            "logprobs": self._logprobs_of(token_ids, logprobs, tops, chunk.index),
             "finish_reason": _finish(chunk.finish_reason, True),
         }
         return self._chunk(body, chunk.index)
@@ -100,7 +102,13 @@ class ToolChatResponses(ChatResponses):
     def _released(self, index: int) -> GenerationChunk:
         held = self._held.pop(index)
         return GenerationChunk(
-            held.token_ids, held.text, held.logprobs, held.finish_reason, held.usage, index
+            held.token_ids,
+            held.text,
+            held.logprobs,
+            held.finish_reason,
+            held.usage,
+            index,
+            top_logprobs=held.top_logprobs,
         )
 
     def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
@@ -113,6 +121,8 @@ class ToolChatResponses(ChatResponses):
                 "content": parsed.content,
                 "tool_calls": [c.json() for c in parsed.calls],
             },
-            "logprobs": self._logprobs_of(collected.token_ids, collected.logprobs, index),
+            "logprobs": self._logprobs_of(
+                collected.token_ids, collected.logprobs, collected.top_logprobs, index
+            ),
             "finish_reason": _finish(collected.finish_reason, True),
         }

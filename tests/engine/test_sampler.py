@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -78,6 +79,54 @@ def test_logprobs_only_for_rows_that_ask(greedy: bool) -> None:
             assert logprob == pytest.approx(expected[row, token_id].item(), abs=1e-5)
         else:
             assert math.isnan(logprob)
+
+
+@dataclass
+class History:
+    penalty_prompt_token_ids: list[int]
+    generated_token_ids: list[int]
+
+
+def test_top_logprobs_are_the_largest_raw_logprobs_in_order() -> None:
+    """From the logits as the model gave them (before penalties and temperature), as the
+    chosen token's logprob; rows that ask for none get None."""
+    logits = random_logits(5, seed=6)
+    logits[3, 10:20] = 9.0  # ties: reported in index order
+    params = [
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5),
+        SamplingParams(temperature=1.0, logprobs=True),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=2.0, top_k=2, logprobs=True, top_logprobs=20),
+        SamplingParams(temperature=0.7, logprobs=True, top_logprobs=1, presence_penalty=2.0),
+    ]
+    seen = History([], [int(logits[4].argmax())])
+    out = Sampler().sample(logits, params, list(range(5)), [seen] * 5)
+    expected = torch.log_softmax(logits, dim=-1)
+    assert out.top_logprobs[1] is None and out.top_logprobs[2] is None
+    for row in (0, 3, 4):
+        top = out.top_logprobs[row]
+        k = params[row].top_logprobs
+        order = sorted(range(VOCAB_SIZE), key=lambda t: (-logits[row, t].item(), t))[:k]
+        assert top.token_ids == order
+        assert top.logprobs == pytest.approx(expected[row, order].tolist(), abs=1e-5)
+    assert out.top_logprobs[3].token_ids[:10] == list(range(10, 20))
+    # Greedy: the chosen token leads its own list, with the same logprob.
+    assert out.top_logprobs[0].token_ids[0] == out.token_ids[0]
+    assert out.top_logprobs[0].logprobs[0] == pytest.approx(out.logprobs[0], abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"top_logprobs": 2}, "needs logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, r"\[0, 20\]"),
+        ({"logprobs": True, "top_logprobs": -1}, r"\[0, 20\]"),
+        ({"logprobs": True, "top_logprobs": True}, r"\[0, 20\]"),
+    ],
+)
+def test_bad_top_logprobs_are_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**fields)
 
 
 @pytest.mark.parametrize("vocab_size", [64, 32000, 128256])

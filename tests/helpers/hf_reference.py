@@ -54,3 +54,18 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
             )
             outputs.append(out[0, len(prompt) :].tolist())
     return outputs
+
+
+def hf_top_logprobs(
+    model_dir: Path, prompt: list[int], output: list[int], k: int
+) -> list[tuple[list[int], list[float]]]:
+    """transformers' k most likely tokens (ties in index order) and their logprobs at each
+    position of `output` after `prompt` (fp32, CPU, one forward pass)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output[:-1]])).logits[0, len(prompt) - 1 :]
+    top = []
+    for row in logits.float().log_softmax(-1):
+        ids = sorted(range(row.shape[0]), key=lambda t: (-row[t].item(), t))[:k]
+        top.append((ids, row[ids].tolist()))
+    return top

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
-from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.hf_reference import hf_greedy, hf_top_logprobs
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,6 +49,24 @@ def test_generate_through_reflection_discovered_descriptors(channel, tiny_model_
     assert tokens == hf_greedy(tiny_model_dir, [prompt], 6)[0]
 
 
+def test_top_logprobs_equal_transformers(channel, tiny_model_dir):
+    """The first token's alternatives come from the prefill worker, the rest from the
+    decode worker: both equal transformers' log-softmax."""
+    prompt = make_prompts(2048, (40,), seed=63)[0]
+    request = gen_pb.GenerateRequest(
+        prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True,
+        logprobs=True, top_logprobs=4,
+    )  # fmt: skip
+    replies = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60))
+    tokens = [t for reply in replies for t in reply.token_ids]
+    tops = [top for reply in replies for top in reply.top_logprobs]
+    expected = hf_top_logprobs(tiny_model_dir, prompt, tokens, 4)
+    assert [list(top.token_ids) for top in tops] == [ids for ids, _ in expected]
+    for top, (_, logprobs) in zip(tops, expected, strict=True):
+        assert list(top.logprobs) == pytest.approx(logprobs, abs=1e-4)
+    assert [top.logprobs[0] for top in tops] == [lp for r in replies for lp in r.logprobs]
+
+
 def test_tokenize_and_list_models(channel, cluster):
     stub = generation_pb2_grpc.GenerationStub(channel)
     reply = stub.Tokenize(gen_pb.TokenizeRequest(prompt="hello world"), timeout=5)
@@ -74,6 +92,12 @@ BAD_REQUESTS = [
     (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     (dict(prompt="hi", slo_class="gold"), grpc.StatusCode.INVALID_ARGUMENT, "slo_class"),
     (dict(prompt="hi", ttft_slo_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "ttft"),
+    (dict(prompt="hi", top_logprobs=2), grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs"),
+    (
+        dict(prompt="hi", logprobs=True, top_logprobs=21),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "top_logprobs",
+    ),
 ]
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from tandem.router.tokenization import PromptTokenizer
 from tests.helpers.grpc_calls import worker_stats
-from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.hf_reference import hf_greedy, hf_top_logprobs
 from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster, openai_client
 from tests.helpers.prompts import make_prompts
 
@@ -108,6 +108,40 @@ def test_greedy_completion_equals_transformers(client, cluster, model_dir, token
         assert all(lp <= 0.0 for lp in choice.logprobs.token_logprobs)
         assert out.usage.prompt_tokens == len(prompt)
         assert out.usage.completion_tokens == len(ref)
+
+
+def test_top_logprobs_equal_transformers(client, cluster, model_dir, tokenizer):
+    """Completions' `logprobs: k` and chat's `top_logprobs: k`, whole and streamed: the k
+    most likely tokens at each position, as transformers ranks them."""
+    prompt = make_prompts(tokenizer.vocab_size, (30,), seed=8)[0]
+    args = dict(
+        model=model_name(cluster), max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
+    whole = client.completions.create(**args, prompt=prompt, logprobs=3).choices[0].logprobs
+    streamed = client.completions.create(**args, prompt=prompt, logprobs=3, stream=True)
+    streamed_tops = [top for c in streamed for top in c.choices[0].logprobs.top_logprobs]
+    text = lambda t: tokenizer.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    [output] = hf_greedy(model_dir, [prompt], 6)
+    assert whole.tokens == [text(t) for t in output]
+    expected = hf_top_logprobs(model_dir, prompt, output, 3)
+    for got in (whole.top_logprobs, streamed_tops):
+        assert len(got) == len(expected) == 6
+        for top, (ids, logprobs) in zip(got, expected, strict=True):
+            assert list(top) == [text(t) for t in ids]  # greedy: the chosen token leads
+            assert list(top.values()) == pytest.approx(logprobs, abs=1e-4)
+
+    prompt_text = tokenizer.decode(prompt)
+    chat = client.chat.completions.create(
+        **{**args, "max_tokens": 4}, messages=[{"role": "user", "content": prompt_text}],
+        logprobs=True, top_logprobs=5,
+    ).choices[0].logprobs.content  # fmt: skip
+    chat_ids = post(cluster, "/tokenize", {"messages": [{"role": "user", "content": prompt_text}]})
+    [output] = hf_greedy(model_dir, [chat_ids["tokens"]], 4)
+    expected = hf_top_logprobs(model_dir, chat_ids["tokens"], output, 5)
+    for entry, (ids, logprobs) in zip(chat, expected, strict=True):
+        assert [alt.token for alt in entry.top_logprobs] == [text(t) for t in ids]
+        assert [alt.logprob for alt in entry.top_logprobs] == pytest.approx(logprobs, abs=1e-4)
+        assert entry.top_logprobs[0].logprob == entry.logprob
 
 
 def test_streamed_chat_starts_with_role_and_ends_with_usage(client, cluster):
