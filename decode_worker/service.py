@@ -140,6 +140,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         )
         if out.prompt_logprobs:
             msg.prompt_logprobs.extend(out.prompt_logprobs)
+        for top in out.prompt_top_logprobs or []:
+            msg.prompt_top_logprobs.append(top_logprobs_to_proto(top))
         if out.prefill_s is not None:
             msg.prefill_timings.CopyFrom(pb.Timings(queue_s=out.queue_s, compute_s=out.prefill_s))
         if out.finished:

@@ -227,11 +227,13 @@ class Engine:
                 self.kv_pins.open(req_id, self.kv.block_ids[req_id])
         queue_s = prefill_s = None
         prompt_logprobs = None
+        prompt_top_logprobs = None
         if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
             queue_s = request.first_scheduled_time - request.arrival_time
             prefill_s = time.monotonic() - request.first_scheduled_time
             if request.params.prompt_logprobs:
                 prompt_logprobs = list(request.prompt_logprobs)
+                prompt_top_logprobs = list(request.prompt_top_logprobs)
         return RequestOutput(
             req_id=req_id,
             new_token_ids=request.output_token_ids[-1:],
@@ -246,6 +248,7 @@ class Engine:
             queue_s=queue_s,
             prefill_s=prefill_s,
             prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_top_logprobs,
         )
 
     # ----- prefill side of the KV hand-off -------------------------------------

@@ -37,6 +37,9 @@ class RequestOutput:
     prompt_logprobs: list[float] | None = None
     # params.top_logprobs > 0: the most likely tokens at each new token's position.
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # With prompt_logprobs, when params.top_logprobs > 0: the most likely tokens at each
+    # of those positions.
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass

@@ -3,7 +3,8 @@
 The model runner computes logits only for sampling rows; a request that asks for prompt
 logprobs (OpenAI `echo` with `logprobs`) also gets the logits of every prompt position
 of each chunk it runs, reduced here to the logprob of the next prompt token and appended
-to `Request.prompt_logprobs`. The scheduler gives such a request no prefix-cache hits, so
+to `Request.prompt_logprobs` (with params.top_logprobs, also the most likely tokens, to
+`Request.prompt_top_logprobs`). The scheduler gives such a request no prefix-cache hits, so
 every position is computed; a chunk recomputed after preemption adds nothing twice.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from tandem.engine.model.llama import LlamaForCausalLM
+from tandem.engine.sampler import rank_logprobs
 from tandem.engine.scheduler import ScheduledChunk
 
 
@@ -34,5 +36,8 @@ def record_prompt_logprobs(
         first_row = int(query_start_loc[i]) + start - req.num_computed_tokens
         logits = model.compute_logits(hidden[first_row : first_row + end - start]).float()
         targets = torch.tensor(req.token_ids(start + 1, end + 1), device=logits.device)
-        chosen = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
-        req.prompt_logprobs += (chosen - torch.logsumexp(logits, dim=-1)).tolist()
+        log_totals = torch.logsumexp(logits, dim=-1, keepdim=True)
+        chosen = logits.gather(1, targets.unsqueeze(1)) - log_totals
+        req.prompt_logprobs += chosen.squeeze(1).tolist()
+        if req.params.top_logprobs:
+            req.prompt_top_logprobs += rank_logprobs(logits, log_totals, req.params.top_logprobs)

@@ -55,6 +55,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # With params.prompt_logprobs: the logprob of prompt token i + 1 given tokens 0..i.
     prompt_logprobs: list[float] = field(default_factory=list)
+    # ... and with params.top_logprobs, the most likely tokens at those positions.
+    prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # Structured outputs: the request's grammar matcher (None = unconstrained).
     grammar: RequestGrammar | None = None
 

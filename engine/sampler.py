@@ -206,15 +206,21 @@ def _logprobs(
         logprobs[row] = value
     num_top = max(params[i].top_logprobs for i in wanted)
     if num_top:
-        # A stable descending sort keeps tied logits in index order (topk does not).
-        ranked, order = raw.sort(dim=-1, descending=True, stable=True)
-        top_values = (ranked[:, :num_top] - log_totals).tolist()
-        top_ids = order[:, :num_top].tolist()
-        for j, row in enumerate(wanted):
+        ranked = rank_logprobs(raw, log_totals, num_top)
+        for row, top in zip(wanted, ranked, strict=True):
             k = params[row].top_logprobs
             if k:
-                top_logprobs[row] = TopLogprobs(top_ids[j][:k], top_values[j][:k])
+                top_logprobs[row] = TopLogprobs(top.token_ids[:k], top.logprobs[:k])
     return logprobs, top_logprobs
+
+
+def rank_logprobs(logits: torch.Tensor, log_totals: torch.Tensor, k: int) -> list[TopLogprobs]:
+    """Each row's k largest logits (ties in index order) as logprobs: minus the row's
+    log_totals ([rows, 1], the logsumexp)."""
+    # A stable descending sort keeps tied logits in index order (topk does not).
+    ranked, order = logits.sort(dim=-1, descending=True, stable=True)
+    values = (ranked[:, :k] - log_totals).tolist()
+    return [TopLogprobs(ids, lps) for ids, lps in zip(order[:, :k].tolist(), values, strict=True)]
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -93,6 +93,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 compute_s=last.prefill_s if last.prefill_s is not None else 0.0,
             ),
             prompt_logprobs=last.prompt_logprobs or [],
+            prompt_top_logprobs=[top_logprobs_to_proto(t) for t in last.prompt_top_logprobs or []],
         )
         if last.new_top_logprobs:
             top = top_logprobs_to_proto(last.new_top_logprobs[0])

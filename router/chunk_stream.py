@@ -32,6 +32,8 @@ class GenerationChunk:
     # With the first token when asked (SamplingParams.prompt_logprobs): the logprob of
     # prompt token i + 1 given tokens 0..i.
     prompt_logprobs: list[float] | None = None
+    # ... and with SamplingParams.top_logprobs, the most likely tokens at those positions.
+    prompt_top_logprobs: list[TopLogprobs] | None = None
     # One per token when asked (SamplingParams.top_logprobs > 0): the most likely tokens
     # at its position.
     top_logprobs: list[TopLogprobs] = field(default_factory=list)

@@ -237,6 +237,10 @@ class SequenceFlow:
             [prefill.first_token_logprob] if params.logprobs else [],
             finish_reason_from_proto(prefill.finish_reason),
             prompt_logprobs=list(prefill.prompt_logprobs) if params.prompt_logprobs else None,
+            prompt_top_logprobs=[
+                top_logprobs_from_proto(top) for top in prefill.prompt_top_logprobs
+            ]
+            or None,
             top_logprobs=[top_logprobs_from_proto(prefill.first_token_top_logprobs)]
             if params.top_logprobs
             else [],

@@ -121,6 +121,10 @@ class WorkerCalls:
                     list(msg.logprobs) if seq.params.logprobs else [],
                     finish,
                     prompt_logprobs=list(msg.prompt_logprobs) or None,
+                    prompt_top_logprobs=[
+                        top_logprobs_from_proto(top) for top in msg.prompt_top_logprobs
+                    ]
+                    or None,
                     top_logprobs=[top_logprobs_from_proto(top) for top in msg.top_logprobs],
                 )
                 if finish is not None:

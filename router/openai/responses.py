@@ -6,7 +6,8 @@ One builder per request turns the `GenerationChunk`s of `RequestFlow` into strea
 Logprobs: each generated token's logprob and, when asked, the most likely tokens at its
 position (the engine's `TopLogprobs`). Completions' `top_logprobs` maps token text to
 logprob for those alternatives plus the chosen token (as vLLM: up to k + 1 entries);
-chat's lists the k alternatives. An echoed prompt's positions carry only their own token.
+chat's lists the k alternatives. An echoed prompt's positions carry theirs too (the
+first position, which nothing predicts, `null`).
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ class Collected:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[TopLogprobs] | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs = chunk.prompt_logprobs
+        if chunk.prompt_top_logprobs is not None:
+            self.prompt_top_logprobs = chunk.prompt_top_logprobs
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
@@ -147,6 +151,7 @@ class ResponseBuilder:
         # Completions with echo + logprobs: the prompt's logprobs once seen, and the
         # choices whose first chunk already carried the prompt.
         self._prompt_logprobs: list[float] | None = None
+        self._prompt_top_logprobs: list[TopLogprobs] | None = None
         self._echoed_indexes: set[int] = set()
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -239,6 +244,8 @@ class CompletionResponses(ResponseBuilder):
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         if chunk.prompt_logprobs is not None:
             self._prompt_logprobs = chunk.prompt_logprobs
+        if chunk.prompt_top_logprobs is not None:
+            self._prompt_top_logprobs = chunk.prompt_top_logprobs
         return super().chunk(chunk)
 
     def _echoed(
@@ -257,7 +264,8 @@ class CompletionResponses(ResponseBuilder):
             values = [*prompt_lps[: len(prompt_ids)], *logprobs]
             formatter = self._formatters.get(index) or copy.copy(self.logprobs)
             self._formatters[index] = formatter
-            alternatives: list[Alternatives] = [None] * len(prompt_ids)
+            prompt_tops: list[Alternatives] = [None, *(self._prompt_top_logprobs or [])]
+            alternatives = [*prompt_tops, *[None] * len(prompt_ids)][: len(prompt_ids)]
             alternatives += list(tops) or [None] * len(token_ids)
             logprobs_json = formatter.completion([*prompt_ids, *token_ids], values, alternatives)
             return self.echo_text + text, logprobs_json
@@ -289,6 +297,9 @@ class CompletionResponses(ResponseBuilder):
     def response(self, choices: list[Collected]) -> dict[str, Any]:
         self._prompt_logprobs = next(
             (c.prompt_logprobs for c in choices if c.prompt_logprobs is not None), None
+        )
+        self._prompt_top_logprobs = next(
+            (c.prompt_top_logprobs for c in choices if c.prompt_top_logprobs is not None), None
         )
         return super().response(choices)
 

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
+from tests.helpers.hf_reference import hf_top_logprobs
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -45,3 +46,27 @@ def test_prompt_logprobs_equal_transformers_chunked_and_cached(tiny_model_dir):
         got = prompt_logprobs(engine, prompt)
         assert len(got) == len(prompt) - 1
         assert got == pytest.approx(expected.squeeze(1).tolist(), abs=1e-4)
+
+
+def test_prompt_top_logprobs_equal_transformers_across_chunks(tiny_model_dir):
+    """With top_logprobs, each prompt position's k most likely tokens too (chunks of 16)."""
+    prompt = make_prompts(2048, (40,), seed=10)[0]
+    expected = hf_top_logprobs(tiny_model_dir, prompt[:1], prompt[1:], 4)
+    engine = Engine(
+        EngineConfig(model=str(tiny_model_dir), max_model_len=256, max_num_batched_tokens=16,
+                     num_threads=1)
+    )  # fmt: skip
+    params = SamplingParams(
+        max_tokens=1, temperature=0.0, logprobs=True, top_logprobs=4, prompt_logprobs=True
+    )
+    engine.add_request("p", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    (out,) = outputs
+    assert len(out.prompt_top_logprobs) == len(prompt) - 1
+    for top, (ids, logprobs) in zip(out.prompt_top_logprobs, expected, strict=True):
+        assert top.token_ids == ids
+        # float32 sums in another order: up to ~1e-4 apart over these 160 values.
+        assert top.logprobs == pytest.approx(logprobs, abs=3e-4)
+    assert engine.is_idle()

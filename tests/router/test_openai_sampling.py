@@ -345,6 +345,37 @@ def test_echo_with_logprobs_returns_the_prompt_logprobs(client, cluster, tokeniz
     assert whole.text == "".join(c.choices[0].text for c in streamed)
 
 
+def test_echo_with_top_logprobs_ranks_every_prompt_position(
+    client, cluster, tokenizer, tiny_model_dir
+):
+    """What lm-eval's loglikelihood reads (echo, logprobs=k, one token): each prompt
+    position's k most likely tokens as transformers ranks them, plus the prompt's own."""
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        rows = hf(torch.tensor([PROMPT])).logits[0, :-1].float().log_softmax(-1)
+    texts = token_texts(tokenizer, list(range(tokenizer.vocab_size)))
+    expected = []
+    for row, token_id in zip(rows, PROMPT[1:], strict=True):
+        ids = sorted(range(row.shape[0]), key=lambda t: (-row[t].item(), t))[:3]
+        want = {texts[t]: row[t].item() for t in ids}
+        want.setdefault(texts[token_id], row[token_id].item())
+        expected.append(want)
+    args = dict(
+        model=cluster.router.config.model_name, prompt=PROMPT, max_tokens=1, temperature=0.0,
+        logprobs=3, echo=True,
+    )  # fmt: skip
+    whole = client.completions.create(**args).choices[0].logprobs
+    streamed = next(iter(client.completions.create(**args, stream=True))).choices[0].logprobs
+    for logprobs in (whole, streamed):
+        assert logprobs.top_logprobs[0] is None
+        prompt_tops = logprobs.top_logprobs[1 : len(PROMPT)]
+        assert len(prompt_tops) == len(expected)
+        for top, want in zip(prompt_tops, expected, strict=True):
+            assert list(top) == list(want)
+            # float32 sums in another order: ~1e-4 apart at the tail's -8 here.
+            assert list(top.values()) == pytest.approx(list(want.values()), abs=3e-4)
+
+
 def test_bad_sampling_fields_get_400_and_the_server_keeps_serving(client, cluster):
     model = cluster.router.config.model_name
     for bad in (

@@ -165,7 +165,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "first_token_text", "finish_reason", "kv_handle", "num_cached_tokens", "timings", "first_token_top_logprobs", "prompt_logprobs")
+    __slots__ = ("first_token_id", "first_token_logprob", "first_token_text", "finish_reason", "kv_handle", "num_cached_tokens", "timings", "first_token_top_logprobs", "prompt_logprobs", "prompt_top_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class PrefillResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
     first_token_text: str
@@ -184,7 +185,8 @@ class PrefillResponse(_message.Message):
     timings: Timings
     first_token_top_logprobs: TopLogprobs
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., first_token_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., first_token_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -261,7 +263,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "top_logprobs", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "kv_recomputed", "timings", "prefill_timings", "prompt_logprobs")
+    __slots__ = ("token_ids", "logprobs", "top_logprobs", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "kv_recomputed", "timings", "prefill_timings", "prompt_logprobs", "prompt_top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +275,7 @@ class DecodeResponse(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TIMINGS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
@@ -284,7 +287,8 @@ class DecodeResponse(_message.Message):
     timings: Timings
     prefill_timings: Timings
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_recomputed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_recomputed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
