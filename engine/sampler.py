@@ -6,10 +6,10 @@ the seed of its draw (`token_draw_seed`: the request's seed and the token's inde
 `logit_bias` and the penalties change the logits of the rows that ask for them
 (penalties.py: batched tensors, no Python loop over the vocabulary), in vLLM's order.
 Greedy rows are then a plain argmax so outputs match Hugging Face greedy generation;
-sampled rows go through temperature, top-k and top-p, then an exponential race; a seeded
-row's noise comes from a generator seeded for that row and that token alone, so its draws
-do not depend on the batch, on the worker that samples the token, or on how many draws
-came before.
+sampled rows go through temperature, min-p, top-k and top-p (vLLM's order), then an
+exponential race; a seeded row's noise comes from a generator seeded for that row and that
+token alone, so its draws do not depend on the batch, on the worker that samples the
+token, or on how many draws came before.
 
 Each step pays only for what its rows ask for: an all-greedy batch takes one max
 reduction over the logits as the model gave them (no float32 copy; no argmax over rows
@@ -156,6 +156,8 @@ class Sampler:
             [p.temperature for p in params], dtype=torch.float32, device=logits.device
         )
         logits = logits / temperatures.unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):
+            logits = _apply_min_p(logits, params)
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             logits = _apply_top_k_top_p(logits, params)
         probs = torch.softmax(logits, dim=-1)
@@ -221,6 +223,15 @@ def rank_logprobs(logits: torch.Tensor, log_totals: torch.Tensor, k: int) -> lis
     ranked, order = logits.sort(dim=-1, descending=True, stable=True)
     values = (ranked[:, :k] - log_totals).tolist()
     return [TopLogprobs(ids, lps) for ids, lps in zip(order[:, :k].tolist(), values, strict=True)]
+
+
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Set the logits of tokens less than min_p times as likely as each row's most likely
+    token to -inf (a probability ratio is a logit difference: log(min_p)). The most likely
+    token always survives."""
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=logits.device)
+    floor = logits.max(dim=-1, keepdim=True).values + min_p.log().unsqueeze(1)
+    return logits.masked_fill(logits < floor, float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

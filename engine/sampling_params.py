@@ -34,6 +34,9 @@ class SamplingParams:
     top_k: int = 0
     # Nucleus sampling: keep the smallest set of tokens whose probability mass reaches top_p.
     top_p: float = 1.0
+    # Keep only tokens at least this fraction as likely as the most likely one (vLLM's
+    # min_p, after temperature); 0 turns the filter off.
+    min_p: float = 0.0
     # Seed for this request's own generator; None draws from fresh entropy.
     seed: int | None = None
     # Stop strings; the output is cut right before the first one found (not included).
@@ -84,6 +87,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k not in (-1, 0)):
             raise ValueError(f"top_k must be -1, 0 or >= 1, got {self.top_k!r}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:

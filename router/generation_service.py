@@ -144,6 +144,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             temperature=request.temperature if request.HasField("temperature") else 1.0,
             top_k=request.top_k,
             top_p=request.top_p if request.HasField("top_p") else 1.0,
+            min_p=request.min_p,
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop),
             stop_token_ids=list(request.stop_token_ids),

@@ -58,7 +58,8 @@ _SAMPLING_INPUTS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 # vLLM backend does: clients send {"temperature": "0.1"}).
 _INT_KEYS = {"max_tokens", "top_k", "seed", "min_tokens"}
 _FLOAT_KEYS = {
-    "temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+    "repetition_penalty",
 }  # fmt: skip
 _BOOL_KEYS = {"ignore_eos", "skip_special_tokens"}
 # vLLM settings Tandem does not implement: accepted only at their no-op value.

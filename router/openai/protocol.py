@@ -311,6 +311,9 @@ class RequestParser:
         top_p = get_float(body, "top_p")
         if top_p is not None and not 0 < top_p <= 1:
             raise invalid("top_p", f"must be in (0, 1], got {show(body['top_p'])}")
+        min_p = get_float(body, "min_p")
+        if min_p is not None and not 0 <= min_p <= 1:
+            raise invalid("min_p", f"must be in [0, 1], got {show(body['min_p'])}")
         top_k = get_int(body, "top_k")
         if top_k is not None and top_k < -1:
             raise invalid("top_k", f"must be -1 or 0 (off) or >= 1, got {top_k}")
@@ -328,6 +331,7 @@ class RequestParser:
                 temperature=1.0 if temperature is None else temperature,
                 top_k=top_k or 0,
                 top_p=1.0 if top_p is None else top_p,
+                min_p=min_p or 0.0,
                 seed=seed,
                 stop=stop,
                 stop_token_ids=stop_token_ids,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -230,3 +231,29 @@ def test_rejects_mismatched_inputs() -> None:
         Sampler().sample(random_logits(3), [SamplingParams()] * 2, [None] * 3)
     with pytest.raises(ValueError, match="shape"):
         Sampler().sample(torch.zeros(VOCAB_SIZE), [SamplingParams()], [None])
+
+
+def test_min_p_drops_tokens_less_likely_than_its_share_of_the_top() -> None:
+    """After temperature, a token survives when p >= min_p * p_max: over many seeded
+    draws every chosen token does, and min_p 1 is greedy."""
+    logits = random_logits(4, seed=8)
+    temperature, min_p = 1.5, 0.2
+    probs = torch.softmax(logits / temperature, dim=-1)
+    allowed = probs >= min_p * probs.max(dim=-1, keepdim=True).values
+    sampler = Sampler()
+    params = [SamplingParams(temperature=temperature, min_p=min_p)] * 4
+    for seed in range(200):
+        out = sampler.sample(logits, params, [token_draw_seed(seed, row) for row in range(4)])
+        assert all(allowed[row, token] for row, token in enumerate(out.token_ids))
+    greedy = sampler.sample(logits, [SamplingParams(temperature=3.0, min_p=1.0)] * 4, [1] * 4)
+    assert greedy.token_ids == torch.argmax(logits, dim=-1).tolist()
+    # Rows without min_p in the same batch keep every token.
+    mixed = [SamplingParams(temperature=5.0, min_p=0.9), SamplingParams(temperature=5.0)] * 2
+    drawn = Counter(sampler.sample(logits, mixed, [seed] * 4).token_ids[1] for seed in range(300))
+    assert len(drawn) > int(allowed[1].sum())
+
+
+@pytest.mark.parametrize("min_p", [-0.1, 1.5, float("nan"), "0.5"])
+def test_bad_min_p_is_refused(min_p) -> None:
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=min_p)

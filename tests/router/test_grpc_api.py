@@ -93,6 +93,7 @@ BAD_REQUESTS = [
     (dict(prompt="hi", slo_class="gold"), grpc.StatusCode.INVALID_ARGUMENT, "slo_class"),
     (dict(prompt="hi", ttft_slo_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "ttft"),
     (dict(prompt="hi", top_logprobs=2), grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs"),
+    (dict(prompt="hi", min_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "min_p"),
     (
         dict(prompt="hi", logprobs=True, top_logprobs=21),
         grpc.StatusCode.INVALID_ARGUMENT,

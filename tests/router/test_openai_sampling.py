@@ -9,6 +9,7 @@ engine on the same weights is the reference, token for token.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
@@ -133,6 +134,29 @@ def test_penalties_change_greedy_output_and_equal_a_colocated_run(
     assert penalised == token_texts(tokenizer, expected)
     assert greedy == token_texts(tokenizer, colocated_run(colocated))
     assert penalised != greedy
+
+
+def test_min_p_keeps_likely_tokens_and_equals_a_colocated_run(
+    client, cluster, colocated, tokenizer
+):
+    """Seeded draws at temperature 2 with min_p 0.3: the same tokens as one engine; each
+    chosen token at least 0.3 times as likely (after temperature) as its position's most
+    likely one, read from the raw logprobs and top_logprobs through the cluster."""
+    temperature, min_p = 2.0, 0.3
+    args = dict(
+        model=cluster.router.config.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+        temperature=temperature, seed=7, logprobs=1,
+    )  # fmt: skip
+    choice = client.completions.create(**args, extra_body={"ignore_eos": True, "min_p": min_p})
+    logprobs = choice.choices[0].logprobs
+    for chosen, top in zip(logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert (chosen - max(top.values())) / temperature >= math.log(min_p) - 1e-5
+    settings = dict(temperature=temperature, seed=7, min_p=min_p)
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, **settings)
+    (expected,) = generate(colocated, [PROMPT], params)
+    assert logprobs.tokens == token_texts(tokenizer, expected.token_ids)
+    unfiltered = client.completions.create(**args, extra_body={"ignore_eos": True})
+    assert unfiltered.choices[0].logprobs.tokens != logprobs.tokens
 
 
 def test_logit_bias_minus_100_bans_the_greedy_token(client, cluster, colocated, tokenizer):
@@ -383,9 +407,11 @@ def test_bad_sampling_fields_get_400_and_the_server_keeps_serving(client, cluste
         {"logit_bias": {"3": -101}},
         {"presence_penalty": -2.5},
         {"n": MAX_N + 1},
+        {"min_p": 1.5},
+        {"min_p": "high"},
     ):
         with pytest.raises(openai.BadRequestError) as info:
-            client.completions.create(model=model, prompt="hi", max_tokens=2, **bad)
+            client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body=bad)
         assert info.value.body["param"] == next(iter(bad))
         if "n" in bad:
             assert f"<= {MAX_N}" in info.value.body["message"]
@@ -409,17 +435,20 @@ def test_kserve_sampling_parameters_carry_penalties_and_bias(tokenizer):
                 "frequency_penalty": 1,
                 "repetition_penalty": 1.2,
                 "logit_bias": {"7": -100, "9": "2.5"},
+                "min_p": "0.125",
             }
         ),
         tokenizer,
     ).params
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, 1.0)
     assert params.repetition_penalty == 1.2 and params.logit_bias == {7: -100.0, 9: 2.5}
+    assert params.min_p == 0.125
     for bad, word in [
         ({"logit_bias": {"4096": 1}}, "vocabulary"),
         ({"logit_bias": {"x": 1}}, "token ids"),
         ({"presence_penalty": 3}, "presence_penalty"),
         ({"logit_bias": {"1": 200}}, "logit_bias"),
+        ({"min_p": -0.1}, "min_p"),
     ]:
         with pytest.raises(InvalidRequest, match=word):
             parse_request(request(bad), tokenizer)
@@ -438,7 +467,8 @@ def test_worker_wire_keeps_every_sampling_field():
     params = SamplingParams(
         max_tokens=9, temperature=0.5, presence_penalty=-1.5, frequency_penalty=0.25,
         repetition_penalty=1.25, logit_bias={3: -100.0, 7: 2.5}, num_resumed_tokens=4,
-        min_tokens=2, skip_special_tokens=False, seed=3,
+        min_tokens=2, skip_special_tokens=False, seed=3, min_p=0.125, logprobs=True,
+        top_logprobs=3,
     )  # fmt: skip
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
     assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (
