@@ -24,10 +24,15 @@ class PromptTokenizer:
         return list(self.tokenizer.encode(prompt))
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of a chat (the model's chat template, with the assistant prompt);
-        `tools` (OpenAI tool objects) are handed to templates that render them."""
+        `tools` (OpenAI tool objects) are handed to templates that render them, and
+        `template_kwargs` (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`) are the
+        template's own variables."""
         if not messages:
             raise ValueError("messages must not be empty")
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -38,6 +43,7 @@ class PromptTokenizer:
             add_generation_prompt=True,
             tokenize=True,
             return_dict=False,
+            **(template_kwargs or {}),
         )
         return list(ids)
 

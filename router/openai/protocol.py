@@ -42,15 +42,36 @@ MAX_SEED = 2**64 - 1
 # OpenAI's default for /v1/completions when `max_tokens` is absent.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
-# Field → values that mean "feature not used"; any other value is refused.
+# Field → values that mean "feature not used"; any other value is refused, never
+# ignored: these are vLLM request fields that change the output, which a client moving
+# from vLLM would otherwise get silently without. Fields outside every list (`user`,
+# `metadata`, ...) do not change the output and are ignored.
 # (Penalties, logit_bias, n, best_of, echo, suffix: sampling_fields.py.)
-_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {}
+_COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1),
+    "include_stop_str_in_output": (None, False),
+    "truncate_prompt_tokens": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None, []),
+    "prompt_logprobs": (None,),  # completions: echo with logprobs
+    "spaces_between_special_tokens": (None, True),
+    "logits_processors": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+}
 _COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED}
 _CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
 }
+# Keyword arguments apply_chat_template sets itself, never from `chat_template_kwargs`.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
+)
 
 
 @dataclass
@@ -212,8 +233,13 @@ class RequestParser:
         if not messages:
             raise invalid("messages", "must not be empty")
         chat = [chat_message(i, message) for i, message in enumerate(messages)]
+        template_kwargs = get_object(body, "chat_template_kwargs") or {}
+        if reserved := sorted(_RESERVED_TEMPLATE_KWARGS & template_kwargs.keys()):
+            raise invalid("chat_template_kwargs", f"may not set {', '.join(reserved)}")
         try:
-            ids = self.tokenizer.encode_chat(chat, tools.template_tools() if tools else None)
+            ids = self.tokenizer.encode_chat(
+                chat, tools.template_tools() if tools else None, template_kwargs
+            )
         except (ValueError, TemplateError) as exc:
             raise invalid("messages", f"cannot be encoded with the chat template: {exc}") from exc
         if not ids:

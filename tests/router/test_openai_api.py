@@ -230,6 +230,19 @@ def test_models_and_tokenize(client, cluster, model_dir, tokenizer):
     }
     chat = [{"role": "user", "content": "hi"}]
     assert post(cluster, "/tokenize", {"messages": chat})["tokens"] == tokenizer.encode_chat(chat)
+    # The template's own variables (vLLM's chat_template_kwargs) reach it; ChatML uses none.
+    body = {"messages": chat, "chat_template_kwargs": {"enable_thinking": False}}
+    assert post(cluster, "/tokenize", body)["tokens"] == tokenizer.encode_chat(chat)
+
+
+def test_chat_template_kwargs_are_the_templates_variables(model_dir):
+    tokenizer = PromptTokenizer(str(model_dir))
+    tokenizer.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!!{% endif %}"
+    )
+    chat = [{"role": "user", "content": "hi"}]
+    assert tokenizer.decode(tokenizer.encode_chat(chat)) == "hi"
+    assert tokenizer.decode(tokenizer.encode_chat(chat, None, {"shout": True})) == "hi!!"
 
 
 def test_api_key_is_required_and_health_stays_open(client, cluster):

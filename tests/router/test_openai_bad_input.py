@@ -336,6 +336,44 @@ CASES = [
         path="/v1/chat/completions",
         param="max_completion_tokens",
     ),
+    Bad(
+        "vLLM beam search (changes the output; refused, not ignored)",
+        {"prompt": "hi", "use_beam_search": True},
+        400,
+        ("'use_beam_search'", "not supported", "true"),
+        param="use_beam_search",
+    ),
+    Bad(
+        "vLLM include_stop_str_in_output",
+        _chat(include_stop_str_in_output=True),
+        400,
+        ("'include_stop_str_in_output'", "not supported"),
+        path="/v1/chat/completions",
+        param="include_stop_str_in_output",
+    ),
+    Bad(
+        "vLLM chat_template",
+        _chat(chat_template="{{ messages }}"),
+        400,
+        ("'chat_template'", "not supported"),
+        path="/v1/chat/completions",
+        param="chat_template",
+    ),
+    Bad(
+        "chat_template_kwargs setting what the server sets",
+        _chat(chat_template_kwargs={"tokenize": False, "tools": []}),
+        400,
+        ("'chat_template_kwargs'", "tokenize", "tools"),
+        path="/v1/chat/completions",
+        param="chat_template_kwargs",
+    ),
+    Bad(
+        "chat_template_kwargs not an object",
+        _chat(chat_template_kwargs=["x"]),
+        400,
+        ("'chat_template_kwargs'", "object"),
+        path="/v1/chat/completions",
+    ),
     Bad("tokenize with nothing", {}, 400, ("'prompt'", "'messages'"), path="/tokenize"),
     Bad("unknown SLO class", {"prompt": "hi", "slo_class": "gold"}, 400, ("slo_class", "gold")),
     Bad("negative TTFT target", {"prompt": "hi", "ttft_slo_s": -1}, 400, ("ttft",)),
@@ -363,7 +401,9 @@ def test_bad_input_gets_openai_error(cluster: InprocCluster, case: Bad):
 
 
 def test_good_request_after_bad_ones_succeeds_and_cluster_is_idle(cluster: InprocCluster):
-    body = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    # vLLM fields at their no-op values are accepted.
+    neutral = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": []}
+    body = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True, **neutral}
     status, headers, answer = http(cluster.http_endpoint, "POST", "/v1/completions", body)
     assert status == 200, answer
     assert answer["usage"]["completion_tokens"] == 4
