@@ -134,13 +134,9 @@ class TcpDataServer:
         """Expect a socket for `channel_id`; returns the endpoint to connect to."""
         endpoint = self.start()
         self._ensure_accepting()
-        now = time.monotonic()
         with self._lock:
-            stale = [c for c, t in self._pending.items() if now - t > self.timeout_s]
-            for cid in stale:
-                logger.warning("KV channel %s was opened but never connected; dropping", cid)
-                del self._pending[cid]
-            self._pending[channel_id] = now
+            self._drop_unconnected()
+            self._pending[channel_id] = time.monotonic()
         return endpoint
 
     def close_channel(self, channel_id: str) -> bool:
@@ -155,7 +151,17 @@ class TcpDataServer:
     @property
     def num_channels(self) -> int:
         with self._lock:
+            self._drop_unconnected()
             return len(self._pending) + len(self._attached)
+
+    def _drop_unconnected(self) -> None:
+        """Forget channels opened more than `timeout_s` ago whose socket never came (the
+        decode side died or gave up in between). Called with the lock held: by the next
+        opening, and by every count, so a worker with no further pulls still reads idle."""
+        now = time.monotonic()
+        for cid in [c for c, t in self._pending.items() if now - t > self.timeout_s]:
+            logger.warning("KV channel %s was opened but never connected; dropping", cid)
+            del self._pending[cid]
 
     @property
     def num_threads(self) -> int:

@@ -16,6 +16,7 @@ from tandem.kv_transfer import (
     KvTransferError,
     LocalRegistry,
 )
+from tandem.kv_transfer.tcp_server import TcpDataServer
 from tests.helpers.kv_transfer_harness import (
     TINY,
     FakeEngine,
@@ -125,3 +126,21 @@ def test_a_pull_cancelled_while_its_channel_opens_leaves_no_half_open_channel() 
         return num_in_window
 
     assert asyncio.run(run()) >= 1  # some cancellations hit the opening
+
+
+def test_a_channel_whose_socket_never_comes_is_dropped_after_the_timeout() -> None:
+    """The decode side died between OpenChannel and connecting: the prefill worker's count
+    (its Stats, the idle checks) drops the channel once `timeout_s` passed, without
+    waiting for another channel to be opened."""
+
+    async def run() -> None:
+        server = TcpDataServer(TINY, FakeEngine(random_cache(TINY, 4), {}).read_blocks,
+                               "127.0.0.1", timeout_s=0.2)  # fmt: skip
+        try:
+            server.open_channel("never-connected")
+            assert server.num_channels == 1
+            await wait_until(lambda: server.num_channels == 0, 5, "the channel dropped")
+        finally:
+            await server.stop()
+
+    asyncio.run(run())
