@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from tandem.engine.sampler import Sampler, token_draw_seed
+from tandem.engine.sampler import Sampler, rank_logprobs, token_draw_seed
 from tandem.engine.sampling_params import SamplingParams
 
 VOCAB_SIZE = 64
@@ -257,3 +257,19 @@ def test_min_p_drops_tokens_less_likely_than_its_share_of_the_top() -> None:
 def test_bad_min_p_is_refused(min_p) -> None:
     with pytest.raises(ValueError, match="min_p"):
         SamplingParams(min_p=min_p)
+
+
+def test_rank_logprobs_breaks_ties_in_index_order_like_a_stable_sort() -> None:
+    """bfloat16 logits tie often; the ranking must not depend on topk's own order."""
+    generator = torch.Generator().manual_seed(9)
+    logits = torch.randn(16, 32000, generator=generator).bfloat16().float()
+    logits[3] = 0.0  # every token tied
+    logits[4, 100:140] = 9.0  # ties above the k-th value
+    log_totals = torch.logsumexp(logits, dim=-1, keepdim=True)
+    ranked = rank_logprobs(logits, log_totals, 20)
+    sorted_values, order = logits.sort(dim=-1, descending=True, stable=True)
+    for row, top in enumerate(ranked):
+        assert top.token_ids == order[row, :20].tolist()
+        expected = (sorted_values[row, :20] - log_totals[row]).tolist()
+        assert top.logprobs == pytest.approx(expected)
+    assert ranked[3].token_ids == list(range(20))
