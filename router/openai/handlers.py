@@ -67,6 +67,7 @@ class OpenAIHandlers:
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         generation = self.parser.completion(await self._read_json(request))
@@ -114,6 +115,10 @@ class OpenAIHandlers:
         ids = self.parser.tokenize(await self._read_json(request))
         body = {"tokens": ids, "count": len(ids), "max_model_len": self.tokenizer.max_model_len}
         return web.json_response(body, dumps=dumps)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        text = self.parser.detokenize(await self._read_json(request))
+        return web.json_response({"prompt": text}, dumps=dumps)
 
     def _model_card(self) -> dict[str, Any]:
         return {

@@ -168,6 +168,15 @@ class RequestParser:
             raise invalid("prompt", "send exactly one of 'prompt' and 'messages'")
         return self._prompt_ids(body) if has_prompt else self._chat_ids(body)
 
+    def detokenize(self, body: dict[str, Any]) -> str:
+        """The text of `tokens` (vLLM's /detokenize: special tokens kept)."""
+        self.check_model(body)
+        if "tokens" not in body:
+            raise invalid("tokens", "is required")
+        ids = get_int_list(body, "tokens")
+        self._check_token_ids("tokens", ids)
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
     def check_model(self, body: dict[str, Any]) -> None:
         model = get_str(body, "model")
         if model is not None and model != self.model_name:

@@ -230,6 +230,10 @@ def test_models_and_tokenize(client, cluster, model_dir, tokenizer):
     }
     chat = [{"role": "user", "content": "hi"}]
     assert post(cluster, "/tokenize", {"messages": chat})["tokens"] == tokenizer.encode_chat(chat)
+    ids = post(cluster, "/tokenize", {"prompt": "hello world"})["tokens"]
+    assert post(cluster, "/detokenize", {"tokens": ids}) == {
+        "prompt": tokenizer.decode(ids, skip_special_tokens=False)
+    }
     # The template's own variables (vLLM's chat_template_kwargs) reach it; ChatML uses none.
     body = {"messages": chat, "chat_template_kwargs": {"enable_thinking": False}}
     assert post(cluster, "/tokenize", body)["tokens"] == tokenizer.encode_chat(chat)

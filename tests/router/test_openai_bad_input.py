@@ -375,6 +375,16 @@ CASES = [
         path="/v1/chat/completions",
     ),
     Bad("tokenize with nothing", {}, 400, ("'prompt'", "'messages'"), path="/tokenize"),
+    Bad("detokenize with nothing", {}, 400, ("'tokens'", "required"), path="/detokenize"),
+    Bad(
+        "detokenize outside the vocabulary",
+        {"tokens": [1, 4096]},
+        400,
+        ("'tokens'", "4096", "vocabulary"),
+        path="/detokenize",
+        param="tokens",
+    ),
+    Bad("detokenize a string", {"tokens": "hi"}, 400, ("'tokens'", "list"), path="/detokenize"),
     Bad("unknown SLO class", {"prompt": "hi", "slo_class": "gold"}, 400, ("slo_class", "gold")),
     Bad("negative TTFT target", {"prompt": "hi", "ttft_slo_s": -1}, 400, ("ttft",)),
 ]
