@@ -60,7 +60,8 @@ class DetokenizerUpdate:
 
     # Text the client may show now; empty while text is held back.
     delta_text: str
-    # The stop string that just completed (the output was cut before it), else None.
+    # The stop string that just completed (the output was cut before it, or after it with
+    # include_stop_str_in_output), else None.
     stop_string: str | None
 
 
@@ -71,6 +72,7 @@ class IncrementalDetokenizer:
         self._ids_to_text = ids_to_text(tokenizer)
         self._skip_special_tokens = params.skip_special_tokens
         self._stops = list(params.stop)
+        self._include_stop = params.include_stop_str_in_output
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         # Stop strings end the output only in a token past the first min_tokens (vLLM).
         self._min_tokens = params.min_tokens
@@ -155,7 +157,8 @@ class IncrementalDetokenizer:
         stop = self._find_stop(old_len) if self._stops_allowed() else None
         if stop is not None:
             stop_start, self._stop_string = stop
-            self._text = self._text[:stop_start]
+            stop_end = stop_start + len(self._stop_string) if self._include_stop else stop_start
+            self._text = self._text[:stop_end]
             delta = self._text[self._num_released :]
             self._num_released = len(self._text)
             return DetokenizerUpdate(delta_text=delta, stop_string=self._stop_string)

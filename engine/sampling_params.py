@@ -41,6 +41,8 @@ class SamplingParams:
     seed: int | None = None
     # Stop strings; the output is cut right before the first one found (not included).
     stop: list[str] = field(default_factory=list)
+    # Cut right after the stop string instead, keeping it in the text (vLLM's option).
+    include_stop_str_in_output: bool = False
     # Token ids that end generation (the stop token itself is kept in the output ids).
     stop_token_ids: list[int] = field(default_factory=list)
     # Keep generating past the EOS token (benchmarks want fixed-length outputs).

@@ -147,6 +147,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             min_p=request.min_p,
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop),
+            include_stop_str_in_output=request.include_stop_str_in_output,
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             logprobs=request.logprobs,

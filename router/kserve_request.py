@@ -61,7 +61,7 @@ _FLOAT_KEYS = {
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty",
 }  # fmt: skip
-_BOOL_KEYS = {"ignore_eos", "skip_special_tokens"}
+_BOOL_KEYS = {"ignore_eos", "skip_special_tokens", "include_stop_str_in_output"}
 # vLLM settings Tandem does not implement: accepted only at their no-op value.
 _NEUTRAL_KEYS = {
     "n": 1,

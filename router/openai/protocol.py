@@ -50,7 +50,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
-    "include_stop_str_in_output": (None, False),
     "truncate_prompt_tokens": (None,),
     "bad_words": (None, []),
     "allowed_token_ids": (None, []),
@@ -359,6 +358,7 @@ class RequestParser:
         seed = get_int(body, "seed", min_value=0, max_value=MAX_SEED)
         stop = get_str_list(body, "stop", MAX_NUM_STOP_STRINGS)
         ignore_eos = bool(get_bool(body, "ignore_eos"))
+        include_stop = bool(get_bool(body, "include_stop_str_in_output"))
         # Every field is checked above; this only catches combinations the engine refuses.
         try:
             return SamplingParams(
@@ -369,6 +369,7 @@ class RequestParser:
                 min_p=min_p or 0.0,
                 seed=seed,
                 stop=stop,
+                include_stop_str_in_output=include_stop,
                 stop_token_ids=stop_token_ids,
                 ignore_eos=ignore_eos,
                 min_tokens=min_tokens or 0,

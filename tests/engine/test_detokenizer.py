@@ -54,13 +54,14 @@ def stream(
     return deltas, detok.stop_string, detok
 
 
-def expected_cut(text: str, stops: list[str]) -> tuple[str, str | None]:
-    """Cut before the stop occurrence that completes first (earliest end, then start)."""
+def expected_cut(text: str, stops: list[str], include: bool = False) -> tuple[str, str | None]:
+    """Cut before the stop occurrence that completes first (earliest end, then start); after
+    it with `include` (include_stop_str_in_output)."""
     found = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
     if not found:
         return text, None
-    _, start, stop = min(found, key=lambda f: f[:2])
-    return text[:start], stop
+    end, start, stop = min(found, key=lambda f: f[:2])
+    return text[: end if include else start], stop
 
 
 def random_output(rng: random.Random, tokenizer: Any) -> list[int]:
@@ -91,7 +92,8 @@ def test_stream_equals_full_decode(tokenizer: Any, skip_special_tokens: bool) ->
         assert detok.output_token_ids == output_ids
 
 
-def test_stream_with_stop_strings_equals_cut_decode(tokenizer: Any) -> None:
+@pytest.mark.parametrize("include", [False, True])
+def test_stream_with_stop_strings_equals_cut_decode(tokenizer: Any, include: bool) -> None:
     rng = random.Random(1)
     num_stopped = 0
     for _ in range(200):
@@ -102,9 +104,9 @@ def test_stream_with_stop_strings_equals_cut_decode(tokenizer: Any) -> None:
             if full:
                 start = rng.randrange(len(full))
                 stops.append(full[start : start + rng.randint(1, 4)])
-        params = SamplingParams(stop=stops)
+        params = SamplingParams(stop=stops, include_stop_str_in_output=include)
         deltas, stop, detok = stream(tokenizer, [], output_ids, params)
-        expected_text, expected_stop = expected_cut(full, stops)
+        expected_text, expected_stop = expected_cut(full, stops, include)
         assert "".join(deltas) == expected_text, (output_ids, stops)
         assert stop == expected_stop
         assert detok.output_text == expected_text

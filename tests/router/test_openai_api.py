@@ -191,6 +191,11 @@ def test_stop_string_cuts_the_text(client, cluster):
     cut = client.completions.create(**args, max_tokens=24, stop=[stop])
     assert cut.choices[0].text == text[: text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
+    kept = client.completions.create(
+        **args, max_tokens=24, stop=[stop], extra_body={"include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
+    assert kept.choices[0].finish_reason == "stop"
 
 
 def test_seeded_sampling_is_reproducible(client, cluster):

@@ -344,10 +344,10 @@ CASES = [
         param="use_beam_search",
     ),
     Bad(
-        "vLLM include_stop_str_in_output",
-        _chat(include_stop_str_in_output=True),
+        "include_stop_str_in_output not a bool",
+        _chat(include_stop_str_in_output=1),
         400,
-        ("'include_stop_str_in_output'", "not supported"),
+        ("'include_stop_str_in_output'", "true or false"),
         path="/v1/chat/completions",
         param="include_stop_str_in_output",
     ),

@@ -436,13 +436,14 @@ def test_kserve_sampling_parameters_carry_penalties_and_bias(tokenizer):
                 "repetition_penalty": 1.2,
                 "logit_bias": {"7": -100, "9": "2.5"},
                 "min_p": "0.125",
+                "include_stop_str_in_output": "true",
             }
         ),
         tokenizer,
     ).params
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, 1.0)
     assert params.repetition_penalty == 1.2 and params.logit_bias == {7: -100.0, 9: 2.5}
-    assert params.min_p == 0.125
+    assert params.min_p == 0.125 and params.include_stop_str_in_output
     for bad, word in [
         ({"logit_bias": {"4096": 1}}, "vocabulary"),
         ({"logit_bias": {"x": 1}}, "token ids"),
@@ -468,7 +469,7 @@ def test_worker_wire_keeps_every_sampling_field():
         max_tokens=9, temperature=0.5, presence_penalty=-1.5, frequency_penalty=0.25,
         repetition_penalty=1.25, logit_bias={3: -100.0, 7: 2.5}, num_resumed_tokens=4,
         min_tokens=2, skip_special_tokens=False, seed=3, min_p=0.125, logprobs=True,
-        top_logprobs=3,
+        top_logprobs=3, stop=["x"], include_stop_str_in_output=True,
     )  # fmt: skip
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
     assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (
