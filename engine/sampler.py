@@ -48,7 +48,7 @@ class SamplerOutput:
     # The chosen next token of each sequence.
     token_ids: list[int]
     # log_softmax of the logits as given at the chosen token (before logit_bias,
-    # penalties, temperature, top-k and top-p), as vLLM reports by default; NaN for rows
+    # penalties, temperature, min-p, top-k and top-p), as vLLM reports by default; NaN for rows
     # whose params do not ask for logprobs (not computed).
     logprobs: list[float]
     # The params.top_logprobs most likely tokens of that distribution; None for rows

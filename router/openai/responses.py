@@ -93,8 +93,8 @@ class LogprobsFormatter:
                 top_json.append(None)
                 continue
             alternatives = {} if top is None else self._alternatives(top)
-            top_json.append({**alternatives, token: value} if token not in alternatives
-                            else alternatives)  # fmt: skip
+            alternatives.setdefault(token, value)  # the chosen token is always there (vLLM)
+            top_json.append(alternatives)
         return {
             "tokens": tokens,
             "token_logprobs": values,
@@ -215,7 +215,7 @@ class ResponseBuilder:
         self,
         token_ids: list[int],
         logprobs: Sequence[float | None],
-        tops: Sequence[TopLogprobs],
+        tops: Sequence[Alternatives],
         index: int,
     ) -> Any:
         """`tops`: one per token, or none (not asked for)."""
@@ -262,12 +262,12 @@ class CompletionResponses(ResponseBuilder):
             prompt_ids = self.echo_prompt_ids or []
             prompt_lps: list[float | None] = [None, *(self._prompt_logprobs or [])]
             values = [*prompt_lps[: len(prompt_ids)], *logprobs]
-            formatter = self._formatters.get(index) or copy.copy(self.logprobs)
-            self._formatters[index] = formatter
             prompt_tops: list[Alternatives] = [None, *(self._prompt_top_logprobs or [])]
             alternatives = [*prompt_tops, *[None] * len(prompt_ids)][: len(prompt_ids)]
             alternatives += list(tops) or [None] * len(token_ids)
-            logprobs_json = formatter.completion([*prompt_ids, *token_ids], values, alternatives)
+            logprobs_json = self._logprobs_of(
+                [*prompt_ids, *token_ids], values, alternatives, index
+            )
             return self.echo_text + text, logprobs_json
         if first and self.echo_text is not None:
             text = self.echo_text + text
