@@ -1,8 +1,11 @@
-"""What a request's stream carries to the APIs, and the task-owning stream itself."""
+"""What a request's stream carries to the APIs, the task-owning stream itself, and the
+merge of several such streams into one (a request's `n` sequences, a batch's prompts)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
@@ -103,3 +106,55 @@ class ChunkStream:
     async def aclose(self) -> None:
         """Cancel the request (if still running) and wait for its cleanup."""
         await asyncio.gather(self._cancel(), return_exceptions=True)
+
+
+# A stream MergedChunks runs: a generator, or a ChunkStream (both close with aclose()).
+ClosableChunks = AsyncGenerator[GenerationChunk, None] | ChunkStream
+
+_DONE = object()
+
+
+class MergedChunks:
+    """Several chunk streams run as tasks, merged into one as their chunks come.
+
+    Whoever starts streams here must `close()` it on every exit: that cancels the tasks,
+    and each task closes its stream (cancelling the worker calls behind it).
+    """
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    def start(self, chunks: ClosableChunks, first_index: int = 0) -> None:
+        """Runs `chunks`; their chunks come out with `index` shifted by `first_index`."""
+        self.tasks.append(asyncio.create_task(self._pump(chunks, first_index)))
+
+    async def _pump(self, chunks: ClosableChunks, first_index: int) -> None:
+        try:
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    if first_index:
+                        chunk = dataclasses.replace(chunk, index=first_index + chunk.index)
+                    self.queue.put_nowait(chunk)
+            self.queue.put_nowait(_DONE)
+        except Exception as exc:  # handed to the consumer, never swallowed
+            self.queue.put_nowait(exc)
+
+    async def chunks(self) -> AsyncGenerator[GenerationChunk, None]:
+        """Every stream's chunks until all ended; the first error ends the merge."""
+        num_open = len(self.tasks)
+        while num_open:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is _DONE:
+                num_open -= 1
+                continue
+            assert isinstance(item, GenerationChunk)
+            yield item
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -24,12 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-from collections.abc import AsyncGenerator
 
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.router.attempts import Attempt, AttemptFailed
-from tandem.router.chunk_stream import GenerationChunk
+from tandem.router.chunk_stream import GenerationChunk, MergedChunks
 from tandem.router.policy import Placement
 from tandem.router.sequence import Sequence
 from tandem.router.sequence_flow import Chunks, SequenceFlow
@@ -44,10 +42,10 @@ async def generate_forked(
     `placement` is the request's (charged for all n sequences; the caller frees it)."""
     start = _SharedStart(flow, sequences, placement)
     await start.prefill()
-    merged = _Merged()
+    merged = MergedChunks()
     try:
         for seq in sequences:
-            merged.start(seq.index, flow.run(seq, placement, start.first_attempt))
+            merged.start(flow.run(seq, placement, start.first_attempt), first_index=seq.index)
         async with contextlib.aclosing(merged.chunks()) as chunks:
             async for chunk in chunks:
                 yield chunk
@@ -148,45 +146,3 @@ class _SharedStart:
         if self.pair is not None and self.unclaimed is not None:
             await self.flow.calls.release(self.pair, self.unclaimed.request_id)
         self.unclaimed = None
-
-
-_DONE = object()
-
-
-class _Merged:
-    """Several sequences' chunk streams run as tasks, merged into one as they come."""
-
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[object] = asyncio.Queue()
-        self.tasks: list[asyncio.Task] = []
-
-    def start(self, index: int, chunks: Chunks) -> None:
-        self.tasks.append(asyncio.create_task(self._pump(index, chunks)))
-
-    async def _pump(self, index: int, chunks: Chunks) -> None:
-        try:
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    self.queue.put_nowait(dataclasses.replace(chunk, index=index))
-            self.queue.put_nowait(_DONE)
-        except Exception as exc:  # handed to the consumer, never swallowed
-            self.queue.put_nowait(exc)
-
-    async def chunks(self) -> AsyncGenerator[GenerationChunk, None]:
-        """Every sequence's chunks until all ended; the first error ends the stream."""
-        num_open = len(self.tasks)
-        while num_open:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is _DONE:
-                num_open -= 1
-                continue
-            assert isinstance(item, GenerationChunk)
-            yield item
-
-    async def close(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        if self.tasks:
-            await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -1,10 +1,11 @@
 """aiohttp handlers of the OpenAI-compatible API.
 
 `/v1/completions` and `/v1/chat/completions` parse and validate (protocol.py), run the
-request through `RequestFlow`, and answer with one JSON object or an SSE stream
-(responses.py, streaming.py). The flow's generator is always closed here, on every
-exit: when the client disconnects the handler is cancelled (or its write fails), and
-closing the generator cancels the worker calls so the workers free the request.
+request through `RequestFlow` (a completions batch prompt by prompt: prompt_batch.py),
+and answer with one JSON object or an SSE stream (responses.py, streaming.py). The
+flow's generator is always closed here, on every exit: when the client disconnects the
+handler is cancelled (or its write fails), and closing the generator cancels the worker
+calls so the workers free the request.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ from aiohttp import web
 from tandem.router.errors import InvalidRequest, ModelNotFound
 from tandem.router.openai.errors import dumps
 from tandem.router.openai.fields import show
+from tandem.router.openai.prompt_batch import generate_prompts
 from tandem.router.openai.protocol import GenerationRequest, RequestParser
 from tandem.router.openai.responses import (
     ChatResponses,
     Collected,
     CompletionResponses,
+    Echo,
     LogprobsFormatter,
     ResponseBuilder,
 )
@@ -70,17 +73,20 @@ class OpenAIHandlers:
         app.router.add_post("/detokenize", self.detokenize)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        generation = self.parser.completion(await self._read_json(request))
+        generations = self.parser.completion(await self._read_json(request))
+        first = generations[0]
+        echoes = None
+        if first.echo_text is not None:
+            echoes = [Echo(g.echo_text or "", g.prompt_ids) for g in generations]
         builder = CompletionResponses(
             f"cmpl-{uuid.uuid4().hex}",
             self.model_name,
             int(time.time()),
-            self._logprobs(generation),
-            generation.include_usage,
+            self._logprobs(first),
+            first.include_usage,
+            echoes,
         )
-        builder.echo_text = generation.echo_text
-        builder.echo_prompt_ids = generation.prompt_ids
-        return await self._run(request, generation, builder)
+        return await self._run(request, generations, builder)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         generation = self.parser.chat(await self._read_json(request))
@@ -96,7 +102,7 @@ class OpenAIHandlers:
             if generation.tools is None
             else ToolChatResponses(generation.tools, *args)
         )
-        return await self._run(request, generation, builder)
+        return await self._run(request, [generation], builder)
 
     async def list_models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._model_card()]}, dumps=dumps)
@@ -138,22 +144,24 @@ class OpenAIHandlers:
         return LogprobsFormatter(self.tokenizer)
 
     async def _run(
-        self, request: web.Request, generation: GenerationRequest, builder: ResponseBuilder
+        self, request: web.Request, generations: list[GenerationRequest], builder: ResponseBuilder
     ) -> web.StreamResponse:
+        """Runs the request's prompts (one, or a completions batch) and answers."""
         headers = {"X-Request-Id": builder.id}
-        builder.n = generation.extras.n
-        chunks = self.flow.generate(
-            builder.id, generation.prompt_ids, generation.params, generation.slo,
-            n=generation.extras.n,
-        )  # fmt: skip
+        first = generations[0]
+        builder.n = first.extras.n
+        chunks = generate_prompts(self.flow, builder.id, generations)
         # Closing the generator (on any exit, cancellation included) cancels the worker calls.
         async with contextlib.aclosing(chunks):
-            if generation.stream:
+            if first.stream:
                 return await stream_sse(request, chunks, builder, headers)
-            choices = [Collected() for _ in range(generation.extras.n)]
+            choices = [Collected() for _ in range(len(generations) * first.extras.n)]
+            usage = None
             async for chunk in chunks:
                 choices[chunk.index].add(chunk)
-        return web.json_response(builder.response(choices), headers=headers, dumps=dumps)
+                usage = chunk.usage or usage
+        body = builder.response(choices, usage)
+        return web.json_response(body, headers=headers, dumps=dumps)
 
     async def _read_json(self, request: web.Request) -> dict[str, Any]:
         """The body as a JSON object; 400 if it is not one, 413 if it is too large."""

@@ -41,6 +41,8 @@ MAX_LOGPROBS = MAX_TOP_LOGPROBS
 MAX_SEED = 2**64 - 1
 # OpenAI's default for /v1/completions when `max_tokens` is absent.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Most prompts one /v1/completions request may batch (each runs as a request of its own).
+MAX_PROMPTS_PER_REQUEST = 256
 
 # Field → values that mean "feature not used"; any other value is refused, never
 # ignored: these are vLLM request fields that change the output, which a client moving
@@ -95,6 +97,16 @@ class GenerationRequest:
     tools: ToolPlan | None = None
 
 
+@dataclass
+class _Prompt:
+    """One prompt of a completions request: its ids, the name errors give it, and its
+    text when the client sent text (what `echo` repeats)."""
+
+    ids: list[int]
+    field: str
+    text: str | None = None
+
+
 class RequestParser:
     """Validates request bodies against the served model (name, vocabulary, context)."""
 
@@ -110,34 +122,32 @@ class RequestParser:
         self.slo = slo
         self.max_n = max_n
 
-    def completion(self, body: dict[str, Any]) -> GenerationRequest:
+    def completion(self, body: dict[str, Any]) -> list[GenerationRequest]:
+        """One request per prompt (`prompt` may hold a batch of them), in order; every
+        prompt is checked before any is returned."""
         self._check_common(body, _COMPLETION_UNSUPPORTED)
         extras = parse_extras(body, self.tokenizer.vocab_size, self.max_n, completion=True)
-        prompt_ids = self._prompt_ids(body)
         logprobs = get_int(body, "logprobs", min_value=0, max_value=MAX_LOGPROBS)
-        generation = self._generation(
-            body,
-            prompt_ids,
-            prompt_field="prompt",
-            default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
-            logprobs=logprobs is not None,
-            num_top_logprobs=logprobs or 0,
-            extras=extras,
-        )
-        if extras.echo:
-            generation.echo_text = self._echo_text(body, prompt_ids)
-            # With logprobs, the prompt tokens' own logprobs lead the choice's.
-            generation.params.prompt_logprobs = logprobs is not None
-        return _constrained(generation, body, chat=False, tools=None)
-
-    def _echo_text(self, body: dict[str, Any], prompt_ids: list[int]) -> str:
-        """The prompt as the client wrote it (a text prompt), or its tokens' text."""
-        prompt = body["prompt"]
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return prompt
-        return self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        generations = []
+        for prompt in self._prompts(body):
+            generation = self._generation(
+                body,
+                prompt.ids,
+                prompt_field=prompt.field,
+                default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
+                logprobs=logprobs is not None,
+                num_top_logprobs=logprobs or 0,
+                extras=extras,
+            )
+            if extras.echo:
+                # The prompt as the client wrote it (a text prompt), or its tokens' text.
+                generation.echo_text = prompt.text or self.tokenizer.decode(
+                    prompt.ids, skip_special_tokens=False
+                )
+                # With logprobs, the prompt tokens' own logprobs lead the choice's.
+                generation.params.prompt_logprobs = logprobs is not None
+            generations.append(_constrained(generation, body, chat=False, tools=None))
+        return generations
 
     def chat(self, body: dict[str, Any]) -> GenerationRequest:
         self._check_common(body, _CHAT_UNSUPPORTED)
@@ -165,7 +175,12 @@ class RequestParser:
         has_prompt, has_messages = "prompt" in body, "messages" in body
         if has_prompt == has_messages:
             raise invalid("prompt", "send exactly one of 'prompt' and 'messages'")
-        return self._prompt_ids(body) if has_prompt else self._chat_ids(body)
+        if not has_prompt:
+            return self._chat_ids(body)
+        prompts = self._prompts(body)
+        if len(prompts) > 1:
+            raise invalid("prompt", f"holds {len(prompts)} prompts; tokenize one at a time")
+        return prompts[0].ids
 
     def detokenize(self, body: dict[str, Any]) -> str:
         """The text of `tokens` (vLLM's /detokenize: special tokens kept)."""
@@ -192,31 +207,35 @@ class RequestParser:
             if not any(_same(value, v) for v in neutral):
                 raise invalid(name, f"is not supported by this server (got {show(value)})")
 
-    def _prompt_ids(self, body: dict[str, Any]) -> list[int]:
+    def _prompts(self, body: dict[str, Any]) -> list[_Prompt]:
+        """`prompt`: a text, a list of token ids, or a batch (a list) of those."""
         prompt = body.get("prompt")
         if prompt is None:
             raise invalid("prompt", "is required")
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            if len(prompt) > 1:
+            if len(prompt) > MAX_PROMPTS_PER_REQUEST:
                 raise invalid(
                     "prompt",
-                    f"holds {len(prompt)} prompts: batched prompts are not supported; "
-                    "send one prompt per request",
+                    f"holds {len(prompt)} prompts; at most {MAX_PROMPTS_PER_REQUEST} per request",
                 )
-            prompt = prompt[0]
+            return [self._prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+        return [self._prompt(prompt, "prompt")]
+
+    def _prompt(self, prompt: Any, where: str) -> _Prompt:
+        """One prompt; errors name it by `where` ("prompt", or "prompt[i]" in a batch)."""
         if isinstance(prompt, str):
             if not prompt:
-                raise invalid("prompt", "must not be empty")
+                raise invalid(where, "must not be empty")
             ids = self.tokenizer.encode(prompt)
             if not ids:
-                raise invalid("prompt", f"encodes to no tokens: {show(prompt)}")
-            return ids
+                raise invalid(where, f"encodes to no tokens: {show(prompt)}")
+            return _Prompt(ids, where, prompt)
         if not isinstance(prompt, list):
-            raise invalid("prompt", f"must be a string or a list of token ids, got {show(prompt)}")
+            raise invalid(where, f"must be a string or a list of token ids, got {show(prompt)}")
         if not prompt:
-            raise invalid("prompt", "must not be empty")
-        self._check_token_ids("prompt", prompt)
-        return list(prompt)
+            raise invalid(where, "must not be empty")
+        self._check_token_ids(where, prompt)
+        return _Prompt(list(prompt), where)
 
     def _check_token_ids(self, name: str, ids: list[Any]) -> None:
         vocab_size = self.tokenizer.vocab_size

@@ -1,7 +1,8 @@
 """Response JSON for `/v1/completions` and `/v1/chat/completions`, shaped like OpenAI's.
 
 One builder per request turns the `GenerationChunk`s of `RequestFlow` into stream chunks
-(`text_completion` / `chat.completion.chunk`) or, collected, into one whole response.
+(`text_completion` / `chat.completion.chunk`) or, collected, into one whole response. A
+completions batch has one builder: choice i belongs to prompt i // n.
 
 Logprobs: each generated token's logprob and, when asked, the most likely tokens at its
 position (the engine's `TopLogprobs`). Completions' `top_logprobs` maps token text to
@@ -145,14 +146,9 @@ class ResponseBuilder:
         self.created = created
         self.logprobs = logprobs
         self.include_usage = include_usage
-        # Choices (`n`); each one's logprobs keep their own text offsets.
+        # Choices per prompt (`n`); each choice's logprobs keep their own text offsets.
         self.n = 1
         self._formatters: dict[int, LogprobsFormatter] = {}
-        # Completions with echo + logprobs: the prompt's logprobs once seen, and the
-        # choices whose first chunk already carried the prompt.
-        self._prompt_logprobs: list[float] | None = None
-        self._prompt_top_logprobs: list[TopLogprobs] | None = None
-        self._echoed_indexes: set[int] = set()
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -185,13 +181,12 @@ class ResponseBuilder:
         body["usage"] = usage_json(usage)
         return body
 
-    def response(self, choices: list[Collected]) -> dict[str, Any]:
-        """The whole response; `choices` in index order."""
+    def response(self, choices: list[Collected], usage: Usage | None) -> dict[str, Any]:
+        """The whole response; `choices` in index order, `usage` the request's."""
         body = self._envelope(
             self.object_name,
             [{"index": i, **self._choice_whole(c, i)} for i, c in enumerate(choices)],
         )
-        usage = next((c.usage for c in reversed(choices) if c.usage is not None), None)
         if usage is not None:
             body["usage"] = usage_json(usage)
         return body
@@ -228,25 +223,64 @@ class ResponseBuilder:
         return self._logprobs_json(formatter, token_ids, logprobs, alternatives)
 
 
+@dataclass
+class Echo:
+    """A completions prompt that `echo` repeats before its choices' text: as the client
+    wrote it, its ids, and (with logprobs) its tokens' logprobs once they come."""
+
+    text: str
+    prompt_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+
+
 class CompletionResponses(ResponseBuilder):
+    """Completions of one prompt or a batch: choice i belongs to prompt i // n."""
+
     object_name = "text_completion"
     chunk_object_name = "text_completion"
-    # `echo`: the prompt's text and tokens, before the completion's (set by the handler).
-    echo_text: str | None = None
-    echo_prompt_ids: list[int] | None = None
+
+    def __init__(
+        self,
+        req_id: str,
+        model: str,
+        created: int,
+        logprobs: LogprobsFormatter | None,
+        include_usage: bool = False,
+        echoes: list[Echo] | None = None,
+    ) -> None:
+        super().__init__(req_id, model, created, logprobs, include_usage)
+        # With `echo`: one per prompt.
+        self.echoes = echoes
+        # With echo + logprobs, the choices whose first chunk already carried the prompt.
+        self._echoed_indexes: set[int] = set()
+
+    def _echo_of(self, index: int) -> Echo | None:
+        return None if self.echoes is None else self.echoes[index // self.n]
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        if self.echo_text is None or self.logprobs is not None:
+        if self.echoes is None or self.logprobs is not None:
             return []  # with logprobs, the prompt leads each choice's first chunk
-        choice = {"text": self.echo_text, "logprobs": None, "finish_reason": None}
-        return [self._chunk(choice, i) for i in range(self.n)]
+        return [
+            self._chunk({"text": echo.text, "logprobs": None, "finish_reason": None}, index)
+            for p, echo in enumerate(self.echoes)
+            for index in range(p * self.n, (p + 1) * self.n)
+        ]
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
-        if chunk.prompt_logprobs is not None:
-            self._prompt_logprobs = chunk.prompt_logprobs
-        if chunk.prompt_top_logprobs is not None:
-            self._prompt_top_logprobs = chunk.prompt_top_logprobs
+        self._note_prompt_logprobs(chunk.index, chunk.prompt_logprobs, chunk.prompt_top_logprobs)
         return super().chunk(chunk)
+
+    def _note_prompt_logprobs(
+        self, index: int, logprobs: list[float] | None, tops: list[TopLogprobs] | None
+    ) -> None:
+        echo = self._echo_of(index)
+        if echo is None:
+            return
+        if logprobs is not None:
+            echo.logprobs = logprobs
+        if tops is not None:
+            echo.top_logprobs = tops
 
     def _echoed(
         self,
@@ -258,19 +292,20 @@ class CompletionResponses(ResponseBuilder):
         first: bool,
     ) -> tuple[str, Any]:
         """Text and logprobs JSON, the echoed prompt in front when `first`."""
-        if first and self.echo_text is not None and self.logprobs is not None:
-            prompt_ids = self.echo_prompt_ids or []
-            prompt_lps: list[float | None] = [None, *(self._prompt_logprobs or [])]
+        echo = self._echo_of(index) if first else None
+        if echo is not None and self.logprobs is not None:
+            prompt_ids = echo.prompt_ids
+            prompt_lps: list[float | None] = [None, *(echo.logprobs or [])]
             values = [*prompt_lps[: len(prompt_ids)], *logprobs]
-            prompt_tops: list[Alternatives] = [None, *(self._prompt_top_logprobs or [])]
+            prompt_tops: list[Alternatives] = [None, *(echo.top_logprobs or [])]
             alternatives = [*prompt_tops, *[None] * len(prompt_ids)][: len(prompt_ids)]
             alternatives += list(tops) or [None] * len(token_ids)
             logprobs_json = self._logprobs_of(
                 [*prompt_ids, *token_ids], values, alternatives, index
             )
-            return self.echo_text + text, logprobs_json
-        if first and self.echo_text is not None:
-            text = self.echo_text + text
+            return echo.text + text, logprobs_json
+        if echo is not None:
+            text = echo.text + text
         return text, self._logprobs_of(token_ids, logprobs, tops, index)
 
     def _logprobs_json(
@@ -294,14 +329,12 @@ class CompletionResponses(ResponseBuilder):
             "finish_reason": public_finish_reason(chunk.finish_reason),
         }
 
-    def response(self, choices: list[Collected]) -> dict[str, Any]:
-        self._prompt_logprobs = next(
-            (c.prompt_logprobs for c in choices if c.prompt_logprobs is not None), None
-        )
-        self._prompt_top_logprobs = next(
-            (c.prompt_top_logprobs for c in choices if c.prompt_top_logprobs is not None), None
-        )
-        return super().response(choices)
+    def response(self, choices: list[Collected], usage: Usage | None) -> dict[str, Any]:
+        for index, collected in enumerate(choices):
+            self._note_prompt_logprobs(
+                index, collected.prompt_logprobs, collected.prompt_top_logprobs
+            )
+        return super().response(choices, usage)
 
     def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         text, logprobs = self._echoed(

@@ -165,11 +165,11 @@ CASES = [
     ),
     Bad("prompt is a dict", {"prompt": {"text": "hi"}}, 400, ("'prompt'", "string", "token ids")),
     Bad(
-        "batched prompts",
-        {"prompt": ["one", "two"]},
+        "an empty prompt in a batch",
+        {"prompt": ["one", ""]},
         400,
-        ("batched prompts are not supported", "2 prompts"),
-        param="prompt",
+        ("'prompt[1]'", "must not be empty"),
+        param="prompt[1]",
     ),
     Bad("n=0", {"prompt": "hi", "n": 0}, 400, ("'n'", ">= 1"), param="n"),
     Bad(

@@ -400,6 +400,95 @@ def test_echo_with_top_logprobs_ranks_every_prompt_position(
             assert list(top.values()) == pytest.approx(list(want.values()), abs=3e-4)
 
 
+BATCH_TEXT = "the paged cache"
+
+
+def batch_prompts(tokenizer: PromptTokenizer) -> tuple[list, list[list[int]]]:
+    """A batch of three prompts as sent (ids, text, ids) and each one's ids."""
+    other = make_prompts(2048, (9,), seed=43)[0]
+    return [PROMPT, BATCH_TEXT, other], [PROMPT, tokenizer.encode(BATCH_TEXT), other]
+
+
+def test_batched_prompts_each_equal_a_colocated_run(client, cluster, colocated, tokenizer):
+    """A list of prompts (as lm-eval sends with batch_size > 1): choice p * n + i is
+    prompt p's sequence i, each the colocated greedy run of its prompt; usage sums the
+    prompts; streamed, the same choices come with their indexes."""
+    sent, ids = batch_prompts(tokenizer)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    expected = [token_texts(tokenizer, out.token_ids) for out in generate(colocated, ids, params)]
+    args = dict(
+        model=cluster.router.config.model_name, prompt=sent, n=2, max_tokens=MAX_TOKENS,
+        temperature=0.0, logprobs=0, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    whole = client.completions.create(**args)
+    assert [c.index for c in whole.choices] == list(range(6))
+    assert [c.logprobs.tokens for c in whole.choices] == [e for e in expected for _ in range(2)]
+    assert whole.usage.prompt_tokens == sum(len(p) for p in ids)
+    assert whole.usage.completion_tokens == 6 * MAX_TOKENS
+    texts = dict.fromkeys(range(6), "")
+    usage = None
+    for chunk in client.completions.create(
+        **args, stream=True, stream_options={"include_usage": True}
+    ):
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert list(texts.values()) == [c.text for c in whole.choices]
+    assert usage is not None and usage.completion_tokens == 6 * MAX_TOKENS
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+    cluster.assert_idle()
+
+
+def test_batched_prompts_echo_each_its_own_prompt(client, cluster, tokenizer):
+    sent, ids = batch_prompts(tokenizer)
+    args = dict(model=cluster.router.config.model_name, max_tokens=3, temperature=0.0,
+                logprobs=1, echo=True)  # fmt: skip
+    batch = client.completions.create(prompt=sent, **args).choices
+    streamed = dict.fromkeys(range(3), "")
+    for chunk in client.completions.create(prompt=sent, stream=True, **args):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    for p, (prompt, prompt_ids) in enumerate(zip(sent, ids, strict=True)):
+        single = client.completions.create(prompt=prompt, **args).choices[0]
+        assert batch[p].text == single.text == streamed[p]
+        assert batch[p].logprobs.tokens[: len(prompt_ids)] == token_texts(tokenizer, prompt_ids)
+        assert batch[p].logprobs.token_logprobs == pytest.approx(
+            single.logprobs.token_logprobs, abs=1e-5
+        )
+    assert batch[1].text.startswith(BATCH_TEXT)
+
+
+def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch(client, cluster):
+    model = cluster.router.config.model_name
+    before = prompt_tokens_prefilled(cluster)
+    too_long = [1] * 1100  # the module cluster's context is 1,024 tokens
+    for prompt, param, words in (
+        (["fine", ""], "prompt[1]", "must not be empty"),
+        ([[1, 2], [3, 99999]], "prompt[1]", "99999"),
+        (["fine", too_long], "prompt[1]", "maximum context length"),
+        (["x"] * 257, "prompt", "at most 256"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=model, prompt=prompt, max_tokens=2)
+        assert info.value.body["param"] == param
+        assert words in info.value.body["message"]
+    assert prompt_tokens_prefilled(cluster) == before  # nothing of any batch ran
+    cluster.assert_idle()
+
+
+def test_batch_stream_closed_early_frees_every_prompt(client, cluster):
+    """The client leaves after the first chunk: every prompt's sequences end and their
+    KV is released, within 0.3 s where their 960 tokens each would take ~2 s."""
+    stream = client.completions.create(
+        model=cluster.router.config.model_name, prompt=[PROMPT, "a", "b c"], n=2,
+        max_tokens=960, temperature=1.0, stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    first = next(iter(stream))
+    assert first.choices[0].index in range(6)
+    stream.close()
+    cluster.assert_idle(timeout_s=0.3)
+
+
 def test_bad_sampling_fields_get_400_and_the_server_keeps_serving(client, cluster):
     model = cluster.router.config.model_name
     for bad in (
