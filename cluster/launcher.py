@@ -22,6 +22,7 @@ from tandem.cluster.pool_controller import (
     CONTROLLER_REPLY_S,
     RemotePoolController,
 )
+from tandem.cluster.ray_start import start_local_ray
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
 from tandem.cluster.worker_env import worker_env_vars
 from tandem.router.membership import Membership
@@ -110,9 +111,7 @@ class LocalCluster:
         # role can reach its budget; one role resource per worker the budget allows.
         num_cpus = max(os.cpu_count() or 1, budget * len(roles))
         resources = {role_resource(role): float(budget) for role in roles}
-        # "local" starts a fresh instance (not one `ray start` left on this machine).
-        ray.init(address="local", num_cpus=num_cpus, resources=resources, include_dashboard=False,
-                 log_to_driver=False)  # fmt: skip
+        start_local_ray(num_cpus=num_cpus, resources=resources)
         self._started_ray = True
 
     async def stop(self, timeout_s: float = 30.0) -> None:

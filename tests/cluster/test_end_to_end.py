@@ -15,13 +15,13 @@ import ray
 
 from tandem.cluster.config import ClusterConfig, PoolsConfig
 from tandem.cluster.launcher import LocalCluster
+from tandem.cluster.ray_start import start_local_ray
 from tandem.engine.config import EngineConfig, default_device
 from tandem.router.config import RouterConfig
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
-from tests.helpers.ray_start import init_local_ray
 
 MAX_TOKENS = 12
 PROMPT_LENS = (1, 4, 9, 16, 17, 31, 48, 64, 100, 129, 150, 200, 257, 300, 400, 511)
@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 @pytest.fixture(scope="module")
 def ray_session():
     """One local Ray instance for the module (clusters come and go on it)."""
-    init_local_ray(num_cpus=8)
+    start_local_ray(num_cpus=8)
     yield
     ray.shutdown()
 

@@ -15,12 +15,12 @@ import ray
 from ray.cluster_utils import Cluster
 
 from tandem.cluster.launcher import LocalCluster
+from tandem.cluster.ray_start import start_with_retries
 from tandem.router.membership import WorkerLifecycle
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import assert_idle, cluster_config
-from tests.helpers.ray_start import start_with_retries
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 

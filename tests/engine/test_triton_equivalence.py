@@ -16,11 +16,11 @@ import ray
 
 from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.cluster.launcher import LocalCluster
+from tandem.cluster.ray_start import start_local_ray
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.kv_budget import TEST_KV_CACHE_FLAG
 from tests.helpers.prompts import make_prompts
-from tests.helpers.ray_start import init_local_ray
 from tests.helpers.triton_interpreter import interpreter_process
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
@@ -88,7 +88,7 @@ def test_served_cluster_matches_transformers_with_triton(tiny_model_dir: Path) -
         # from start-up (before they import triton).
         patch.setenv("TRITON_INTERPRET", "1")
         config = cluster_config_from_args(build_parser().parse_args(flags))
-        init_local_ray(num_cpus=4)
+        start_local_ray(num_cpus=4)
     assert config.engine.attention_backend == "triton"
     config.router = replace(config.router, grpc_port=0, http_port=0, warmup_profile=False)
 

@@ -13,13 +13,13 @@ import urllib.request
 from typing import Any
 
 from tandem.cluster.config import ClusterConfig, PoolsConfig
+from tandem.cluster.ray_start import start_local_ray
 from tandem.engine.config import EngineConfig
 from tandem.proto.cluster_auth import ClusterAuth
 from tandem.router.config import RouterConfig
 from tandem.router.membership import Membership, WorkerLifecycle
 from tests.helpers.grpc_calls import assert_workers_idle
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
-from tests.helpers.ray_start import init_local_ray
 
 # What the Ray cluster can place per role (the budget below allows one more).
 ROLE_SLOTS = 3
@@ -27,7 +27,7 @@ ROLE_SLOTS = 3
 
 def init_ray_with_role_slots() -> None:
     """A local Ray whose nodes can place ROLE_SLOTS workers of each role."""
-    init_local_ray(
+    start_local_ray(
         num_cpus=2 * ROLE_SLOTS,
         resources={"tandem_prefill": ROLE_SLOTS, "tandem_decode": ROLE_SLOTS},
     )

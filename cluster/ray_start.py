@@ -1,22 +1,30 @@
-"""Starting Ray in tests, retried when a node's start times out.
+"""Starting Ray, tried again when a node's start times out.
 
-Ray waits a fixed 30 s for a starting node's raylet to register with the GCS, then
-raises a bare Exception; on a loaded 2-core CI box that has run out (a module's
-`ray.init` timed out and its tests errored at setup). A node whose start timed out
-leaves its processes running, so they are stopped before the next try."""
+Ray waits a fixed 30 s for a starting node's raylet to register with the GCS
+(`ray._private.node.Node`), then raises a bare Exception ("The current node timed out
+during startup"). On a loaded 2-core machine that has run out, before any Tandem code
+ran, and the next start worked. A node whose start timed out leaves its processes (GCS,
+raylet) running and owned by no one, so they are stopped before the next try.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import pytest
 import ray
 import ray._private.node
+
+logger = logging.getLogger(__name__)
 
 START_ATTEMPTS = 3
 
 T = TypeVar("T")
+
+
+class RayStartError(RuntimeError):
+    """Ray's node start timed out on every try."""
 
 
 def kill_half_started_node(exc: BaseException) -> None:
@@ -36,7 +44,7 @@ def start_with_retries(start: Callable[[], T], undo: Callable[[], None]) -> T:
     or nodes joining a `Cluster`); `undo()` cleans up after every failed try, and other
     errors are raised at once."""
     errors: list[str] = []
-    for _ in range(START_ATTEMPTS):
+    for attempt in range(1, START_ATTEMPTS + 1):
         try:
             return start()
         except Exception as exc:  # Ray raises a bare Exception on a start timeout
@@ -44,13 +52,14 @@ def start_with_retries(start: Callable[[], T], undo: Callable[[], None]) -> T:
             undo()
             if "timed out" not in str(exc).lower():
                 raise
+            logger.warning("Ray's start timed out (try %d of %d): %s", attempt, START_ATTEMPTS, exc)
             errors.append(f"{type(exc).__name__}: {exc}")
-    pytest.fail(f"Ray did not start in {START_ATTEMPTS} tries: " + " | ".join(errors))
+    raise RayStartError(f"Ray did not start in {START_ATTEMPTS} tries: " + " | ".join(errors))
 
 
-def init_local_ray(**kwargs: Any) -> None:
-    """`ray.init(address="local", ...)`: a fresh instance (never one another process
-    left running on this machine), without the dashboard or worker logs."""
+def start_local_ray(**kwargs: Any) -> None:
+    """`ray.init(address="local", ...)`: a fresh instance (never one `ray start` left
+    running on this machine), without the dashboard or worker logs in the driver's."""
     start_with_retries(
         lambda: ray.init(address="local", include_dashboard=False, log_to_driver=False, **kwargs),
         ray.shutdown,
