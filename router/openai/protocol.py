@@ -93,6 +93,9 @@ class GenerationRequest:
     extras: SamplingExtras
     # Completions with `echo`: the prompt's text, sent before the completion's.
     echo_text: str | None = None
+    # stream_options.continuous_usage_stats (vLLM's), with include_usage: every chunk
+    # carries the usage so far.
+    continuous_usage: bool = False
     # Chat `tools` / `tool_choice` (None: no tools).
     tools: ToolPlan | None = None
 
@@ -285,16 +288,12 @@ class RequestParser:
     ) -> GenerationRequest:
         stream = bool(get_bool(body, "stream"))
         stream_options = get_object(body, "stream_options")
-        include_usage = False
+        include_usage = continuous_usage = False
         if stream_options is not None:
             if not stream:
                 raise invalid("stream_options", "is only allowed when 'stream' is true")
-            include_usage = stream_options.get("include_usage") or False
-            if not isinstance(include_usage, bool):
-                raise invalid(
-                    "stream_options",
-                    f"field 'include_usage' must be true or false, got {show(include_usage)}",
-                )
+            include_usage = _stream_option(stream_options, "include_usage")
+            continuous_usage = _stream_option(stream_options, "continuous_usage_stats")
         max_tokens = self._max_tokens(body, len(prompt_ids), prompt_field, default_max_tokens)
         params = self._sampling_params(body, max_tokens, logprobs, num_top_logprobs, extras)
         return GenerationRequest(
@@ -302,6 +301,7 @@ class RequestParser:
             params=params,
             stream=stream,
             include_usage=include_usage,
+            continuous_usage=include_usage and continuous_usage,
             logprobs=logprobs,
             extras=extras,
             slo=self.slo.resolve(
@@ -417,6 +417,13 @@ def _constrained(
     if tools is not None:
         generation = dataclasses.replace(generation, tools=tools)
     return generation
+
+
+def _stream_option(options: dict[str, Any], name: str) -> bool:
+    value = options.get(name) or False
+    if not isinstance(value, bool):
+        raise invalid("stream_options", f"field '{name}' must be true or false, got {show(value)}")
+    return value
 
 
 def _same(value: Any, neutral: Any) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,6 +147,11 @@ class ResponseBuilder:
         self.created = created
         self.logprobs = logprobs
         self.include_usage = include_usage
+        # stream_options.continuous_usage_stats (set by the handler): each prompt's
+        # token count; every stream chunk then carries its choice's usage so far, as
+        # vLLM's do (the choice's tokens counted by stream_sse through count_tokens).
+        self.continuous_prompt_tokens: list[int] | None = None
+        self._choice_tokens: Counter[int] = Counter()
         # Choices per prompt (`n`); each choice's logprobs keep their own text offsets.
         self.n = 1
         self._formatters: dict[int, LogprobsFormatter] = {}
@@ -162,8 +168,25 @@ class ResponseBuilder:
     def _chunk(self, choice: dict[str, Any], index: int = 0) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name, [{"index": index, **choice}])
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = self._choice_usage(index)
         return body
+
+    def count_tokens(self, chunk: GenerationChunk) -> None:
+        """Counts a streamed chunk's tokens for its choice's usage so far."""
+        self._choice_tokens[chunk.index] += len(chunk.token_ids)
+
+    def _choice_usage(self, index: int) -> dict[str, int] | None:
+        """Choice `index`'s usage so far with continuous usage stats (no prompt details,
+        as vLLM), else None (a usage chunk ends the stream)."""
+        if self.continuous_prompt_tokens is None:
+            return None
+        prompt = self.continuous_prompt_tokens[index // self.n]
+        completion = self._choice_tokens[index]
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         """Chunks sent before the first token (chat: the assistant role)."""

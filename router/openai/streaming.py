@@ -53,6 +53,7 @@ async def stream_sse(
         chunk = first
         while chunk is not None:
             usage = chunk.usage or usage
+            builder.count_tokens(chunk)
             body = builder.chunk(chunk)
             if body is not None:
                 await response.write(sse_event(body))

@@ -458,6 +458,44 @@ def test_batched_prompts_echo_each_its_own_prompt(client, cluster, tokenizer):
     assert batch[1].text.startswith(BATCH_TEXT)
 
 
+def test_continuous_usage_stats_give_each_choice_its_usage_so_far(client, cluster, tokenizer):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries its choice's
+    usage so far (its prompt's tokens, its own tokens), the last chunk the request's."""
+    sent, ids = batch_prompts(tokenizer)
+    stream = client.completions.create(
+        model=cluster.router.config.model_name, prompt=sent[:2], n=2, max_tokens=6,
+        temperature=0.9, logprobs=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )  # fmt: skip
+    counted = dict.fromkeys(range(4), 0)
+    chunks = list(stream)
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        counted[choice.index] += len(choice.logprobs.tokens)
+        assert chunk.usage.prompt_tokens == len(ids[choice.index // 2])
+        assert chunk.usage.completion_tokens == counted[choice.index]
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + counted[choice.index]
+    assert counted == dict.fromkeys(range(4), 6)
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens == len(ids[0]) + len(ids[1])  # once per prompt
+    assert chunks[-1].usage.completion_tokens == 24
+    chat = client.chat.completions.create(
+        model=cluster.router.config.model_name, messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )  # fmt: skip
+    usages = [(c.usage.prompt_tokens, c.usage.completion_tokens) for c in chat]
+    prompt = usages[0][0]
+    assert usages[0] == (prompt, 0)  # the role chunk, before any token
+    assert usages[-2][1] == usages[-1][1] == 3
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(
+            model=cluster.router.config.model_name, prompt="hi", max_tokens=2, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": "yes"},
+        )  # fmt: skip
+    assert "continuous_usage_stats" in info.value.body["message"]
+
+
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch(client, cluster):
     model = cluster.router.config.model_name
     before = prompt_tokens_prefilled(cluster)
