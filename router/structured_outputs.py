@@ -32,16 +32,19 @@ GUIDED_FIELDS: dict[str, GuidedKind] = {
 _MAX_CHECKED_SPECS = 512
 
 
-def guided_from_fields(fields: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
-    """The one guided-decoding key set in `fields` (None: none), checked; raises
-    InvalidRequest naming the key when it is malformed, or when several are set."""
-    given = [name for name in GUIDED_FIELDS if fields.get(name) not in (None, False)]
+def guided_from_fields(
+    fields: dict[str, Any], keys: dict[str, GuidedKind] = GUIDED_FIELDS, prefix: str = ""
+) -> tuple[str, GuidedDecoding] | None:
+    """The one guided-decoding key of `keys` set in `fields` (None: none), checked;
+    raises InvalidRequest naming the key (after `prefix`) when it is malformed, or when
+    several are set."""
+    given = [key for key in keys if fields.get(key) not in (None, False)]
     if not given:
         return None
+    first, name = given[0], prefix + given[0]
     if len(given) > 1:
-        raise invalid(given[1], f"cannot be combined with '{given[0]}'; send one constraint")
-    name = given[0]
-    return name, checked(name, _spec(name, fields[name], name))
+        raise invalid(prefix + given[1], f"cannot be combined with '{name}'; send one constraint")
+    return name, checked(name, _spec(keys[first], fields[first], name))
 
 
 def guided_from_generate(msg: gen_pb.GuidedDecoding) -> GuidedDecoding | None:
@@ -56,8 +59,9 @@ def guided_from_generate(msg: gen_pb.GuidedDecoding) -> GuidedDecoding | None:
         value: Any = list(msg.choice.options)
     else:
         value = getattr(msg, which)
-    key = {"json_schema": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar"}
-    return checked(name, _spec(key.get(which, "guided_choice"), value, name))
+    kind = {"json_schema": GuidedKind.JSON_SCHEMA, "regex": GuidedKind.REGEX,
+            "grammar": GuidedKind.GRAMMAR}.get(which, GuidedKind.CHOICE)  # fmt: skip
+    return checked(name, _spec(kind, value, name))
 
 
 def checked(field_name: str, guided: GuidedDecoding) -> GuidedDecoding:
@@ -68,9 +72,8 @@ def checked(field_name: str, guided: GuidedDecoding) -> GuidedDecoding:
     return guided
 
 
-def _spec(key: str, value: Any, name: str) -> GuidedDecoding:
-    """The constraint `key` (a GUIDED_FIELDS key) asks for; errors name `name`."""
-    kind = GUIDED_FIELDS[key]
+def _spec(kind: GuidedKind, value: Any, name: str) -> GuidedDecoding:
+    """The constraint of `kind` that `value` asks for; errors name `name`."""
     try:
         if kind is GuidedKind.JSON_OBJECT:
             if value is not True:

@@ -18,10 +18,12 @@ class PromptTokenizer:
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len or model_config.max_position_embeddings
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt; `add_special_tokens` adds what the tokenizer puts
+        around a text of its own (a BOS token, for Llama)."""
         if not isinstance(prompt, str) or not prompt:
             raise ValueError("prompt must be a non-empty string")
-        return list(self.tokenizer.encode(prompt))
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def encode_chat(
         self,

@@ -59,10 +59,19 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
+    "guided_whitespace_pattern": (None,),
+    "prompt_embeds": (None,),
+    "vllm_xargs": (None, {}),
+    "priority": (None, 0),  # vLLM too refuses it unless its scheduler runs by priority
+    "cache_salt": (None,),  # the prefix caches are shared by every client
 }
 _COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED}
 _CHAT_UNSUPPORTED = {
     **_COMMON_UNSUPPORTED,
+    "echo": (None, False),
+    "documents": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "add_special_tokens": (None, False),  # the chat template places them
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
     "add_generation_prompt": (None, True),
@@ -215,21 +224,24 @@ class RequestParser:
         prompt = body.get("prompt")
         if prompt is None:
             raise invalid("prompt", "is required")
+        # vLLM's add_special_tokens: text prompts get the tokenizer's BOS (default) or not.
+        special = get_bool(body, "add_special_tokens")
+        add_special = True if special is None else special
         if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) > MAX_PROMPTS_PER_REQUEST:
                 raise invalid(
                     "prompt",
                     f"holds {len(prompt)} prompts; at most {MAX_PROMPTS_PER_REQUEST} per request",
                 )
-            return [self._prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-        return [self._prompt(prompt, "prompt")]
+            return [self._prompt(p, f"prompt[{i}]", add_special) for i, p in enumerate(prompt)]
+        return [self._prompt(prompt, "prompt", add_special)]
 
-    def _prompt(self, prompt: Any, where: str) -> _Prompt:
+    def _prompt(self, prompt: Any, where: str, add_special_tokens: bool) -> _Prompt:
         """One prompt; errors name it by `where` ("prompt", or "prompt[i]" in a batch)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise invalid(where, "must not be empty")
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens)
             if not ids:
                 raise invalid(where, f"encodes to no tokens: {show(prompt)}")
             return _Prompt(ids, where, prompt)

@@ -496,6 +496,24 @@ def test_continuous_usage_stats_give_each_choice_its_usage_so_far(client, cluste
     assert "continuous_usage_stats" in info.value.body["message"]
 
 
+def test_add_special_tokens_false_leaves_out_the_bos(client, cluster, tokenizer):
+    """vLLM's add_special_tokens on completions: false tokenizes a text prompt without
+    the tokenizer's BOS, so it runs as the same ids sent without it."""
+    args = dict(model=cluster.router.config.model_name, max_tokens=8, temperature=0.0,
+                logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
+    with_bos = tokenizer.encode(BATCH_TEXT)
+    assert with_bos[0] == tokenizer.tokenizer.bos_token_id
+    plain = client.completions.create(
+        prompt=BATCH_TEXT,
+        **{**args, "extra_body": {"ignore_eos": True, "add_special_tokens": False}},
+    )
+    as_ids = client.completions.create(prompt=with_bos[1:], **args)
+    default = client.completions.create(prompt=BATCH_TEXT, **args)
+    assert plain.usage.prompt_tokens == len(with_bos) - 1 == default.usage.prompt_tokens - 1
+    assert plain.choices[0].logprobs.tokens == as_ids.choices[0].logprobs.tokens
+    assert plain.choices[0].logprobs.token_logprobs != default.choices[0].logprobs.token_logprobs
+
+
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch(client, cluster):
     model = cluster.router.config.model_name
     before = prompt_tokens_prefilled(cluster)

@@ -111,6 +111,25 @@ def test_guided_json_and_json_object_on_completions(client, cluster):
     assert reply.choices[0].message.content.startswith("{")
 
 
+def test_vllm_structured_outputs_object_constrains_like_the_guided_fields(client, cluster):
+    """vLLM's newer `structured_outputs` ({"choice": ...}, {"regex": ...}, ...): the same
+    constraint as the guided_* field, token for token; `backend` is ignored."""
+    for constraint, guided in (
+        ({"choice": ["alpha", "beta gamma"]}, {"guided_choice": ["alpha", "beta gamma"]}),
+        ({"regex": "[0-9]{2,4}-[a-z]{3}", "backend": "xgrammar"},
+         {"guided_regex": "[0-9]{2,4}-[a-z]{3}"}),
+        ({"json": SCHEMAS[7]}, {"guided_json": SCHEMAS[7]}),
+    ):  # fmt: skip
+        args = dict(model=_model(cluster), prompt="router latency is the",
+                    max_tokens=MAX_TOKENS, temperature=0)  # fmt: skip
+        got = client.completions.create(**args, extra_body={"structured_outputs": constraint})
+        want = client.completions.create(**args, extra_body=guided)
+        assert got.choices[0].text == want.choices[0].text, constraint
+        assert got.choices[0].finish_reason == "stop", got.choices[0].text
+    assert got.choices[0].text  # the last one, a JSON document
+    jsonschema.validate(json.loads(got.choices[0].text), SCHEMAS[7])
+
+
 def test_forced_first_token_and_decode_side_continues(client, cluster):
     """A single-option choice makes every token, the prefill worker's first one included,
     the only legal one; the decode worker must resume right after it."""
