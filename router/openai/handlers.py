@@ -150,6 +150,8 @@ class OpenAIHandlers:
         headers = {"X-Request-Id": builder.id}
         first = generations[0]
         builder.n = first.extras.n
+        if first.return_token_ids:
+            builder.prompt_token_ids = [g.prompt_ids for g in generations]
         if first.continuous_usage:
             builder.continuous_prompt_tokens = [len(g.prompt_ids) for g in generations]
         chunks = generate_prompts(self.flow, builder.id, generations)

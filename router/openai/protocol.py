@@ -105,6 +105,8 @@ class GenerationRequest:
     # stream_options.continuous_usage_stats (vLLM's), with include_usage: every chunk
     # carries the usage so far.
     continuous_usage: bool = False
+    # vLLM's return_token_ids: the response carries token ids beside the text.
+    return_token_ids: bool = False
     # Chat `tools` / `tool_choice` (None: no tools).
     tools: ToolPlan | None = None
 
@@ -314,6 +316,7 @@ class RequestParser:
             stream=stream,
             include_usage=include_usage,
             continuous_usage=include_usage and continuous_usage,
+            return_token_ids=bool(get_bool(body, "return_token_ids")),
             logprobs=logprobs,
             extras=extras,
             slo=self.slo.resolve(

@@ -133,6 +133,8 @@ class ResponseBuilder:
     id_prefix = ""
     object_name = ""
     chunk_object_name = ""
+    # With return_token_ids: prompt ids on each choice (completions), else on the response.
+    prompt_ids_on_choice = True
 
     def __init__(
         self,
@@ -152,6 +154,12 @@ class ResponseBuilder:
         # vLLM's do (the choice's tokens counted by stream_sse through count_tokens).
         self.continuous_prompt_tokens: list[int] | None = None
         self._choice_tokens: Counter[int] = Counter()
+        # vLLM's return_token_ids (set by the handler): each prompt's ids. Choices then
+        # carry their tokens' ids (`token_ids`, a stream chunk its new ones) and the ids
+        # of their prompt (`prompt_token_ids`: completions on each choice's first chunk
+        # and whole choice, chat on the response's first chunk and whole response).
+        self.prompt_token_ids: list[list[int]] | None = None
+        self._ids_sent: set[int] = set()
         # Choices per prompt (`n`); each choice's logprobs keep their own text offsets.
         self.n = 1
         self._formatters: dict[int, LogprobsFormatter] = {}
@@ -194,10 +202,24 @@ class ResponseBuilder:
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         """The stream chunk for `chunk`; None when it carries nothing to show yet."""
-        wants_logprobs = self.logprobs is not None and chunk.token_ids
-        if not chunk.text and chunk.finish_reason is None and not wants_logprobs:
+        wants_ids = (self.logprobs is not None or self.prompt_token_ids is not None) and bool(
+            chunk.token_ids
+        )
+        if not chunk.text and chunk.finish_reason is None and not wants_ids:
             return None
-        return self._chunk(self._choice_delta(chunk), chunk.index)
+        choice = self._choice_delta(chunk)
+        self._add_token_ids(choice, chunk.token_ids, chunk.index)
+        return self._chunk(choice, chunk.index)
+
+    def _add_token_ids(self, choice: dict[str, Any], token_ids: list[int], index: int) -> None:
+        """With return_token_ids: the choice's new token ids, and a completion choice's
+        prompt ids the first time (a whole response's choice: always)."""
+        if self.prompt_token_ids is None:
+            return
+        choice["token_ids"] = list(token_ids)
+        if self.prompt_ids_on_choice and index not in self._ids_sent:
+            choice["prompt_token_ids"] = self.prompt_token_ids[index // self.n]
+        self._ids_sent.add(index)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name, [])
@@ -206,10 +228,14 @@ class ResponseBuilder:
 
     def response(self, choices: list[Collected], usage: Usage | None) -> dict[str, Any]:
         """The whole response; `choices` in index order, `usage` the request's."""
-        body = self._envelope(
-            self.object_name,
-            [{"index": i, **self._choice_whole(c, i)} for i, c in enumerate(choices)],
-        )
+        wholes = []
+        for i, collected in enumerate(choices):
+            whole = {"index": i, **self._choice_whole(collected, i)}
+            self._add_token_ids(whole, collected.token_ids, i)
+            wholes.append(whole)
+        body = self._envelope(self.object_name, wholes)
+        if self.prompt_token_ids is not None and not self.prompt_ids_on_choice:
+            body["prompt_token_ids"] = self.prompt_token_ids[0]
         if usage is not None:
             body["usage"] = usage_json(usage)
         return body
@@ -378,6 +404,7 @@ class CompletionResponses(ResponseBuilder):
 class ChatResponses(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+    prompt_ids_on_choice = False
 
     def _logprobs_json(
         self,
@@ -392,7 +419,10 @@ class ChatResponses(ResponseBuilder):
     def opening_chunks(self) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
         choice = {"delta": delta, "logprobs": None, "finish_reason": None}
-        return [self._chunk(choice, i) for i in range(self.n)]
+        chunks = [self._chunk(choice, i) for i in range(self.n)]
+        if self.prompt_token_ids is not None:
+            chunks[0]["prompt_token_ids"] = self.prompt_token_ids[0]
+        return chunks
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
         return {

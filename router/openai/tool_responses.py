@@ -97,6 +97,7 @@ class ToolChatResponses(ChatResponses):
             "logprobs": self._logprobs_of(token_ids, logprobs, tops, chunk.index),
             "finish_reason": _finish(chunk.finish_reason, True),
         }
+        self._add_token_ids(body, token_ids, chunk.index)
         return self._chunk(body, chunk.index)
 
     def _released(self, index: int) -> GenerationChunk:

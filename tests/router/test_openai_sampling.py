@@ -514,6 +514,42 @@ def test_add_special_tokens_false_leaves_out_the_bos(client, cluster, tokenizer)
     assert plain.choices[0].logprobs.token_logprobs != default.choices[0].logprobs.token_logprobs
 
 
+def test_return_token_ids_gives_prompt_and_output_ids(client, cluster, colocated, tokenizer):
+    """vLLM's return_token_ids: each completion choice carries its prompt's ids and its
+    own token ids (streamed: the prompt's once, on the choice's first chunk, then each
+    chunk's new ids); chat carries the prompt's ids on the response."""
+    sent, ids = batch_prompts(tokenizer)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    expected = [out.token_ids for out in generate(colocated, ids[:2], params)]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    args = dict(model=cluster.router.config.model_name, prompt=sent[:2], n=2, max_tokens=6,
+                temperature=0.0, extra_body=extra)  # fmt: skip
+    whole = client.completions.create(**args).model_dump()["choices"]
+    assert [c["prompt_token_ids"] for c in whole] == [ids[0], ids[0], ids[1], ids[1]]
+    assert [c["token_ids"] for c in whole] == [expected[0]] * 2 + [expected[1]] * 2
+    streamed = {i: {"token_ids": [], "prompt_token_ids": []} for i in range(4)}
+    for chunk in client.completions.create(**args, stream=True):
+        for choice in chunk.model_dump()["choices"]:
+            streamed[choice["index"]]["token_ids"] += choice["token_ids"]
+            streamed[choice["index"]]["prompt_token_ids"].append(choice.get("prompt_token_ids"))
+    for i, choice in streamed.items():
+        assert choice["token_ids"] == whole[i]["token_ids"]
+        assert choice["prompt_token_ids"][0] == whole[i]["prompt_token_ids"]
+        assert not any(choice["prompt_token_ids"][1:])  # the prompt's ids come once
+    messages = [{"role": "user", "content": "name three caches"}]
+    chat_args = dict(model=cluster.router.config.model_name, messages=messages, max_tokens=4,
+                     temperature=0.0, extra_body=extra)  # fmt: skip
+    chat = client.chat.completions.create(**chat_args).model_dump()
+    assert chat["prompt_token_ids"] == tokenizer.encode_chat(messages)
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"] == 4
+    chunks = [c.model_dump() for c in client.chat.completions.create(**chat_args, stream=True)]
+    assert chunks[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    stream_ids = [
+        t for c in chunks for choice in c["choices"] for t in choice.get("token_ids") or []
+    ]
+    assert stream_ids == chat["choices"][0]["token_ids"]
+
+
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch(client, cluster):
     model = cluster.router.config.model_name
     before = prompt_tokens_prefilled(cluster)
