@@ -66,6 +66,10 @@ class WorkerCalls:
         except asyncio.CancelledError:
             if (failure := attempt.failure_on_cancel(worker.worker_id)) is not None:
                 raise failure from None
+            # The client left. The worker may have answered already and hold the prompt's
+            # KV for a pull that will never come (it releases it only if it sees the
+            # cancel before answering): unpin it, a no-op if nothing is held.
+            await self.release(pair, request.request_id)
             raise
         finally:
             attempt.end_call()
