@@ -27,9 +27,9 @@ from tandem.router.openai.responses import (
     ChatResponses,
     Collected,
     CompletionResponses,
-    Echo,
     LogprobsFormatter,
     ResponseBuilder,
+    ResponseOptions,
 )
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.openai.streaming import stream_sse
@@ -74,17 +74,12 @@ class OpenAIHandlers:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         generations = self.parser.completion(await self._read_json(request))
-        first = generations[0]
-        echoes = None
-        if first.echo_text is not None:
-            echoes = [Echo(g.echo_text or "", g.prompt_ids) for g in generations]
         builder = CompletionResponses(
             f"cmpl-{uuid.uuid4().hex}",
             self.model_name,
             int(time.time()),
-            self._logprobs(first),
-            first.include_usage,
-            echoes,
+            self._logprobs(generations[0]),
+            _response_options(generations),
         )
         return await self._run(request, generations, builder)
 
@@ -95,7 +90,7 @@ class OpenAIHandlers:
             self.model_name,
             int(time.time()),
             self._logprobs(generation),
-            generation.include_usage,
+            _response_options([generation]),
         )
         builder: ChatResponses = (
             ChatResponses(*args)
@@ -149,11 +144,6 @@ class OpenAIHandlers:
         """Runs the request's prompts (one, or a completions batch) and answers."""
         headers = {"X-Request-Id": builder.id}
         first = generations[0]
-        builder.n = first.extras.n
-        if first.return_token_ids:
-            builder.prompt_token_ids = [g.prompt_ids for g in generations]
-        if first.continuous_usage:
-            builder.continuous_prompt_tokens = [len(g.prompt_ids) for g in generations]
         chunks = generate_prompts(self.flow, builder.id, generations)
         # Closing the generator (on any exit, cancellation included) cancels the worker calls.
         async with contextlib.aclosing(chunks):
@@ -184,3 +174,18 @@ class OpenAIHandlers:
             kind = _JSON_TYPE_NAMES.get(type(body), "a literal")
             raise InvalidRequest(f"the request body must be a JSON object, got {kind}")
         return body
+
+
+def _response_options(generations: list[GenerationRequest]) -> ResponseOptions:
+    """The response shape the request's prompts (one, or a completions batch) ask for;
+    every prompt of a batch shares the request's other fields."""
+    first = generations[0]
+    echo = first.echo_text is not None
+    return ResponseOptions(
+        prompt_ids=[g.prompt_ids for g in generations],
+        n=first.extras.n,
+        include_usage=first.include_usage,
+        continuous_usage=first.continuous_usage,
+        return_token_ids=first.return_token_ids,
+        echo_texts=[g.echo_text or "" for g in generations] if echo else None,
+    )

@@ -127,6 +127,27 @@ class LogprobsFormatter:
         return alternatives
 
 
+@dataclass(frozen=True)
+class ResponseOptions:
+    """What a request asked of its response's shape (set from its parsed prompts)."""
+
+    # Each prompt's ids (a completions batch has several); choice i is prompt i // n's.
+    prompt_ids: list[list[int]]
+    # Choices per prompt.
+    n: int = 1
+    # stream_options.include_usage: a usage chunk ends the stream.
+    include_usage: bool = False
+    # stream_options.continuous_usage_stats (vLLM's, with include_usage): every stream
+    # chunk carries its choice's usage so far (its prompt's tokens, its own so far).
+    continuous_usage: bool = False
+    # vLLM's return_token_ids: choices carry their tokens' ids (`token_ids`, a stream
+    # chunk its new ones) and their prompt's (`prompt_token_ids`: completions on each
+    # choice's first chunk and whole choice, chat on the first chunk and the response).
+    return_token_ids: bool = False
+    # Completions `echo`: each prompt's text, which leads its choices' text.
+    echo_texts: list[str] | None = None
+
+
 class ResponseBuilder:
     """Common part of the completion and chat builders: ids, envelope, usage chunk."""
 
@@ -142,27 +163,20 @@ class ResponseBuilder:
         model: str,
         created: int,
         logprobs: LogprobsFormatter | None,
-        include_usage: bool = False,
+        options: ResponseOptions,
     ) -> None:
         self.id = req_id
         self.model = model
         self.created = created
         self.logprobs = logprobs
-        self.include_usage = include_usage
-        # stream_options.continuous_usage_stats (set by the handler): each prompt's
-        # token count; every stream chunk then carries its choice's usage so far, as
-        # vLLM's do (the choice's tokens counted by stream_sse through count_tokens).
-        self.continuous_prompt_tokens: list[int] | None = None
-        self._choice_tokens: Counter[int] = Counter()
-        # vLLM's return_token_ids (set by the handler): each prompt's ids. Choices then
-        # carry their tokens' ids (`token_ids`, a stream chunk its new ones) and the ids
-        # of their prompt (`prompt_token_ids`: completions on each choice's first chunk
-        # and whole choice, chat on the response's first chunk and whole response).
-        self.prompt_token_ids: list[list[int]] | None = None
-        self._ids_sent: set[int] = set()
-        # Choices per prompt (`n`); each choice's logprobs keep their own text offsets.
-        self.n = 1
+        self.options = options
+        self.n = options.n
+        # Each choice's logprobs keep their own text offsets.
         self._formatters: dict[int, LogprobsFormatter] = {}
+        # Streamed tokens per choice (continuous usage), and the choices whose prompt
+        # ids were sent (return_token_ids).
+        self._choice_tokens: Counter[int] = Counter()
+        self._ids_sent: set[int] = set()
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
@@ -175,7 +189,7 @@ class ResponseBuilder:
 
     def _chunk(self, choice: dict[str, Any], index: int = 0) -> dict[str, Any]:
         body = self._envelope(self.chunk_object_name, [{"index": index, **choice}])
-        if self.include_usage:
+        if self.options.include_usage:
             body["usage"] = self._choice_usage(index)
         return body
 
@@ -186,9 +200,9 @@ class ResponseBuilder:
     def _choice_usage(self, index: int) -> dict[str, int] | None:
         """Choice `index`'s usage so far with continuous usage stats (no prompt details,
         as vLLM), else None (a usage chunk ends the stream)."""
-        if self.continuous_prompt_tokens is None:
+        if not self.options.continuous_usage:
             return None
-        prompt = self.continuous_prompt_tokens[index // self.n]
+        prompt = len(self._prompt_of(index))
         completion = self._choice_tokens[index]
         return {
             "prompt_tokens": prompt,
@@ -202,7 +216,7 @@ class ResponseBuilder:
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         """The stream chunk for `chunk`; None when it carries nothing to show yet."""
-        wants_ids = (self.logprobs is not None or self.prompt_token_ids is not None) and bool(
+        wants_ids = (self.logprobs is not None or self.options.return_token_ids) and bool(
             chunk.token_ids
         )
         if not chunk.text and chunk.finish_reason is None and not wants_ids:
@@ -211,14 +225,18 @@ class ResponseBuilder:
         self._add_token_ids(choice, chunk.token_ids, chunk.index)
         return self._chunk(choice, chunk.index)
 
+    def _prompt_of(self, index: int) -> list[int]:
+        """The ids of choice `index`'s prompt."""
+        return self.options.prompt_ids[index // self.n]
+
     def _add_token_ids(self, choice: dict[str, Any], token_ids: list[int], index: int) -> None:
         """With return_token_ids: the choice's new token ids, and a completion choice's
         prompt ids the first time (a whole response's choice: always)."""
-        if self.prompt_token_ids is None:
+        if not self.options.return_token_ids:
             return
         choice["token_ids"] = list(token_ids)
         if self.prompt_ids_on_choice and index not in self._ids_sent:
-            choice["prompt_token_ids"] = self.prompt_token_ids[index // self.n]
+            choice["prompt_token_ids"] = self._prompt_of(index)
         self._ids_sent.add(index)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -234,8 +252,8 @@ class ResponseBuilder:
             self._add_token_ids(whole, collected.token_ids, i)
             wholes.append(whole)
         body = self._envelope(self.object_name, wholes)
-        if self.prompt_token_ids is not None and not self.prompt_ids_on_choice:
-            body["prompt_token_ids"] = self.prompt_token_ids[0]
+        if self.options.return_token_ids and not self.prompt_ids_on_choice:
+            body["prompt_token_ids"] = self.options.prompt_ids[0]
         if usage is not None:
             body["usage"] = usage_json(usage)
         return body
@@ -273,12 +291,11 @@ class ResponseBuilder:
 
 
 @dataclass
-class Echo:
+class _Echo:
     """A completions prompt that `echo` repeats before its choices' text: as the client
-    wrote it, its ids, and (with logprobs) its tokens' logprobs once they come."""
+    wrote it, and (with logprobs) its tokens' logprobs once they come."""
 
     text: str
-    prompt_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
 
@@ -295,16 +312,15 @@ class CompletionResponses(ResponseBuilder):
         model: str,
         created: int,
         logprobs: LogprobsFormatter | None,
-        include_usage: bool = False,
-        echoes: list[Echo] | None = None,
+        options: ResponseOptions,
     ) -> None:
-        super().__init__(req_id, model, created, logprobs, include_usage)
-        # With `echo`: one per prompt.
-        self.echoes = echoes
+        super().__init__(req_id, model, created, logprobs, options)
+        texts = options.echo_texts
+        self.echoes = None if texts is None else [_Echo(text) for text in texts]
         # With echo + logprobs, the choices whose first chunk already carried the prompt.
         self._echoed_indexes: set[int] = set()
 
-    def _echo_of(self, index: int) -> Echo | None:
+    def _echo_of(self, index: int) -> _Echo | None:
         return None if self.echoes is None else self.echoes[index // self.n]
 
     def opening_chunks(self) -> list[dict[str, Any]]:
@@ -343,7 +359,7 @@ class CompletionResponses(ResponseBuilder):
         """Text and logprobs JSON, the echoed prompt in front when `first`."""
         echo = self._echo_of(index) if first else None
         if echo is not None and self.logprobs is not None:
-            prompt_ids = echo.prompt_ids
+            prompt_ids = self._prompt_of(index)
             prompt_lps: list[float | None] = [None, *(echo.logprobs or [])]
             values = [*prompt_lps[: len(prompt_ids)], *logprobs]
             prompt_tops: list[Alternatives] = [None, *(echo.top_logprobs or [])]
@@ -420,8 +436,8 @@ class ChatResponses(ResponseBuilder):
         delta = {"role": "assistant", "content": ""}
         choice = {"delta": delta, "logprobs": None, "finish_reason": None}
         chunks = [self._chunk(choice, i) for i in range(self.n)]
-        if self.prompt_token_ids is not None:
-            chunks[0]["prompt_token_ids"] = self.prompt_token_ids[0]
+        if self.options.return_token_ids:
+            chunks[0]["prompt_token_ids"] = self.options.prompt_ids[0]
         return chunks
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:

@@ -58,7 +58,7 @@ async def stream_sse(
             if body is not None:
                 await response.write(sse_event(body))
             chunk = await anext(chunks, None)
-        if builder.include_usage and usage is not None:
+        if builder.options.include_usage and usage is not None:
             await response.write(sse_event(builder.usage_chunk(usage)))
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
         logger.info("client of %s went away mid-stream", builder.id)

@@ -16,7 +16,12 @@ from typing import Any
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 from tandem.router.chunk_stream import public_finish_reason
-from tandem.router.openai.responses import ChatResponses, Collected, LogprobsFormatter
+from tandem.router.openai.responses import (
+    ChatResponses,
+    Collected,
+    LogprobsFormatter,
+    ResponseOptions,
+)
 from tandem.router.openai.tool_parsers import ToolCall, may_be_tool_call, parse_output
 from tandem.router.openai.tools import ToolChoice, ToolPlan
 from tandem.router.request_flow import GenerationChunk
@@ -38,9 +43,9 @@ class ToolChatResponses(ChatResponses):
         model: str,
         created: int,
         logprobs: LogprobsFormatter | None,
-        include_usage: bool = False,
+        options: ResponseOptions,
     ) -> None:
-        super().__init__(req_id, model, created, logprobs, include_usage)
+        super().__init__(req_id, model, created, logprobs, options)
         self.plan = plan
         # Streaming state per choice index: output held back, the choices that turned
         # out to be content, a named call's id (fixed by its first delta).
