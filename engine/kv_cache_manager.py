@@ -19,6 +19,15 @@ from tandem.engine.request import Request
 _ROOT_HASH = b"tandem-prefix-root"
 
 
+def root_hash(cache_salt: str | None) -> bytes:
+    """The hash a prompt's first block chains from. A salted prompt's blocks hash apart
+    from every prompt without the same salt, so only requests that share the salt share
+    cached prefix blocks (nobody else can probe for them by timing)."""
+    if not cache_salt:
+        return _ROOT_HASH
+    return hashlib.sha256(_ROOT_HASH + b"/salt/" + cache_salt.encode()).digest()
+
+
 def chain_hash(parent: bytes, token_ids: tuple[int, ...] | list[int]) -> bytes:
     """Hash of a full block given its parent block's hash (stable across processes)."""
     digest = hashlib.sha256(parent)
@@ -45,7 +54,7 @@ class KVCacheManager:
         size = self.block_size
         while (len(hashes) + 1) * size <= num_tokens:
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else _ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(request.params.cache_salt)
             hashes.append(chain_hash(parent, request.token_ids(start, start + size)))
 
     def find_cached_prefix(self, request: Request) -> list[int]:

@@ -20,6 +20,8 @@ MAX_ABS_LOGIT_BIAS = 100.0
 MAX_NUM_LOGIT_BIAS = 300
 # Most alternatives reported per position (OpenAI's and vLLM's default limit).
 MAX_TOP_LOGPROBS = 20
+# Longest cache salt (vLLM's cache_salt; 43 characters is 256 bits in base64).
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass
@@ -77,6 +79,9 @@ class SamplingParams:
     # Report each prompt token's logprob given the tokens before it (OpenAI `echo` with
     # `logprobs`); such a prompt is computed whole (no prefix-cache hits).
     prompt_logprobs: bool = False
+    # Prefix-cache isolation (vLLM's cache_salt): the prompt's blocks are cached under
+    # hashes salted with it, so only requests with the same salt share them.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -121,6 +126,14 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
         if top and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
+        salt = self.cache_salt
+        if salt is not None and (
+            not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise ValueError(
+                f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters, "
+                f"got {salt!r}"
+            )
         self._check_penalties()
 
     def _check_penalties(self) -> None:

@@ -188,7 +188,9 @@ class RequestFlow:
         """Pick the worker pair (may wait in the admission queue, or shed)."""
         queue_span = self.tracing.start_span("queue", span, **{"tandem.slo_class": slo.class_name})
         try:
-            placement = await self.policy.place(req_id, prompt_ids, params.max_tokens, slo)
+            placement = await self.policy.place(
+                req_id, prompt_ids, params.max_tokens, slo, cache_salt=params.cache_salt
+            )
         except Overloaded:
             self.metrics.rejected.labels(self.metrics.model_name, "overloaded").inc()
             span.set_attribute("tandem.rejected", True)

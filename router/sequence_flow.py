@@ -131,8 +131,9 @@ class SequenceFlow:
                         yield final_chunk(detok, FinishReason.LENGTH)
                         return
                     placement = self.policy.place_migrated(
-                        seq.migration_key, [*seq.prompt_ids, *seq.output_ids], num_left, seq.slo
-                    )
+                        seq.migration_key, [*seq.prompt_ids, *seq.output_ids], num_left, seq.slo,
+                        cache_salt=seq.params.cache_salt,
+                    )  # fmt: skip
                     seq.placement_key, seq.owns_placement = seq.migration_key, True
                 finally:
                     self.attempts.end(attempt)

@@ -99,6 +99,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         ),
         prompt_logprobs=msg.prompt_logprobs,
+        cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
         structured=guided_from_proto(msg),
     )
 
@@ -127,6 +128,8 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.cache_salt is not None:
+        msg.cache_salt = params.cache_salt
     if params.structured is not None:
         msg.structured.CopyFrom(guided_to_proto(params.structured))
     return msg

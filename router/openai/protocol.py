@@ -14,7 +14,12 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from tandem.engine.sampling_params import MAX_NUM_STOP_STRINGS, MAX_TOP_LOGPROBS, SamplingParams
+from tandem.engine.sampling_params import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_NUM_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
 from tandem.router.errors import InvalidRequest, ModelNotFound
 from tandem.router.openai.chat_messages import chat_message
 from tandem.router.openai.errors import ContextLengthExceeded
@@ -63,7 +68,6 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prompt_embeds": (None,),
     "vllm_xargs": (None, {}),
     "priority": (None, 0),  # vLLM too refuses it unless its scheduler runs by priority
-    "cache_salt": (None,),  # the prefix caches are shared by every client
 }
 _COMPLETION_UNSUPPORTED = {**_COMMON_UNSUPPORTED}
 _CHAT_UNSUPPORTED = {
@@ -393,6 +397,12 @@ class RequestParser:
         stop = get_str_list(body, "stop", MAX_NUM_STOP_STRINGS)
         ignore_eos = bool(get_bool(body, "ignore_eos"))
         include_stop = bool(get_bool(body, "include_stop_str_in_output"))
+        cache_salt = get_str(body, "cache_salt")
+        if cache_salt is not None and not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise invalid(
+                "cache_salt",
+                f"must hold 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}",
+            )
         # Every field is checked above; this only catches combinations the engine refuses.
         try:
             return SamplingParams(
@@ -410,6 +420,7 @@ class RequestParser:
                 logprobs=logprobs,
                 top_logprobs=num_top_logprobs,
                 skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
+                cache_salt=cache_salt,
                 **extras.params_kwargs(),
             )
         except ValueError as exc:  # its message names the fields

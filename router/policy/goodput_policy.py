@@ -89,22 +89,35 @@ class GoodputPolicy:
     # ----- admission ---------------------------------------------------------------
 
     def place_now(
-        self, req_id: str, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo
+        self,
+        req_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        slo: RequestSlo,
+        *,
+        cache_salt: str | None = None,
     ) -> Placement:
-        """Place and commit the request now, or raise `Overloaded` (any policy but `none`)."""
-        result = self._attempt(req_id, prompt_ids, max_tokens, slo, self.queue.outranks)
+        """Place and commit the request now, or raise `Overloaded` (any policy but `none`).
+        `cache_salt`: the request's (its prompt's blocks hash with it, as on the workers)."""
+        result = self._attempt(req_id, prompt_ids, max_tokens, slo, self.queue.outranks, cache_salt)
         if isinstance(result, AdmissionDecision):
             self.rejections[result.reason] += 1
             raise self.admission.overloaded(result)
         return result
 
     async def place(
-        self, req_id: str, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo
+        self,
+        req_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        slo: RequestSlo,
+        *,
+        cache_salt: str | None = None,
     ) -> Placement:
         """Place and commit the request; under policy `queue` wait for capacity first."""
         if self.admission.config.policy is not AdmissionPolicy.QUEUE:
-            return self.place_now(req_id, prompt_ids, max_tokens, slo)
-        result = self._attempt(req_id, prompt_ids, max_tokens, slo, self.queue.outranks)
+            return self.place_now(req_id, prompt_ids, max_tokens, slo, cache_salt=cache_salt)
+        result = self._attempt(req_id, prompt_ids, max_tokens, slo, self.queue.outranks, cache_salt)
         if not isinstance(result, AdmissionDecision):
             return result
         self.rejections[result.reason] += 1
@@ -112,7 +125,7 @@ class GoodputPolicy:
             return await self.queue.wait(
                 req_id,
                 slo.priority,
-                lambda: self._attempt(req_id, prompt_ids, max_tokens, slo, None),
+                lambda: self._attempt(req_id, prompt_ids, max_tokens, slo, None, cache_salt),
             )
         except Overloaded:
             self.rejections["queue"] += 1
@@ -123,14 +136,20 @@ class GoodputPolicy:
             raise
 
     def place_migrated(
-        self, req_id: str, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo
+        self,
+        req_id: str,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        slo: RequestSlo,
+        *,
+        cache_salt: str | None = None,
     ) -> Placement:
         """Place a request again after its worker failed (`prompt_ids`: prompt plus the
         tokens already streamed). It was admitted once, so admission does not shed it;
         `WorkerUnavailable` when no decode worker is available."""
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is still placed; finish it first")
-        placement = self.selector.select(prompt_ids, max_tokens, slo)
+        placement = self.selector.select(prompt_ids, max_tokens, slo, cache_salt)
         self._commit(req_id, placement, prompt_ids, slo)
         return placement
 
@@ -141,10 +160,11 @@ class GoodputPolicy:
         max_tokens: int,
         slo: RequestSlo,
         outranks: Callable[[int], bool] | None,
+        cache_salt: str | None,
     ) -> Placement | AdmissionDecision:
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is already placed")
-        placement = self.selector.select(prompt_ids, max_tokens, slo)
+        placement = self.selector.select(prompt_ids, max_tokens, slo, cache_salt)
         outranked = outranks(slo.priority) if outranks is not None else False
         decision = self.admission.evaluate(placement, slo, outranked=outranked)
         if not decision.admit:

@@ -159,12 +159,19 @@ class PairSelector:
         self.prefill = [w for w in self.prefill if w.worker_id != worker_id]
         self.decode = [w for w in self.decode if w.worker_id != worker_id]
 
-    def select(self, prompt_ids: Sequence[int], max_tokens: int, slo: RequestSlo) -> Placement:
+    def select(
+        self,
+        prompt_ids: Sequence[int],
+        max_tokens: int,
+        slo: RequestSlo,
+        cache_salt: str | None = None,
+    ) -> Placement:
         """The best pair for this request now; raises `WorkerUnavailable` (503 /
-        UNAVAILABLE to the client) when no decode worker is up."""
+        UNAVAILABLE to the client) when no decode worker is up. `cache_salt`: the
+        request's, which its prompt's block hashes chain from (as on the workers)."""
         cfg = self.config
         n = len(prompt_ids)
-        hashes = block_hashes(prompt_ids, self.block_size)
+        hashes = block_hashes(prompt_ids, self.block_size, cache_salt)
         need = -(-(n + max_tokens) // self.block_size)
         decode = self._pick_decode(n, need, slo)
         itl = decode.predicted_step_s(1, n)

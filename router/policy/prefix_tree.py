@@ -31,15 +31,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-# The engine's root is private; sharing it keeps the router's hashes equal to the
-# workers' (so a future KV-event feed from workers can be merged into this index).
-from tandem.engine.kv_cache_manager import _ROOT_HASH, chain_hash
+# The engine's hashing: the router's hashes equal the workers' (so a future KV-event
+# feed from workers can be merged into this index).
+from tandem.engine.kv_cache_manager import chain_hash, root_hash
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """Chained hashes of every full block of `token_ids`, as the engine computes them."""
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[bytes]:
+    """Chained hashes of every full block of `token_ids`, as the engine computes them
+    (a salted prompt's from the salted root)."""
     hashes: list[bytes] = []
-    parent = _ROOT_HASH
+    parent = root_hash(cache_salt)
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = chain_hash(parent, list(token_ids[start : start + block_size]))
         hashes.append(parent)

@@ -12,8 +12,8 @@ def make(num_blocks: int = 16) -> KVCacheManager:
     return KVCacheManager(BlockPool(num_blocks), BLOCK, enable_prefix_caching=True)
 
 
-def request(req_id: str, tokens: list[int]) -> Request:
-    return Request(req_id, tokens, SamplingParams(max_tokens=4))
+def request(req_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4, cache_salt=cache_salt))
 
 
 def run_prefill(kv: KVCacheManager, req: Request) -> None:
@@ -66,6 +66,22 @@ def test_divergent_prefix_stops_the_hit_chain():
     run_prefill(kv, request("a", list(range(13))))
     other = request("b", [0, 1, 2, 3, 99, 5, 6, 7, 8, 9, 10, 11, 12])
     assert len(kv.find_cached_prefix(other)) == 1
+
+
+def test_a_cache_salt_shares_prefix_blocks_only_with_the_same_salt():
+    """vLLM's cache_salt: a salted prompt's blocks hash from a salted root, so a prompt
+    without that salt (or with another) finds none of them, and the same salt finds all."""
+    kv = make()
+    tokens = list(range(13))
+    run_prefill(kv, request("a", tokens, cache_salt="tenant-a"))
+    assert kv.find_cached_prefix(request("plain", tokens)) == []
+    assert kv.find_cached_prefix(request("b", tokens, cache_salt="tenant-b")) == []
+    assert (
+        kv.find_cached_prefix(request("a2", tokens, cache_salt="tenant-a"))
+        == (kv.block_ids["a"][:3])
+    )
+    run_prefill(kv, request("p", tokens))  # unsalted prompts share among themselves
+    assert len(kv.find_cached_prefix(request("p2", tokens))) == 3
 
 
 def test_prefix_caching_off_finds_nothing():

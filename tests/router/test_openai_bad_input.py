@@ -351,10 +351,17 @@ CASES = [
         param="priority",
     ),
     Bad(
-        "vLLM cache_salt (the prefix caches are shared)",
-        {"prompt": "hi", "cache_salt": "tenant-a"},
+        "cache_salt too long",
+        {"prompt": "hi", "cache_salt": "s" * 257},
         400,
-        ("'cache_salt'", "not supported", "tenant-a"),
+        ("'cache_salt'", "1 to 256 characters", "257"),
+        param="cache_salt",
+    ),
+    Bad(
+        "cache_salt not a string",
+        {"prompt": "hi", "cache_salt": 7},
+        400,
+        ("'cache_salt'", "string"),
         param="cache_salt",
     ),
     Bad(

@@ -550,6 +550,27 @@ def test_return_token_ids_gives_prompt_and_output_ids(client, cluster, colocated
     assert stream_ids == chat["choices"][0]["token_ids"]
 
 
+def test_cache_salt_shares_cached_prefixes_only_within_the_salt(client, cluster, tokenizer):
+    """vLLM's cache_salt through the cluster: a salted prompt finds the prefix it cached
+    under its own salt and none cached without it or under another salt; the output is
+    the same either way. (Every prompt here is prefilled by the prefill worker.)"""
+    prompt = make_prompts(2048, (70,), seed=47)[0]
+    args = dict(model=cluster.router.config.model_name, prompt=prompt, max_tokens=4,
+                temperature=0.0)  # fmt: skip
+
+    def cached(salt: str | None) -> tuple[int, str]:
+        extra = {"ignore_eos": True} if salt is None else {"ignore_eos": True, "cache_salt": salt}
+        response = client.completions.create(**args, extra_body=extra)
+        return response.usage.prompt_tokens_details.cached_tokens, response.choices[0].text
+
+    first, text = cached(None)
+    assert first == 0
+    assert cached(None) == (64, text)  # 4 full blocks of 16; the last token is recomputed
+    assert cached("tenant-a") == (0, text)
+    assert cached("tenant-a") == (64, text)
+    assert cached("tenant-b") == (0, text)
+
+
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch(client, cluster):
     model = cluster.router.config.model_name
     before = prompt_tokens_prefilled(cluster)
@@ -650,7 +671,7 @@ def test_worker_wire_keeps_every_sampling_field():
         max_tokens=9, temperature=0.5, presence_penalty=-1.5, frequency_penalty=0.25,
         repetition_penalty=1.25, logit_bias={3: -100.0, 7: 2.5}, num_resumed_tokens=4,
         min_tokens=2, skip_special_tokens=False, seed=3, min_p=0.125, logprobs=True,
-        top_logprobs=3, stop=["x"], include_stop_str_in_output=True,
+        top_logprobs=3, stop=["x"], include_stop_str_in_output=True, cache_salt="tenant-a",
     )  # fmt: skip
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
     assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (

@@ -83,6 +83,22 @@ def test_shared_prefixes_stick_to_one_worker():
     assert policy.is_idle()
 
 
+def test_a_salted_prompt_predicts_hits_only_under_its_salt():
+    """The router hashes a salted prompt as the workers do (cache_salt): it predicts no
+    hit where the prompt was cached unsalted or under another salt, and a hit under its
+    own, so affinity follows what the worker's cache can really serve."""
+    policy, _ = sim_policy()
+    prompt = unique(7_000, 200)
+    placements = []
+    for i, salt in enumerate((None, "tenant-a", "tenant-a", "tenant-b", None)):
+        placement = policy.place_now(f"r{i}", prompt, 8, INTERACTIVE, cache_salt=salt)
+        placements.append(placement)
+        policy.on_finish(f"r{i}")
+    cached = [200 - p.num_prefill_tokens for p in placements]
+    assert cached == [0, 0, 192, 0, 192]  # 12 full blocks of 16; the last token recomputed
+    assert placements[2].prefill_worker_id == placements[1].prefill_worker_id
+
+
 def test_hot_prefix_is_replicated_not_piled_on_one_worker():
     """90% of requests share one hot prefix: both workers end up serving it."""
     rng = random.Random(1)
