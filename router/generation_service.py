@@ -160,6 +160,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             else 1.0,
             logit_bias=self._logit_bias(request),
             structured=guided_from_generate(request.guided),
+            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
         )
         self.tokenizer.check_length(len(prompt_ids), params.max_tokens)
         return prompt_ids, params

@@ -223,6 +223,10 @@ def _sampling_settings(text: str) -> dict[str, Any]:
             settings["stop"] = [value] if isinstance(value, str) else value
         elif key == "logit_bias":
             settings["logit_bias"] = _logit_bias(value)
+        elif key == "cache_salt":
+            if not isinstance(value, str):
+                raise InvalidRequest(f"'cache_salt' must be a string, got {value!r}", key)
+            settings["cache_salt"] = value
         elif key == "stop_token_ids":
             if not isinstance(value, list):
                 raise InvalidRequest(f"'stop_token_ids' must be a list, got {value!r}", key)

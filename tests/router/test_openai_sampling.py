@@ -569,6 +569,13 @@ def test_cache_salt_shares_cached_prefixes_only_within_the_salt(client, cluster,
     assert cached("tenant-a") == (0, text)
     assert cached("tenant-a") == (64, text)
     assert cached("tenant-b") == (0, text)
+    # tandem.v1.Generate carries the salt too: tenant-a's blocks, and none of a new salt.
+    for salt, want in (("tenant-a", 64), ("tenant-c", 0)):
+        request = gen_pb.GenerateRequest(
+            prompt_token_ids=prompt, max_tokens=4, temperature=0.0, ignore_eos=True,
+            cache_salt=salt,
+        )  # fmt: skip
+        assert cluster.run(_generate_cached(cluster.grpc_endpoint, request)) == want, salt
 
 
 def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch(client, cluster):
@@ -639,6 +646,7 @@ def test_kserve_sampling_parameters_carry_penalties_and_bias(tokenizer):
                 "logit_bias": {"7": -100, "9": "2.5"},
                 "min_p": "0.125",
                 "include_stop_str_in_output": "true",
+                "cache_salt": "tenant-a",
             }
         ),
         tokenizer,
@@ -646,7 +654,10 @@ def test_kserve_sampling_parameters_carry_penalties_and_bias(tokenizer):
     assert (params.presence_penalty, params.frequency_penalty) == (0.5, 1.0)
     assert params.repetition_penalty == 1.2 and params.logit_bias == {7: -100.0, 9: 2.5}
     assert params.min_p == 0.125 and params.include_stop_str_in_output
+    assert params.cache_salt == "tenant-a"
     for bad, word in [
+        ({"cache_salt": 7}, "cache_salt"),
+        ({"cache_salt": "s" * 257}, "cache_salt"),
         ({"logit_bias": {"4096": 1}}, "vocabulary"),
         ({"logit_bias": {"x": 1}}, "token ids"),
         ({"presence_penalty": 3}, "presence_penalty"),
@@ -655,6 +666,16 @@ def test_kserve_sampling_parameters_carry_penalties_and_bias(tokenizer):
     ]:
         with pytest.raises(InvalidRequest, match=word):
             parse_request(request(bad), tokenizer)
+
+
+async def _generate_cached(endpoint: str, request: gen_pb.GenerateRequest) -> int:
+    """The prompt tokens a Generate call found in a prefix cache."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        async for msg in stub.Generate(request, timeout=60):
+            if msg.HasField("usage"):
+                return msg.usage.cached_prompt_tokens
+    raise AssertionError("no usage in the stream")
 
 
 async def _generate_ids(endpoint: str, request: gen_pb.GenerateRequest) -> list[int]:
