@@ -14,25 +14,27 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Iterable
 
-from tandem.router.chunk_stream import GenerationChunk, MergedChunks, Usage
+from tandem.router.chunk_stream import ClosableChunks, GenerationChunk, MergedChunks, Usage
 from tandem.router.openai.protocol import GenerationRequest
 from tandem.router.request_flow import RequestFlow
 
 
-async def generate_prompts(
+def generate_prompts(
     flow: RequestFlow, req_id: str, generations: list[GenerationRequest]
-) -> AsyncGenerator[GenerationChunk, None]:
-    """The chunks of every prompt in `generations` (all with the same `n`); a single
-    prompt runs under `req_id`, a batch's prompt p under `{req_id}-{p}`."""
+) -> ClosableChunks:
+    """The chunks of every prompt in `generations` (all with the same `n`): a single
+    prompt's own stream under `req_id`, a batch's merged (prompt p under `{req_id}-{p}`).
+    The caller closes it."""
     n = generations[0].extras.n
     if len(generations) == 1:
         one = generations[0]
-        async with contextlib.aclosing(
-            flow.generate(req_id, one.prompt_ids, one.params, one.slo, n=n)
-        ) as chunks:
-            async for chunk in chunks:
-                yield chunk
-        return
+        return flow.generate(req_id, one.prompt_ids, one.params, one.slo, n=n)
+    return _batch_chunks(flow, req_id, generations, n)
+
+
+async def _batch_chunks(
+    flow: RequestFlow, req_id: str, generations: list[GenerationRequest], n: int
+) -> AsyncGenerator[GenerationChunk, None]:
     merged = MergedChunks()
     usages: dict[int, Usage] = {}
     try:
