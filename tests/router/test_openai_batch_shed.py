@@ -44,16 +44,18 @@ def test_a_shed_prompt_fails_the_batch_and_frees_the_admitted_ones(client, clust
         placement = policy.selector.select(prompt, MAX_TOKENS, slo)
         return placement.predicted_ttft_s + policy.admission.ttft_padding_s
 
-    fast, slow = predicted_ttft_s(short), predicted_ttft_s(long)
-    assert fast < slow
-    target = (fast + slow) / 2  # the short prompt is admitted, the long one shed
-    args = dict(model=cluster.router.config.model_name, max_tokens=MAX_TOKENS, temperature=0.0,
-                extra_body={"ignore_eos": True, "ttft_slo_s": target})  # fmt: skip
-    assert client.completions.create(prompt=short, **{**args, "max_tokens": 4}).usage
+    model = cluster.router.config.model_name
     for stream in (False, True):
+        # Predicted now: each observed request refits the router's latency models.
+        fast, slow = predicted_ttft_s(short), predicted_ttft_s(long)
+        assert fast < slow
+        target = (fast + slow) / 2  # the short prompt is admitted, the long one shed
         placed, shed = sum(policy.decisions.values()), policy.rejections["ttft"]
         with pytest.raises(openai.RateLimitError) as info:
-            client.completions.create(prompt=[short, short, long], stream=stream, **args)
+            client.completions.create(
+                model=model, prompt=[short, short, long], stream=stream, max_tokens=MAX_TOKENS,
+                temperature=0.0, extra_body={"ignore_eos": True, "ttft_slo_s": target},
+            )  # fmt: skip
         assert "ttft" in info.value.body["message"].lower(), info.value.body
         # Both short prompts were placed (charged to workers), the long one shed...
         assert sum(policy.decisions.values()) - placed == 2
