@@ -34,6 +34,7 @@ from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerConfig
 from tandem.worker.convert import (
     FINISH_REASONS,
+    add_prompt_logprobs,
     sampling_params_from_proto,
     stats_to_proto,
     top_logprobs_to_proto,
@@ -138,10 +139,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             num_cached_tokens=out.num_cached_tokens,
             kv_recomputed=recomputed,
         )
-        if out.prompt_logprobs:
-            msg.prompt_logprobs.extend(out.prompt_logprobs)
-        for top in out.prompt_top_logprobs or []:
-            msg.prompt_top_logprobs.append(top_logprobs_to_proto(top))
+        add_prompt_logprobs(msg, out.prompt_logprobs)
         if out.prefill_s is not None:
             msg.prefill_timings.CopyFrom(pb.Timings(queue_s=out.queue_s, compute_s=out.prefill_s))
         if out.finished:

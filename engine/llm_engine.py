@@ -34,7 +34,7 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_pins import KvPins, PinnedBlocks
 from tandem.engine.model.loader import load_model
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.outputs import EngineStats, KvExport, RequestOutput
+from tandem.engine.outputs import EngineStats, KvExport, PromptLogprobs, RequestOutput
 from tandem.engine.request import FinishReason, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
@@ -227,13 +227,15 @@ class Engine:
                 self.kv_pins.open(req_id, self.kv.block_ids[req_id])
         queue_s = prefill_s = None
         prompt_logprobs = None
-        prompt_top_logprobs = None
         if len(request.output_token_ids) == 1 and request.first_scheduled_time is not None:
             queue_s = request.first_scheduled_time - request.arrival_time
             prefill_s = time.monotonic() - request.first_scheduled_time
             if request.params.prompt_logprobs:
-                prompt_logprobs = list(request.prompt_logprobs)
-                prompt_top_logprobs = list(request.prompt_top_logprobs)
+                prompt_logprobs = PromptLogprobs(
+                    list(request.prompt_logprobs),
+                    list(request.prompt_ranks),
+                    list(request.prompt_top_logprobs),
+                )
         return RequestOutput(
             req_id=req_id,
             new_token_ids=request.output_token_ids[-1:],
@@ -248,7 +250,6 @@ class Engine:
             queue_s=queue_s,
             prefill_s=prefill_s,
             prompt_logprobs=prompt_logprobs,
-            prompt_top_logprobs=prompt_top_logprobs,
         )
 
     # ----- prefill side of the KV hand-off -------------------------------------

@@ -11,6 +11,17 @@ from tandem.engine.sampler import TopLogprobs
 
 
 @dataclass
+class PromptLogprobs:
+    """For each prompt position i: the logprob of prompt token i + 1 given tokens 0..i,
+    that token's rank there (1 = the most likely; ties by token id) and, when asked
+    (params.prompt_top_logprobs), the most likely tokens there."""
+
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[TopLogprobs] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """New tokens of one request from one engine step."""
 
@@ -33,13 +44,10 @@ class RequestOutput:
     # first chunk ran, and from then to the first token (prefill compute, all chunks).
     queue_s: float | None = None
     prefill_s: float | None = None
-    # With the first token, when params.prompt_logprobs: logprob of prompt token i + 1.
-    prompt_logprobs: list[float] | None = None
+    # With the first token, when params.prompt_logprobs.
+    prompt_logprobs: PromptLogprobs | None = None
     # params.top_logprobs > 0: the most likely tokens at each new token's position.
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    # With prompt_logprobs, when params.top_logprobs > 0: the most likely tokens at each
-    # of those positions.
-    prompt_top_logprobs: list[TopLogprobs] | None = None
 
 
 @dataclass

@@ -55,7 +55,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     # With params.prompt_logprobs: the logprob of prompt token i + 1 given tokens 0..i.
     prompt_logprobs: list[float] = field(default_factory=list)
-    # ... and with params.top_logprobs, the most likely tokens at those positions.
+    # ... its rank there (1 = the most likely; ties ranked by token id) ...
+    prompt_ranks: list[int] = field(default_factory=list)
+    # ... and with params.prompt_top_logprobs, the most likely tokens at those positions.
     prompt_top_logprobs: list[TopLogprobs] = field(default_factory=list)
     # Structured outputs: the request's grammar matcher (None = unconstrained).
     grammar: RequestGrammar | None = None

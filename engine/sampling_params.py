@@ -76,9 +76,13 @@ class SamplingParams:
     # of this request (router migration, decode-side KV recompute): the penalties over
     # generated tokens count them as generated, not as prompt. Set by Tandem, never a client.
     num_resumed_tokens: int = 0
-    # Report each prompt token's logprob given the tokens before it (OpenAI `echo` with
-    # `logprobs`); such a prompt is computed whole (no prefix-cache hits).
+    # Report each prompt token's logprob given the tokens before it and its rank there
+    # (OpenAI `echo` with `logprobs`, vLLM's `prompt_logprobs`); such a prompt is
+    # computed whole (no prefix-cache hits).
     prompt_logprobs: bool = False
+    # With prompt_logprobs: also the k most likely tokens at each prompt position (0 =
+    # none), at most MAX_TOP_LOGPROBS.
+    prompt_top_logprobs: int = 0
     # Prefix-cache isolation (vLLM's cache_salt): the prompt's blocks are cached under
     # hashes salted with it, so only requests with the same salt share them.
     cache_salt: str | None = None
@@ -126,6 +130,13 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
         if top and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
+        top = self.prompt_top_logprobs
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"prompt_top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}"
+            )
+        if top and not self.prompt_logprobs:
+            raise ValueError("prompt_top_logprobs needs prompt_logprobs")
         salt = self.cache_salt
         if salt is not None and (
             not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS

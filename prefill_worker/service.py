@@ -26,6 +26,7 @@ from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerConfig
 from tandem.worker.convert import (
     FINISH_REASONS,
+    add_prompt_logprobs,
     sampling_params_from_proto,
     stats_to_proto,
     top_logprobs_to_proto,
@@ -92,9 +93,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                 queue_s=last.queue_s or 0.0,
                 compute_s=last.prefill_s if last.prefill_s is not None else 0.0,
             ),
-            prompt_logprobs=last.prompt_logprobs or [],
-            prompt_top_logprobs=[top_logprobs_to_proto(t) for t in last.prompt_top_logprobs or []],
         )
+        add_prompt_logprobs(response, last.prompt_logprobs)
         if last.new_top_logprobs:
             top = top_logprobs_to_proto(last.new_top_logprobs[0])
             response.first_token_top_logprobs.CopyFrom(top)

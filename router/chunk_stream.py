@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
+from tandem.engine.outputs import PromptLogprobs
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 
@@ -32,11 +33,8 @@ class GenerationChunk:
     usage: Usage | None = None
     # Which of the request's `n` sequences (choices) the tokens belong to.
     index: int = 0
-    # With the first token when asked (SamplingParams.prompt_logprobs): the logprob of
-    # prompt token i + 1 given tokens 0..i.
-    prompt_logprobs: list[float] | None = None
-    # ... and with SamplingParams.top_logprobs, the most likely tokens at those positions.
-    prompt_top_logprobs: list[TopLogprobs] | None = None
+    # With the first token when asked (SamplingParams.prompt_logprobs).
+    prompt_logprobs: PromptLogprobs | None = None
     # One per token when asked (SamplingParams.top_logprobs > 0): the most likely tokens
     # at its position.
     top_logprobs: list[TopLogprobs] = field(default_factory=list)

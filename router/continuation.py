@@ -36,6 +36,7 @@ def continuation_params(
         stop=[] if router_stops else list(params.stop),
         num_resumed_tokens=params.num_resumed_tokens + num_streamed,
         prompt_logprobs=False,  # the client has them from the first attempt
+        prompt_top_logprobs=0,
         structured=None if structured is None else structured.continued(streamed),
     )
 

@@ -67,4 +67,4 @@ def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
     if index == 0:
         return params
     seed = None if params.seed is None else (params.seed + index) % _MAX_SEED
-    return dataclasses.replace(params, seed=seed, prompt_logprobs=False)
+    return dataclasses.replace(params, seed=seed, prompt_logprobs=False, prompt_top_logprobs=0)

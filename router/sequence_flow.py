@@ -51,6 +51,7 @@ from tandem.router.worker_calls import WorkerCalls
 from tandem.router.worker_pool import WorkerPair, WorkerPool
 from tandem.worker.convert import (
     finish_reason_from_proto,
+    prompt_logprobs_from_proto,
     sampling_params_to_proto,
     top_logprobs_from_proto,
 )
@@ -237,11 +238,7 @@ class SequenceFlow:
             prefill.first_token_text,
             [prefill.first_token_logprob] if params.logprobs else [],
             finish_reason_from_proto(prefill.finish_reason),
-            prompt_logprobs=list(prefill.prompt_logprobs) if params.prompt_logprobs else None,
-            prompt_top_logprobs=[
-                top_logprobs_from_proto(top) for top in prefill.prompt_top_logprobs
-            ]
-            or None,
+            prompt_logprobs=prompt_logprobs_from_proto(prefill),
             top_logprobs=[top_logprobs_from_proto(prefill.first_token_top_logprobs)]
             if params.top_logprobs
             else [],

@@ -24,7 +24,11 @@ from tandem.router.policy import GoodputPolicy
 from tandem.router.sequence import Sequence
 from tandem.router.worker_pool import WorkerPair
 from tandem.telemetry.tracing import Tracing
-from tandem.worker.convert import finish_reason_from_proto, top_logprobs_from_proto
+from tandem.worker.convert import (
+    finish_reason_from_proto,
+    prompt_logprobs_from_proto,
+    top_logprobs_from_proto,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +128,7 @@ class WorkerCalls:
                     msg.text,
                     list(msg.logprobs) if seq.params.logprobs else [],
                     finish,
-                    prompt_logprobs=list(msg.prompt_logprobs) or None,
-                    prompt_top_logprobs=[
-                        top_logprobs_from_proto(top) for top in msg.prompt_top_logprobs
-                    ]
-                    or None,
+                    prompt_logprobs=prompt_logprobs_from_proto(msg),
                     top_logprobs=[top_logprobs_from_proto(top) for top in msg.top_logprobs],
                 )
                 if finish is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tandem.engine.config import EngineConfig
-from tandem.engine.outputs import EngineStats
+from tandem.engine.outputs import EngineStats, PromptLogprobs
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 from tandem.engine.sampling_params import SamplingParams
@@ -99,6 +99,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
         ),
         prompt_logprobs=msg.prompt_logprobs,
+        prompt_top_logprobs=msg.prompt_top_logprobs,
         cache_salt=msg.cache_salt if msg.HasField("cache_salt") else None,
         structured=guided_from_proto(msg),
     )
@@ -125,6 +126,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         num_resumed_tokens=params.num_resumed_tokens,
         skip_special_tokens=params.skip_special_tokens,
         prompt_logprobs=params.prompt_logprobs,
+        prompt_top_logprobs=params.prompt_top_logprobs,
     )
     if params.seed is not None:
         msg.seed = params.seed
@@ -141,6 +143,27 @@ def top_logprobs_to_proto(top: TopLogprobs) -> pb.TopLogprobs:
 
 def top_logprobs_from_proto(msg: pb.TopLogprobs) -> TopLogprobs:
     return TopLogprobs(list(msg.token_ids), list(msg.logprobs))
+
+
+def add_prompt_logprobs(
+    msg: pb.PrefillResponse | pb.DecodeResponse, scores: PromptLogprobs | None
+) -> None:
+    """Fill the message's prompt_logprobs, prompt_ranks and prompt_top_logprobs."""
+    if scores is None:
+        return
+    msg.prompt_logprobs.extend(scores.logprobs)
+    msg.prompt_ranks.extend(scores.ranks)
+    msg.prompt_top_logprobs.extend(top_logprobs_to_proto(top) for top in scores.top)
+
+
+def prompt_logprobs_from_proto(
+    msg: pb.PrefillResponse | pb.DecodeResponse,
+) -> PromptLogprobs | None:
+    """The message's prompt logprobs; None when it carries none."""
+    if not msg.prompt_ranks:
+        return None
+    top = [top_logprobs_from_proto(t) for t in msg.prompt_top_logprobs]
+    return PromptLogprobs(list(msg.prompt_logprobs), list(msg.prompt_ranks), top)
 
 
 def stats_to_proto(

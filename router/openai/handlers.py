@@ -78,7 +78,7 @@ class OpenAIHandlers:
             f"cmpl-{uuid.uuid4().hex}",
             self.model_name,
             int(time.time()),
-            self._logprobs(generations[0]),
+            LogprobsFormatter(self.tokenizer),
             _response_options(generations),
         )
         return await self._run(request, generations, builder)
@@ -89,7 +89,7 @@ class OpenAIHandlers:
             f"chatcmpl-{uuid.uuid4().hex}",
             self.model_name,
             int(time.time()),
-            self._logprobs(generation),
+            LogprobsFormatter(self.tokenizer),
             _response_options([generation]),
         )
         builder: ChatResponses = (
@@ -132,11 +132,6 @@ class OpenAIHandlers:
             "max_model_len": self.tokenizer.max_model_len,
             **({"dtype": self.dtype} if self.dtype else {}),
         }
-
-    def _logprobs(self, generation: GenerationRequest) -> LogprobsFormatter | None:
-        if not generation.logprobs:
-            return None
-        return LogprobsFormatter(self.tokenizer)
 
     async def _run(
         self, request: web.Request, generations: list[GenerationRequest], builder: ResponseBuilder
@@ -188,4 +183,7 @@ def _response_options(generations: list[GenerationRequest]) -> ResponseOptions:
         continuous_usage=first.continuous_usage,
         return_token_ids=first.return_token_ids,
         echo_texts=[g.echo_text or "" for g in generations] if echo else None,
+        logprobs=first.logprobs,
+        top_logprobs=first.params.top_logprobs,
+        prompt_logprobs=first.prompt_logprobs,
     )

@@ -60,7 +60,6 @@ _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (None,),
     "bad_words": (None, []),
     "allowed_token_ids": (None, []),
-    "prompt_logprobs": (None,),  # completions: echo with logprobs
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None, []),
     "return_tokens_as_token_ids": (None, False),
@@ -113,6 +112,9 @@ class GenerationRequest:
     return_token_ids: bool = False
     # Chat `tools` / `tool_choice` (None: no tools).
     tools: ToolPlan | None = None
+    # vLLM's prompt_logprobs: each prompt token's logprob and rank, and this many of the
+    # most likely tokens at its position (None: not asked).
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -146,6 +148,9 @@ class RequestParser:
         self._check_common(body, _COMPLETION_UNSUPPORTED)
         extras = parse_extras(body, self.tokenizer.vocab_size, self.max_n, completion=True)
         logprobs = get_int(body, "logprobs", min_value=0, max_value=MAX_LOGPROBS)
+        prompt_logprobs = _prompt_logprobs(body)
+        # echo with logprobs: the echoed prompt tokens' logprobs and alternatives.
+        echo_top = logprobs if extras.echo else None
         generations = []
         for prompt in self._prompts(body):
             generation = self._generation(
@@ -162,8 +167,7 @@ class RequestParser:
                 generation.echo_text = prompt.text or self.tokenizer.decode(
                     prompt.ids, skip_special_tokens=False
                 )
-                # With logprobs, the prompt tokens' own logprobs lead the choice's.
-                generation.params.prompt_logprobs = logprobs is not None
+            generation = _scoring_prompt(generation, echo_top, prompt_logprobs)
             generations.append(_constrained(generation, body, chat=False, tools=None))
         return generations
 
@@ -185,6 +189,7 @@ class RequestParser:
             num_top_logprobs=top_logprobs or 0,
             extras=extras,
         )
+        generation = _scoring_prompt(generation, None, _prompt_logprobs(body))
         return _constrained(generation, body, chat=True, tools=tools)
 
     def tokenize(self, body: dict[str, Any]) -> list[int]:
@@ -425,6 +430,29 @@ class RequestParser:
             )
         except ValueError as exc:  # its message names the fields
             raise InvalidRequest(str(exc)) from exc
+
+
+def _prompt_logprobs(body: dict[str, Any]) -> int | None:
+    """vLLM's `prompt_logprobs`: alternatives per prompt position, whole responses only
+    (vLLM refuses it with `stream` too)."""
+    value = get_int(body, "prompt_logprobs", min_value=0, max_value=MAX_LOGPROBS)
+    if value is not None and get_bool(body, "stream"):
+        raise invalid("prompt_logprobs", "is not available when 'stream' is true")
+    return value
+
+
+def _scoring_prompt(
+    generation: GenerationRequest, echo_top: int | None, prompt_logprobs: int | None
+) -> GenerationRequest:
+    """The request with its prompt scored when asked: for `echo` with logprobs
+    (`echo_top` alternatives) and for vLLM's prompt_logprobs (ranks and that many)."""
+    asked = [k for k in (echo_top, prompt_logprobs) if k is not None]
+    if not asked:
+        return generation
+    params = dataclasses.replace(
+        generation.params, prompt_logprobs=True, prompt_top_logprobs=max(asked)
+    )
+    return dataclasses.replace(generation, params=params, prompt_logprobs=prompt_logprobs)
 
 
 def _constrained(

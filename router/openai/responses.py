@@ -8,7 +8,9 @@ Logprobs: each generated token's logprob and, when asked, the most likely tokens
 position (the engine's `TopLogprobs`). Completions' `top_logprobs` maps token text to
 logprob for those alternatives plus the chosen token (as vLLM: up to k + 1 entries);
 chat's lists the k alternatives. An echoed prompt's positions carry theirs too (the
-first position, which nothing predicts, `null`).
+first position, which nothing predicts, `null`). vLLM's `prompt_logprobs` (whole
+responses only) lists, per prompt position, the prompt token and the k most likely by
+token id, each with its logprob, rank and text.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.engine.outputs import PromptLogprobs
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 from tandem.router.chunk_stream import public_finish_reason
@@ -53,14 +56,10 @@ class Collected:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
-    prompt_logprobs: list[float] | None = None
-    prompt_top_logprobs: list[TopLogprobs] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
-        if chunk.prompt_logprobs is not None:
-            self.prompt_logprobs = chunk.prompt_logprobs
-        if chunk.prompt_top_logprobs is not None:
-            self.prompt_top_logprobs = chunk.prompt_top_logprobs
+        self.prompt_logprobs = chunk.prompt_logprobs or self.prompt_logprobs
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
@@ -115,6 +114,30 @@ class LogprobsFormatter:
             content.append({**self._chat_entry(token_id, logprob), "top_logprobs": alternatives})
         return {"content": content}
 
+    def vllm_prompt(
+        self, prompt_ids: list[int], scores: PromptLogprobs | None, k: int
+    ) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: per prompt position (the first, which nothing
+        predicts, None) the prompt token then the k most likely, keyed by token id."""
+        positions: list[dict[str, dict[str, Any]] | None] = [None]
+        if scores is None:  # a one-token prompt has no position to score
+            return positions + [None] * (len(prompt_ids) - 1)
+        tops = scores.top or [TopLogprobs([], [])] * len(scores.logprobs)
+        for token_id, logprob, rank, top in zip(
+            prompt_ids[1:], scores.logprobs, scores.ranks, tops, strict=True
+        ):
+            entries = {str(token_id): self._vllm_entry(token_id, logprob, rank)}
+            for alt_rank, (alt_id, alt_logprob) in enumerate(
+                zip(top.token_ids[:k], top.logprobs[:k], strict=True), start=1
+            ):
+                entries.setdefault(str(alt_id), self._vllm_entry(alt_id, alt_logprob, alt_rank))
+            positions.append(entries)
+        return positions
+
+    def _vllm_entry(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        token = self._token_text(token_id)
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": token}
+
     def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._token_text(token_id)
         return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode())}
@@ -146,6 +169,13 @@ class ResponseOptions:
     return_token_ids: bool = False
     # Completions `echo`: each prompt's text, which leads its choices' text.
     echo_texts: list[str] | None = None
+    # Each token's logprob and, per token, this many alternatives (an echoed prompt's
+    # tokens too).
+    logprobs: bool = False
+    top_logprobs: int = 0
+    # vLLM's prompt_logprobs (whole responses only): each prompt position's logprob,
+    # rank and this many alternatives; None = not asked.
+    prompt_logprobs: int | None = None
 
 
 class ResponseBuilder:
@@ -162,13 +192,13 @@ class ResponseBuilder:
         req_id: str,
         model: str,
         created: int,
-        logprobs: LogprobsFormatter | None,
+        formatter: LogprobsFormatter,
         options: ResponseOptions,
     ) -> None:
         self.id = req_id
         self.model = model
         self.created = created
-        self.logprobs = logprobs
+        self.formatter = formatter
         self.options = options
         self.n = options.n
         # Each choice's logprobs keep their own text offsets.
@@ -216,7 +246,7 @@ class ResponseBuilder:
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         """The stream chunk for `chunk`; None when it carries nothing to show yet."""
-        wants_ids = (self.logprobs is not None or self.options.return_token_ids) and bool(
+        wants_ids = (self.options.logprobs or self.options.return_token_ids) and bool(
             chunk.token_ids
         )
         if not chunk.text and chunk.finish_reason is None and not wants_ids:
@@ -281,23 +311,13 @@ class ResponseBuilder:
         index: int,
     ) -> Any:
         """`tops`: one per token, or none (not asked for)."""
-        if self.logprobs is None:
+        if not self.options.logprobs:
             return None
         formatter = self._formatters.get(index)
         if formatter is None:
-            formatter = self._formatters[index] = copy.copy(self.logprobs)
+            formatter = self._formatters[index] = copy.copy(self.formatter)
         alternatives: list[Alternatives] = list(tops) or [None] * len(token_ids)
         return self._logprobs_json(formatter, token_ids, logprobs, alternatives)
-
-
-@dataclass
-class _Echo:
-    """A completions prompt that `echo` repeats before its choices' text: as the client
-    wrote it, and (with logprobs) its tokens' logprobs once they come."""
-
-    text: str
-    logprobs: list[float] | None = None
-    top_logprobs: list[TopLogprobs] | None = None
 
 
 class CompletionResponses(ResponseBuilder):
@@ -311,41 +331,36 @@ class CompletionResponses(ResponseBuilder):
         req_id: str,
         model: str,
         created: int,
-        logprobs: LogprobsFormatter | None,
+        formatter: LogprobsFormatter,
         options: ResponseOptions,
     ) -> None:
-        super().__init__(req_id, model, created, logprobs, options)
-        texts = options.echo_texts
-        self.echoes = None if texts is None else [_Echo(text) for text in texts]
+        super().__init__(req_id, model, created, formatter, options)
+        # Completions `echo`: each prompt's text, which leads its choices' text.
+        self.echo_texts = options.echo_texts
+        # Each prompt's own logprobs once they come (echo with logprobs, prompt_logprobs).
+        self._prompt_scores: list[PromptLogprobs | None] = [None] * len(options.prompt_ids)
         # With echo + logprobs, the choices whose first chunk already carried the prompt.
         self._echoed_indexes: set[int] = set()
 
-    def _echo_of(self, index: int) -> _Echo | None:
-        return None if self.echoes is None else self.echoes[index // self.n]
+    def _echo_text_of(self, index: int) -> str | None:
+        return None if self.echo_texts is None else self.echo_texts[index // self.n]
 
     def opening_chunks(self) -> list[dict[str, Any]]:
-        if self.echoes is None or self.logprobs is not None:
+        if self.echo_texts is None or self.options.logprobs:
             return []  # with logprobs, the prompt leads each choice's first chunk
         return [
-            self._chunk({"text": echo.text, "logprobs": None, "finish_reason": None}, index)
-            for p, echo in enumerate(self.echoes)
+            self._chunk({"text": text, "logprobs": None, "finish_reason": None}, index)
+            for p, text in enumerate(self.echo_texts)
             for index in range(p * self.n, (p + 1) * self.n)
         ]
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
-        self._note_prompt_logprobs(chunk.index, chunk.prompt_logprobs, chunk.prompt_top_logprobs)
+        self._note_prompt_logprobs(chunk.index, chunk.prompt_logprobs)
         return super().chunk(chunk)
 
-    def _note_prompt_logprobs(
-        self, index: int, logprobs: list[float] | None, tops: list[TopLogprobs] | None
-    ) -> None:
-        echo = self._echo_of(index)
-        if echo is None:
-            return
-        if logprobs is not None:
-            echo.logprobs = logprobs
-        if tops is not None:
-            echo.top_logprobs = tops
+    def _note_prompt_logprobs(self, index: int, scores: PromptLogprobs | None) -> None:
+        if scores is not None:
+            self._prompt_scores[index // self.n] = scores
 
     def _echoed(
         self,
@@ -357,21 +372,34 @@ class CompletionResponses(ResponseBuilder):
         first: bool,
     ) -> tuple[str, Any]:
         """Text and logprobs JSON, the echoed prompt in front when `first`."""
-        echo = self._echo_of(index) if first else None
-        if echo is not None and self.logprobs is not None:
-            prompt_ids = self._prompt_of(index)
-            prompt_lps: list[float | None] = [None, *(echo.logprobs or [])]
-            values = [*prompt_lps[: len(prompt_ids)], *logprobs]
-            prompt_tops: list[Alternatives] = [None, *(echo.top_logprobs or [])]
-            alternatives = [*prompt_tops, *[None] * len(prompt_ids)][: len(prompt_ids)]
-            alternatives += list(tops) or [None] * len(token_ids)
+        echo_text = self._echo_text_of(index) if first else None
+        if echo_text is not None and self.options.logprobs:
+            prompt_values, prompt_tops = self._echoed_positions(index)
+            output_tops: list[Alternatives] = [*tops] if tops else [None] * len(token_ids)
             logprobs_json = self._logprobs_of(
-                [*prompt_ids, *token_ids], values, alternatives, index
+                [*self._prompt_of(index), *token_ids],
+                [*prompt_values, *logprobs],
+                [*prompt_tops, *output_tops],
+                index,
             )
-            return echo.text + text, logprobs_json
-        if echo is not None:
-            text = echo.text + text
+            return echo_text + text, logprobs_json
+        if echo_text is not None:
+            text = echo_text + text
         return text, self._logprobs_of(token_ids, logprobs, tops, index)
+
+    def _echoed_positions(self, index: int) -> tuple[list[float | None], list[Alternatives]]:
+        """Choice `index`'s echoed prompt tokens' logprobs and alternatives (None at the
+        first position, which nothing predicts, and everywhere before the scores came)."""
+        length = len(self._prompt_of(index))
+        values: list[float | None] = [None] * length
+        tops: list[Alternatives] = [None] * length
+        scores = self._prompt_scores[index // self.n]
+        if scores is not None:
+            values[1:] = scores.logprobs
+            k = self.options.top_logprobs  # the prompt may be scored with more alternatives
+            if k:
+                tops[1:] = [TopLogprobs(t.token_ids[:k], t.logprobs[:k]) for t in scores.top]
+        return values, tops
 
     def _logprobs_json(
         self,
@@ -383,7 +411,7 @@ class CompletionResponses(ResponseBuilder):
         return formatter.completion(token_ids, logprobs, tops)
 
     def _choice_delta(self, chunk: GenerationChunk) -> dict[str, Any]:
-        first = self.logprobs is not None and chunk.index not in self._echoed_indexes
+        first = self.options.logprobs and chunk.index not in self._echoed_indexes
         self._echoed_indexes.add(chunk.index)
         text, logprobs = self._echoed(
             chunk.text, chunk.token_ids, chunk.logprobs, chunk.top_logprobs, chunk.index, first
@@ -396,9 +424,7 @@ class CompletionResponses(ResponseBuilder):
 
     def response(self, choices: list[Collected], usage: Usage | None) -> dict[str, Any]:
         for index, collected in enumerate(choices):
-            self._note_prompt_logprobs(
-                index, collected.prompt_logprobs, collected.prompt_top_logprobs
-            )
+            self._note_prompt_logprobs(index, collected.prompt_logprobs)
         return super().response(choices, usage)
 
     def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
@@ -410,11 +436,17 @@ class CompletionResponses(ResponseBuilder):
             index,
             first=True,
         )
-        return {
+        whole = {
             "text": text,
             "logprobs": logprobs,
             "finish_reason": public_finish_reason(collected.finish_reason),
         }
+        if self.options.prompt_logprobs is not None:
+            scores = self._prompt_scores[index // self.n]
+            whole["prompt_logprobs"] = self.formatter.vllm_prompt(
+                self._prompt_of(index), scores, self.options.prompt_logprobs
+            )
+        return whole
 
 
 class ChatResponses(ResponseBuilder):
@@ -448,6 +480,16 @@ class ChatResponses(ResponseBuilder):
             ),
             "finish_reason": public_finish_reason(chunk.finish_reason),
         }
+
+    def response(self, choices: list[Collected], usage: Usage | None) -> dict[str, Any]:
+        body = super().response(choices, usage)
+        if self.options.prompt_logprobs is not None:
+            # The prompt's, on the response (vLLM); its first sequence carried them.
+            scores = next((c.prompt_logprobs for c in choices if c.prompt_logprobs), None)
+            body["prompt_logprobs"] = self.formatter.vllm_prompt(
+                self.options.prompt_ids[0], scores, self.options.prompt_logprobs
+            )
+        return body
 
     def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:
         return {

@@ -42,10 +42,10 @@ class ToolChatResponses(ChatResponses):
         req_id: str,
         model: str,
         created: int,
-        logprobs: LogprobsFormatter | None,
+        formatter: LogprobsFormatter,
         options: ResponseOptions,
     ) -> None:
-        super().__init__(req_id, model, created, logprobs, options)
+        super().__init__(req_id, model, created, formatter, options)
         self.plan = plan
         # Streaming state per choice index: output held back, the choices that turned
         # out to be content, a named call's id (fixed by its first delta).

@@ -400,6 +400,88 @@ def test_echo_with_top_logprobs_ranks_every_prompt_position(
             assert list(top.values()) == pytest.approx(list(want.values()), abs=3e-4)
 
 
+def hf_prompt_scores(model_dir: Path, prompt: list[int], k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs of `prompt` by transformers: per position after the first,
+    the prompt token then the k most likely (ties by id), each with logprob and rank."""
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        rows = hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    expected: list[dict | None] = [None]
+    for row, token_id in zip(rows, prompt[1:], strict=True):
+        order = sorted(range(row.shape[0]), key=lambda t: (-row[t].item(), t))
+        entries = {str(token_id): (row[token_id].item(), order.index(token_id) + 1)}
+        for rank, t in enumerate(order[:k], start=1):
+            entries.setdefault(str(t), (row[t].item(), rank))
+        expected.append(entries)
+    return expected
+
+
+def assert_prompt_scores(got: list, expected: list, tokenizer: PromptTokenizer) -> None:
+    assert len(got) == len(expected) and got[0] is None is expected[0]
+    for entries, want in zip(got[1:], expected[1:], strict=True):
+        assert list(entries) == list(want)  # the prompt token first, then by rank
+        for token_id, (logprob, rank) in want.items():
+            entry = entries[token_id]
+            assert entry["rank"] == rank
+            # float32 sums in another order: ~1e-4 apart at the tail here.
+            assert entry["logprob"] == pytest.approx(logprob, abs=3e-4)
+            text = tokenizer.decode([int(token_id)], skip_special_tokens=False)
+            assert entry["decoded_token"] == text
+
+
+def test_prompt_logprobs_score_each_prompt_token_as_transformers(
+    client, cluster, tokenizer, tiny_model_dir
+):
+    """vLLM's prompt_logprobs through the cluster: per prompt position its token's
+    logprob and rank and the k most likely, on every choice of its prompt (a batch, n=2),
+    beside echo's own logprobs=1; chat puts the prompt's on the response."""
+    prompts = [PROMPT, make_prompts(2048, (9,), seed=43)[0]]
+    expected = [hf_prompt_scores(tiny_model_dir, p, 3) for p in prompts]
+    assert any(rank > 3 for e in expected[0][1:] for _, rank in e.values())  # some outside
+    args = dict(model=cluster.router.config.model_name, prompt=prompts, n=2, max_tokens=2,
+                temperature=0.0, logprobs=1, echo=True,
+                extra_body={"prompt_logprobs": 3})  # fmt: skip
+    choices = client.completions.create(**args).model_dump()["choices"]
+    for choice in choices:
+        assert_prompt_scores(choice["prompt_logprobs"], expected[choice["index"] // 2], tokenizer)
+        # echo keeps its own k: at most 1 alternative + the prompt token per position
+        assert max(len(t) for t in choice["logprobs"]["top_logprobs"][1:]) <= 2
+    messages = [{"role": "user", "content": "name three caches"}]
+    chat = client.chat.completions.create(
+        model=cluster.router.config.model_name, messages=messages, max_tokens=2,
+        temperature=0.0, extra_body={"prompt_logprobs": 0},
+    ).model_dump()  # fmt: skip
+    chat_prompt = tokenizer.encode_chat(messages)
+    assert_prompt_scores(
+        chat["prompt_logprobs"], hf_prompt_scores(tiny_model_dir, chat_prompt, 0), tokenizer
+    )
+    assert (
+        "prompt_logprobs"
+        not in client.completions.create(
+            model=cluster.router.config.model_name, prompt="hi", max_tokens=1
+        ).model_dump()["choices"][0]
+    )
+    cluster.assert_idle()
+
+
+def test_bad_prompt_logprobs_get_400(client, cluster):
+    model = cluster.router.config.model_name
+    before = prompt_tokens_prefilled(cluster)
+    for extra, stream, words in (
+        ({"prompt_logprobs": 21}, False, "<= 20"),
+        ({"prompt_logprobs": -1}, False, ">= 0"),
+        ({"prompt_logprobs": "3"}, False, "integer"),
+        ({"prompt_logprobs": 1}, True, "'stream' is true"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(
+                model=model, prompt="hi", max_tokens=2, stream=stream, extra_body=extra
+            )
+        assert info.value.body["param"] == "prompt_logprobs"
+        assert words in info.value.body["message"], info.value.body["message"]
+    assert prompt_tokens_prefilled(cluster) == before
+
+
 BATCH_TEXT = "the paged cache"
 
 
@@ -693,6 +775,7 @@ def test_worker_wire_keeps_every_sampling_field():
         repetition_penalty=1.25, logit_bias={3: -100.0, 7: 2.5}, num_resumed_tokens=4,
         min_tokens=2, skip_special_tokens=False, seed=3, min_p=0.125, logprobs=True,
         top_logprobs=3, stop=["x"], include_stop_str_in_output=True, cache_salt="tenant-a",
+        prompt_logprobs=True, prompt_top_logprobs=5,
     )  # fmt: skip
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
     assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (

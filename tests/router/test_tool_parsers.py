@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 from tandem.engine.request import FinishReason
-from tandem.router.openai.responses import ResponseOptions
+from tandem.router.openai.responses import LogprobsFormatter, ResponseOptions
 from tandem.router.openai.tool_parsers import may_be_tool_call, parse_output
 from tandem.router.openai.tool_responses import ToolChatResponses
 from tandem.router.openai.tools import parse_tools
 from tandem.router.request_flow import GenerationChunk
+from tandem.router.tokenization import PromptTokenizer
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
@@ -40,10 +41,11 @@ def test_auto_reads_hermes_and_llama3_calls_and_leaves_other_text_as_content():
     assert not may_be_tool_call("hello")
 
 
-def test_auto_stream_releases_content_and_sends_whole_calls_at_the_end():
-    builder = ToolChatResponses(_plan(), "id", "m", 0, None, ResponseOptions([[1]]))
+def test_auto_stream_releases_content_and_sends_whole_calls_at_the_end(tiny_model_dir):
+    formatter = LogprobsFormatter(PromptTokenizer(str(tiny_model_dir)))
+    builder = ToolChatResponses(_plan(), "id", "m", 0, formatter, ResponseOptions([[1]]))
     assert builder.chunk(GenerationChunk([1], "hel")) is not None  # clearly content
-    builder = ToolChatResponses(_plan(), "id", "m", 0, None, ResponseOptions([[1]]))
+    builder = ToolChatResponses(_plan(), "id", "m", 0, formatter, ResponseOptions([[1]]))
     assert builder.chunk(GenerationChunk([1], '{"name": "add", ')) is None  # held back
     last = builder.chunk(GenerationChunk([2], '"parameters": {}}', [], FinishReason.STOP))
     assert last is not None
