@@ -36,6 +36,7 @@ from tandem.worker.convert import (
     FINISH_REASONS,
     add_prompt_logprobs,
     sampling_params_from_proto,
+    set_stop_reason,
     stats_to_proto,
     top_logprobs_to_proto,
 )
@@ -140,6 +141,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             kv_recomputed=recomputed,
         )
         add_prompt_logprobs(msg, out.prompt_logprobs)
+        set_stop_reason(msg, out.stop_reason)
         if out.prefill_s is not None:
             msg.prefill_timings.CopyFrom(pb.Timings(queue_s=out.queue_s, compute_s=out.prefill_s))
         if out.finished:

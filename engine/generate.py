@@ -37,5 +37,6 @@ def generate(
             result.num_cached_tokens = out.num_cached_tokens
             if out.finished:
                 result.finish_reason = out.finish_reason
+                result.stop_reason = out.stop_reason
                 pending.discard(out.req_id)
     return [results[r] for r in order]

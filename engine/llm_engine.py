@@ -204,6 +204,7 @@ class Engine:
             delta_text="",
             finished=True,
             finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
@@ -215,6 +216,7 @@ class Engine:
         update = detok.add_token(request.output_token_ids[-1])
         delta = update.delta_text
         if update.stop_string is not None:
+            request.stop_reason = update.stop_string
             self._stop(request)
         reason = request.finish_reason
         if request.is_finished:
@@ -244,6 +246,7 @@ class Engine:
             delta_text=delta,
             finished=request.is_finished,
             finish_reason=reason,
+            stop_reason=request.stop_reason if request.is_finished else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
@@ -445,6 +448,8 @@ class Engine:
             )
         if params.logit_bias:
             self._check_token_ids(list(params.logit_bias))
+        if params.allowed_token_ids:
+            self._check_token_ids(params.allowed_token_ids)
         needed = self.config.blocks_for(min(len(prompt_ids) + params.max_tokens, max_len))
         if needed > self.pool.num_blocks:
             raise ValueError(

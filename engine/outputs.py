@@ -46,6 +46,8 @@ class RequestOutput:
     prefill_s: float | None = None
     # With the first token, when params.prompt_logprobs.
     prompt_logprobs: PromptLogprobs | None = None
+    # With STOP: the stop token id or stop string that ended it (None: EOS, a grammar).
+    stop_reason: int | str | None = None
     # params.top_logprobs > 0: the most likely tokens at each new token's position.
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
 
@@ -61,6 +63,8 @@ class CompletionOutput:
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
+    # The stop token id or stop string that ended it (vLLM's stop_reason), else None.
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
 
 

@@ -8,6 +8,7 @@ seen, never with a Python loop over the vocabulary.
 Semantics (what clients of OpenAI and vLLM expect):
 
 * `logit_bias`: the value is added to the token's logit (OpenAI).
+* `allowed_token_ids`: every other token's logit is -inf (vLLM).
 * `repetition_penalty` (vLLM, after CTRL): for every token in prompt or output, a
   positive logit is divided by the penalty and a negative one multiplied by it.
 * `frequency_penalty` / `presence_penalty` (OpenAI): over the *generated* tokens only,
@@ -56,6 +57,24 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
     bias = torch.tensor(values, dtype=logits.dtype, device=device)
     return logits.index_put(index, bias, accumulate=True)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`logits` with every token outside each row's allowed_token_ids at -inf (a new
+    tensor when any row restricts its tokens; else `logits`)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, p in enumerate(params):
+        if p.allowed_token_ids:
+            rows += [row] * len(p.allowed_token_ids)
+            cols += p.allowed_token_ids
+    if not rows:
+        return logits
+    device = logits.device
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    allowed[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+    free = torch.tensor([not p.allowed_token_ids for p in params], device=device)
+    return logits.masked_fill(~(allowed | free.unsqueeze(1)), float("-inf"))
 
 
 def apply_penalties(

@@ -51,6 +51,9 @@ class Request:
     # When the scheduler first gave the request a chunk (queueing ends there).
     first_scheduled_time: float | None = None
     finish_reason: FinishReason | None = None
+    # With STOP: the stop token id or stop string that ended it (vLLM's stop_reason);
+    # None for EOS and a finished grammar.
+    stop_reason: int | str | None = None
     # Chained hashes of the request's full blocks, extended as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list)
     # With params.prompt_logprobs: the logprob of prompt token i + 1 given tokens 0..i.

@@ -159,21 +159,25 @@ class Scheduler:
             if token.top_logprobs is not None:
                 req.output_top_logprobs.append(token.top_logprobs)
             advanced.append(req)
-            reason = self._stop_reason(req)
+            reason = self._finish_reason(req)
             if reason is None and self.config.mode is EngineMode.PREFILL_ONLY:
                 reason = FinishReason.PREFILLED
             if reason is not None:
                 self.finish(req, reason)
         return advanced
 
-    def _stop_reason(self, req: Request) -> FinishReason | None:
+    def _finish_reason(self, req: Request) -> FinishReason | None:
+        """Whether the last token ends the request (a stop token id: noted as its
+        stop_reason; EOS, which comes first, leaves none)."""
         params = req.params
         num_output = len(req.output_token_ids)
         last = req.output_token_ids[-1]
-        if num_output >= params.min_tokens and (
-            (not params.ignore_eos and last in self.eos_token_ids) or last in params.stop_token_ids
-        ):
-            return FinishReason.STOP
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return FinishReason.STOP
+            if last in params.stop_token_ids:
+                req.stop_reason = last
+                return FinishReason.STOP
         if num_output >= params.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

@@ -28,6 +28,7 @@ from tandem.worker.convert import (
     FINISH_REASONS,
     add_prompt_logprobs,
     sampling_params_from_proto,
+    set_stop_reason,
     stats_to_proto,
     top_logprobs_to_proto,
 )
@@ -100,6 +101,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
             response.first_token_top_logprobs.CopyFrom(top)
         if last.finish_reason is not FinishReason.PREFILLED:
             response.finish_reason = FINISH_REASONS[last.finish_reason]
+            set_stop_reason(response, last.stop_reason)
             return response
         try:
             handle = await self._handle(req_id, last.num_prompt_tokens)

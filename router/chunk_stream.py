@@ -38,6 +38,9 @@ class GenerationChunk:
     # One per token when asked (SamplingParams.top_logprobs > 0): the most likely tokens
     # at its position.
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # With STOP: the stop token id or stop string that ended the sequence (vLLM's
+    # stop_reason); None for EOS and a finished grammar.
+    stop_reason: int | str | None = None
 
 
 _END = object()

@@ -67,11 +67,14 @@ def redetokenize(chunk: GenerationChunk, detok: IncrementalDetokenizer) -> Gener
                 logprobs=chunk.logprobs[: i + 1],
                 top_logprobs=chunk.top_logprobs[: i + 1],
                 finish_reason=FinishReason.STOP,
+                stop_reason=update.stop_string,
             )
     if chunk.finish_reason is not None:
         text += detok.flush()
         if detok.stop_string is not None:
-            return dataclasses.replace(chunk, text=text, finish_reason=FinishReason.STOP)
+            return dataclasses.replace(
+                chunk, text=text, finish_reason=FinishReason.STOP, stop_reason=detok.stop_string
+            )
     return dataclasses.replace(chunk, text=text)
 
 

@@ -23,6 +23,7 @@ from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.request_flow import RequestFlow
 from tandem.router.structured_outputs import guided_from_generate
 from tandem.router.tokenization import PromptTokenizer
+from tandem.worker.convert import set_stop_reason
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     finish_reason=_FINISH[chunk.finish_reason],
                     index=chunk.index,
                 )
+                set_stop_reason(msg, chunk.stop_reason)
                 if chunk.usage is not None:
                     msg.usage.CopyFrom(
                         gen_pb.Usage(

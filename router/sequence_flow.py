@@ -53,6 +53,7 @@ from tandem.worker.convert import (
     finish_reason_from_proto,
     prompt_logprobs_from_proto,
     sampling_params_to_proto,
+    stop_reason_from_proto,
     top_logprobs_from_proto,
 )
 
@@ -239,6 +240,7 @@ class SequenceFlow:
             [prefill.first_token_logprob] if params.logprobs else [],
             finish_reason_from_proto(prefill.finish_reason),
             prompt_logprobs=prompt_logprobs_from_proto(prefill),
+            stop_reason=stop_reason_from_proto(prefill),
             top_logprobs=[top_logprobs_from_proto(prefill.first_token_top_logprobs)]
             if params.top_logprobs
             else [],

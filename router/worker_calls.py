@@ -27,6 +27,7 @@ from tandem.telemetry.tracing import Tracing
 from tandem.worker.convert import (
     finish_reason_from_proto,
     prompt_logprobs_from_proto,
+    stop_reason_from_proto,
     top_logprobs_from_proto,
 )
 
@@ -129,6 +130,7 @@ class WorkerCalls:
                     list(msg.logprobs) if seq.params.logprobs else [],
                     finish,
                     prompt_logprobs=prompt_logprobs_from_proto(msg),
+                    stop_reason=stop_reason_from_proto(msg),
                     top_logprobs=[top_logprobs_from_proto(top) for top in msg.top_logprobs],
                 )
                 if finish is not None:

@@ -8,6 +8,7 @@ from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
+from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.worker.config import WorkerRole
 
@@ -94,6 +95,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
         logit_bias=dict(msg.logit_bias),
+        allowed_token_ids=list(msg.allowed_token_ids),
         num_resumed_tokens=msg.num_resumed_tokens,
         skip_special_tokens=(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
@@ -123,6 +125,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids,
         num_resumed_tokens=params.num_resumed_tokens,
         skip_special_tokens=params.skip_special_tokens,
         prompt_logprobs=params.prompt_logprobs,
@@ -154,6 +157,24 @@ def add_prompt_logprobs(
     msg.prompt_logprobs.extend(scores.logprobs)
     msg.prompt_ranks.extend(scores.ranks)
     msg.prompt_top_logprobs.extend(top_logprobs_to_proto(top) for top in scores.top)
+
+
+# Messages with a `stop_reason` oneof (stop_token_id | stop_string): the workers' and
+# tandem.v1's.
+StopReasonMessage = pb.PrefillResponse | pb.DecodeResponse | gen_pb.GenerateResponse
+
+
+def set_stop_reason(msg: StopReasonMessage, stop_reason: int | str | None) -> None:
+    """Put vLLM's stop_reason (a stop token id or stop string) on the message."""
+    if isinstance(stop_reason, str):
+        msg.stop_string = stop_reason
+    elif stop_reason is not None:
+        msg.stop_token_id = stop_reason
+
+
+def stop_reason_from_proto(msg: StopReasonMessage) -> int | str | None:
+    field = msg.WhichOneof("stop_reason")
+    return None if field is None else getattr(msg, field)
 
 
 def prompt_logprobs_from_proto(

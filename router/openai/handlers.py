@@ -78,7 +78,7 @@ class OpenAIHandlers:
             f"cmpl-{uuid.uuid4().hex}",
             self.model_name,
             int(time.time()),
-            LogprobsFormatter(self.tokenizer),
+            LogprobsFormatter(self.tokenizer, generations[0].tokens_as_ids),
             _response_options(generations),
         )
         return await self._run(request, generations, builder)
@@ -89,7 +89,7 @@ class OpenAIHandlers:
             f"chatcmpl-{uuid.uuid4().hex}",
             self.model_name,
             int(time.time()),
-            LogprobsFormatter(self.tokenizer),
+            LogprobsFormatter(self.tokenizer, generation.tokens_as_ids),
             _response_options([generation]),
         )
         builder: ChatResponses = (

@@ -57,12 +57,9 @@ MAX_PROMPTS_PER_REQUEST = 256
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
-    "truncate_prompt_tokens": (None,),
     "bad_words": (None, []),
-    "allowed_token_ids": (None, []),
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None, []),
-    "return_tokens_as_token_ids": (None, False),
     "guided_whitespace_pattern": (None,),
     "prompt_embeds": (None,),
     "vllm_xargs": (None, {}),
@@ -115,6 +112,8 @@ class GenerationRequest:
     # vLLM's prompt_logprobs: each prompt token's logprob and rank, and this many of the
     # most likely tokens at its position (None: not asked).
     prompt_logprobs: int | None = None
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:<id>", not text.
+    tokens_as_ids: bool = False
 
 
 @dataclass
@@ -153,9 +152,10 @@ class RequestParser:
         echo_top = logprobs if extras.echo else None
         generations = []
         for prompt in self._prompts(body):
+            ids = self._truncated(body, prompt.ids)
             generation = self._generation(
                 body,
-                prompt.ids,
+                ids,
                 prompt_field=prompt.field,
                 default_max_tokens=DEFAULT_COMPLETION_MAX_TOKENS,
                 logprobs=logprobs is not None,
@@ -163,9 +163,11 @@ class RequestParser:
                 extras=extras,
             )
             if extras.echo:
-                # The prompt as the client wrote it (a text prompt), or its tokens' text.
-                generation.echo_text = prompt.text or self.tokenizer.decode(
-                    prompt.ids, skip_special_tokens=False
+                # The prompt as the client wrote it (a whole text prompt), or its tokens'
+                # text (token ids, or truncated).
+                whole_text = prompt.text if len(ids) == len(prompt.ids) else None
+                generation.echo_text = whole_text or self.tokenizer.decode(
+                    ids, skip_special_tokens=False
                 )
             generation = _scoring_prompt(generation, echo_top, prompt_logprobs)
             generations.append(_constrained(generation, body, chat=False, tools=None))
@@ -175,7 +177,7 @@ class RequestParser:
         self._check_common(body, _CHAT_UNSUPPORTED)
         extras = parse_extras(body, self.tokenizer.vocab_size, self.max_n, completion=False)
         tools = parse_tools(body)
-        prompt_ids = self._chat_ids(body, tools)
+        prompt_ids = self._truncated(body, self._chat_ids(body, tools))
         logprobs = bool(get_bool(body, "logprobs"))
         top_logprobs = get_int(body, "top_logprobs", min_value=0, max_value=MAX_LOGPROBS)
         if top_logprobs and not logprobs:
@@ -263,6 +265,22 @@ class RequestParser:
         self._check_token_ids(where, prompt)
         return _Prompt(list(prompt), where)
 
+    def _truncated(self, body: dict[str, Any], ids: list[int]) -> list[int]:
+        """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: the model's
+        context length; the prompt still needs room for the output)."""
+        keep = get_int(body, "truncate_prompt_tokens", min_value=-1)
+        if keep is None:
+            return ids
+        limit = self.tokenizer.max_model_len
+        if keep == 0:
+            raise invalid("truncate_prompt_tokens", "must be -1 (the context length) or >= 1")
+        if keep > limit:
+            raise invalid(
+                "truncate_prompt_tokens",
+                f"is {keep}, more than this model's maximum context length ({limit} tokens)",
+            )
+        return ids[-(limit if keep == -1 else keep) :]
+
     def _check_token_ids(self, name: str, ids: list[Any]) -> None:
         vocab_size = self.tokenizer.vocab_size
         for i, token_id in enumerate(ids):
@@ -326,6 +344,7 @@ class RequestParser:
             include_usage=include_usage,
             continuous_usage=include_usage and continuous_usage,
             return_token_ids=bool(get_bool(body, "return_token_ids")),
+            tokens_as_ids=bool(get_bool(body, "return_tokens_as_token_ids")),
             logprobs=logprobs,
             extras=extras,
             slo=self.slo.resolve(
@@ -396,6 +415,8 @@ class RequestParser:
             raise invalid("top_k", f"must be -1 or 0 (off) or >= 1, got {top_k}")
         stop_token_ids = get_int_list(body, "stop_token_ids")
         self._check_token_ids("stop_token_ids", stop_token_ids)
+        allowed_token_ids = get_int_list(body, "allowed_token_ids")
+        self._check_token_ids("allowed_token_ids", allowed_token_ids)
         min_tokens = get_int(body, "min_tokens", min_value=0, max_value=max_tokens)
         skip_special_tokens = get_bool(body, "skip_special_tokens")
         seed = get_int(body, "seed", min_value=0, max_value=MAX_SEED)
@@ -420,6 +441,7 @@ class RequestParser:
                 stop=stop,
                 include_stop_str_in_output=include_stop,
                 stop_token_ids=stop_token_ids,
+                allowed_token_ids=allowed_token_ids,
                 ignore_eos=ignore_eos,
                 min_tokens=min_tokens or 0,
                 logprobs=logprobs,

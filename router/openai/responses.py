@@ -37,6 +37,13 @@ _MIN_LOGPROB = -9999.0
 Alternatives = TopLogprobs | None
 
 
+def add_stop_reason(choice: dict[str, Any], ended: GenerationChunk | Collected) -> None:
+    """vLLM's `stop_reason` beside a choice's finish_reason: the stop token id or stop
+    string that ended it, null for EOS and every other reason."""
+    if ended.finish_reason is not None:
+        choice["stop_reason"] = ended.stop_reason
+
+
 def usage_json(usage: Usage) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
@@ -57,9 +64,12 @@ class Collected:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    stop_reason: int | str | None = None
 
     def add(self, chunk: GenerationChunk) -> None:
         self.prompt_logprobs = chunk.prompt_logprobs or self.prompt_logprobs
+        if chunk.finish_reason is not None:
+            self.stop_reason = chunk.stop_reason
         self.text += chunk.text
         self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
@@ -71,11 +81,18 @@ class Collected:
 class LogprobsFormatter:
     """Per-request logprobs JSON; remembers the text offset across stream chunks."""
 
-    def __init__(self, tokenizer: PromptTokenizer) -> None:
+    def __init__(self, tokenizer: PromptTokenizer, tokens_as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        # vLLM's return_tokens_as_token_ids: tokens are named "token_id:<id>".
+        self.tokens_as_ids = tokens_as_ids
         self._text_offset = 0
 
     def _token_text(self, token_id: int) -> str:
+        if self.tokens_as_ids:
+            return f"token_id:{token_id}"
+        return self._decoded(token_id)
+
+    def _decoded(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def completion(
@@ -135,7 +152,7 @@ class LogprobsFormatter:
         return positions
 
     def _vllm_entry(self, token_id: int, logprob: float, rank: int) -> dict[str, Any]:
-        token = self._token_text(token_id)
+        token = self._decoded(token_id)  # text even with tokens_as_ids (as vLLM)
         return {"logprob": _finite(logprob), "rank": rank, "decoded_token": token}
 
     def _chat_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -252,6 +269,7 @@ class ResponseBuilder:
         if not chunk.text and chunk.finish_reason is None and not wants_ids:
             return None
         choice = self._choice_delta(chunk)
+        add_stop_reason(choice, chunk)
         self._add_token_ids(choice, chunk.token_ids, chunk.index)
         return self._chunk(choice, chunk.index)
 
@@ -279,6 +297,7 @@ class ResponseBuilder:
         wholes = []
         for i, collected in enumerate(choices):
             whole = {"index": i, **self._choice_whole(collected, i)}
+            add_stop_reason(whole, collected)
             self._add_token_ids(whole, collected.token_ids, i)
             wholes.append(whole)
         body = self._envelope(self.object_name, wholes)

@@ -21,6 +21,7 @@ from tandem.router.openai.responses import (
     Collected,
     LogprobsFormatter,
     ResponseOptions,
+    add_stop_reason,
 )
 from tandem.router.openai.tool_parsers import ToolCall, may_be_tool_call, parse_output
 from tandem.router.openai.tools import ToolChoice, ToolPlan
@@ -102,6 +103,7 @@ class ToolChatResponses(ChatResponses):
             "logprobs": self._logprobs_of(token_ids, logprobs, tops, chunk.index),
             "finish_reason": _finish(chunk.finish_reason, True),
         }
+        add_stop_reason(body, chunk)
         self._add_token_ids(body, token_ids, chunk.index)
         return self._chunk(body, chunk.index)
 
@@ -115,6 +117,7 @@ class ToolChatResponses(ChatResponses):
             held.usage,
             index,
             top_logprobs=held.top_logprobs,
+            stop_reason=held.stop_reason,
         )
 
     def _choice_whole(self, collected: Collected, index: int) -> dict[str, Any]:

@@ -159,8 +159,9 @@ def test_stop_string_truncates_output(tiny_model_dir):
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = text.index(stop)
     [stopped] = generate(engine, prompt, SamplingParams(**{**vars(base), "stop": [stop]}), "s")
-    assert stopped.finish_reason == "stop"
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
     assert stopped.text == text[:cut]
+    assert full.stop_reason is None  # ended by length
     assert engine.is_idle()
 
 
@@ -180,6 +181,7 @@ def test_stop_string_in_the_first_token_ends_the_request_at_the_prefill(tiny_mod
     prefill.add_request("s", prompt, params)
     [out] = drain(prefill)
     assert out.finished and out.finish_reason is FinishReason.STOP
+    assert out.stop_reason == stop
     assert out.new_token_ids == free_run.token_ids
     assert out.delta_text == free_run.text[:cut]
     assert prefill.stats().num_held == 0
@@ -196,6 +198,7 @@ def test_stop_token_ids_and_min_tokens(tiny_model_dir):
     stop_at_first = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first])
     [stopped] = generate(engine, prompt, stop_at_first, "a")
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == first
     held_off = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first], min_tokens=3)
     [later] = generate(engine, prompt, held_off, "b")
     assert len(later.token_ids) >= 3 and first not in later.token_ids[:3]

@@ -90,6 +90,28 @@ def test_logit_bias_minus_100_bans_and_plus_100_forces_even_when_sampling() -> N
     assert set(out.token_ids) == {7}
 
 
+def test_allowed_token_ids_restrict_only_their_own_rows() -> None:
+    """vLLM's allowed_token_ids: a restricted row (greedy or sampled) chooses only among
+    its ids, even where biases and penalties favour others; the batch's other rows
+    choose as they would alone; logprobs stay those of the unmodified logits."""
+    logits = torch.randn(300, VOCAB_SIZE, generator=torch.Generator().manual_seed(3))
+    allowed = [4, 9, 31]
+    restricted = SamplingParams(
+        temperature=1.0, allowed_token_ids=allowed, logit_bias={0: 100.0}, logprobs=True
+    )
+    free = SamplingParams(temperature=1.0, logprobs=True)
+    rows = [restricted if i % 2 else free for i in range(300)]
+    out = Sampler().sample(logits, rows, list(range(300)))
+    assert {out.token_ids[i] for i in range(1, 300, 2)} == set(allowed)  # each drawn
+    alone = Sampler().sample(logits[0::2], [free] * 150, list(range(0, 300, 2)))
+    assert out.token_ids[0::2] == alone.token_ids
+    chosen = logits.log_softmax(-1)[torch.arange(300), torch.tensor(out.token_ids)]
+    assert out.logprobs == pytest.approx(chosen.tolist(), abs=1e-5)
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    best = [allowed[int(row[allowed].argmax())] for row in logits[:5]]
+    assert Sampler().sample(logits[:5], [greedy] * 5, [None] * 5).token_ids == best
+
+
 def test_frequency_penalty_counts_only_generated_tokens() -> None:
     logits = torch.zeros(1, VOCAB_SIZE)
     logits[0, 3] = 1.0

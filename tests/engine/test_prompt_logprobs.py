@@ -12,7 +12,7 @@ from tandem.engine.config import EngineConfig, EngineMode
 from tandem.engine.llm_engine import Engine
 from tandem.engine.outputs import PromptLogprobs
 from tandem.engine.sampling_params import SamplingParams
-from tests.helpers.hf_reference import hf_top_logprobs
+from tests.helpers.hf_reference import LOGPROB_TOLERANCE, hf_top_logprobs
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -51,7 +51,7 @@ def test_prompt_logprobs_equal_transformers_chunked_and_cached(tiny_model_dir):
     for _ in range(2):
         got = prompt_logprobs(engine, prompt)
         assert len(got.logprobs) == len(prompt) - 1
-        assert got.logprobs == pytest.approx(expected.squeeze(1).tolist(), abs=1e-4)
+        assert got.logprobs == pytest.approx(expected.squeeze(1).tolist(), **LOGPROB_TOLERANCE)
         assert got.ranks == expected_ranks.tolist()
         assert got.top == []  # no alternatives asked for
 
@@ -83,6 +83,5 @@ def test_prompt_top_logprobs_equal_transformers_across_chunks(tiny_model_dir):
         assert (rank <= 4) == (prompt_id in ids)
         if rank <= 4:
             assert ids[rank - 1] == prompt_id
-        # float32 sums in another order: up to ~1e-4 apart over these 160 values.
-        assert top.logprobs == pytest.approx(logprobs, abs=3e-4)
+        assert top.logprobs == pytest.approx(logprobs, **LOGPROB_TOLERANCE)
     assert engine.is_idle()

@@ -213,22 +213,27 @@ def test_a_request_that_alone_outgrows_the_pool_preempts_itself(tiny_model_dir):
 
 
 @pytest.mark.parametrize(
-    ("params", "sample", "reason", "num_outputs"),
+    ("params", "sample", "reason", "num_outputs", "stop_reason"),
     [
-        ({"max_tokens": 5, "ignore_eos": True}, token_for, FinishReason.LENGTH, 5),
-        ({"max_tokens": 50}, lambda req: EOS, FinishReason.STOP, 1),
-        ({"max_tokens": 50, "ignore_eos": True}, lambda req: EOS, FinishReason.LENGTH, 50),
-        ({"max_tokens": 50, "stop_token_ids": [777]}, lambda req: 777, FinishReason.STOP, 1),
-        ({"max_tokens": 50, "min_tokens": 3}, lambda req: EOS, FinishReason.STOP, 3),
+        ({"max_tokens": 5, "ignore_eos": True}, token_for, FinishReason.LENGTH, 5, None),
+        ({"max_tokens": 50}, lambda req: EOS, FinishReason.STOP, 1, None),
+        ({"max_tokens": 50, "ignore_eos": True}, lambda req: EOS, FinishReason.LENGTH, 50, None),
+        ({"max_tokens": 50, "stop_token_ids": [777]}, lambda req: 777, FinishReason.STOP, 1, 777),
+        # EOS comes first even when it is a stop token id too (vLLM: no stop_reason).
+        ({"max_tokens": 50, "stop_token_ids": [EOS]}, lambda req: EOS, FinishReason.STOP, 1, None),
+        ({"max_tokens": 50, "min_tokens": 3}, lambda req: EOS, FinishReason.STOP, 3, None),
     ],
 )
-def test_finished_requests_free_their_blocks(tiny_model_dir, params, sample, reason, num_outputs):
+def test_finished_requests_free_their_blocks(
+    tiny_model_dir, params, sample, reason, num_outputs, stop_reason
+):
     sched = make_scheduler(tiny_model_dir, num_blocks=16)
     r = Request("r", [3] * 40, SamplingParams(**params))
     sched.add(r)
     while not r.is_finished:
         assert step(sched, sample).chunks
     assert r.finish_reason is reason and len(r.output_token_ids) == num_outputs
+    assert r.stop_reason == stop_reason
     assert_all_free(sched)
 
 

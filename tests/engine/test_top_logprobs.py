@@ -12,7 +12,7 @@ from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampler import TopLogprobs
 from tandem.engine.sampling_params import SamplingParams
-from tests.helpers.hf_reference import hf_top_logprobs
+from tests.helpers.hf_reference import LOGPROB_TOLERANCE, hf_top_logprobs
 from tests.helpers.kv_budget import with_test_kv
 from tests.helpers.prompts import make_prompts
 
@@ -33,7 +33,7 @@ def assert_matches(got: list[TopLogprobs], expected: list[tuple[list[int], list[
     assert len(got) == len(expected)
     for position, (top, (ids, logprobs)) in enumerate(zip(got, expected, strict=True)):
         assert top.token_ids == ids, f"position {position}"
-        assert top.logprobs == pytest.approx(logprobs, abs=1e-4), f"position {position}"
+        assert top.logprobs == pytest.approx(logprobs, **LOGPROB_TOLERANCE), f"position {position}"
 
 
 def test_top_logprobs_equal_transformers(tiny_model_dir):

@@ -10,6 +10,11 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from tandem.engine.model_maker import separate_logits
 
+# How far the engine's float32 logprobs may be from transformers': the same math summed
+# in another order (and by other kernels on CPUs without AVX-512) is ~1e-4 off in the
+# tail, a few 1e-6 of the value (a logprob near -25 was 1.2e-4 off on an AVX2 EPYC).
+LOGPROB_TOLERANCE = {"rel": 2e-5, "abs": 3e-4}
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 

@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
-from tests.helpers.hf_reference import hf_greedy, hf_top_logprobs
+from tests.helpers.hf_reference import LOGPROB_TOLERANCE, hf_greedy, hf_top_logprobs
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -63,7 +63,7 @@ def test_top_logprobs_equal_transformers(channel, tiny_model_dir):
     expected = hf_top_logprobs(tiny_model_dir, prompt, tokens, 4)
     assert [list(top.token_ids) for top in tops] == [ids for ids, _ in expected]
     for top, (_, logprobs) in zip(tops, expected, strict=True):
-        assert list(top.logprobs) == pytest.approx(logprobs, abs=1e-4)
+        assert list(top.logprobs) == pytest.approx(logprobs, **LOGPROB_TOLERANCE)
     assert [top.logprobs[0] for top in tops] == [lp for r in replies for lp in r.logprobs]
 
 

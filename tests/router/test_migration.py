@@ -269,7 +269,7 @@ def test_worker_declared_dead_migrates_its_streams_and_stop_strings_still_cut(de
         async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
 
-            async def one(i: int) -> tuple[list[int], str, int]:
+            async def one(i: int) -> tuple[list[int], str, int, str]:
                 request = gen_pb.GenerateRequest(
                     request_id=f"{prefix}-{i}",
                     prompt_token_ids=prompts[i],
@@ -278,19 +278,22 @@ def test_worker_declared_dead_migrates_its_streams_and_stop_strings_still_cut(de
                     ignore_eos=True,
                     stop=[stops[i]] if stops[i] else [],
                 )
-                tokens, text, reason = [], "", 0
+                tokens, text, reason, stop = [], "", 0, ""
                 async for msg in stub.Generate(request, timeout=180):
                     tokens += msg.token_ids
                     text += msg.text
                     reason = msg.finish_reason or reason
+                    stop = msg.stop_string or stop  # vLLM's stop_reason
                     if progress is not None:
                         progress[request.request_id] = len(tokens)
-                return tokens, text, reason
+                return tokens, text, reason, stop
 
             return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
 
     expected = cluster.run(run_with_stops("exp", None))
     assert any(r[2] == gen_pb.FINISH_REASON_STOP for r in expected)
+    for (_, _, reason, stop), wanted in zip(expected, stops, strict=True):
+        assert stop == (wanted if reason == gen_pb.FINISH_REASON_STOP else "")
 
     async def scenario() -> tuple[list, str]:
         progress: dict[str, int] = {}

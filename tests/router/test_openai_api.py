@@ -19,7 +19,7 @@ import pytest
 
 from tandem.router.tokenization import PromptTokenizer
 from tests.helpers.grpc_calls import worker_stats
-from tests.helpers.hf_reference import hf_greedy, hf_top_logprobs
+from tests.helpers.hf_reference import LOGPROB_TOLERANCE, hf_greedy, hf_top_logprobs
 from tests.helpers.inproc_cluster import SHARED_API_KEY, InprocCluster, openai_client
 from tests.helpers.prompts import make_prompts
 
@@ -128,7 +128,7 @@ def test_top_logprobs_equal_transformers(client, cluster, model_dir, tokenizer):
         assert len(got) == len(expected) == 6
         for top, (ids, logprobs) in zip(got, expected, strict=True):
             assert list(top) == [text(t) for t in ids]  # greedy: the chosen token leads
-            assert list(top.values()) == pytest.approx(logprobs, abs=1e-4)
+            assert list(top.values()) == pytest.approx(logprobs, **LOGPROB_TOLERANCE)
 
     prompt_text = tokenizer.decode(prompt)
     chat = client.chat.completions.create(
@@ -140,8 +140,9 @@ def test_top_logprobs_equal_transformers(client, cluster, model_dir, tokenizer):
     expected = hf_top_logprobs(model_dir, chat_ids["tokens"], output, 5)
     for entry, (ids, logprobs) in zip(chat, expected, strict=True):
         assert [alt.token for alt in entry.top_logprobs] == [text(t) for t in ids]
-        # float32 sums in another order: ~1e-4 apart at the tail's -14 here.
-        assert [alt.logprob for alt in entry.top_logprobs] == pytest.approx(logprobs, abs=3e-4)
+        assert [alt.logprob for alt in entry.top_logprobs] == pytest.approx(
+            logprobs, **LOGPROB_TOLERANCE
+        )
         assert entry.top_logprobs[0].logprob == entry.logprob
 
 

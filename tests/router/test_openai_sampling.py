@@ -34,6 +34,7 @@ from tandem.router.kserve_request import parse_request
 from tandem.router.tokenization import PromptTokenizer
 from tandem.worker.convert import sampling_params_from_proto, sampling_params_to_proto
 from tests.helpers.grpc_calls import worker_stats
+from tests.helpers.hf_reference import LOGPROB_TOLERANCE
 from tests.helpers.inproc_cluster import (
     InprocCluster,
     openai_client,
@@ -246,7 +247,7 @@ def test_stop_string_in_the_first_token_ends_the_request_at_the_prefill(client, 
     before = prompt_tokens_prefilled(cluster)
     cut = client.completions.create(**args, max_tokens=8, stop=[stop])
     assert prompt_tokens_prefilled(cluster) == before + len(PROMPT)
-    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].stop_reason == stop
     assert cut.choices[0].text == first_text[: first_text.index(stop)]
     assert cut.usage.completion_tokens == 1
     # Past min_tokens only: the first token's stop string does not count, nor is it found
@@ -258,6 +259,126 @@ def test_stop_string_in_the_first_token_ends_the_request_at_the_prefill(client, 
     longer = client.completions.create(**args, max_tokens=8)
     assert longer.choices[0].finish_reason == "length"
     assert longer.choices[0].text.startswith(held.choices[0].text)
+
+
+def test_stop_reason_names_the_stop_token_id_or_stop_string(client, cluster, colocated):
+    """vLLM's stop_reason, decided on the decode worker: the stop token id or stop string
+    that ended the choice (whole, and on the streamed finishing chunk only), null when
+    it ended by length; chat too."""
+    ids = colocated_run(colocated)
+    args = dict(model=cluster.router.config.model_name, prompt=PROMPT, temperature=0.0,
+                max_tokens=MAX_TOKENS)  # fmt: skip
+    free = client.completions.create(**args, extra_body={"ignore_eos": True}).model_dump()
+    text = free["choices"][0]["text"]
+    assert free["choices"][0]["finish_reason"] == "length"
+    assert free["choices"][0]["stop_reason"] is None
+    # A token the free run first samples well after the prefill's first one.
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
+    late = len(text) // 2
+    stop = next(
+        text[i : i + 3] for i in range(late, len(text) - 3) if text.find(text[i : i + 3]) >= late
+    )
+    for extra, want in (
+        ({"stop_token_ids": [ids[at]]}, ids[at]),
+        ({"stop": [stop]}, stop),
+    ):
+        body = {**args, "extra_body": {"ignore_eos": True, **extra}}
+        whole = client.completions.create(**body).model_dump()["choices"][0]
+        assert (whole["finish_reason"], whole["stop_reason"]) == ("stop", want)
+        chunks = [
+            c.model_dump()["choices"][0] for c in client.completions.create(**body, stream=True)
+        ]
+        assert [c.get("stop_reason", "absent") for c in chunks if c["finish_reason"]] == [want]
+        assert all("stop_reason" not in c for c in chunks if not c["finish_reason"])
+    chat_args = dict(model=cluster.router.config.model_name, temperature=0.0, max_tokens=12,
+                     messages=[{"role": "user", "content": "name three caches"}])  # fmt: skip
+    chat_text = client.chat.completions.create(**chat_args).choices[0].message.content
+    chat_stop = chat_text[len(chat_text) // 2 :][:2]
+    assert chat_stop.strip(), chat_text
+    chat = client.chat.completions.create(**chat_args, stop=[chat_stop]).model_dump()
+    assert chat["choices"][0]["stop_reason"] == chat_stop
+    cluster.assert_idle()
+
+
+def test_allowed_token_ids_restrict_every_token_as_on_a_colocated_run(
+    client, cluster, colocated, tokenizer
+):
+    """vLLM's allowed_token_ids through the cluster (the prefill worker picks the first
+    token, the decode worker the rest): greedy equals the colocated run with the same
+    restriction, which the free run's first token is outside of; sampled tokens stay
+    inside it too."""
+    free = colocated_run(colocated)
+    allowed = [t for t in range(5, 60) if t not in free][:6]
+    expected = colocated_run(colocated, allowed_token_ids=allowed)
+    assert set(expected) <= set(allowed) and expected != free
+    args = dict(model=cluster.router.config.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                logprobs=0)  # fmt: skip
+    extra = {"ignore_eos": True, "allowed_token_ids": allowed}
+    greedy = client.completions.create(**args, temperature=0.0, extra_body=extra)
+    assert greedy.choices[0].logprobs.tokens == token_texts(tokenizer, expected)
+    sampled = client.completions.create(**args, temperature=1.0, seed=5, extra_body=extra)
+    assert set(sampled.choices[0].logprobs.tokens) <= set(token_texts(tokenizer, allowed))
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**args, extra_body={"allowed_token_ids": [3, 2048]})
+    assert info.value.body["param"] == "allowed_token_ids"
+    cluster.assert_idle()
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(
+    client, cluster, colocated, tokenizer
+):
+    """vLLM's truncate_prompt_tokens: the request runs on the prompt's last k tokens
+    (usage counts them; echo repeats them); chat truncates its templated prompt."""
+    model = cluster.router.config.model_name
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [expected] = generate(colocated, [PROMPT[-10:]], params)
+    extra = {"ignore_eos": True, "truncate_prompt_tokens": 10, "return_token_ids": True}
+    args = dict(model=model, prompt=PROMPT, max_tokens=6, temperature=0.0, extra_body=extra)
+    whole = client.completions.create(**args).model_dump()
+    assert whole["usage"]["prompt_tokens"] == 10
+    assert whole["choices"][0]["prompt_token_ids"] == PROMPT[-10:]
+    assert whole["choices"][0]["token_ids"] == expected.token_ids
+    text = "the paged cache keeps every block of the prompt"
+    echoed = client.completions.create(
+        model=model, prompt=text, max_tokens=1, echo=True, extra_body={"truncate_prompt_tokens": 3}
+    )  # fmt: skip
+    last_three = tokenizer.decode(tokenizer.encode(text)[-3:], skip_special_tokens=False)
+    assert echoed.choices[0].text.startswith(last_three)
+    assert echoed.usage.prompt_tokens == 3
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 5},
+    )  # fmt: skip
+    assert chat.usage.prompt_tokens == 5
+    for bad in (0, -2, 1025, "5"):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(
+                model=model, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": bad}
+            )
+        assert info.value.body["param"] == "truncate_prompt_tokens"
+    cluster.assert_idle()
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(client, cluster, colocated):
+    """vLLM's return_tokens_as_token_ids: every token in logprobs (chosen, alternatives,
+    echoed prompt) is "token_id:<id>"; chat's too, its bytes those of that name."""
+    ids = colocated_run(colocated)[:4]
+    model = cluster.router.config.model_name
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    whole = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=4, temperature=0.0, logprobs=2, echo=True,
+        extra_body=extra,
+    ).choices[0].logprobs  # fmt: skip
+    assert whole.tokens == [f"token_id:{t}" for t in PROMPT + ids]
+    for top in whole.top_logprobs[1:]:
+        assert all(key.startswith("token_id:") for key in top) and 2 <= len(top) <= 3
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+        temperature=0.0, logprobs=True, top_logprobs=1, extra_body=extra,
+    ).choices[0].logprobs.content  # fmt: skip
+    for entry in chat:
+        assert entry.token.startswith("token_id:") and bytes(entry.bytes) == entry.token.encode()
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the chosen leads
 
 
 def test_n_choices_stream_with_their_index(client, cluster):
@@ -364,7 +485,7 @@ def test_echo_with_logprobs_returns_the_prompt_logprobs(client, cluster, tokeniz
         assert logprobs.tokens[: len(PROMPT)] == token_texts(tokenizer, PROMPT)
         assert logprobs.token_logprobs[0] is None
         prompt_part = logprobs.token_logprobs[1 : len(PROMPT)]
-        assert prompt_part == pytest.approx(expected.squeeze(1).tolist(), abs=1e-4)
+        assert prompt_part == pytest.approx(expected.squeeze(1).tolist(), **LOGPROB_TOLERANCE)
     assert len(whole.logprobs.tokens) == len(PROMPT) + 4
     assert whole.text == "".join(c.choices[0].text for c in streamed)
 
@@ -396,8 +517,7 @@ def test_echo_with_top_logprobs_ranks_every_prompt_position(
         assert len(prompt_tops) == len(expected)
         for top, want in zip(prompt_tops, expected, strict=True):
             assert list(top) == list(want)
-            # float32 sums in another order: ~1e-4 apart at the tail's -8 here.
-            assert list(top.values()) == pytest.approx(list(want.values()), abs=3e-4)
+            assert list(top.values()) == pytest.approx(list(want.values()), **LOGPROB_TOLERANCE)
 
 
 def hf_prompt_scores(model_dir: Path, prompt: list[int], k: int) -> list[dict | None]:
@@ -423,8 +543,7 @@ def assert_prompt_scores(got: list, expected: list, tokenizer: PromptTokenizer) 
         for token_id, (logprob, rank) in want.items():
             entry = entries[token_id]
             assert entry["rank"] == rank
-            # float32 sums in another order: ~1e-4 apart at the tail here.
-            assert entry["logprob"] == pytest.approx(logprob, abs=3e-4)
+            assert entry["logprob"] == pytest.approx(logprob, **LOGPROB_TOLERANCE)
             text = tokenizer.decode([int(token_id)], skip_special_tokens=False)
             assert entry["decoded_token"] == text
 

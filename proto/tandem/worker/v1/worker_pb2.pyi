@@ -70,7 +70,7 @@ class GuidedDecoding(_message.Message):
     def __init__(self, kind: _Optional[_Union[GuidedKind, str]] = ..., spec: _Optional[str] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "include_stop_str_in_output", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "num_resumed_tokens", "skip_special_tokens", "prompt_logprobs", "prompt_top_logprobs", "cache_salt", "structured")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop", "include_stop_str_in_output", "stop_token_ids", "ignore_eos", "min_tokens", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "num_resumed_tokens", "skip_special_tokens", "prompt_logprobs", "prompt_top_logprobs", "cache_salt", "structured")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -118,13 +119,14 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_resumed_tokens: int
     skip_special_tokens: bool
     prompt_logprobs: bool
     prompt_top_logprobs: int
     cache_salt: str
     structured: GuidedDecoding
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., num_resumed_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured: _Optional[_Union[GuidedDecoding, _Mapping]] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., include_stop_str_in_output: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., num_resumed_tokens: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., prompt_logprobs: _Optional[bool] = ..., prompt_top_logprobs: _Optional[int] = ..., cache_salt: _Optional[str] = ..., structured: _Optional[_Union[GuidedDecoding, _Mapping]] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -173,7 +175,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "first_token_text", "finish_reason", "kv_handle", "num_cached_tokens", "timings", "first_token_top_logprobs", "prompt_logprobs", "prompt_ranks", "prompt_top_logprobs")
+    __slots__ = ("first_token_id", "first_token_logprob", "first_token_text", "finish_reason", "kv_handle", "num_cached_tokens", "timings", "first_token_top_logprobs", "prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "stop_token_id", "stop_string")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +187,8 @@ class PrefillResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_RANKS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
     first_token_text: str
@@ -196,7 +200,9 @@ class PrefillResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_ranks: _containers.RepeatedScalarFieldContainer[int]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., first_token_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    stop_token_id: int
+    stop_string: str
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., first_token_top_logprobs: _Optional[_Union[TopLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -273,7 +279,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_handle: _Optional[_Union[KvHandle, _Mapping]] = ..., first_token_id: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "top_logprobs", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "kv_recomputed", "timings", "prefill_timings", "prompt_logprobs", "prompt_ranks", "prompt_top_logprobs")
+    __slots__ = ("token_ids", "logprobs", "top_logprobs", "text", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "kv_recomputed", "timings", "prefill_timings", "prompt_logprobs", "prompt_ranks", "prompt_top_logprobs", "stop_token_id", "stop_string")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +293,8 @@ class DecodeResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_RANKS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
@@ -300,7 +308,9 @@ class DecodeResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
     prompt_ranks: _containers.RepeatedScalarFieldContainer[int]
     prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_recomputed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ...) -> None: ...
+    stop_token_id: int
+    stop_string: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., kv_recomputed: _Optional[bool] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., prefill_timings: _Optional[_Union[Timings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_ranks: _Optional[_Iterable[int]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
