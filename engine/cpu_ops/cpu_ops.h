@@ -86,15 +86,38 @@ constexpr int kLanes16 = 16;
 typedef float Vec16 __attribute__((vector_size(kLanes16 * sizeof(float))));
 typedef int32_t Ints16 __attribute__((vector_size(kLanes16 * sizeof(int32_t))));
 
-inline Vec16 load16(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof(Vec16));
+// A float vector type V's lanes from p, to p, and all set to x.
+template <typename V>
+inline V load_lanes(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
   return v;
 }
 
-inline void store16(float* p, Vec16 v) { std::memcpy(p, &v, sizeof(Vec16)); }
+template <typename V>
+inline void store_lanes(float* p, V v) {
+  std::memcpy(p, &v, sizeof(V));
+}
 
+inline Vec16 load16(const float* p) { return load_lanes<Vec16>(p); }
+inline void store16(float* p, Vec16 v) { store_lanes(p, v); }
 inline Vec16 splat16(float x) { return Vec16{} + x; }
+
+// The widest float vector one register holds (16 floats with AVX-512, else 8), for the
+// register-blocked tile kernels: GCC keeps arrays of these in registers, where it spilled
+// arrays of two-register Vec16s to the stack on AVX2 and moved them through general
+// registers (float32 prefill attention, AMD EPYC with AVX2: 43 ms per layer at 512 tokens
+// against SDPA's 18).
+#ifdef __AVX512F__
+constexpr int kLanesN = 16;
+#else
+constexpr int kLanesN = 8;
+#endif
+typedef float VecN __attribute__((vector_size(kLanesN * sizeof(float))));
+
+inline VecN loadN(const float* p) { return load_lanes<VecN>(p); }
+inline void storeN(float* p, VecN v) { store_lanes(p, v); }
+inline VecN splatN(float x) { return VecN{} + x; }
 
 // Two-source lane picks that pair up blocks of w = 8, 4, 2, 1 lanes (round 0-3): with a
 // the first source and b the second, kBlockPairs[round] takes a's first w lanes of every
@@ -164,6 +187,23 @@ inline Vec16 round_bf16_16(Vec16 v) {
   return __builtin_bit_cast(Vec16, bits);
 }
 
+// One register of bfloat16s as floats (exact).
+#ifdef __AVX512F__
+inline VecN load_bf16N(const c10::BFloat16* p) { return load_bf16(p); }
+#else
+inline VecN load_bf16N(const c10::BFloat16* p) {
+  typedef uint16_t Bf16xN __attribute__((vector_size(kLanesN * sizeof(uint16_t))));
+  typedef uint32_t BitsN __attribute__((vector_size(kLanesN * sizeof(uint32_t))));
+  Bf16xN h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_bit_cast(VecN, __builtin_convertvector(h, BitsN) << 16);
+}
+#endif
+
+// One register's worth of a float32 or bfloat16 row as floats.
+inline VecN load_rowN(const float* p) { return loadN(p); }
+inline VecN load_rowN(const c10::BFloat16* p) { return load_bf16N(p); }
+
 // 16 elements of a float32 or bfloat16 row as floats, and back (bfloat16 rounded to
 // nearest even): the kernels written once for both dtypes read and write through these.
 inline Vec16 load_row(const float* p) { return load16(p); }
@@ -185,106 +225,143 @@ inline Vec16 load_partial16(const float* p, int64_t n, float fill) {
 inline void store_partial16(float* p, Vec16 v, int64_t n) {
   _mm512_mask_storeu_ps(p, first_lanes(n), __builtin_bit_cast(__m512, v));
 }
+
+inline VecN load_partialN(const float* p, int64_t n, float fill) { return load_partial16(p, n, fill); }
+inline void store_partialN(float* p, VecN v, int64_t n) { store_partial16(p, v, n); }
 #else
-inline Vec16 load_partial16(const float* p, int64_t n, float fill) {
-  if (n == kLanes16) return load16(p);
-  Vec16 v = splat16(fill);
+// The first n (<= the vector's lanes) floats at p into a V of `fill`s, and back.
+template <typename V>
+inline V load_partial(const float* p, int64_t n, float fill) {
+  V v = V{} + fill;
   std::memcpy(&v, p, n * sizeof(float));
   return v;
 }
 
+template <typename V>
+inline void store_partial(float* p, V v, int64_t n) {
+  std::memcpy(p, &v, n * sizeof(float));
+}
+
+inline Vec16 load_partial16(const float* p, int64_t n, float fill) {
+  return n == kLanes16 ? load16(p) : load_partial<Vec16>(p, n, fill);
+}
+
 inline void store_partial16(float* p, Vec16 v, int64_t n) {
   if (n == kLanes16) return store16(p, v);
-  std::memcpy(p, &v, n * sizeof(float));
+  store_partial(p, v, n);
+}
+
+inline VecN load_partialN(const float* p, int64_t n, float fill) {
+  return n == kLanesN ? loadN(p) : load_partial<VecN>(p, n, fill);
+}
+
+inline void store_partialN(float* p, VecN v, int64_t n) {
+  if (n == kLanesN) return storeN(p, v);
+  store_partial(p, v, n);
 }
 #endif
 
 // The integers nearest y (ties away from zero, or to even with AVX-512), as floats; and
 // p * 2^k for integer-valued k in [-126, 127]. With AVX-512 one instruction each
 // (vrndscaleps, vscalefps), otherwise an add, two conversions, and an exponent built in
-// integer lanes.
+// integer lanes, for a float vector V and the int32 vector I of its lanes.
+template <typename V, typename I>
+inline V nearest_integer_lanes(V y) {
+  const I k = __builtin_convertvector(y + (y < V{} ? V{} - 0.5f : V{} + 0.5f), I);
+  return __builtin_convertvector(k, V);
+}
+
+template <typename V, typename I>
+inline V times_power_of_two_lanes(V p, V k) {
+  const I two_to_k = (__builtin_convertvector(k, I) + 127) << 23;  // 2^k's float bits
+  return p * __builtin_bit_cast(V, two_to_k);
+}
+
 #ifdef __AVX512F__
-inline Vec16 nearest_integer16(Vec16 y) {
+inline Vec16 nearest_integer(Vec16 y) {
   return __builtin_bit_cast(Vec16, _mm512_roundscale_ps(__builtin_bit_cast(__m512, y),
                                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-inline Vec16 times_power_of_two16(Vec16 p, Vec16 k) {
+inline Vec16 times_power_of_two(Vec16 p, Vec16 k) {
   return __builtin_bit_cast(Vec16, _mm512_scalef_ps(__builtin_bit_cast(__m512, p), __builtin_bit_cast(__m512, k)));
 }
 #else
-inline Vec16 nearest_integer16(Vec16 y) {
-  const Ints16 k = __builtin_convertvector(y + (y < splat16(0.f) ? splat16(-0.5f) : splat16(0.5f)), Ints16);
-  return __builtin_convertvector(k, Vec16);
-}
-inline Vec16 times_power_of_two16(Vec16 p, Vec16 k) {
-  const Ints16 two_to_k = (__builtin_convertvector(k, Ints16) + 127) << 23;  // 2^k's float bits
-  return p * __builtin_bit_cast(Vec16, two_to_k);
-}
+typedef int32_t IntsN __attribute__((vector_size(kLanesN * sizeof(int32_t))));
+inline Vec16 nearest_integer(Vec16 y) { return nearest_integer_lanes<Vec16, Ints16>(y); }
+inline Vec16 times_power_of_two(Vec16 p, Vec16 k) { return times_power_of_two_lanes<Vec16, Ints16>(p, k); }
+inline VecN nearest_integer(VecN y) { return nearest_integer_lanes<VecN, IntsN>(y); }
+inline VecN times_power_of_two(VecN p, VecN k) { return times_power_of_two_lanes<VecN, IntsN>(p, k); }
 #endif
 
-// e^x of 16 floats: 2^k * e^r with k the integer nearest x / ln 2 and |r| <= ln 2 / 2, e^r
-// by its Taylor polynomial of degree 6 (relative error under 2e-7, about glibc's). x is
-// clamped to [-87, 88] first, where the results are normal floats: below, e^x is under
-// 1.7e-38 and becomes that; above, it would overflow. No table, no branch, no special
-// case: about a third of the instructions of glibc's vector exp. (The AVX-512 rounding and
-// scaling made bfloat16 prefill attention ~7% faster.)
-inline Vec16 exp16(Vec16 x) {
-  x = x < splat16(-87.f) ? splat16(-87.f) : x;
-  x = x > splat16(88.f) ? splat16(88.f) : x;
-  const Vec16 kf = nearest_integer16(x * 1.44269504088896341f);
+// e^x of a float vector (Vec16 or VecN): 2^k * e^r with k the integer nearest x / ln 2 and
+// |r| <= ln 2 / 2, e^r by its Taylor polynomial of degree 6 (relative error under 2e-7,
+// about glibc's). x is clamped to [-87, 88] first, where the results are normal floats:
+// below, e^x is under 1.7e-38 and becomes that; above, it would overflow. No table, no
+// branch, no special case: about a third of the instructions of glibc's vector exp. (The
+// AVX-512 rounding and scaling made bfloat16 prefill attention ~7% faster.)
+template <typename V>
+inline V exp_lanes(V x) {
+  x = x < V{} - 87.f ? V{} - 87.f : x;
+  x = x > V{} + 88.f ? V{} + 88.f : x;
+  const V kf = nearest_integer(x * 1.44269504088896341f);
   // ln 2 in two parts (the first exact in 11 bits) so that k * ln 2 loses nothing.
-  const Vec16 r = (x - kf * 0.693145751953125f) - kf * 1.42860682030941723e-6f;
-  Vec16 p = splat16(1.f / 720.f);
+  const V r = (x - kf * 0.693145751953125f) - kf * 1.42860682030941723e-6f;
+  V p = V{} + 1.f / 720.f;
   p = p * r + 1.f / 120.f;
   p = p * r + 1.f / 24.f;
   p = p * r + 1.f / 6.f;
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  return times_power_of_two16(p, kf);
+  return times_power_of_two(p, kf);
 }
 
-inline float horizontal_sum16(Vec16 v) {
+inline Vec16 exp16(Vec16 x) { return exp_lanes(x); }
+
+template <typename V>
+inline float horizontal_sum(V v) {
   float sum = 0.f;
-  for (int i = 0; i < kLanes16; ++i) sum += v[i];
+  for (size_t i = 0; i < sizeof(V) / sizeof(float); ++i) sum += v[i];
   return sum;
 }
 
-// The largest of init and s[0..n).
+inline float horizontal_sum16(Vec16 v) { return horizontal_sum(v); }
+
+// The largest of init and s[0..n), one register of floats at a time.
 inline float max_of(const float* s, int64_t n, float init) {
-  Vec16 top = splat16(init);
+  VecN top = splatN(init);
   int64_t i = 0;
-  for (; i + kLanes16 <= n; i += kLanes16) {
-    const Vec16 v = load16(s + i);
+  for (; i + kLanesN <= n; i += kLanesN) {
+    const VecN v = loadN(s + i);
     top = v > top ? v : top;
   }
   if (i < n) {
-    const Vec16 v = load_partial16(s + i, n - i, init);
+    const VecN v = load_partialN(s + i, n - i, init);
     top = v > top ? v : top;
   }
   float m = top[0];
-  for (int j = 1; j < kLanes16; ++j) m = top[j] > m ? top[j] : m;
+  for (int j = 1; j < kLanesN; ++j) m = top[j] > m ? top[j] : m;
   return m;
 }
 
 // Softmax's middle step: s[i] = e^(s[i] - top) for i < n (top >= every s[i]); returns
-// their sum.
+// their sum. One register of floats at a time.
 inline float exp_shifted_sum(float* s, int64_t n, float top) {
-  Vec16 sum = Vec16{};
+  VecN sum = VecN{};
   int64_t i = 0;
-  for (; i + kLanes16 <= n; i += kLanes16) {
-    const Vec16 e = exp16(load16(s + i) - top);
-    store16(s + i, e);
+  for (; i + kLanesN <= n; i += kLanesN) {
+    const VecN e = exp_lanes(loadN(s + i) - top);
+    storeN(s + i, e);
     sum += e;
   }
   if (i < n) {
     // Lanes past n start at top - 100: their e^-100 clamps to 1.7e-38 each, nothing
     // beside a sum of terms that the caller will divide by.
-    const Vec16 e = exp16(load_partial16(s + i, n - i, top - 100.f) - top);
-    store_partial16(s + i, e, n - i);
+    const VecN e = exp_lanes(load_partialN(s + i, n - i, top - 100.f) - top);
+    store_partialN(s + i, e, n - i);
     sum += e;
   }
-  return horizontal_sum16(sum);
+  return horizontal_sum(sum);
 }
 
 }  // namespace tandem_cpu

@@ -15,33 +15,16 @@
 
 namespace {
 
-#ifdef __AVX512F__
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float Vec __attribute__((vector_size(kLanes * sizeof(float))));
+// One register of floats (cpu_ops.h's VecN), and the row's elements read into one as
+// floats (a bfloat16 exactly: it is a float's upper half).
+constexpr int kLanes = tandem_cpu::kLanesN;
+using Vec = tandem_cpu::VecN;
 typedef int32_t Mask __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
-inline Vec load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(Vec));
-  return v;
+template <typename T>
+inline Vec load(const T* p) {
+  return tandem_cpu::load_rowN(p);
 }
-
-// kLanes bfloat16s as floats (exact: a bfloat16 is a float's upper half): with AVX-512
-// cpu_ops.h's 16-lane load (one widening instruction).
-#ifdef __AVX512F__
-inline Vec load(const c10::BFloat16* p) { return tandem_cpu::load_bf16(p); }
-#else
-typedef uint16_t Halves __attribute__((vector_size(kLanes * sizeof(uint16_t))));
-typedef uint32_t Words __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-inline Vec load(const c10::BFloat16* p) {
-  Halves h;
-  std::memcpy(&h, p, sizeof(h));
-  return __builtin_bit_cast(Vec, __builtin_convertvector(h, Words) << 16);
-}
-#endif
 
 // A NaN's bits, magnitude above infinity's. Tested on the bits: the build's -ffast-math
 // lets the compiler assume no float is a NaN, so a float test could be optimized away.

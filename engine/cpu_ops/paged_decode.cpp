@@ -21,8 +21,13 @@ namespace {
 
 using tandem_cpu::Ints16;
 using tandem_cpu::kLanes16;
+using tandem_cpu::kLanesN;
 using tandem_cpu::load16;
 using tandem_cpu::load_row;
+using tandem_cpu::load_rowN;
+using tandem_cpu::loadN;
+using tandem_cpu::storeN;
+using tandem_cpu::VecN;
 using tandem_cpu::store16;
 using tandem_cpu::store_row;
 using tandem_cpu::Vec16;
@@ -36,13 +41,23 @@ inline float horizontal_sum(Vec16 v) {
   return v[0];
 }
 
+#ifndef __AVX512F__
+// The same for one 8-float register (AVX2): halves added, then pairs.
+inline float horizontal_sum(VecN v) {
+  const __m256 x = __builtin_bit_cast(__m256, v);
+  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+#endif
+
 // The vector path: float32 and bfloat16 caches (computing in float32), head_dim D. One
 // task per (sequence, range of KV heads): all of a sequence's heads when there are enough
 // sequences to keep every thread busy, fewer (down to one) per task otherwise. Block by
 // block, each head of the task scores its query heads against the block's keys (a vector
-// of partial sums per key, QueryHead; on AVX-512, 16 keys' vectors folded into 16 scores
-// at once, fold16), then, after one softmax per query head, sums the block's values into
-// D / 16 register accumulators per query head, up to 4 query heads per read of a value
+// of partial sums per key, QueryHead; 16 keys' vectors folded into 16 scores at once, 8
+// on AVX2, fold), then, after one softmax per query head, sums the block's values into
+// D / kLanesN register accumulators per query head, up to 4 query heads per read of a value
 // row (add_weighted_values; in bfloat16 with AVX512-BF16 two keys per dot-product
 // instruction, add_weighted_value_pairs). A 12-layer batch-32 pass of the small preset
 // (context 131-150, from memory) took 5.6 ms in bfloat16 before these, 3.8 with the
@@ -56,18 +71,20 @@ inline float horizontal_sum(Vec16 v) {
 
 // One query head, ready to score keys: dot(k) is a vector whose lanes sum to the head's
 // score for key k before post_scale. float32 (and bfloat16 without AVX512-BF16): the row
-// times the scale as floats, D / 16 multiply-adds per key.
+// times the scale as floats, D / kLanesN multiply-adds per key in one-register vectors
+// (two-register Vec16s, on AVX2, went through the stack: float32 decode attention took
+// 3.5x the memory's pace there).
 template <int D, typename T>
 struct QueryHead {
-  static constexpr int kVectors = D / kLanes16;
+  static constexpr int kVectors = D / kLanesN;
   static constexpr float post_scale = 1.f;
-  Vec16 row[kVectors];
+  VecN row[kVectors];
   QueryHead(const T* q, float scale) {
-    for (int c = 0; c < kVectors; ++c) row[c] = load_row(q + c * kLanes16) * scale;
+    for (int c = 0; c < kVectors; ++c) row[c] = load_rowN(q + c * kLanesN) * scale;
   }
-  Vec16 dot(const T* k) const {
-    Vec16 sum = row[0] * load_row(k);
-    for (int c = 1; c < kVectors; ++c) sum += row[c] * load_row(k + c * kLanes16);
+  VecN dot(const T* k) const {
+    VecN sum = row[0] * load_rowN(k);
+    for (int c = 1; c < kVectors; ++c) sum += row[c] * load_rowN(k + c * kLanesN);
     return sum;
   }
 };
@@ -94,18 +111,15 @@ struct QueryHead<D, c10::BFloat16> {
 };
 #endif
 
+// Keys scored together: their dot vectors folded into one vector of scores (fold).
+constexpr int kFoldKeys = kLanesN;
+
+#ifdef __AVX512F__
 // Lane i of the result = the sum of v[i]'s lanes. Four rounds; each pairs up the vectors,
 // two lane shuffles and an add per pair putting half of each one's partial sums side by
 // side (16 -> 8 -> 4 -> 2 -> 1 vectors), then one shuffle undoes the rounds' bit-reversed
-// lane order: 46 instructions where 16 horizontal sums take 128. Needs 16 vector
-// registers for v, so AVX-512 builds only (kFoldKeys).
-#ifdef __AVX512F__
-constexpr bool kFoldKeys = true;
-#else
-constexpr bool kFoldKeys = false;
-#endif
-
-inline Vec16 fold16(Vec16 (&v)[kLanes16]) {
+// lane order: 46 instructions where 16 horizontal sums take 128.
+inline Vec16 fold(Vec16 (&v)[kLanes16]) {
   using tandem_cpu::kBlockPairs;
   for (int round = 0, count = kLanes16; round < 4; ++round, count /= 2) {
     const Ints16 hi = kBlockPairs[round] + (8 >> round);
@@ -116,33 +130,52 @@ inline Vec16 fold16(Vec16 (&v)[kLanes16]) {
   }
   return __builtin_shuffle(v[0], Ints16{0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15});
 }
+#else
+// The same for eight 8-float registers (AVX2): two rounds of horizontal adds leave each
+// vector's two 128-bit halves' sums side by side, and one cross-half add finishes them.
+inline VecN fold(VecN (&v)[kLanesN]) {
+  const auto hadd = [](VecN a, VecN b) {
+    return __builtin_bit_cast(VecN, _mm256_hadd_ps(__builtin_bit_cast(__m256, a), __builtin_bit_cast(__m256, b)));
+  };
+  const VecN first = hadd(hadd(v[0], v[1]), hadd(v[2], v[3]));
+  const VecN second = hadd(hadd(v[4], v[5]), hadd(v[6], v[7]));
+  const __m256 a = __builtin_bit_cast(__m256, first), b = __builtin_bit_cast(__m256, second);
+  return __builtin_bit_cast(VecN, _mm256_permute2f128_ps(a, b, 0x20)) +
+         __builtin_bit_cast(VecN, _mm256_permute2f128_ps(a, b, 0x31));
+}
+#endif
 
 // Query heads of one KV head whose value sums stay in registers together while each of
 // the block's value rows is read (and, in bfloat16, converted) once for all of them: up to
-// 16 accumulator vectors.
+// half the vector registers as accumulators (16 of AVX-512's 32, 8 of AVX2's 16).
+#ifdef __AVX512F__
+constexpr int kAccumulators = 16;
+#else
+constexpr int kAccumulators = 8;
+#endif
 template <int D>
-constexpr int kHeadsPerValueRead = std::max(1, std::min(4, 16 / (D / kLanes16)));
+constexpr int kHeadsPerValueRead = std::max(1, std::min(4, kAccumulators / (D / kLanesN)));
 
 // acc[g, :] += sum over the block's n keys j of p[g * p_stride + j] * values[j * stride, :]
 // for the G query heads g of one KV head (values: the block's first row for that head).
 template <int D, typename T, int G>
 void add_weighted_values(const T* values, int64_t stride, int64_t n, const float* p, int64_t p_stride,
                          float* acc) {
-  constexpr int kVectors = D / kLanes16;
-  Vec16 sums[G][kVectors];
+  constexpr int kVectors = D / kLanesN;
+  VecN sums[G][kVectors];
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < kVectors; ++c) sums[g][c] = load16(acc + g * D + c * kLanes16);
+    for (int c = 0; c < kVectors; ++c) sums[g][c] = loadN(acc + g * D + c * kLanesN);
   }
   for (int64_t j = 0; j < n; ++j) {
-    Vec16 v[kVectors];
-    for (int c = 0; c < kVectors; ++c) v[c] = load_row(values + j * stride + c * kLanes16);
+    VecN v[kVectors];
+    for (int c = 0; c < kVectors; ++c) v[c] = load_rowN(values + j * stride + c * kLanesN);
     for (int g = 0; g < G; ++g) {
       const float weight = p[g * p_stride + j];
       for (int c = 0; c < kVectors; ++c) sums[g][c] += weight * v[c];
     }
   }
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < kVectors; ++c) store16(acc + g * D + c * kLanes16, sums[g][c]);
+    for (int c = 0; c < kVectors; ++c) storeN(acc + g * D + c * kLanesN, sums[g][c]);
   }
 }
 
@@ -421,10 +454,10 @@ void decode_vectors(const at::Tensor& query, const at::Tensor& kv_cache, const a
             const T* keys = block + h * D;
             float* sg = s + (hq - q0) * len + (t0 - k0);
             int64_t j = 0;
-            for (; kFoldKeys && j + kLanes16 <= n; j += kLanes16) {
-              Vec16 dots[kLanes16];
-              for (int i = 0; i < kLanes16; ++i) dots[i] = query_head.dot(keys + (j + i) * token_stride);
-              store16(sg + j, fold16(dots) * query_head.post_scale);
+            for (; j + kFoldKeys <= n; j += kFoldKeys) {
+              VecN dots[kFoldKeys];
+              for (int i = 0; i < kFoldKeys; ++i) dots[i] = query_head.dot(keys + (j + i) * token_stride);
+              storeN(sg + j, fold(dots) * query_head.post_scale);
             }
             for (; j < n; ++j) sg[j] = horizontal_sum(query_head.dot(keys + j * token_stride)) * query_head.post_scale;
           }
