@@ -487,6 +487,11 @@ def _constrained(
     if given is not None and forced is not None:
         raise invalid(given[0], "cannot be combined with a forced 'tool_choice'")
     structured = forced if forced is not None else (given[1] if given else None)
+    if structured is not None and generation.params.allowed_token_ids:
+        # The grammar could need a token outside the list: no token would be left.
+        raise invalid(
+            "allowed_token_ids", "cannot be combined with structured outputs or a forced tool call"
+        )
     if structured is not None:
         params = dataclasses.replace(generation.params, structured=structured)
         generation = dataclasses.replace(generation, params=params)

@@ -318,9 +318,10 @@ def test_allowed_token_ids_restrict_every_token_as_on_a_colocated_run(
     assert greedy.choices[0].logprobs.tokens == token_texts(tokenizer, expected)
     sampled = client.completions.create(**args, temperature=1.0, seed=5, extra_body=extra)
     assert set(sampled.choices[0].logprobs.tokens) <= set(token_texts(tokenizer, allowed))
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(**args, extra_body={"allowed_token_ids": [3, 2048]})
-    assert info.value.body["param"] == "allowed_token_ids"
+    for bad in ({"allowed_token_ids": [3, 2048]}, {**extra, "guided_regex": "[a-z]+"}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(**args, extra_body=bad)
+        assert info.value.body["param"] == "allowed_token_ids"
     cluster.assert_idle()
 
 
