@@ -15,16 +15,12 @@
 
 namespace {
 
-// One register of floats (cpu_ops.h's VecN), and the row's elements read into one as
-// floats (a bfloat16 exactly: it is a float's upper half).
+// One register of floats (cpu_ops.h's VecN; a row's elements read into one by load_rowN,
+// a bfloat16 exactly: it is a float's upper half).
 constexpr int kLanes = tandem_cpu::kLanesN;
+using tandem_cpu::load_rowN;
 using Vec = tandem_cpu::VecN;
 typedef int32_t Mask __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-template <typename T>
-inline Vec load(const T* p) {
-  return tandem_cpu::load_rowN(p);
-}
 
 // A NaN's bits, magnitude above infinity's. Tested on the bits: the build's -ffast-math
 // lets the compiler assume no float is a NaN, so a float test could be optimized away.
@@ -60,12 +56,12 @@ int64_t row_argmax(const T* row, int64_t n) {
     Mask at[kChains];
     Mask nan = Mask{} != Mask{};  // all false
     for (int c = 0; c < kChains; ++c) {
-      max[c] = load(row + c * kLanes);
+      max[c] = load_rowN(row + c * kLanes);
       at[c] = lane + c * kLanes;
     }
     for (int64_t i = 0; i < whole; i += kStep) {
       for (int c = 0; c < kChains; ++c) {
-        const Vec v = load(row + i + c * kLanes);
+        const Vec v = load_rowN(row + i + c * kLanes);
         Mask bits;
         std::memcpy(&bits, &v, sizeof(bits));
         nan |= (bits & static_cast<int32_t>(kMagnitudeBits)) > static_cast<int32_t>(kInfinityBits);
