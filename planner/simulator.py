@@ -33,6 +33,7 @@ from tandem.planner.workload import PlanRequest, PlanWorkload
 from tandem.router.policy import (
     DecodeLatencyModel,
     GoodputPolicy,
+    PlacementRequest,
     PrefillLatencyModel,
     PrefixIndex,
     RequestSlo,
@@ -187,7 +188,9 @@ class ClusterSimulation:
                 ids = prompts.ids(req)
                 self._arrival[req_id] = self.now_s
                 heapq.heappush(deadlines, (self.now_s + self.slo.ttft_s, req_id))
-                placement = self.policy.place_now(req_id, ids, req.output_tokens, self.router_slo)
+                placement = self.policy.place_now(
+                    PlacementRequest(req_id, ids, req.output_tokens, self.router_slo)
+                )
                 report.decisions[placement.decision] += 1
                 wid = placement.prefill_worker_id or placement.decode_worker_id
                 cached = 0

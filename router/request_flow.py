@@ -31,7 +31,7 @@ from tandem.router.chunk_stream import ChunkStream, GenerationChunk, Usage
 from tandem.router.errors import Overloaded, RouterError, from_worker_error
 from tandem.router.forked_flow import generate_forked
 from tandem.router.metrics import RouterMetrics
-from tandem.router.policy import GoodputPolicy, Placement, RequestSlo, SloConfig
+from tandem.router.policy import GoodputPolicy, Placement, PlacementRequest, RequestSlo, SloConfig
 from tandem.router.sequence import Sequence, sequence_id, sequence_params
 from tandem.router.sequence_flow import SequenceFlow
 from tandem.router.worker_calls import WorkerCalls
@@ -189,7 +189,9 @@ class RequestFlow:
         queue_span = self.tracing.start_span("queue", span, **{"tandem.slo_class": slo.class_name})
         try:
             placement = await self.policy.place(
-                req_id, prompt_ids, params.max_tokens, slo, cache_salt=params.cache_salt
+                PlacementRequest(
+                    req_id, prompt_ids, params.max_tokens, slo, cache_salt=params.cache_salt
+                )
             )
         except Overloaded:
             self.metrics.rejected.labels(self.metrics.model_name, "overloaded").inc()

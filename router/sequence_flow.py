@@ -45,7 +45,7 @@ from tandem.router.continuation import (
 )
 from tandem.router.errors import WorkerUnavailable
 from tandem.router.metrics import RouterMetrics
-from tandem.router.policy import GoodputPolicy, Placement
+from tandem.router.policy import GoodputPolicy, Placement, PlacementRequest
 from tandem.router.sequence import Sequence
 from tandem.router.worker_calls import WorkerCalls
 from tandem.router.worker_pool import WorkerPair, WorkerPool
@@ -133,8 +133,10 @@ class SequenceFlow:
                         yield final_chunk(detok, FinishReason.LENGTH)
                         return
                     placement = self.policy.place_migrated(
-                        seq.migration_key, [*seq.prompt_ids, *seq.output_ids], num_left, seq.slo,
-                        cache_salt=seq.params.cache_salt,
+                        PlacementRequest(
+                            seq.migration_key, [*seq.prompt_ids, *seq.output_ids], num_left,
+                            seq.slo, cache_salt=seq.params.cache_salt,
+                        )
                     )  # fmt: skip
                     seq.placement_key, seq.owns_placement = seq.migration_key, True
                 finally:

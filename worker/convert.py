@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from tandem.engine.config import EngineConfig
 from tandem.engine.outputs import EngineStats, PromptLogprobs
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
-from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.worker.config import WorkerRole
 
@@ -159,9 +160,14 @@ def add_prompt_logprobs(
     msg.prompt_top_logprobs.extend(top_logprobs_to_proto(top) for top in scores.top)
 
 
-# Messages with a `stop_reason` oneof (stop_token_id | stop_string): the workers' and
-# tandem.v1's.
-StopReasonMessage = pb.PrefillResponse | pb.DecodeResponse | gen_pb.GenerateResponse
+class StopReasonMessage(Protocol):
+    """A message with the `stop_reason` oneof (stop_token_id | stop_string): the workers'
+    responses, and tandem.v1's GenerateResponse."""
+
+    stop_token_id: int
+    stop_string: str
+
+    def WhichOneof(self, oneof_group: str) -> str | None: ...
 
 
 def set_stop_reason(msg: StopReasonMessage, stop_reason: int | str | None) -> None:

@@ -16,8 +16,8 @@ Small pure objects, no I/O, unit-testable on CPU:
 - `admission`: `AdmissionController` (admit / shed with Retry-After) and
   `AdmissionQueue` (bounded priority queue for policy `queue`).
 - `goodput_policy`: `GoodputPolicy`, the one object `RequestFlow` drives:
-  `place()` on arrival, then `on_prefill_done` / `on_kv_pulled` / `observe_itl` /
-  `on_finish` as the request progresses.
+  `place(PlacementRequest)` on arrival, then `on_prefill_done` / `on_kv_pulled` /
+  `observe_itl` / `on_finish` as the request progresses.
 """
 
 from tandem.router.policy.admission import (
@@ -28,7 +28,7 @@ from tandem.router.policy.admission import (
     AdmissionPolicy,
     AdmissionQueue,
 )
-from tandem.router.policy.goodput_policy import GoodputPolicy
+from tandem.router.policy.goodput_policy import GoodputPolicy, PlacementRequest
 from tandem.router.policy.latency_model import (
     DecodeLatencyModel,
     DecodeObservation,
@@ -64,6 +64,7 @@ __all__ = [
     "GoodputPolicy",
     "PairSelector",
     "Placement",
+    "PlacementRequest",
     "PrefillLatencyModel",
     "PrefillObservation",
     "PrefixIndex",

@@ -4,7 +4,8 @@
 both workers and in their prefix indexes). The request flow then reports the
 request's progress so the live view stays right and the latency models learn:
 
-    placement = await policy.place(req_id, prompt_ids, max_tokens, slo)  # may raise Overloaded
+    request = PlacementRequest(req_id, prompt_ids, max_tokens, slo)
+    placement = await policy.place(request)  # may raise Overloaded
     try:
         # disaggregated: PrefillResponse arrived (token 1 streamed to the client)
         policy.on_prefill_done(req_id, num_cached_tokens=r.num_cached_tokens,
@@ -41,6 +42,18 @@ from tandem.router.policy.slo import RequestSlo
 from tandem.router.policy.worker_state import WorkerState, WorkerStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What the policy needs to know about one request to place it."""
+
+    req_id: str
+    prompt_ids: Sequence[int]
+    max_tokens: int
+    slo: RequestSlo
+    # The request's cache salt: its prompt's blocks hash with it, as on the workers.
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -88,93 +101,65 @@ class GoodputPolicy:
 
     # ----- admission ---------------------------------------------------------------
 
-    def place_now(
-        self,
-        req_id: str,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        slo: RequestSlo,
-        *,
-        cache_salt: str | None = None,
-    ) -> Placement:
-        """Place and commit the request now, or raise `Overloaded` (any policy but `none`).
-        `cache_salt`: the request's (its prompt's blocks hash with it, as on the workers)."""
-        result = self._attempt(req_id, prompt_ids, max_tokens, slo, self.queue.outranks, cache_salt)
+    def place_now(self, request: PlacementRequest) -> Placement:
+        """Place and commit the request now, or raise `Overloaded` (any policy but `none`)."""
+        result = self._attempt(request, self.queue.outranks)
         if isinstance(result, AdmissionDecision):
             self.rejections[result.reason] += 1
             raise self.admission.overloaded(result)
         return result
 
-    async def place(
-        self,
-        req_id: str,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        slo: RequestSlo,
-        *,
-        cache_salt: str | None = None,
-    ) -> Placement:
+    async def place(self, request: PlacementRequest) -> Placement:
         """Place and commit the request; under policy `queue` wait for capacity first."""
         if self.admission.config.policy is not AdmissionPolicy.QUEUE:
-            return self.place_now(req_id, prompt_ids, max_tokens, slo, cache_salt=cache_salt)
-        result = self._attempt(req_id, prompt_ids, max_tokens, slo, self.queue.outranks, cache_salt)
+            return self.place_now(request)
+        result = self._attempt(request, self.queue.outranks)
         if not isinstance(result, AdmissionDecision):
             return result
         self.rejections[result.reason] += 1
         try:
             return await self.queue.wait(
-                req_id,
-                slo.priority,
-                lambda: self._attempt(req_id, prompt_ids, max_tokens, slo, None, cache_salt),
+                request.req_id, request.slo.priority, lambda: self._attempt(request, None)
             )
         except Overloaded:
             self.rejections["queue"] += 1
             raise
         except BaseException:
             # Admitted by a `notify` but cancelled before we resumed: undo the commit.
-            self.on_finish(req_id)
+            self.on_finish(request.req_id)
             raise
 
-    def place_migrated(
-        self,
-        req_id: str,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        slo: RequestSlo,
-        *,
-        cache_salt: str | None = None,
-    ) -> Placement:
+    def place_migrated(self, request: PlacementRequest) -> Placement:
         """Place a request again after its worker failed (`prompt_ids`: prompt plus the
         tokens already streamed). It was admitted once, so admission does not shed it;
         `WorkerUnavailable` when no decode worker is available."""
-        if req_id in self._requests:
-            raise ValueError(f"request {req_id!r} is still placed; finish it first")
-        placement = self.selector.select(prompt_ids, max_tokens, slo, cache_salt)
-        self._commit(req_id, placement, prompt_ids, slo)
+        if request.req_id in self._requests:
+            raise ValueError(f"request {request.req_id!r} is still placed; finish it first")
+        placement = self._select(request)
+        self._commit(request, placement)
         return placement
 
     def _attempt(
-        self,
-        req_id: str,
-        prompt_ids: Sequence[int],
-        max_tokens: int,
-        slo: RequestSlo,
-        outranks: Callable[[int], bool] | None,
-        cache_salt: str | None,
+        self, request: PlacementRequest, outranks: Callable[[int], bool] | None
     ) -> Placement | AdmissionDecision:
-        if req_id in self._requests:
-            raise ValueError(f"request {req_id!r} is already placed")
-        placement = self.selector.select(prompt_ids, max_tokens, slo, cache_salt)
+        if request.req_id in self._requests:
+            raise ValueError(f"request {request.req_id!r} is already placed")
+        placement = self._select(request)
+        slo = request.slo
         outranked = outranks(slo.priority) if outranks is not None else False
         decision = self.admission.evaluate(placement, slo, outranked=outranked)
         if not decision.admit:
             return decision
-        self._commit(req_id, placement, prompt_ids, slo)
+        self._commit(request, placement)
         return placement
 
-    def _commit(
-        self, req_id: str, placement: Placement, prompt_ids: Sequence[int], slo: RequestSlo
-    ) -> None:
+    def _select(self, request: PlacementRequest) -> Placement:
+        return self.selector.select(
+            request.prompt_ids, request.max_tokens, request.slo, request.cache_salt
+        )
+
+    def _commit(self, request: PlacementRequest, placement: Placement) -> None:
+        req_id, prompt_ids, slo = request.req_id, request.prompt_ids, request.slo
         now = self.clock()
         hashes = placement.prompt_hashes
         decode = self.workers[placement.decode_worker_id]

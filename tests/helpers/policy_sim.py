@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tandem.router.errors import Overloaded
-from tandem.router.policy import GoodputPolicy, Placement, PrefixIndex, RequestSlo
+from tandem.router.policy import GoodputPolicy, Placement, PlacementRequest, PrefixIndex, RequestSlo
 from tests.helpers.clock import FakeClock
 
 
@@ -99,7 +99,9 @@ def simulate(
             req = data
             assert isinstance(req, SimRequest)
             try:
-                placement = policy.place_now(req.req_id, req.prompt_ids, req.max_tokens, req.slo)
+                placement = policy.place_now(
+                    PlacementRequest(req.req_id, req.prompt_ids, req.max_tokens, req.slo)
+                )
             except Overloaded:
                 results.append(SimResult(req, None))
                 continue

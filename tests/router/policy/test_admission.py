@@ -11,6 +11,7 @@ from tandem.router.policy import (
     AdmissionController,
     GoodputPolicy,
     Placement,
+    PlacementRequest,
     PrefillLatencyModel,
     SelectorConfig,
     SloConfig,
@@ -116,19 +117,22 @@ def test_evaluate_rules():
 
 def test_batch_fills_idle_capacity_only_and_is_shed_first():
     policy = make_policy("shed")
-    assert policy.place_now("b0", list(range(500)), 16, BATCH).decision  # idle: admitted
+    b0 = policy.place_now(PlacementRequest("b0", list(range(500)), 16, BATCH))
+    assert b0.decision  # idle: admitted
     policy.on_finish("b0")
     # Interactive traffic builds a queue on the only prefill worker ...
     for i in range(4):
         policy.place_now(
-            f"i{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 800)), 16, INTERACTIVE
+            PlacementRequest(
+                f"i{i}", list(range(1000 * (i + 1), 1000 * (i + 1) + 800)), 16, INTERACTIVE
+            )
         )
     assert policy.workers["p0"].predicted_queue_s() > 0.1
     # ... so batch work is refused (Retry-After set) while interactive still gets in.
     with pytest.raises(Overloaded) as info:
-        policy.place_now("b1", list(range(90_000, 90_500)), 16, BATCH)
+        policy.place_now(PlacementRequest("b1", list(range(90_000, 90_500)), 16, BATCH))
     assert info.value.retry_after_s >= 0.5
-    assert policy.place_now("i9", list(range(80_000, 80_100)), 16, INTERACTIVE)
+    assert policy.place_now(PlacementRequest("i9", list(range(80_000, 80_100)), 16, INTERACTIVE))
     assert policy.rejections["idle_capacity"] == 1
 
 
@@ -136,9 +140,11 @@ def test_queue_admits_when_capacity_frees():
     async def main():
         # 64 decode blocks: one 40-block request at a time.
         policy = make_policy("queue", decode_blocks=64, queue_timeout_s=2.0)
-        first = await policy.place("a", list(range(600)), 40, INTERACTIVE)
+        first = await policy.place(PlacementRequest("a", list(range(600)), 40, INTERACTIVE))
         assert first.fits
-        waiting = asyncio.ensure_future(policy.place("b", list(range(1000, 1600)), 40, INTERACTIVE))
+        waiting = asyncio.ensure_future(
+            policy.place(PlacementRequest("b", list(range(1000, 1600)), 40, INTERACTIVE))
+        )
         await wait_until(lambda: len(policy.queue) == 1, what="b queued")
         assert not waiting.done()
         policy.on_finish("a")
@@ -156,8 +162,10 @@ def test_queue_times_out_with_retry_after():
         policy = make_policy(
             "queue", decode_blocks=64, clock=clock, queue_timeout_s=30.0, recheck_interval_s=0.01
         )
-        await policy.place("a", list(range(600)), 40, INTERACTIVE)
-        waiting = asyncio.ensure_future(policy.place("b", list(range(1000, 1600)), 40, INTERACTIVE))
+        await policy.place(PlacementRequest("a", list(range(600)), 40, INTERACTIVE))
+        waiting = asyncio.ensure_future(
+            policy.place(PlacementRequest("b", list(range(1000, 1600)), 40, INTERACTIVE))
+        )
         await wait_until(lambda: len(policy.queue) == 1, what="b queued")
         # Just before the deadline (by the policy's clock) it still waits, rechecking ...
         clock.advance(29.9)
@@ -178,12 +186,12 @@ def test_queue_times_out_with_retry_after():
 def test_queue_priority_order_and_displacement():
     async def main():
         policy = make_policy("queue", decode_blocks=64, max_queue_len=2, queue_timeout_s=2.0)
-        await policy.place("a", list(range(600)), 40, INTERACTIVE)
+        await policy.place(PlacementRequest("a", list(range(600)), 40, INTERACTIVE))
         order = []
 
         async def place(req_id, slo):
             base = 1000 * (len(order) + 1) + 100_000 * int(req_id[-1])
-            p = await policy.place(req_id, list(range(base, base + 600)), 40, slo)
+            p = await policy.place(PlacementRequest(req_id, list(range(base, base + 600)), 40, slo))
             order.append(req_id)
             return p
 
@@ -197,7 +205,7 @@ def test_queue_priority_order_and_displacement():
             await asyncio.wait_for(batch1, 5.0)
         # ... but a batch request cannot displace interactive ones.
         with pytest.raises(Overloaded, match="full"):
-            await policy.place("batch2", list(range(700_000, 700_600)), 40, BATCH)
+            await policy.place(PlacementRequest("batch2", list(range(700_000, 700_600)), 40, BATCH))
         # Capacity frees one request at a time: interactive ones in arrival order.
         policy.on_finish("a")
         await asyncio.wait_for(inter1, 1.0)
@@ -214,8 +222,10 @@ def test_queue_priority_order_and_displacement():
 def test_cancelled_waiter_leaves_nothing_behind():
     async def main():
         policy = make_policy("queue", decode_blocks=64, queue_timeout_s=2.0)
-        await policy.place("a", list(range(600)), 40, INTERACTIVE)
-        waiting = asyncio.ensure_future(policy.place("b", list(range(1000, 1600)), 40, INTERACTIVE))
+        await policy.place(PlacementRequest("a", list(range(600)), 40, INTERACTIVE))
+        waiting = asyncio.ensure_future(
+            policy.place(PlacementRequest("b", list(range(1000, 1600)), 40, INTERACTIVE))
+        )
         await wait_until(lambda: len(policy.queue) == 1, what="b queued")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):

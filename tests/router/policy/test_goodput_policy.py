@@ -9,6 +9,7 @@ from tandem.router.policy import (
     AdmissionConfig,
     AdmissionPolicy,
     GoodputPolicy,
+    PlacementRequest,
     SloConfig,
     WorkerState,
     WorkerStats,
@@ -27,7 +28,7 @@ def make() -> GoodputPolicy:
 def test_disaggregated_lifecycle():
     policy = make()
     prompt = list(range(2000))
-    placement = policy.place_now("r1", prompt, 64, INTERACTIVE)
+    placement = policy.place_now(PlacementRequest("r1", prompt, 64, INTERACTIVE))
     assert placement.decision == DISAGGREGATED
     prefill = policy.workers[placement.prefill_worker_id]
     decode = policy.workers["d0"]
@@ -57,7 +58,7 @@ def test_disaggregated_lifecycle():
 
 def test_local_prefill_lifecycle_and_abort_before_first_token():
     policy = make()
-    placement = policy.place_now("r1", list(range(40)), 16, INTERACTIVE)
+    placement = policy.place_now(PlacementRequest("r1", list(range(40)), 16, INTERACTIVE))
     assert placement.decision == LOCAL_PREFILL
     decode = policy.workers["d0"]
     assert decode.num_queued_prefill_tokens == 40
@@ -65,7 +66,7 @@ def test_local_prefill_lifecycle_and_abort_before_first_token():
     assert decode.num_queued_prefill_tokens == 0 and decode.num_running == 1
     policy.on_finish("r1")
     # Abort while still queued for prefill: everything is released.
-    policy.place_now("r2", list(range(3000)), 16, INTERACTIVE)
+    policy.place_now(PlacementRequest("r2", list(range(3000)), 16, INTERACTIVE))
     policy.on_finish("r2")
     assert policy.is_idle()
     assert policy.decisions == {LOCAL_PREFILL: 1, DISAGGREGATED: 1}
@@ -80,13 +81,13 @@ def test_stats_and_availability_feed_placement():
         ),
         taken_at_s=policy.clock(),
     )
-    assert policy.place_now("r1", list(range(3000)), 16, INTERACTIVE).prefill_worker_id == "p1"
+    r1 = policy.place_now(PlacementRequest("r1", list(range(3000)), 16, INTERACTIVE))
+    assert r1.prefill_worker_id == "p1"
     policy.set_available("p1", False)
-    assert (
-        policy.place_now("r2", list(range(9000, 12000)), 16, INTERACTIVE).prefill_worker_id == "p0"
-    )
+    r2 = policy.place_now(PlacementRequest("r2", list(range(9000, 12000)), 16, INTERACTIVE))
+    assert r2.prefill_worker_id == "p0"
     with pytest.raises(ValueError, match="already placed"):
-        policy.place_now("r1", [1, 2, 3], 16, INTERACTIVE)
+        policy.place_now(PlacementRequest("r1", [1, 2, 3], 16, INTERACTIVE))
     policy.on_finish("r1")
     policy.on_finish("r2")
     assert policy.is_idle()
@@ -95,10 +96,10 @@ def test_stats_and_availability_feed_placement():
 def test_prefix_prediction_accuracy_counters():
     policy = make()
     prompt = list(range(1000))
-    policy.place_now("a", prompt, 16, INTERACTIVE)
+    policy.place_now(PlacementRequest("a", prompt, 16, INTERACTIVE))
     policy.on_prefill_done("a", num_cached_tokens=0, compute_s=0.1)
     policy.on_finish("a")
-    p = policy.place_now("b", [*prompt, 1], 16, INTERACTIVE)
+    p = policy.place_now(PlacementRequest("b", [*prompt, 1], 16, INTERACTIVE))
     assert p.num_cached_tokens == 992
     policy.on_prefill_done("b", num_cached_tokens=992, compute_s=0.01)
     policy.on_finish("b")
@@ -109,14 +110,16 @@ def test_membership_add_and_remove_while_requests_run():
     """A worker that leaves keeps its requests' accounting until they end (then it is
     forgotten); a worker that joins takes new placements at once."""
     policy = make()
-    policy.place_now("r1", list(range(40)), 16, INTERACTIVE)  # local prefill on d0
+    # Local prefill on d0.
+    policy.place_now(PlacementRequest("r1", list(range(40)), 16, INTERACTIVE))
     policy.remove_worker("d0")
     assert "d0" in policy.workers and not policy.workers["d0"].available
     with pytest.raises(WorkerUnavailable) as refused:
-        policy.place_now("r2", list(range(40)), 16, INTERACTIVE)
+        policy.place_now(PlacementRequest("r2", list(range(40)), 16, INTERACTIVE))
     assert refused.value.retry_after_s is not None and refused.value.retry_after_s >= 1
     policy.add_worker(WorkerState("d1", "decode", block_size=BS, num_blocks=4096))
-    assert policy.place_now("r2", list(range(40)), 16, INTERACTIVE).decode_worker_id == "d1"
+    r2 = policy.place_now(PlacementRequest("r2", list(range(40)), 16, INTERACTIVE))
+    assert r2.decode_worker_id == "d1"
     policy.on_finish("r1")
     assert "d0" not in policy.workers
     policy.on_finish("r2")
@@ -130,7 +133,7 @@ def test_prefill_worker_that_leaves_after_the_pull_is_forgotten_without_error():
     pulled the KV (it holds nothing more); the request's later hooks must not look it up
     again (that was `KeyError: 'p0'` out of the router when a prefill worker left)."""
     policy = make()
-    placement = policy.place_now("r1", list(range(2000)), 64, INTERACTIVE)
+    placement = policy.place_now(PlacementRequest("r1", list(range(2000)), 64, INTERACTIVE))
     prefill_id = placement.prefill_worker_id
     assert placement.decision == DISAGGREGATED and prefill_id is not None
     policy.remove_worker(prefill_id)
@@ -154,10 +157,10 @@ def test_migrated_placement_skips_admission():
     )
     tight = SloConfig().resolve("interactive", ttft_s=1e-9)
     with pytest.raises(Overloaded):
-        policy.place_now("new", list(range(300)), 16, tight)
-    placement = policy.place_migrated("old", list(range(300)), 16, tight)
+        policy.place_now(PlacementRequest("new", list(range(300)), 16, tight))
+    placement = policy.place_migrated(PlacementRequest("old", list(range(300)), 16, tight))
     assert placement.decode_worker_id == "d0"
     with pytest.raises(ValueError, match="still placed"):
-        policy.place_migrated("old", list(range(300)), 16, tight)
+        policy.place_migrated(PlacementRequest("old", list(range(300)), 16, tight))
     policy.on_finish("old")
     assert policy.is_idle()

@@ -11,6 +11,7 @@ from tandem.router.policy import (
     AdmissionConfig,
     GoodputPolicy,
     PairSelector,
+    PlacementRequest,
     PrefillLatencyModel,
     SelectorConfig,
     SloConfig,
@@ -91,7 +92,9 @@ def test_a_salted_prompt_predicts_hits_only_under_its_salt():
     prompt = unique(7_000, 200)
     placements = []
     for i, salt in enumerate((None, "tenant-a", "tenant-a", "tenant-b", None)):
-        placement = policy.place_now(f"r{i}", prompt, 8, INTERACTIVE, cache_salt=salt)
+        placement = policy.place_now(
+            PlacementRequest(f"r{i}", prompt, 8, INTERACTIVE, cache_salt=salt)
+        )
         placements.append(placement)
         policy.on_finish(f"r{i}")
     cached = [200 - p.num_prefill_tokens for p in placements]
