@@ -19,6 +19,7 @@
 
 namespace {
 
+using tandem_cpu::horizontal_sum;
 using tandem_cpu::Ints16;
 using tandem_cpu::kLanes16;
 using tandem_cpu::kLanesN;
@@ -31,25 +32,6 @@ using tandem_cpu::VecN;
 using tandem_cpu::store16;
 using tandem_cpu::store_row;
 using tandem_cpu::Vec16;
-
-// A tree of lane swaps and adds (4 + 4 instructions; a loop over lanes is 31).
-inline float horizontal_sum(Vec16 v) {
-  v += __builtin_shuffle(v, Ints16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  v += __builtin_shuffle(v, Ints16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  v += __builtin_shuffle(v, Ints16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  v += __builtin_shuffle(v, Ints16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return v[0];
-}
-
-#ifndef __AVX512F__
-// The same for one 8-float register (AVX2): halves added, then pairs.
-inline float horizontal_sum(VecN v) {
-  const __m256 x = __builtin_bit_cast(__m256, v);
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
-}
-#endif
 
 // The vector path: float32 and bfloat16 caches (computing in float32), head_dim D. One
 // task per (sequence, range of KV heads): all of a sequence's heads when there are enough
