@@ -450,6 +450,8 @@ class Engine:
             self._check_token_ids(list(params.logit_bias))
         if params.allowed_token_ids:
             self._check_token_ids(params.allowed_token_ids)
+        for sequence in params.bad_words_token_ids:
+            self._check_token_ids(sequence)
         needed = self.config.blocks_for(min(len(prompt_ids) + params.max_tokens, max_len))
         if needed > self.pool.num_blocks:
             raise ValueError(

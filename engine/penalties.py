@@ -9,6 +9,9 @@ Semantics (what clients of OpenAI and vLLM expect):
 
 * `logit_bias`: the value is added to the token's logit (OpenAI).
 * `allowed_token_ids`: every other token's logit is -inf (vLLM).
+* `bad_words` (vLLM, as token sequences): a sequence's last token gets -inf when the
+  generated tokens (resumed ones included) end with the rest of the sequence; a
+  one-token sequence always.
 * `repetition_penalty` (vLLM, after CTRL): for every token in prompt or output, a
   positive logit is divided by the penalty and a negative one multiplied by it.
 * `frequency_penalty` / `presence_penalty` (OpenAI): over the *generated* tokens only,
@@ -75,6 +78,33 @@ def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams])
     allowed[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
     free = torch.tensor([not p.allowed_token_ids for p in params], device=device)
     return logits.masked_fill(~(allowed | free.unsqueeze(1)), float("-inf"))
+
+
+def apply_bad_words(
+    logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
+) -> torch.Tensor:
+    """`logits` with each row's banned bad-word tokens at -inf (a new tensor when any row
+    bans one; else `logits`)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, p in enumerate(params):
+        if not p.bad_words_token_ids:
+            continue
+        generated = histories[row].generated_token_ids
+        for sequence in p.bad_words_token_ids:
+            *before, last = sequence
+            if not before or _ends_with(generated, before):
+                rows.append(row)
+                cols.append(last)
+    if not rows:
+        return logits
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+
+
+def _ends_with(tokens: Sequence[int], suffix: list[int]) -> bool:
+    return len(tokens) >= len(suffix) and list(tokens[len(tokens) - len(suffix) :]) == suffix
 
 
 def apply_penalties(

@@ -3,8 +3,8 @@
 The engine runs the model, gathers logits [num_seqs, vocab] for the sequences that produce
 a token this step, and calls `Sampler.sample` with each sequence's `SamplingParams` and
 the seed of its draw (`token_draw_seed`: the request's seed and the token's index). First
-`logit_bias`, `allowed_token_ids` and the penalties change the logits of the rows that
-ask for them (penalties.py: batched tensors, no Python loop over the vocabulary).
+`logit_bias`, `allowed_token_ids`, `bad_words` and the penalties change the logits of the
+rows that ask for them (penalties.py: batched tensors, no Python loop over the vocabulary).
 Greedy rows are then a plain argmax so outputs match Hugging Face greedy generation;
 sampled rows go through temperature, min-p, top-k and top-p (vLLM's order), then an
 exponential race; a seeded row's noise comes from a generator seeded for that row and that
@@ -28,6 +28,7 @@ from tandem.engine.cpu_ops.loader import greedy_argmax
 from tandem.engine.penalties import (
     TokenHistory,
     apply_allowed_tokens,
+    apply_bad_words,
     apply_logit_bias,
     apply_penalties,
 )
@@ -114,15 +115,17 @@ class Sampler:
         # Rows that only take the argmax need no float32 copy: a bfloat16 model's logits
         # convert to floats exactly, so the first maximum is the same.
         plain_greedy = all(p.is_greedy and not p.logprobs and not p.logit_bias
-                           and not p.allowed_token_ids and not p.has_penalties
-                           for p in params)  # fmt: skip
+                           and not p.allowed_token_ids and not p.bad_words_token_ids
+                           and not p.has_penalties for p in params)  # fmt: skip
         raw = logits if plain_greedy else logits.float()
         logits = apply_allowed_tokens(apply_logit_bias(raw, params), params)
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
-        if penalised:
+        if penalised or any(p.bad_words_token_ids for p in params):
             if histories is None or len(histories) != num_seqs:
-                raise ValueError("rows with penalties need one token history per row")
-            logits = apply_penalties(logits, params, histories, penalised)
+                raise ValueError("rows with penalties or bad words need one token history per row")
+            logits = apply_bad_words(logits, params, histories)
+            if penalised:
+                logits = apply_penalties(logits, params, histories, penalised)
         sample_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sample_rows:
             token_ids = self._greedy(logits)

@@ -49,6 +49,22 @@ class PromptTokenizer:
         )
         return list(ids)
 
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's bad_words as token sequences: each word as it would start a text and,
+        where the tokenizer writes it otherwise after a space (another first token, as
+        many tokens), as it would follow one."""
+        sequences = []
+        for word in words:
+            bare = word.lstrip()
+            alone = self.encode(bare, add_special_tokens=False) if bare else []
+            if not alone:
+                raise ValueError(f"must hold words, got {word!r}")
+            sequences.append(alone)
+            spaced = self.encode(" " + bare, add_special_tokens=False)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return sequences
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
         # transformers types decode() for batches too; a flat id list is one string.

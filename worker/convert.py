@@ -97,6 +97,7 @@ def sampling_params_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=msg.repetition_penalty or 1.0,
         logit_bias=dict(msg.logit_bias),
         allowed_token_ids=list(msg.allowed_token_ids),
+        bad_words_token_ids=[list(sequence.token_ids) for sequence in msg.bad_words],
         num_resumed_tokens=msg.num_resumed_tokens,
         skip_special_tokens=(
             msg.skip_special_tokens if msg.HasField("skip_special_tokens") else True
@@ -127,6 +128,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         repetition_penalty=params.repetition_penalty,
         logit_bias=params.logit_bias,
         allowed_token_ids=params.allowed_token_ids,
+        bad_words=[pb.TokenSequence(token_ids=ids) for ids in params.bad_words_token_ids],
         num_resumed_tokens=params.num_resumed_tokens,
         skip_special_tokens=params.skip_special_tokens,
         prompt_logprobs=params.prompt_logprobs,

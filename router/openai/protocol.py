@@ -16,6 +16,7 @@ from jinja2 import TemplateError
 
 from tandem.engine.sampling_params import (
     MAX_CACHE_SALT_CHARS,
+    MAX_NUM_BAD_WORDS,
     MAX_NUM_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
     SamplingParams,
@@ -57,7 +58,6 @@ MAX_PROMPTS_PER_REQUEST = 256
 _COMMON_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1),
-    "bad_words": (None, []),
     "spaces_between_special_tokens": (None, True),
     "logits_processors": (None, []),
     "guided_whitespace_pattern": (None,),
@@ -417,6 +417,11 @@ class RequestParser:
         self._check_token_ids("stop_token_ids", stop_token_ids)
         allowed_token_ids = get_int_list(body, "allowed_token_ids")
         self._check_token_ids("allowed_token_ids", allowed_token_ids)
+        bad_words = get_str_list(body, "bad_words", MAX_NUM_BAD_WORDS)
+        try:
+            bad_words_token_ids = self.tokenizer.bad_words_token_ids(bad_words)
+        except ValueError as exc:
+            raise invalid("bad_words", str(exc)) from exc
         min_tokens = get_int(body, "min_tokens", min_value=0, max_value=max_tokens)
         skip_special_tokens = get_bool(body, "skip_special_tokens")
         seed = get_int(body, "seed", min_value=0, max_value=MAX_SEED)
@@ -442,6 +447,7 @@ class RequestParser:
                 include_stop_str_in_output=include_stop,
                 stop_token_ids=stop_token_ids,
                 allowed_token_ids=allowed_token_ids,
+                bad_words_token_ids=bad_words_token_ids,
                 ignore_eos=ignore_eos,
                 min_tokens=min_tokens or 0,
                 logprobs=logprobs,
@@ -487,11 +493,14 @@ def _constrained(
     if given is not None and forced is not None:
         raise invalid(given[0], "cannot be combined with a forced 'tool_choice'")
     structured = forced if forced is not None else (given[1] if given else None)
-    if structured is not None and generation.params.allowed_token_ids:
-        # The grammar could need a token outside the list: no token would be left.
-        raise invalid(
-            "allowed_token_ids", "cannot be combined with structured outputs or a forced tool call"
-        )
+    restrictions = {
+        "allowed_token_ids": generation.params.allowed_token_ids,
+        "bad_words": generation.params.bad_words_token_ids,
+    }
+    for name, value in restrictions.items():
+        if structured is not None and value:
+            # The grammar could need a token the field rules out: none might be left.
+            raise invalid(name, "cannot be combined with structured outputs or a forced tool call")
     if structured is not None:
         params = dataclasses.replace(generation.params, structured=structured)
         generation = dataclasses.replace(generation, params=params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
@@ -142,3 +143,34 @@ def test_cuda_logits_choose_what_cpu_logits_choose() -> None:
     on_cpu = Sampler().sample(logits, params, [None] * len(cases), histories)
     on_gpu = Sampler().sample(logits.cuda(), params, [None] * len(cases), histories)
     assert on_gpu.token_ids == on_cpu.token_ids
+
+
+def test_bad_words_ban_a_last_token_only_after_the_rest_of_the_word() -> None:
+    """vLLM's bad_words as token sequences: [7, 5] bans 5 only right after a generated 7
+    (resumed tokens count as generated, the prompt does not); [9] bans 9 everywhere;
+    logprobs stay those of the unmodified logits."""
+    logits = torch.zeros(1, VOCAB_SIZE)
+    logits[0, 5], logits[0, 9], logits[0, 2] = 3.0, 2.0, 1.0
+    params = SamplingParams(temperature=0.0, logprobs=True, bad_words_token_ids=[[7, 5], [9]])
+    after_7 = History([1], [4, 7])
+    out = Sampler().sample(logits, [params], [None], [after_7])
+    assert out.token_ids == [2]
+    assert out.logprobs == pytest.approx([logits.log_softmax(-1)[0, 2].item()], abs=1e-6)
+    assert Sampler().sample(logits, [params], [None], [History([1], [7, 4])]).token_ids == [5]
+    assert Sampler().sample(logits, [params], [None], [History([1, 7])]).token_ids == [5]
+    resumed = Request("r", [1, 7], dataclasses.replace(params, num_resumed_tokens=1))
+    assert Sampler().sample(logits, [resumed.params], [None], [resumed]).token_ids == [2]
+    # Sampled rows too; a row without bad words in the same batch is untouched.
+    sampled = dataclasses.replace(params, temperature=1.0)
+    free = SamplingParams(temperature=1.0)
+    batch = torch.cat([logits.expand(200, -1), logits.expand(200, -1)]) * 3
+    rows = [sampled] * 200 + [free] * 200
+    histories = [after_7] * 400
+    out = Sampler().sample(batch, rows, list(range(400)), histories)
+    assert not {5, 9} & set(out.token_ids[:200])
+    assert {5, 9} <= set(out.token_ids[200:])
+    with pytest.raises(ValueError, match="history"):
+        Sampler().sample(logits, [params], [None])
+    for bad in ([[]], [[-1]], [[3, True]], [7]):
+        with pytest.raises(ValueError, match="bad_words_token_ids"):
+            SamplingParams(bad_words_token_ids=bad)

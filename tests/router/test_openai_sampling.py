@@ -12,7 +12,7 @@ import json
 import math
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import grpc
@@ -327,6 +327,37 @@ def test_allowed_token_ids_restrict_every_token_as_on_a_colocated_run(
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(**args, extra_body=bad)
         assert info.value.body["param"] == "allowed_token_ids"
+    cluster.assert_idle()
+
+
+def test_bad_words_are_never_generated_as_on_a_colocated_run(client, cluster, colocated, tokenizer):
+    """vLLM's bad_words through the cluster: the free greedy run's first two tokens as one
+    word (its first token comes from the prefill worker; the decode worker bans the
+    second only right after it) and a later token's text as another. Greedy equals the
+    colocated run given the router's token sequences, which differs from the free run
+    and holds neither word."""
+    free = colocated_run(colocated)
+    words = [tokenizer.decode(free[:2])]
+    sequences = tokenizer.bad_words_token_ids(words)
+    assert free[:2] in sequences, sequences
+    single = next(
+        t for t in free[2:] if tokenizer.bad_words_token_ids([tokenizer.decode([t])]) == [[t]]
+    )
+    words.append(tokenizer.decode([single]))
+    sequences.append([single])
+    expected = colocated_run(colocated, bad_words_token_ids=sequences)
+    assert expected != free and single not in expected
+    assert all(expected[i : i + 2] != free[:2] for i in range(len(expected)))
+    args = dict(model=cluster.router.config.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+                logprobs=0)  # fmt: skip
+    extra = {"ignore_eos": True, "bad_words": words}
+    greedy = client.completions.create(**args, temperature=0.0, extra_body=extra)
+    assert greedy.choices[0].logprobs.tokens == token_texts(tokenizer, expected)
+    for bad in ([""], ["  "], [3], {**extra, "guided_regex": "[a-z]+"}):
+        body = bad if isinstance(bad, dict) else {"bad_words": bad}
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(**args, extra_body=body)
+        assert info.value.body["param"] == "bad_words"
     cluster.assert_idle()
 
 
@@ -896,12 +927,18 @@ async def _generate_ids(endpoint: str, request: gen_pb.GenerateRequest) -> list[
 
 def test_worker_wire_keeps_every_sampling_field():
     params = SamplingParams(
-        max_tokens=9, temperature=0.5, presence_penalty=-1.5, frequency_penalty=0.25,
-        repetition_penalty=1.25, logit_bias={3: -100.0, 7: 2.5}, num_resumed_tokens=4,
+        max_tokens=9, temperature=0.5, top_k=4, top_p=0.75, presence_penalty=-1.5,
+        frequency_penalty=0.25, repetition_penalty=1.25, logit_bias={3: -100.0, 7: 2.5},
+        allowed_token_ids=[1, 4], bad_words_token_ids=[[5, 6], [7]], num_resumed_tokens=4,
         min_tokens=2, skip_special_tokens=False, seed=3, min_p=0.125, logprobs=True,
-        top_logprobs=3, stop=["x"], include_stop_str_in_output=True, cache_salt="tenant-a",
-        prompt_logprobs=True, prompt_top_logprobs=5,
+        top_logprobs=3, stop=["x"], include_stop_str_in_output=True, stop_token_ids=[2],
+        ignore_eos=True, cache_salt="tenant-a", prompt_logprobs=True, prompt_top_logprobs=5,
     )  # fmt: skip
+    # Every field set apart from its default, so a field the wire drops fails below
+    # (structured outputs cross it in test_grammar_engine.py).
+    defaults = SamplingParams()
+    unset = [f.name for f in fields(params) if getattr(params, f.name) == getattr(defaults, f.name)]
+    assert unset == ["structured"]
     assert sampling_params_from_proto(sampling_params_to_proto(params)) == params
     assert sampling_params_from_proto(sampling_params_to_proto(SamplingParams())) == (
         SamplingParams()
