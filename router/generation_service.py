@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 
+from tandem.engine.outputs import PromptLogprobs
 from tandem.engine.request import FinishReason
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampler import TopLogprobs
+from tandem.engine.sampling_params import MAX_NUM_BAD_WORDS, MAX_TOP_LOGPROBS, SamplingParams
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.errors import (
@@ -71,14 +73,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     token_ids=chunk.token_ids,
                     text=chunk.text,
                     logprobs=chunk.logprobs,
-                    top_logprobs=[
-                        gen_pb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
-                        for top in chunk.top_logprobs
-                    ],
+                    top_logprobs=[_top_logprobs(top) for top in chunk.top_logprobs],
                     finish_reason=_FINISH[chunk.finish_reason],
                     index=chunk.index,
                 )
                 set_stop_reason(msg, chunk.stop_reason)
+                if chunk.prompt_logprobs is not None:
+                    msg.prompt_logprobs.CopyFrom(_prompt_logprobs(chunk.prompt_logprobs))
                 if chunk.usage is not None:
                     msg.usage.CopyFrom(
                         gen_pb.Usage(
@@ -141,6 +142,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             prompt_ids = self.tokenizer.check_ids(list(request.prompt_token_ids))
         else:
             prompt_ids = self.tokenizer.encode(request.prompt)
+        num_prompt_top = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
+        if num_prompt_top is not None and num_prompt_top > MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"prompt_logprobs must be <= {MAX_TOP_LOGPROBS}, got {num_prompt_top}",
+                "prompt_logprobs",
+            )
         params = SamplingParams(
             max_tokens=request.max_tokens or 16,
             temperature=request.temperature if request.HasField("temperature") else 1.0,
@@ -160,20 +167,53 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             repetition_penalty=request.repetition_penalty
             if request.HasField("repetition_penalty")
             else 1.0,
-            logit_bias=self._logit_bias(request),
+            logit_bias=dict(request.logit_bias),
+            allowed_token_ids=list(request.allowed_token_ids),
+            bad_words_token_ids=self._bad_words(request),
+            prompt_logprobs=num_prompt_top is not None,
+            prompt_top_logprobs=num_prompt_top or 0,
             structured=guided_from_generate(request.guided),
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
         )
+        for name in ("logit_bias", "allowed_token_ids"):
+            self._check_vocabulary(name, getattr(request, name))
+        if params.structured is not None:
+            for name in ("allowed_token_ids", "bad_words"):
+                if getattr(request, name):
+                    # The grammar could need a token the field rules out.
+                    raise InvalidRequest(f"{name} cannot be combined with `guided`", name)
         self.tokenizer.check_length(len(prompt_ids), params.max_tokens)
         return prompt_ids, params
 
-    def _logit_bias(self, request: gen_pb.GenerateRequest) -> dict[int, float]:
+    def _check_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
         vocab_size = self.tokenizer.vocab_size
-        for token_id in request.logit_bias:
+        for token_id in token_ids:
             if token_id >= vocab_size:
                 raise InvalidRequest(
-                    f"logit_bias holds token id {token_id}, outside the vocabulary "
-                    f"[0, {vocab_size})",
-                    "logit_bias",
+                    f"{name} holds token id {token_id}, outside the vocabulary [0, {vocab_size})",
+                    name,
                 )
-        return dict(request.logit_bias)
+
+    def _bad_words(self, request: gen_pb.GenerateRequest) -> list[list[int]]:
+        words = list(request.bad_words)
+        if len(words) > MAX_NUM_BAD_WORDS:
+            raise InvalidRequest(
+                f"bad_words may hold at most {MAX_NUM_BAD_WORDS} words, got {len(words)}",
+                "bad_words",
+            )
+        try:
+            return self.tokenizer.bad_words_token_ids(words)
+        except ValueError as exc:
+            raise InvalidRequest(f"bad_words {exc}", "bad_words") from exc
+
+
+def _top_logprobs(top: TopLogprobs) -> gen_pb.TopLogprobs:
+    return gen_pb.TopLogprobs(token_ids=top.token_ids, logprobs=top.logprobs)
+
+
+def _prompt_logprobs(scores: PromptLogprobs) -> gen_pb.PromptLogprobs:
+    return gen_pb.PromptLogprobs(
+        logprobs=scores.logprobs,
+        ranks=scores.ranks,
+        top_logprobs=[_top_logprobs(top) for top in scores.top],
+    )

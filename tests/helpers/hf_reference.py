@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,3 +75,37 @@ def hf_top_logprobs(
         ids = sorted(range(row.shape[0]), key=lambda t: (-row[t].item(), t))[:k]
         top.append((ids, row[ids].tolist()))
     return top
+
+
+def hf_prompt_scores(model_dir: Path, prompt: list[int], k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs of `prompt` by transformers: per position after the first,
+    the prompt token then the k most likely (ties by id), each with logprob and rank."""
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        rows = hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    expected: list[dict | None] = [None]
+    for row, token_id in zip(rows, prompt[1:], strict=True):
+        order = sorted(range(row.shape[0]), key=lambda t: (-row[t].item(), t))
+        entries = {str(token_id): (row[token_id].item(), order.index(token_id) + 1)}
+        for rank, t in enumerate(order[:k], start=1):
+            entries.setdefault(str(t), (row[t].item(), rank))
+        expected.append(entries)
+    return expected
+
+
+def hf_greedy_with(
+    model_dir: Path,
+    prompt: list[int],
+    max_new_tokens: int,
+    restrict: Callable[[list[int], torch.Tensor], None],
+) -> list[int]:
+    """Greedy continuation by transformers (fp32, CPU), one forward pass a token, each
+    step's logits row first changed in place by `restrict(tokens generated so far, row)`."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    generated: list[int] = []
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            row = model(torch.tensor([prompt + generated])).logits[0, -1].float()
+            restrict(generated, row)
+            generated.append(int(row.argmax()))
+    return generated

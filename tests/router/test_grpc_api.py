@@ -6,6 +6,7 @@ import math
 
 import grpc
 import pytest
+import torch
 from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
@@ -14,7 +15,14 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
-from tests.helpers.hf_reference import LOGPROB_TOLERANCE, hf_greedy, hf_top_logprobs
+from tandem.router.tokenization import PromptTokenizer
+from tests.helpers.hf_reference import (
+    LOGPROB_TOLERANCE,
+    hf_greedy,
+    hf_greedy_with,
+    hf_prompt_scores,
+    hf_top_logprobs,
+)
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -67,6 +75,71 @@ def test_top_logprobs_equal_transformers(channel, tiny_model_dir):
     assert [top.logprobs[0] for top in tops] == [lp for r in replies for lp in r.logprobs]
 
 
+def test_prompt_logprobs_come_on_sequence_0s_first_message(channel, tiny_model_dir):
+    """vLLM's prompt_logprobs on Generate (n = 2): each prompt token's logprob and rank
+    and the 3 most likely tokens at its position, as transformers scores them, once."""
+    prompt = make_prompts(2048, (17,), seed=64)[0]
+    request = gen_pb.GenerateRequest(
+        prompt_token_ids=prompt, max_tokens=3, temperature=0.0, ignore_eos=True, n=2,
+        prompt_logprobs=3,
+    )  # fmt: skip
+    replies = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60))
+    scored = [r for r in replies if r.HasField("prompt_logprobs")]
+    first_of_0 = next(r for r in replies if r.index == 0)
+    assert scored == [first_of_0]
+    scores = first_of_0.prompt_logprobs
+    expected = hf_prompt_scores(tiny_model_dir, prompt, 3)[1:]
+    assert len(scores.logprobs) == len(scores.ranks) == len(expected) == len(prompt) - 1
+    for i, (token_id, want) in enumerate(zip(prompt[1:], expected, strict=True)):
+        logprob, rank = want[str(token_id)]
+        assert scores.ranks[i] == rank
+        assert scores.logprobs[i] == pytest.approx(logprob, **LOGPROB_TOLERANCE)
+        top = sorted((r, int(t), lp) for t, (lp, r) in want.items() if r <= 3)
+        assert list(scores.top_logprobs[i].token_ids) == [t for _, t, _ in top]
+        assert list(scores.top_logprobs[i].logprobs) == pytest.approx(
+            [lp for _, _, lp in top], **LOGPROB_TOLERANCE
+        )
+
+
+def test_allowed_token_ids_and_bad_words_restrict_greedy_as_transformers(channel, tiny_model_dir):
+    """vLLM's allowed_token_ids and bad_words on Generate: greedy equals transformers'
+    greedy with the same tokens masked at each step (bad words as the router tokenizes
+    them: a sequence's last token only after the rest of it), and differs from the free
+    run."""
+    prompt = make_prompts(2048, (21,), seed=65)[0]
+    stub = generation_pb2_grpc.GenerationStub(channel)
+
+    def greedy(**fields) -> list[int]:
+        request = gen_pb.GenerateRequest(
+            prompt_token_ids=prompt, max_tokens=6, temperature=0.0, ignore_eos=True, **fields
+        )
+        return [t for reply in stub.Generate(request, timeout=60) for t in reply.token_ids]
+
+    free = greedy()
+    assert free == hf_greedy(tiny_model_dir, [prompt], 6)[0]
+    allowed = [t for t in range(5, 60) if t not in free][:6]
+
+    def keep_allowed(_: list[int], row: torch.Tensor) -> None:
+        outside = torch.ones_like(row, dtype=torch.bool)
+        outside[allowed] = False
+        row[outside] = float("-inf")
+
+    expected = hf_greedy_with(tiny_model_dir, prompt, 6, keep_allowed)
+    assert greedy(allowed_token_ids=allowed) == expected and expected != free
+
+    tokenizer = PromptTokenizer(str(tiny_model_dir))
+    words = [tokenizer.decode(free[:2]), tokenizer.decode(free[3:4])]
+    sequences = tokenizer.bad_words_token_ids(words)
+
+    def ban_words(generated: list[int], row: torch.Tensor) -> None:
+        for *before, last in sequences:
+            if not before or generated[len(generated) - len(before) :] == before:
+                row[last] = float("-inf")
+
+    expected = hf_greedy_with(tiny_model_dir, prompt, 6, ban_words)
+    assert greedy(bad_words=words) == expected and expected != free
+
+
 def test_tokenize_and_list_models(channel, cluster):
     stub = generation_pb2_grpc.GenerationStub(channel)
     reply = stub.Tokenize(gen_pb.TokenizeRequest(prompt="hello world"), timeout=5)
@@ -98,6 +171,15 @@ BAD_REQUESTS = [
         dict(prompt="hi", logprobs=True, top_logprobs=21),
         grpc.StatusCode.INVALID_ARGUMENT,
         "top_logprobs",
+    ),
+    (dict(prompt="hi", prompt_logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs"),
+    (dict(prompt="hi", allowed_token_ids=[3, 2048]), grpc.StatusCode.INVALID_ARGUMENT, "2048"),
+    (dict(prompt="hi", bad_words=[" "]), grpc.StatusCode.INVALID_ARGUMENT, "bad_words"),
+    (dict(prompt="hi", bad_words=["x"] * 129), grpc.StatusCode.INVALID_ARGUMENT, "bad_words"),
+    (
+        dict(prompt="hi", bad_words=["x"], guided=gen_pb.GuidedDecoding(regex="[a-z]+")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "bad_words",
     ),
 ]
 

@@ -34,7 +34,7 @@ from tandem.router.kserve_request import parse_request
 from tandem.router.tokenization import PromptTokenizer
 from tandem.worker.convert import sampling_params_from_proto, sampling_params_to_proto
 from tests.helpers.grpc_calls import worker_stats
-from tests.helpers.hf_reference import LOGPROB_TOLERANCE
+from tests.helpers.hf_reference import LOGPROB_TOLERANCE, hf_prompt_scores
 from tests.helpers.inproc_cluster import (
     InprocCluster,
     openai_client,
@@ -555,22 +555,6 @@ def test_echo_with_top_logprobs_ranks_every_prompt_position(
         for top, want in zip(prompt_tops, expected, strict=True):
             assert list(top) == list(want)
             assert list(top.values()) == pytest.approx(list(want.values()), **LOGPROB_TOLERANCE)
-
-
-def hf_prompt_scores(model_dir: Path, prompt: list[int], k: int) -> list[dict | None]:
-    """vLLM's prompt_logprobs of `prompt` by transformers: per position after the first,
-    the prompt token then the k most likely (ties by id), each with logprob and rank."""
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float32)
-    with torch.no_grad():
-        rows = hf(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
-    expected: list[dict | None] = [None]
-    for row, token_id in zip(rows, prompt[1:], strict=True):
-        order = sorted(range(row.shape[0]), key=lambda t: (-row[t].item(), t))
-        entries = {str(token_id): (row[token_id].item(), order.index(token_id) + 1)}
-        for rank, t in enumerate(order[:k], start=1):
-            entries.setdefault(str(t), (row[t].item(), rank))
-        expected.append(entries)
-    return expected
 
 
 def assert_prompt_scores(got: list, expected: list, tokenizer: PromptTokenizer) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'tandem/proto/tandem/v1/generation.proto\x12\ttandem.v1\"\x9b\x01\n\x0eGuidedDecoding\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.tandem.v1.GuidedChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1f\n\x0cGuidedChoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\xab\x06\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x11\n\tslo_class\x18\x0e \x01(\t\x12\x17\n\nttft_slo_s\x18\x0f \x01(\x02H\x03\x88\x01\x01\x12\x16\n\titl_slo_s\x18\x10 \x01(\x02H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x1e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x1f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18  \x01(\x02H\x05\x88\x01\x01\x12=\n\nlogit_bias\x18! \x03(\x0b\x32).tandem.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\" \x01(\r\x12\t\n\x01n\x18# \x01(\r\x12)\n\x06guided\x18( \x01(\x0b\x32\x19.tandem.v1.GuidedDecoding\x12\x17\n\ncache_salt\x18) \x01(\tH\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ttft_slo_sB\x0c\n\n_itl_slo_sB\x15\n\x13_repetition_penaltyB\r\n\x0b_cache_salt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xa6\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x1e \x01(\r\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x42\r\n\x0bstop_reason\"0\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"P\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\'tandem/proto/tandem/v1/generation.proto\x12\ttandem.v1\"\x9b\x01\n\x0eGuidedDecoding\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.tandem.v1.GuidedChoiceH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1f\n\x0cGuidedChoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"\x8b\x07\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x12\n\x05top_p\x18\x07 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x12 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\n \x03(\r\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x11\n\tslo_class\x18\x0e \x01(\t\x12\x17\n\nttft_slo_s\x18\x0f \x01(\x02H\x03\x88\x01\x01\x12\x16\n\titl_slo_s\x18\x10 \x01(\x02H\x04\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\rH\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x1e \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x1f \x01(\x02\x12\x1f\n\x12repetition_penalty\x18  \x01(\x02H\x06\x88\x01\x01\x12=\n\nlogit_bias\x18! \x03(\x0b\x32).tandem.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\" \x01(\r\x12\x19\n\x11\x61llowed_token_ids\x18$ \x03(\r\x12\x11\n\tbad_words\x18% \x03(\t\x12\t\n\x01n\x18# \x01(\r\x12)\n\x06guided\x18( \x01(\x0b\x32\x19.tandem.v1.GuidedDecoding\x12\x17\n\ncache_salt\x18) \x01(\tH\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_ttft_slo_sB\x0c\n\n_itl_slo_sB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\r\n\x0b_cache_salt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"_\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\r\n\x05ranks\x18\x02 \x03(\r\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"\xda\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12,\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\x12.\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\r\n\x05index\x18\x1e \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\n \x01(\x0b\x32\x19.tandem.v1.PromptLogprobs\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\x15\n\x0bstop_string\x18\t \x01(\tH\x00\x42\r\n\x0bstop_reason\"0\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"P\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelCard*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xe3\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x43\n\x08Tokenize\x12\x1a.tandem.v1.TokenizeRequest\x1a\x1b.tandem.v1.TokenizeResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1772
-  _globals['_FINISHREASON']._serialized_end=1892
+  _globals['_FINISHREASON']._serialized_start=2017
+  _globals['_FINISHREASON']._serialized_end=2137
   _globals['_GUIDEDDECODING']._serialized_start=55
   _globals['_GUIDEDDECODING']._serialized_end=210
   _globals['_GUIDEDCHOICE']._serialized_start=212
   _globals['_GUIDEDCHOICE']._serialized_end=243
   _globals['_GENERATEREQUEST']._serialized_start=246
-  _globals['_GENERATEREQUEST']._serialized_end=1057
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=907
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=955
-  _globals['_USAGE']._serialized_start=1059
-  _globals['_USAGE']._serialized_end=1146
-  _globals['_TOPLOGPROBS']._serialized_start=1148
-  _globals['_TOPLOGPROBS']._serialized_end=1198
-  _globals['_GENERATERESPONSE']._serialized_start=1201
-  _globals['_GENERATERESPONSE']._serialized_end=1495
-  _globals['_TOKENIZEREQUEST']._serialized_start=1497
-  _globals['_TOKENIZEREQUEST']._serialized_end=1545
-  _globals['_TOKENIZERESPONSE']._serialized_start=1547
-  _globals['_TOKENIZERESPONSE']._serialized_end=1607
-  _globals['_LISTMODELSREQUEST']._serialized_start=1609
-  _globals['_LISTMODELSREQUEST']._serialized_end=1628
-  _globals['_MODELCARD']._serialized_start=1630
-  _globals['_MODELCARD']._serialized_end=1710
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1712
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1770
-  _globals['_GENERATION']._serialized_start=1895
-  _globals['_GENERATION']._serialized_end=2122
+  _globals['_GENERATEREQUEST']._serialized_end=1153
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=983
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=1031
+  _globals['_USAGE']._serialized_start=1155
+  _globals['_USAGE']._serialized_end=1242
+  _globals['_TOPLOGPROBS']._serialized_start=1244
+  _globals['_TOPLOGPROBS']._serialized_end=1294
+  _globals['_PROMPTLOGPROBS']._serialized_start=1296
+  _globals['_PROMPTLOGPROBS']._serialized_end=1391
+  _globals['_GENERATERESPONSE']._serialized_start=1394
+  _globals['_GENERATERESPONSE']._serialized_end=1740
+  _globals['_TOKENIZEREQUEST']._serialized_start=1742
+  _globals['_TOKENIZEREQUEST']._serialized_end=1790
+  _globals['_TOKENIZERESPONSE']._serialized_start=1792
+  _globals['_TOKENIZERESPONSE']._serialized_end=1852
+  _globals['_LISTMODELSREQUEST']._serialized_start=1854
+  _globals['_LISTMODELSREQUEST']._serialized_end=1873
+  _globals['_MODELCARD']._serialized_start=1875
+  _globals['_MODELCARD']._serialized_end=1955
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1957
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2015
+  _globals['_GENERATION']._serialized_start=2140
+  _globals['_GENERATION']._serialized_end=2367
 # @@protoc_insertion_point(module_scope)
