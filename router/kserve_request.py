@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sampling_params import MAX_NUM_BAD_WORDS, SamplingParams
 from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.router.errors import InvalidRequest
 from tandem.router.kserve_tensors import decode_input, num_elements
@@ -67,7 +67,11 @@ _NEUTRAL_KEYS = {
     "n": 1,
     "best_of": 1,
 }
-_INT_RANGES = {"seed": (0, 2**64 - 1), "stop_token_ids": (0, 2**31 - 1)}
+_INT_RANGES = {
+    "seed": (0, 2**64 - 1),
+    "stop_token_ids": (0, 2**31 - 1),
+    "allowed_token_ids": (0, 2**31 - 1),
+}
 _DEFAULT_INT_RANGE = (-(2**31), 2**31 - 1)
 
 
@@ -109,17 +113,31 @@ def parse_request(
                     f"{name!r} is given both as an input and in sampling_parameters", param=name
                 )
             settings[name] = _convert(name, values[name])
+    if "bad_words" in settings:
+        try:
+            settings["bad_words_token_ids"] = tokenizer.bad_words_token_ids(
+                settings.pop("bad_words")
+            )
+        except ValueError as exc:
+            raise InvalidRequest(f"'bad_words' {exc}", param="bad_words") from exc
+    if "structured" in settings:
+        for key in ("allowed_token_ids", "bad_words_token_ids"):
+            if settings.get(key):
+                # The grammar could need a token the setting rules out.
+                name = key.removesuffix("_token_ids")
+                raise InvalidRequest(f"{name!r} cannot be combined with structured outputs", name)
     try:
         params = SamplingParams(**settings)
     except ValueError as exc:
         raise InvalidRequest(f"invalid sampling parameters: {exc}", "sampling_parameters") from exc
-    for token_id in params.logit_bias:
-        if token_id >= tokenizer.vocab_size:
-            raise InvalidRequest(
-                f"sampling parameter 'logit_bias' holds token id {token_id}, outside the "
-                f"vocabulary [0, {tokenizer.vocab_size})",
-                param="logit_bias",
-            )
+    for key in ("logit_bias", "allowed_token_ids"):
+        for token_id in getattr(params, key):
+            if token_id >= tokenizer.vocab_size:
+                raise InvalidRequest(
+                    f"sampling parameter {key!r} holds token id {token_id}, outside the "
+                    f"vocabulary [0, {tokenizer.vocab_size})",
+                    param=key,
+                )
     try:
         prompt_ids = tokenizer.encode(prompt)
         tokenizer.check_length(len(prompt_ids), params.max_tokens)
@@ -227,10 +245,19 @@ def _sampling_settings(text: str) -> dict[str, Any]:
             if not isinstance(value, str):
                 raise InvalidRequest(f"'cache_salt' must be a string, got {value!r}", key)
             settings["cache_salt"] = value
-        elif key == "stop_token_ids":
+        elif key in ("stop_token_ids", "allowed_token_ids"):
             if not isinstance(value, list):
-                raise InvalidRequest(f"'stop_token_ids' must be a list, got {value!r}", key)
-            settings["stop_token_ids"] = [_convert(key, v, int) for v in value]
+                raise InvalidRequest(f"{key!r} must be a list, got {value!r}", key)
+            settings[key] = [_convert(key, v, int) for v in value]
+        elif key == "bad_words":
+            if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
+                raise InvalidRequest(f"'bad_words' must be a list of strings, got {value!r}", key)
+            if len(value) > MAX_NUM_BAD_WORDS:
+                raise InvalidRequest(
+                    f"'bad_words' may hold at most {MAX_NUM_BAD_WORDS} words, got {len(value)}",
+                    key,
+                )
+            settings[key] = value
         elif key in _INT_KEYS | _FLOAT_KEYS | _BOOL_KEYS:
             settings[key] = _convert(key, value)
         else:

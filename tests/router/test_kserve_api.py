@@ -411,7 +411,17 @@ def test_parse_request_conversions_and_conflicts(tiny_model_dir):
     assert params.stop == ["x"] and params.max_tokens == 16
     assert not parsed.stream and parsed.exclude_input_in_output
     assert parse_request(request(max_tokens=7), tokenizer).params.max_tokens == 7
+    # vLLM's allowed_token_ids and bad_words (tokenized as on the OpenAI endpoints).
+    restricted = request({"allowed_token_ids": [5, "9"], "bad_words": ["cache hit", "x"]})
+    params = parse_request(restricted, tokenizer).params
+    assert params.allowed_token_ids == [5, 9]
+    assert params.bad_words_token_ids == tokenizer.bad_words_token_ids(["cache hit", "x"])
     for bad, word in [
+        (request({"allowed_token_ids": [2048]}), "vocabulary"),
+        (request({"allowed_token_ids": 5}), "list"),
+        (request({"bad_words": "x"}), "list of strings"),
+        (request({"bad_words": [" "]}), "bad_words"),
+        (request({"bad_words": ["x"], "guided_regex": "[a-z]+"}), "structured"),
         (request({"n": 2}), "'n'"),
         (request({"seed": -1}), "seed"),
         (request({"top_k": "many"}), "top_k"),
