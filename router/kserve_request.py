@@ -121,10 +121,10 @@ def parse_request(
         except ValueError as exc:
             raise InvalidRequest(f"'bad_words' {exc}", param="bad_words") from exc
     if "structured" in settings:
-        for key in ("allowed_token_ids", "bad_words_token_ids"):
+        for name, key in (("allowed_token_ids", "allowed_token_ids"),
+                          ("bad_words", "bad_words_token_ids")):  # fmt: skip
             if settings.get(key):
                 # The grammar could need a token the setting rules out.
-                name = key.removesuffix("_token_ids")
                 raise InvalidRequest(f"{name!r} cannot be combined with structured outputs", name)
     try:
         params = SamplingParams(**settings)
