@@ -87,9 +87,10 @@ def client(cluster: InprocCluster) -> Iterator[openai.OpenAI]:
 
 PROMPT = make_prompts(2048, (29,), seed=41)[0]
 # How soon a closed stream's sequences must have ended and freed their KV: well before
-# their 960 tokens each would end on their own (~2 s) and the prefill worker's 30 s KV
-# lease, but with room for this one-loop in-process cluster on a loaded 2-core machine
-# (0.3 s failed there once: prefill-0 still held the prompt's KV).
+# their 960 tokens each would end on their own (an n=4 stream took 4.6 s whole on a
+# 2-core AVX2 EPYC) and the prefill worker's 30 s KV lease, with room for this one-loop
+# in-process cluster on a loaded machine (idle 0.12 s after the close there; a 0.3 s
+# limit failed once in CI: prefill-0 still held the prompt's KV).
 CLOSED_STREAM_FREED_S = 1.0
 
 
