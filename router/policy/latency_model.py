@@ -23,6 +23,7 @@ import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import ClassVar, Generic, Self, TypeVar
 
 import numpy as np
 
@@ -48,6 +49,10 @@ class DecodeObservation:
     num_context_tokens: int
     # Duration of one decode step (or the inter-token gap the router saw).
     seconds: float
+
+
+# What a model learns from: PrefillObservation or DecodeObservation.
+ObservationT = TypeVar("ObservationT")
 
 
 def _nnls(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
@@ -83,17 +88,21 @@ def _nnls(gram: np.ndarray, rhs: np.ndarray) -> np.ndarray:
     return best
 
 
-class LinearLatencyModel:
+class LinearLatencyModel(Generic[ObservationT]):
     """Non-negative, exponentially weighted least squares over scaled features.
 
-    Subclasses define `_features(*inputs)` (already scaled) and the prior points.
-    Memory is bounded by `window` observations; refits are lazy (on the next predict).
+    Subclasses define `DEFAULT_COEFFICIENTS`, `_PRIOR_POINTS` (inputs the prior is drawn
+    at), `_features(*inputs)` (already scaled), `_scaled` (coefficients to the scaled
+    features' units) and `observe_all`. Memory is bounded by `window` observations;
+    refits are lazy (on the next predict).
     """
+
+    DEFAULT_COEFFICIENTS: ClassVar[tuple[float, float, float]]
+    _PRIOR_POINTS: ClassVar[tuple[tuple[int, ...], ...]]
 
     def __init__(
         self,
-        prior: Sequence[float],
-        prior_points: Sequence[Sequence[float]],
+        coefficients: Sequence[float] | None = None,
         *,
         window: int = 256,
         half_life: float = 32.0,
@@ -110,22 +119,46 @@ class LinearLatencyModel:
         # Ring buffer of the last `window` observations: features, seconds, sequence no.
         self._window = window
         self._seq = 0
-        self._set_prior(prior, prior_points)
+        self._set_prior(
+            self._scaled(self.DEFAULT_COEFFICIENTS if coefficients is None else coefficients)
+        )
         dim = len(self._coef)
         self._x = np.zeros((window, dim))
         self._y = np.zeros(window)
         self._obs_seq = np.zeros(window)
+
+    @classmethod
+    def from_profile(
+        cls,
+        observations: Iterable[ObservationT],
+        *,
+        window: int = 256,
+        half_life: float = 32.0,
+        prior_weight: float = 0.5,
+    ) -> Self:
+        """A model whose prior is the profile's fit and whose window starts with it."""
+        model = cls(window=window, half_life=half_life, prior_weight=prior_weight)
+        model.observe_all(observations)
+        if model.num_observations:
+            model._set_prior(model._coefficients())
+        return model
 
     # ----- subclass hooks --------------------------------------------------------
 
     def _features(self, *inputs: float) -> tuple[float, ...]:
         raise NotImplementedError
 
+    def _scaled(self, coefficients: Sequence[float]) -> tuple[float, ...]:
+        raise NotImplementedError
+
+    def observe_all(self, observations: Iterable[ObservationT]) -> None:
+        raise NotImplementedError
+
     # ----- fitting ---------------------------------------------------------------
 
-    def _set_prior(self, prior: Sequence[float], prior_points: Sequence[Sequence[float]]) -> None:
+    def _set_prior(self, prior: Sequence[float]) -> None:
         self._prior_coef = np.asarray(prior, dtype=float)
-        self._prior_x = np.array([self._features(*p) for p in prior_points])
+        self._prior_x = np.array([self._features(*p) for p in self._PRIOR_POINTS])
         self._prior_y = self._prior_x @ self._prior_coef
         self._coef = tuple(float(v) for v in prior)
         self._dirty = self._seq > 0
@@ -179,7 +212,7 @@ class LinearLatencyModel:
         return min(self._seq, self._window)
 
 
-class PrefillLatencyModel(LinearLatencyModel):
+class PrefillLatencyModel(LinearLatencyModel[PrefillObservation]):
     """Seconds to prefill `n` uncached tokens: `a + b·n + c·n²`.
 
     Defaults are a small model on one modern GPU (5 ms + 10k tokens/s); a warm-up
@@ -187,38 +220,11 @@ class PrefillLatencyModel(LinearLatencyModel):
     """
 
     DEFAULT_COEFFICIENTS = (5e-3, 1e-4, 1e-9)  # s, s/token, s/token²
-    _PRIOR_TOKENS = (16, 256, 1024, 4096)
+    _PRIOR_POINTS = ((16,), (256,), (1024,), (4096,))
 
-    def __init__(
-        self,
-        coefficients: Sequence[float] = DEFAULT_COEFFICIENTS,
-        *,
-        window: int = 256,
-        half_life: float = 32.0,
-        prior_weight: float = 0.5,
-    ) -> None:
+    def _scaled(self, coefficients: Sequence[float]) -> tuple[float, ...]:
         a, b, c = coefficients
-        scaled = (a, b * _TOKEN_SCALE, c * _TOKEN_SCALE**2)
-        points = [(n,) for n in self._PRIOR_TOKENS]
-        super().__init__(
-            scaled, points, window=window, half_life=half_life, prior_weight=prior_weight
-        )
-
-    @classmethod
-    def from_profile(
-        cls,
-        observations: Iterable[PrefillObservation],
-        *,
-        window: int = 256,
-        half_life: float = 32.0,
-        prior_weight: float = 0.5,
-    ) -> PrefillLatencyModel:
-        """A model whose prior is the profile's fit and whose window starts with it."""
-        model = cls(window=window, half_life=half_life, prior_weight=prior_weight)
-        model.observe_all(observations)
-        if model.num_observations:
-            model._set_prior(model._coefficients(), [(n,) for n in cls._PRIOR_TOKENS])
-        return model
+        return (a, b * _TOKEN_SCALE, c * _TOKEN_SCALE**2)
 
     def _features(self, *inputs: float) -> tuple[float, ...]:
         x = max(0.0, inputs[0]) / _TOKEN_SCALE
@@ -253,7 +259,7 @@ class PrefillLatencyModel(LinearLatencyModel):
         return float(a), float(b / _TOKEN_SCALE), float(c / _TOKEN_SCALE**2)
 
 
-class DecodeLatencyModel(LinearLatencyModel):
+class DecodeLatencyModel(LinearLatencyModel[DecodeObservation]):
     """Seconds per decode step: `a + b·batch + c·context_tokens`.
 
     Defaults: 10 ms floor (weights read once per step), 0.1 ms per sequence, 1 ms per
@@ -263,39 +269,9 @@ class DecodeLatencyModel(LinearLatencyModel):
     DEFAULT_COEFFICIENTS = (1e-2, 1e-4, 1.5e-7)  # s, s/seq, s/token
     _PRIOR_POINTS = ((1, 512), (8, 8192), (32, 65536), (64, 131072))
 
-    def __init__(
-        self,
-        coefficients: Sequence[float] = DEFAULT_COEFFICIENTS,
-        *,
-        window: int = 256,
-        half_life: float = 32.0,
-        prior_weight: float = 0.5,
-    ) -> None:
+    def _scaled(self, coefficients: Sequence[float]) -> tuple[float, ...]:
         a, b, c = coefficients
-        scaled = (a, b * _BATCH_SCALE, c * _CONTEXT_SCALE)
-        super().__init__(
-            scaled,
-            self._PRIOR_POINTS,
-            window=window,
-            half_life=half_life,
-            prior_weight=prior_weight,
-        )
-
-    @classmethod
-    def from_profile(
-        cls,
-        observations: Iterable[DecodeObservation],
-        *,
-        window: int = 256,
-        half_life: float = 32.0,
-        prior_weight: float = 0.5,
-    ) -> DecodeLatencyModel:
-        """A model whose prior is the profile's fit and whose window starts with it."""
-        model = cls(window=window, half_life=half_life, prior_weight=prior_weight)
-        model.observe_all(observations)
-        if model.num_observations:
-            model._set_prior(model._coefficients(), cls._PRIOR_POINTS)
-        return model
+        return (a, b * _BATCH_SCALE, c * _CONTEXT_SCALE)
 
     def _features(self, *inputs: float) -> tuple[float, ...]:
         batch, context = inputs
