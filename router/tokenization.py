@@ -51,8 +51,10 @@ class PromptTokenizer:
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """vLLM's bad_words as token sequences: each word as it would start a text and,
-        where the tokenizer writes it otherwise after a space (another first token, as
-        many tokens), as it would follow one."""
+        where the tokenizer writes it otherwise after a space, as it would follow one.
+        (vLLM keeps the second form only when it has as many tokens as the first, so
+        with byte-level BPE tokenizers, where " word" is often one token and "word"
+        several, it would not ban the word after a space; Tandem bans both forms.)"""
         sequences = []
         for word in words:
             bare = word.lstrip()
@@ -61,7 +63,7 @@ class PromptTokenizer:
                 raise ValueError(f"must hold words, got {word!r}")
             sequences.append(alone)
             spaced = self.encode(" " + bare, add_special_tokens=False)
-            if spaced[0] != alone[0] and len(spaced) == len(alone):
+            if spaced != alone:
                 sequences.append(spaced)
         return sequences
 
