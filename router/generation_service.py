@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 
 import grpc
 
 from tandem.engine.outputs import PromptLogprobs
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
-from tandem.engine.sampling_params import MAX_NUM_BAD_WORDS, MAX_TOP_LOGPROBS, SamplingParams
+from tandem.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.errors import (
@@ -23,7 +23,7 @@ from tandem.router.errors import (
 )
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.request_flow import RequestFlow
-from tandem.router.structured_outputs import guided_from_generate
+from tandem.router.structured_outputs import field_ruling_out_grammar_tokens, guided_from_generate
 from tandem.router.tokenization import PromptTokenizer
 from tandem.worker.convert import set_stop_reason
 
@@ -176,33 +176,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
         )
         for name in ("logit_bias", "allowed_token_ids"):
-            self._check_vocabulary(name, getattr(request, name))
-        if params.structured is not None:
-            for name in ("allowed_token_ids", "bad_words"):
-                if getattr(request, name):
-                    # The grammar could need a token the field rules out.
-                    raise InvalidRequest(f"{name} cannot be combined with `guided`", name)
+            try:
+                self.tokenizer.check_vocabulary(name, getattr(request, name))
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), name) from exc
+        if (conflict := field_ruling_out_grammar_tokens(params)) is not None:
+            raise InvalidRequest(f"{conflict} cannot be combined with `guided`", conflict)
         self.tokenizer.check_length(len(prompt_ids), params.max_tokens)
         return prompt_ids, params
 
-    def _check_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
-        vocab_size = self.tokenizer.vocab_size
-        for token_id in token_ids:
-            if token_id >= vocab_size:
-                raise InvalidRequest(
-                    f"{name} holds token id {token_id}, outside the vocabulary [0, {vocab_size})",
-                    name,
-                )
-
     def _bad_words(self, request: gen_pb.GenerateRequest) -> list[list[int]]:
-        words = list(request.bad_words)
-        if len(words) > MAX_NUM_BAD_WORDS:
-            raise InvalidRequest(
-                f"bad_words may hold at most {MAX_NUM_BAD_WORDS} words, got {len(words)}",
-                "bad_words",
-            )
         try:
-            return self.tokenizer.bad_words_token_ids(words)
+            return self.tokenizer.bad_words_token_ids(list(request.bad_words))
         except ValueError as exc:
             raise InvalidRequest(f"bad_words {exc}", "bad_words") from exc
 

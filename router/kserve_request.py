@@ -13,11 +13,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.engine.sampling_params import MAX_NUM_BAD_WORDS, SamplingParams
+from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.router.errors import InvalidRequest
 from tandem.router.kserve_tensors import decode_input, num_elements
-from tandem.router.structured_outputs import GUIDED_FIELDS, guided_from_fields
+from tandem.router.structured_outputs import (
+    GUIDED_FIELDS,
+    field_ruling_out_grammar_tokens,
+    guided_from_fields,
+)
 from tandem.router.tokenization import PromptTokenizer
 
 _INT_TYPES = ("INT32", "INT64", "INT8", "INT16", "UINT8", "UINT16", "UINT32", "UINT64")
@@ -120,24 +124,17 @@ def parse_request(
             )
         except ValueError as exc:
             raise InvalidRequest(f"'bad_words' {exc}", param="bad_words") from exc
-    if "structured" in settings:
-        for name, key in (("allowed_token_ids", "allowed_token_ids"),
-                          ("bad_words", "bad_words_token_ids")):  # fmt: skip
-            if settings.get(key):
-                # The grammar could need a token the setting rules out.
-                raise InvalidRequest(f"{name!r} cannot be combined with structured outputs", name)
     try:
         params = SamplingParams(**settings)
     except ValueError as exc:
         raise InvalidRequest(f"invalid sampling parameters: {exc}", "sampling_parameters") from exc
+    if (conflict := field_ruling_out_grammar_tokens(params)) is not None:
+        raise InvalidRequest(f"{conflict!r} cannot be combined with structured outputs", conflict)
     for key in ("logit_bias", "allowed_token_ids"):
-        for token_id in getattr(params, key):
-            if token_id >= tokenizer.vocab_size:
-                raise InvalidRequest(
-                    f"sampling parameter {key!r} holds token id {token_id}, outside the "
-                    f"vocabulary [0, {tokenizer.vocab_size})",
-                    param=key,
-                )
+        try:
+            tokenizer.check_vocabulary(key, getattr(params, key))
+        except ValueError as exc:
+            raise InvalidRequest(f"sampling parameter {exc}", param=key) from exc
     try:
         prompt_ids = tokenizer.encode(prompt)
         tokenizer.check_length(len(prompt_ids), params.max_tokens)
@@ -252,11 +249,6 @@ def _sampling_settings(text: str) -> dict[str, Any]:
         elif key == "bad_words":
             if not isinstance(value, list) or not all(isinstance(w, str) for w in value):
                 raise InvalidRequest(f"'bad_words' must be a list of strings, got {value!r}", key)
-            if len(value) > MAX_NUM_BAD_WORDS:
-                raise InvalidRequest(
-                    f"'bad_words' may hold at most {MAX_NUM_BAD_WORDS} words, got {len(value)}",
-                    key,
-                )
             settings[key] = value
         elif key in _INT_KEYS | _FLOAT_KEYS | _BOOL_KEYS:
             settings[key] = _convert(key, value)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured.grammar_builder import GrammarSpecError, build_grammar
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
@@ -45,6 +46,17 @@ def guided_from_fields(
     if len(given) > 1:
         raise invalid(prefix + given[1], f"cannot be combined with '{name}'; send one constraint")
     return name, checked(name, _spec(keys[first], fields[first], name))
+
+
+def field_ruling_out_grammar_tokens(params: SamplingParams) -> str | None:
+    """The request field (`allowed_token_ids`, `bad_words`) that rules out tokens the
+    grammar in `params` could need, leaving it none to choose; None without a grammar or
+    such a field. Every API refuses the combination."""
+    if params.structured is None:
+        return None
+    if params.allowed_token_ids:
+        return "allowed_token_ids"
+    return "bad_words" if params.bad_words_token_ids else None
 
 
 def guided_from_generate(msg: gen_pb.GuidedDecoding) -> GuidedDecoding | None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from tandem.engine.config import ModelConfig
+from tandem.engine.sampling_params import MAX_NUM_BAD_WORDS
 from tandem.engine.tokenizer_loader import load_tokenizer
 
 
@@ -55,6 +57,8 @@ class PromptTokenizer:
         (vLLM keeps the second form only when it has as many tokens as the first, so
         with byte-level BPE tokenizers, where " word" is often one token and "word"
         several, it would not ban the word after a space; Tandem bans both forms.)"""
+        if len(words) > MAX_NUM_BAD_WORDS:
+            raise ValueError(f"may hold at most {MAX_NUM_BAD_WORDS} words, got {len(words)}")
         sequences = []
         for word in words:
             bare = word.lstrip()
@@ -83,6 +87,15 @@ class PromptTokenizer:
                     f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
                 )
         return ids
+
+    def check_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
+        """ValueError naming field `name` if one of its token ids is outside the vocabulary."""
+        for token_id in token_ids:
+            if not 0 <= token_id < self.vocab_size:
+                raise ValueError(
+                    f"{name} holds token id {token_id}, outside the vocabulary "
+                    f"[0, {self.vocab_size})"
+                )
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         if num_prompt_tokens + max_tokens > self.max_model_len:

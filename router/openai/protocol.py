@@ -39,6 +39,7 @@ from tandem.router.openai.guided import guided_from_body
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N, SamplingExtras, parse_extras
 from tandem.router.openai.tools import ToolPlan, parse_tools
 from tandem.router.policy import RequestSlo, SloConfig
+from tandem.router.structured_outputs import field_ruling_out_grammar_tokens
 from tandem.router.tokenization import PromptTokenizer
 
 # Most alternatives a client may ask for per position (vLLM's default `max_logprobs`).
@@ -493,16 +494,12 @@ def _constrained(
     if given is not None and forced is not None:
         raise invalid(given[0], "cannot be combined with a forced 'tool_choice'")
     structured = forced if forced is not None else (given[1] if given else None)
-    restrictions = {
-        "allowed_token_ids": generation.params.allowed_token_ids,
-        "bad_words": generation.params.bad_words_token_ids,
-    }
-    for name, value in restrictions.items():
-        if structured is not None and value:
-            # The grammar could need a token the field rules out: none might be left.
-            raise invalid(name, "cannot be combined with structured outputs or a forced tool call")
     if structured is not None:
         params = dataclasses.replace(generation.params, structured=structured)
+        if (conflict := field_ruling_out_grammar_tokens(params)) is not None:
+            raise invalid(
+                conflict, "cannot be combined with structured outputs or a forced tool call"
+            )
         generation = dataclasses.replace(generation, params=params)
     if tools is not None:
         generation = dataclasses.replace(generation, tools=tools)
