@@ -214,7 +214,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
     from tandem.router.policy import AdmissionPolicy
     from tandem.telemetry.tracing import TraceExporter
-    from tandem.worker.config import DEFAULT_HOST, KvBackend
+    from tandem.worker.config import DEFAULT_HOST, KvBackend, WorkerSettings
 
     pools, router = PoolsConfig(), RouterConfig.__dataclass_fields__
     serve = commands.add_parser(
@@ -286,6 +286,11 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="prefill each prompt in one step (the head-of-line blocking baseline)",
     )
+    serve.add_argument(
+        "--step-watchdog", type=positive_float, default=None,
+        help="seconds one engine step may run before its worker counts as hung and is "
+        f"replaced [{WorkerSettings.step_watchdog_s:.0f}]",
+    )  # fmt: skip
     serve.add_argument("--api-key", default=None, help="require this key (or TANDEM_API_KEY)")
     serve.add_argument(
         "--max-n", type=positive_int, default=None,
@@ -421,6 +426,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             host=_flag(args.host, WorkerSettings.host),
             trace_exporter=_flag(args.trace_exporter, WorkerSettings.trace_exporter),
             kv_backend=args.kv_backend,
+            step_watchdog_s=_flag(args.step_watchdog, WorkerSettings.step_watchdog_s),
             cluster_auth=auth,
         )
         router = RouterConfig(

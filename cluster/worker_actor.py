@@ -83,10 +83,14 @@ class WorkerActor:
         )
 
     async def load(self) -> WorkerLoad:
-        """The engine's load; answering at all is the health check (engine thread alive)."""
+        """The engine's load, answered at once; the health check: raises if the engine
+        thread is gone or one step has run past the step watchdog (a long step within
+        it is healthy)."""
         if self.worker is None or self.worker.host.loop is None:
             raise RuntimeError(f"{self.config.worker_id}: load() before start()")
-        stats = await self.worker.host.loop.call(lambda engine: engine.stats(), timeout_s=5.0)
+        loop = self.worker.host.loop
+        loop.check_health()
+        stats = loop.stats()
         return WorkerLoad(
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,

@@ -250,7 +250,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         return pb.AbortResponse(aborted=aborted)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        stats = await self.loop.call(lambda e: e.stats())
+        stats = self.loop.stats()
         transfer = self.kv_client.stats()
         return stats_to_proto(
             stats,

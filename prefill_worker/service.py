@@ -134,7 +134,7 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         return pb.ReleaseResponse(released=released)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
-        stats = await self.loop.call(lambda e: e.stats())
+        stats = self.loop.stats()
         transfer = self._transfer_stats()
         return stats_to_proto(
             stats,

@@ -153,6 +153,10 @@ class WorkerCalls:
             await asyncio.shield(
                 stub.Release(pb.ReleaseRequest(request_id=held_id), timeout=_RELEASE_TIMEOUT_S)
             )
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.CancelledError) as exc:
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             # (UsageError: the worker left the pool and its channel is closed.)
             logger.info("release of %s failed (%s); its lease will expire", held_id, exc)
+        except asyncio.CancelledError:
+            # Cancelled again while releasing (the callers re-raise their own cancel): the
+            # shielded call goes on, and the lease is the backstop if it fails.
+            logger.debug("release of %s continues without its caller", held_id)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from tandem.engine.config import EngineConfig, EngineMode, parse_enum
 from tandem.proto.cluster_auth import ClusterAuth
 from tandem.telemetry.tracing import DEFAULT_TRACE_EXPORTER, TraceExporter
+from tandem.worker.engine_loop import DEFAULT_STEP_WATCHDOG_S
 
 
 class WorkerRole(enum.StrEnum):
@@ -86,6 +87,9 @@ class WorkerSettings:
     pull_timeout_s: float = 30.0
     # Longest a graceful stop waits for in-flight requests.
     drain_timeout_s: float = 10.0
+    # Longest one engine step may run before the worker's health probe fails (a hung
+    # kernel); a long prefill chunk of a big model on a CPU is healthy up to it.
+    step_watchdog_s: float = DEFAULT_STEP_WATCHDOG_S
     trace_exporter: TraceExporter = DEFAULT_TRACE_EXPORTER
     # Cluster token (and optional TLS) that internal gRPC calls and KV data connections
     # to this worker must carry, and that it presents to other workers; the default
@@ -105,7 +109,7 @@ class WorkerSettings:
         self.trace_exporter = parse_enum(TraceExporter, self.trace_exporter, "trace_exporter")
         if not self.host:
             raise ValueError("host must not be empty")
-        for name in ("admission_timeout_s", "pull_timeout_s", "drain_timeout_s"):
+        for name in ("admission_timeout_s", "pull_timeout_s", "drain_timeout_s", "step_watchdog_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -157,6 +161,10 @@ class WorkerConfig:
     @property
     def drain_timeout_s(self) -> float:
         return self.settings.drain_timeout_s
+
+    @property
+    def step_watchdog_s(self) -> float:
+        return self.settings.step_watchdog_s
 
     @property
     def trace_exporter(self) -> TraceExporter:

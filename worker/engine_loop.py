@@ -11,6 +11,13 @@ once ran a parallel torch op keeps its own OpenMP team for life; with a second t
 alive in the process (say, the thread that loaded the model), every GEMM of the engine
 thread ran 25-100% slower (decode steps 32 -> 40 ms at batch 1 in a served worker).
 One thread for all torch work keeps one team.
+
+A step can be long (a 2048-token prefill chunk of a 1B model takes tens of seconds on a
+laptop CPU), and commands wait for the step in progress. So what must answer at once
+does not queue: the thread publishes a stats snapshot after every step and command
+(`stats()`), and `check_health()` reads the thread's state, failing only when the
+thread is gone or one step has run past `step_watchdog_s` (a hung kernel), as SGLang's
+watchdog does.
 """
 
 from __future__ import annotations
@@ -20,12 +27,13 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from tandem.engine.llm_engine import Engine
-from tandem.engine.outputs import RequestOutput
+from tandem.engine.outputs import EngineStats, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,10 +42,27 @@ T = TypeVar("T")
 
 # How often an idle loop wakes to expire KV leases.
 _IDLE_WAKE_S = 0.05
+# The longest one engine step may run before the worker counts as hung (SGLang's
+# --watchdog-timeout default).
+DEFAULT_STEP_WATCHDOG_S = 300.0
+# How long a command may wait beyond the step in progress (which the watchdog bounds).
+COMMAND_TIMEOUT_S = 30.0
 
 
 class EngineLoopClosed(RuntimeError):
     """The engine loop stopped (shutdown or a fatal engine error)."""
+
+
+class EngineStalled(RuntimeError):
+    """One engine step has run longer than the loop's step watchdog."""
+
+
+@dataclass
+class _Command:
+    """Work for the engine thread; `fail` answers its waiter if the loop closes first."""
+
+    run: Callable[[], object]
+    fail: Callable[[BaseException], None]
 
 
 @dataclass
@@ -49,12 +74,24 @@ class _Stream:
 class EngineLoop:
     """One engine thread; thread-safe entry points for asyncio callers."""
 
-    def __init__(self, build: Callable[[], Engine], name: str = "engine") -> None:
+    def __init__(
+        self,
+        build: Callable[[], Engine],
+        name: str = "engine",
+        step_watchdog_s: float = DEFAULT_STEP_WATCHDOG_S,
+    ) -> None:
         """`build` makes the engine; it runs on the engine thread when `start()` is called."""
+        if step_watchdog_s <= 0:
+            raise ValueError(f"step_watchdog_s must be > 0, got {step_watchdog_s}")
         self._build = build
+        self.step_watchdog_s = step_watchdog_s
+        # Written by the engine thread only; read anywhere (one reference each).
+        self._stats: EngineStats | None = None
+        self._step_started: float | None = None
         self._engine: Engine | None = None
         self._built = threading.Event()
-        self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._closed = False  # no command runs any more (under _lock)
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -85,7 +122,7 @@ class EngineLoop:
         if not self._thread.is_alive():
             return
         self._stopping.set()
-        self._commands.put(lambda: None)
+        self._commands.put(_Command(_nothing, _ignore))  # wakes an idle thread
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.error("engine thread did not stop within %.1f s", timeout_s)
@@ -95,36 +132,67 @@ class EngineLoop:
         with self._lock:
             return len(self._streams)
 
-    async def call(self, fn: Callable[[Engine], T], timeout_s: float = 30.0) -> T:
-        """Run `fn(engine)` on the engine thread between steps; return its result."""
+    def stats(self) -> EngineStats:
+        """The engine's state after its last step or command, without waiting for the
+        step in progress (thread-safe)."""
         self._check_running()
+        if self._stats is None:
+            raise EngineLoopClosed("engine loop not started")
+        return self._stats
+
+    def step_running_s(self) -> float:
+        """How long the step in progress has run (0 between steps)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def check_health(self) -> None:
+        """Raise EngineLoopClosed if the engine thread is gone, EngineStalled if its step
+        in progress has run past the watchdog; a long step within it is healthy."""
+        self._check_running()
+        running_s = self.step_running_s()
+        if running_s > self.step_watchdog_s:
+            raise EngineStalled(
+                f"one engine step has run {running_s:.0f} s "
+                f"(step watchdog {self.step_watchdog_s:.0f} s)"
+            )
+
+    def _command_timeout_s(self, timeout_s: float | None) -> float:
+        return self.step_watchdog_s + COMMAND_TIMEOUT_S if timeout_s is None else timeout_s
+
+    async def call(self, fn: Callable[[Engine], T], timeout_s: float | None = None) -> T:
+        """Run `fn(engine)` on the engine thread between steps; return its result. The
+        default timeout is the step in progress (at most the watchdog) plus
+        COMMAND_TIMEOUT_S."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
-        def command() -> None:
+        def run() -> None:
             try:
                 result = fn(self.engine)
             except Exception as exc:  # handed to the caller, never swallowed
-                loop.call_soon_threadsafe(_set_exception, future, exc)
+                fail(exc)
             else:
+                self._publish_stats()  # a caller's next stats() sees what it did
                 loop.call_soon_threadsafe(_set_result, future, result)
 
-        self._commands.put(command)
-        return await asyncio.wait_for(future, timeout_s)
+        def fail(exc: BaseException) -> None:
+            loop.call_soon_threadsafe(_set_exception, future, exc)
 
-    def call_threadsafe(self, fn: Callable[[Engine], T], timeout_s: float = 30.0) -> T:
+        self._put(_Command(run, fail))
+        return await asyncio.wait_for(future, self._command_timeout_s(timeout_s))
+
+    def call_threadsafe(self, fn: Callable[[Engine], T], timeout_s: float | None = None) -> T:
         """`call` for plain (non-asyncio) threads, e.g. a KV transfer socket thread."""
-        self._check_running()
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
-        def command() -> None:
+        def run() -> None:
             try:
                 future.set_result(fn(self.engine))
             except Exception as exc:  # handed to the caller, never swallowed
                 future.set_exception(exc)
 
-        self._commands.put(command)
-        return future.result(timeout_s)
+        self._put(_Command(run, future.set_exception))
+        return future.result(self._command_timeout_s(timeout_s))
 
     async def generate(
         self,
@@ -170,12 +238,20 @@ class EngineLoop:
         """Stop delivering outputs of `req_id`; with `abort`, drop it from the engine."""
         self._close_stream(req_id)
         if abort:
-            self._commands.put(lambda: self.engine.abort(req_id))
+            with self._lock:
+                if not self._closed:  # else the engine already dropped every request
+                    self._commands.put(_Command(lambda: self.engine.abort(req_id), _ignore))
+
+    def _put(self, command: _Command) -> None:
+        """Queue a command, or raise EngineLoopClosed; never strands one in a closed queue."""
+        with self._lock:
+            self._check_running()
+            self._commands.put(command)
 
     def _check_running(self) -> None:
         if self._error is not None:
             raise EngineLoopClosed(f"engine failed: {self._error!r}")
-        if self._stopping.is_set() or not self._thread.is_alive():
+        if self._closed or self._stopping.is_set() or not self._thread.is_alive():
             raise EngineLoopClosed("engine loop is not running")
 
     # ----- engine thread ------------------------------------------------------
@@ -187,15 +263,25 @@ class EngineLoop:
             logger.exception("engine build failed")
             self._error = exc
             return
+        else:
+            self._publish_stats()
         finally:
             self._built.set()
+        try:
+            self._serve(engine)
+        finally:
+            self._close_commands()
+
+    def _serve(self, engine: Engine) -> None:
         while not self._stopping.is_set():
             self._run_commands(block=not engine.has_unfinished_requests())
             if self._stopping.is_set():
                 break
             if not engine.has_unfinished_requests():
                 engine.expire_leases(engine.clock())
+                self._publish_stats()
                 continue
+            self._step_started = time.monotonic()
             try:
                 outputs = engine.step()
             except Exception as exc:
@@ -203,19 +289,42 @@ class EngineLoop:
                 self._error = exc
                 self._fail_all(exc)
                 return
+            finally:
+                self._step_started = None
+            self._publish_stats()
             self._dispatch(outputs)
         self._fail_all(EngineLoopClosed("engine loop stopped"))
 
+    def _publish_stats(self) -> None:
+        self._stats = self.engine.stats()
+
     def _run_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=_IDLE_WAKE_S) if block else None
+            command = (
+                self._commands.get(timeout=_IDLE_WAKE_S) if block else self._commands.get_nowait()
+            )
         except queue.Empty:
             return
         while True:
-            if command is not None:
-                command()
+            command.run()
             try:
                 command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self._publish_stats()
+
+    def _close_commands(self) -> None:
+        """The thread is leaving: refuse new commands and fail the queued ones."""
+        with self._lock:
+            self._closed = True
+        reason = (
+            EngineLoopClosed(f"engine failed: {self._error!r}")
+            if self._error is not None
+            else EngineLoopClosed("engine loop stopped")
+        )
+        while True:
+            try:
+                self._commands.get_nowait().fail(reason)
             except queue.Empty:
                 return
 
@@ -270,6 +379,14 @@ class RequestStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _nothing() -> None:
+    pass
+
+
+def _ignore(exc: BaseException) -> None:
+    pass
 
 
 def _set_result(future: asyncio.Future, result: object) -> None:

@@ -49,7 +49,9 @@ class WorkerHost:
         config = self.config
         # Built on the engine's own thread (see EngineLoop): start() waits for the load.
         build = functools.partial(Engine, config.engine, clock=self.clock)
-        self.loop = EngineLoop(build, name=f"engine-{config.worker_id}")
+        self.loop = EngineLoop(
+            build, name=f"engine-{config.worker_id}", step_watchdog_s=config.step_watchdog_s
+        )
         await asyncio.to_thread(self.loop.start)
         # Every call but health probes must carry the cluster token (when one is set).
         self.server = internal_server(

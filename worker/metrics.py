@@ -120,7 +120,7 @@ class WorkerMetrics:
         port = port or metrics_port_from_env(os.environ)
 
         async def scrape(request: web.Request) -> web.Response:
-            self._engine.snapshot = await loop.call(lambda e: e.stats(), timeout_s=5.0)
+            self._engine.snapshot = loop.stats()
             body = generate_latest(self.registry)
             return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -61,8 +61,10 @@ def test_flags_land_in_the_tree(tiny_model_dir, monkeypatch):
         "--trace-exporter", "console", "--admission", "queue", "--ttft-slo", "0.5",
         "--itl-slo", "0.05", "--max-local-prefill-tokens", "0", "--api-key", "k",
         "--ray-address", "auto", "--kv-cache-memory", "48MiB", "--dtype", "float32",
+        "--step-watchdog", "900",
     )  # fmt: skip
     assert config.ray.address == "auto"
+    assert config.worker.step_watchdog_s == 900.0
     assert config.engine.kv_cache_memory_bytes == 48 << 20
     # The tiny model keeps 4 KiB of K and V per token (4 layers x 2 heads x 64 x 2 x 4 B).
     assert config.engine.num_blocks == (48 << 20) // (4096 * config.engine.block_size)
@@ -129,6 +131,7 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--grpc-port", "70000"), "--grpc-port: must be a port in [0, 65535]"),
         (("--max-local-prefill-tokens", "-5"), "--max-local-prefill-tokens: must be >= 0"),
         (("--ttft-slo", "0"), "--ttft-slo: must be > 0"),
+        (("--step-watchdog", "0"), "--step-watchdog: must be > 0"),
         (("--colocated", "2", "--prefill", "1"), "--colocated replaces the --prefill/--decode"),
         (("--colocated", "1", "--decode", "1"), "--colocated replaces the --prefill/--decode"),
         (("--device", "cpu", "--kv-backend", "nccl"), "--kv-backend nccl moves KV between GPUs"),

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterator
+import time
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
 import pytest
@@ -158,18 +159,24 @@ def test_errors_reach_the_waiting_caller_and_the_loop_goes_on(engine_loop):
         engine_loop.call_threadsafe(lambda e: e.export_kv("nobody"), timeout_s=10)
 
 
-def test_an_engine_failure_fails_open_streams_and_closes_the_loop(engine):
-    # Fault injection: the real step, made to fail on its third call.
+def fail_step(engine: Engine, number: int, first: Callable[[], object] = lambda: None) -> None:
+    """Fault injection: the engine's real step, made to fail on its `number`th call
+    (after running `first()` there)."""
     real_step, num_steps = engine.step, 0
 
     def failing_step():
         nonlocal num_steps
         num_steps += 1
-        if num_steps == 3:
+        if num_steps == number:
+            first()
             raise RuntimeError("injected step failure")
         return real_step()
 
     engine.step = failing_step
+
+
+def test_an_engine_failure_fails_open_streams_and_closes_the_loop(engine):
+    fail_step(engine, 3)
     loop = EngineLoop(lambda: engine, name=THREAD)
     loop.start()
     try:
@@ -265,3 +272,59 @@ def test_a_failed_build_is_raised_by_start_and_leaves_no_thread(tmp_path):
     assert not engine_threads()
     with pytest.raises(EngineLoopClosed):
         run(loop.call(lambda e: None))
+
+
+def test_a_command_queued_behind_a_failing_step_fails_at_once(engine):
+    # The second step waits until a command is queued behind it, then fails; that
+    # command must not wait out its timeout (the step watchdog + 30 s).
+    held, queued = threading.Event(), threading.Event()
+    fail_step(engine, 2, first=lambda: (held.set(), queued.wait(30.0)))
+    loop = EngineLoop(lambda: engine, name=THREAD)
+    loop.start()
+    try:
+
+        async def main():
+            stream = await loop.generate("r", PROMPTS[0], LONG)
+            assert await asyncio.to_thread(held.wait, 10.0)
+            waiter = asyncio.ensure_future(loop.call(lambda e: e.is_idle()))
+            await asyncio.sleep(0.2)  # the call is queued behind the held step
+            queued.set()
+            started = time.monotonic()
+            with pytest.raises(EngineLoopClosed, match="injected step failure"):
+                await waiter
+            assert time.monotonic() - started < 5.0
+            with pytest.raises(RuntimeError, match="injected step failure"):
+                async for _ in stream:
+                    pass
+            await stream.aclose()
+            with pytest.raises(EngineLoopClosed, match="engine failed"):
+                loop.stats()
+            with pytest.raises(EngineLoopClosed, match="engine failed"):
+                loop.check_health()
+
+        run(main())
+    finally:
+        loop.stop()
+    assert not engine_threads()
+
+
+def test_stats_follow_each_command_and_step(engine_loop):
+    async def main():
+        assert engine_loop.stats().num_waiting == 0
+        stream = await engine_loop.generate("r", PROMPTS[0], LONG)
+        # Published before the call returned: the caller reads its own write.
+        running = engine_loop.stats()
+        assert running.num_waiting + running.num_running == 1
+        await stream.aclose()  # aborts on the engine thread
+        deadline = time.monotonic() + 5.0
+        while engine_loop.stats().num_free_blocks != running.num_blocks:
+            assert time.monotonic() < deadline, engine_loop.stats()
+            await asyncio.sleep(0.01)
+        engine_loop.check_health()
+
+    run(main())
+
+
+def test_the_step_watchdog_must_be_positive(engine):
+    with pytest.raises(ValueError, match="step_watchdog_s must be > 0"):
+        EngineLoop(lambda: engine, name=THREAD, step_watchdog_s=0)
