@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -324,9 +325,11 @@ class EngineLoop:
         )
         while True:
             try:
-                self._commands.get_nowait().fail(reason)
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
+            with contextlib.suppress(RuntimeError):  # the waiter's event loop has closed
+                command.fail(reason)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
