@@ -259,6 +259,10 @@ class SequenceFlow:
         """Decode from KV the prefill worker holds (`request.kv_handle`), after `first`
         (the prefill's token, if this sequence has it)."""
         span = self._decode_span(pair, seq)
+        # The decode worker answers only once it has pulled the KV (or, when the pull
+        # failed, released it and recomputed), so after its first chunk nothing is left
+        # to unpin, also when the consumer closes this stream after the last chunk.
+        taken = False
         try:
             if first is not None:
                 yield first
@@ -266,10 +270,11 @@ class SequenceFlow:
                 self.calls.decode(pair, request, seq, span, attempt)
             ) as chunks:
                 async for chunk in chunks:
+                    taken = True
                     yield chunk
         except BaseException:
-            # The decode side may never have pulled: unpin (a no-op if it did).
-            await self.calls.release(pair, request.kv_handle.request_id)
+            if not taken:  # the decode side may never have pulled: unpin
+                await self.calls.release(pair, request.kv_handle.request_id)
             raise
         finally:
             span.end()
