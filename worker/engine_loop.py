@@ -188,9 +188,12 @@ class EngineLoop:
 
         def run() -> None:
             try:
-                future.set_result(fn(self.engine))
+                result = fn(self.engine)
             except Exception as exc:  # handed to the caller, never swallowed
                 future.set_exception(exc)
+            else:
+                self._publish_stats()  # as in `call`: the caller's next stats() sees it
+                future.set_result(result)
 
         self._put(_Command(run, future.set_exception))
         return future.result(self._command_timeout_s(timeout_s))
