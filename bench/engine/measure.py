@@ -145,7 +145,7 @@ def torch_facts(num_threads: int) -> dict[str, Any]:
     bf16 = {"avx512_bf16", "amx_bf16", "avx_ne_convert"}
     return {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "bf16_instructions": bool(set(flags.split()) & bf16), "torch": torch.__version__,
+        "bf16_instructions": sorted(set(flags.split()) & bf16), "torch": torch.__version__,
         "transformers": transformers.__version__, "threads": num_threads,
     }  # fmt: skip
 

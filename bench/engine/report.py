@@ -287,11 +287,12 @@ FULL_COMMAND = ".venv/bin/tandem-bench engine"
 
 def _machine_paragraph(report: BenchReport) -> str:
     m = report.machine
-    bf16 = "native" if m["bf16_instructions"] else "no native"
+    flags = m["bf16_instructions"]  # the CPU flags of bf16 instructions found
+    bf16 = f"bf16 instructions: {', '.join(flags)}" if flags else "no bf16 instructions"
     return (
-        f"**Machine.** {m['cpu']}, {m['cores']} cores ({m['cpu_capability']}, {bf16} bf16 "
-        f"instructions); torch {m['torch']}, transformers {m['transformers']}, Python "
-        f"{m['python']}; torch threads: {m['threads']}; {m['started']}; 1-minute load average "
+        f"**Machine.** {m['cpu']}, {m['cores']} cores ({m['cpu_capability']}, {bf16}); torch "
+        f"{m['torch']}, transformers {m['transformers']}, Python {m['python']}; torch threads: "
+        f"{m['threads']}; {m['started']}; 1-minute load average "
         f"{m['load_avg_1m_at_start']:.2f} at start, {report.load_average_end:.2f} at end."
     )
 

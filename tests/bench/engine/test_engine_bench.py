@@ -80,7 +80,7 @@ def make_row(engine_s: float, floor_s: float, hf_s: float, kind: str = "decode")
 
 def make_report(rows: list[Row], quick: bool = False) -> BenchReport:
     machine = {
-        "cpu": "Test CPU", "cores": 2, "cpu_capability": "AVX2", "bf16_instructions": False,
+        "cpu": "Test CPU", "cores": 2, "cpu_capability": "AVX2", "bf16_instructions": [],
         "torch": "2.x", "transformers": "5.x", "python": "3.11", "threads": 2,
         "started": "2025-01-01 00:00 UTC", "load_avg_1m_at_start": 3.0,
     }  # fmt: skip
