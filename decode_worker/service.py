@@ -40,8 +40,9 @@ from tandem.worker.convert import (
     stats_to_proto,
     top_logprobs_to_proto,
 )
-from tandem.worker.engine_loop import EngineLoop, RequestStream
+from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed, EngineStepFailed, RequestStream
 from tandem.worker.metrics import WorkerMetrics
+from tandem.worker.step_failure import abort_engine_step_failed
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +122,10 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 span.end()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineStepFailed as exc:
+            await abort_engine_step_failed(context, exc)
+        except EngineLoopClosed as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except TimeoutError:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -17,6 +17,7 @@ import grpc
 
 from tandem.router.errors import RouterError, WorkerUnavailable, from_worker_error
 from tandem.router.policy import Placement
+from tandem.worker.step_failure import is_engine_step_failure
 
 # Status codes of a worker call that mean the worker or the connection failed (not the
 # request): the request may continue elsewhere. Our own cancellation is not among them
@@ -47,13 +48,20 @@ class AttemptFailed(Exception):
     """A worker call of one attempt failed; internal to the flow, never leaves it."""
 
     def __init__(
-        self, worker_id: str, reason: MigrationReason, error: RouterError, migratable: bool
+        self,
+        worker_id: str,
+        reason: MigrationReason,
+        error: RouterError,
+        migratable: bool,
+        engine_step_failed: bool = False,
     ) -> None:
         super().__init__(str(error))
         self.worker_id = worker_id
         self.reason = reason
         self.error = error
         self.migratable = migratable
+        # The worker's engine step raised with this sequence in it (worker/step_failure.py).
+        self.engine_step_failed = engine_step_failed
 
 
 def worker_lost_failure(worker_id: str) -> AttemptFailed:
@@ -67,7 +75,13 @@ def call_failure(
 ) -> AttemptFailed:
     """The failure of an attempt whose call to `worker_id` ended with `exc`."""
     migratable = exc.code() in MIGRATABLE_CODES
-    return AttemptFailed(worker_id, reason, from_worker_error(exc), migratable=migratable)
+    return AttemptFailed(
+        worker_id,
+        reason,
+        from_worker_error(exc),
+        migratable=migratable,
+        engine_step_failed=is_engine_step_failure(exc),
+    )
 
 
 def really_cancelled() -> bool:

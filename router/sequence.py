@@ -45,6 +45,8 @@ class Sequence:
     # Tokens already sent to the client.
     output_ids: list[int] = dataclasses.field(default_factory=list)
     num_migrations: int = 0
+    # Failed attempts whose worker's engine step raised while this sequence was in it.
+    num_engine_step_failures: int = 0
 
     @property
     def first_attempt(self) -> bool:

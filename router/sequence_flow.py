@@ -13,7 +13,9 @@ prefills prompt + every token already streamed and generates the rest. The clien
 stream goes on with no duplicated or missing token (with greedy sampling, the text of
 an uninterrupted run). After a migration the router detokenizes the output itself
 (`continuation.py`). At most `max_migrations` per sequence; past them, one
-`WorkerUnavailable`.
+`WorkerUnavailable`. A sequence that was in a failed engine step on two workers
+(worker/step_failure.py) is not moved again: it may be what breaks the engine, and
+moving it on would take down one worker after another. The client gets a 500.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from tandem.router.continuation import (
     redetokenize,
     replay_detokenizer,
 )
-from tandem.router.errors import WorkerUnavailable
+from tandem.router.errors import RouterError, WorkerUnavailable
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy import GoodputPolicy, Placement, PlacementRequest
 from tandem.router.sequence import Sequence
@@ -61,6 +63,8 @@ logger = logging.getLogger(__name__)
 
 # Retry-After of the error a sequence gets when it ran out of migrations.
 _EXHAUSTED_RETRY_AFTER_S = 1.0
+# Failed engine steps a sequence may be in before it counts as their likely cause.
+MAX_ENGINE_STEP_FAILURES = 2
 
 Chunks = AsyncGenerator[GenerationChunk, None]
 # How a sequence's first attempt runs when its caller starts it (a forked request's
@@ -146,11 +150,21 @@ class SequenceFlow:
                 self.policy.on_finish(seq.placement_key, seq.output_ids)
 
     def _count_migration(self, seq: Sequence, failure: AttemptFailed) -> None:
-        """Raise the client's error if the sequence may not move; else count the
-        migration, keep new requests off the failed worker, and free the old placement's
+        """Keep new requests off the failed worker; raise the client's error if the
+        sequence may not move; else count the migration and free the old placement's
         accounting (the next placement charges the new pair)."""
         if not failure.migratable:
             raise failure.error from failure.__cause__
+        if self.on_worker_failed is not None and failure.reason is not MigrationReason.WORKER_LOST:
+            self.on_worker_failed(failure.worker_id)
+        if failure.engine_step_failed:
+            seq.num_engine_step_failures += 1
+            if seq.num_engine_step_failures >= MAX_ENGINE_STEP_FAILURES:
+                raise RouterError(
+                    f"request failed: the engine step failed on {seq.num_engine_step_failures} "
+                    f"workers while running it, so it is not moved again (it may be the "
+                    f"cause); last: {failure.error}"
+                ) from failure.__cause__
         if seq.num_migrations >= self.max_migrations:
             raise WorkerUnavailable(
                 f"request failed after {seq.num_migrations} migrations: {failure.error}",
@@ -167,8 +181,6 @@ class SequenceFlow:
             "tandem.migration",
             {"tandem.worker": failure.worker_id, "tandem.reason": failure.reason.value},
         )
-        if self.on_worker_failed is not None and failure.reason is not MigrationReason.WORKER_LOST:
-            self.on_worker_failed(failure.worker_id)
         if seq.owns_placement:
             self.policy.on_finish(seq.placement_key)
             seq.owns_placement = False

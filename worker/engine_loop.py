@@ -54,6 +54,11 @@ class EngineLoopClosed(RuntimeError):
     """The engine loop stopped (shutdown or a fatal engine error)."""
 
 
+class EngineStepFailed(EngineLoopClosed):
+    """An engine step raised: every request open on the loop fails with this, and the
+    loop is closed (worker/step_failure.py says how the worker reports it)."""
+
+
 class EngineStalled(RuntimeError):
     """One engine step has run longer than the loop's step watchdog."""
 
@@ -291,7 +296,9 @@ class EngineLoop:
             except Exception as exc:
                 logger.exception("engine step failed; failing every open stream")
                 self._error = exc
-                self._fail_all(exc)
+                failure = EngineStepFailed(f"engine step failed: {exc!r}")
+                failure.__cause__ = exc
+                self._fail_all(failure)
                 return
             finally:
                 self._step_started = None

@@ -1,6 +1,6 @@
-"""A real cluster inside the test process: 1 prefill + 1 decode worker and a router,
-over real gRPC, TCP KV transfer and HTTP, on an asyncio loop in a background thread
-(so synchronous clients such as `openai` or `tritonclient` can call it).
+"""A real cluster inside the test process: 1 prefill + 1 decode worker (or the `roles`
+given) and a router, over real gRPC, TCP KV transfer and HTTP, on an asyncio loop in a
+background thread (so synchronous clients such as `openai` or `tritonclient` can call it).
 
 `tests/conftest.py` starts one with `shared_router_config` for the whole session (the
 `cluster` fixture); tests that need other settings start their own, passing typed
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine, Iterator
+from collections.abc import Collection, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -72,6 +72,10 @@ class InprocCluster:
     tracing: Tracing | None = None
     # The cluster token (and TLS) the workers require and the router presents.
     cluster_auth: ClusterAuth = field(default_factory=ClusterAuth)
+    # Worker id -> role, in start order (decode and colocated workers prefill locally).
+    roles: dict[str, WorkerRole] = field(
+        default_factory=lambda: {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE}
+    )
     router: Router | None = None
     workers: list[WorkerEndpoint] = field(default_factory=list)
 
@@ -91,10 +95,8 @@ class InprocCluster:
 
     async def _start(self) -> None:
         template = self.engine_config or inproc_engine_config(self.model_dir)
-        for worker_id, role, cls in (
-            ("prefill-0", WorkerRole.PREFILL, PrefillWorker),
-            ("decode-0", WorkerRole.DECODE, DecodeWorker),
-        ):
+        for worker_id, role in self.roles.items():
+            cls = PrefillWorker if role is WorkerRole.PREFILL else DecodeWorker
             engine = replace(template, mode=role.engine_mode)
             config = WorkerConfig(
                 worker_id=worker_id,
@@ -125,10 +127,16 @@ class InprocCluster:
     def http_endpoint(self) -> str:
         return self.router.http_endpoint
 
-    def assert_idle(self, timeout_s: float = 5.0) -> None:
-        """Every worker back to idle (blocks free, nothing held, no stream open), and the
-        router's policy charges no request."""
-        workers = [(w.endpoint, w.role) for w in self.workers]
+    def assert_idle(
+        self, timeout_s: float = 5.0, worker_ids: Collection[str] | None = None
+    ) -> None:
+        """Every worker (or those named) back to idle (blocks free, nothing held, no stream
+        open), and the router's policy charges no request."""
+        workers = [
+            (w.endpoint, w.role)
+            for w in self.workers
+            if worker_ids is None or w.worker_id in worker_ids
+        ]
         self.run(
             assert_workers_idle(
                 workers, max_channels=1, timeout_s=timeout_s, auth=self.cluster_auth

@@ -18,7 +18,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
-from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed
+from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed, EngineStepFailed
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
 
@@ -184,10 +184,13 @@ def test_an_engine_failure_fails_open_streams_and_closes_the_loop(engine):
         async def main():
             stream = await loop.generate("r", PROMPTS[0], LONG)
             received = []
-            with pytest.raises(RuntimeError, match="injected step failure"):
+            # The stream ends with the step's error, marked as one (the worker tells the
+            # router so: worker/step_failure.py).
+            with pytest.raises(EngineStepFailed, match="injected step failure") as info:
                 async for out in stream:
                     received.append(out)
             await stream.aclose()
+            assert isinstance(info.value.__cause__, RuntimeError)
             assert len(received) == 2
             with pytest.raises(EngineLoopClosed, match="engine failed"):
                 await loop.call(lambda e: None)

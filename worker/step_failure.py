@@ -1,0 +1,35 @@
+"""How a worker tells the router that its engine step failed, on the wire.
+
+A step that raises ends the engine loop and every request open on it (the worker then
+fails its health checks and is replaced). Those requests were in the failed step, so any
+of them may have caused it: the router migrates them, but a request present at two such
+failures is not moved a third time (router/sequence_flow.py), so one request whose input
+breaks the engine cannot take down every worker in turn. The worker answers such a call
+with INTERNAL and the trailing metadata below; a lost connection or a killed worker has
+neither, and counts as the worker's fault.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import grpc
+
+if TYPE_CHECKING:
+    from tandem.worker.engine_loop import EngineStepFailed
+
+# Trailing metadata key of a call that ended because the worker's engine step raised.
+ENGINE_STEP_FAILED_KEY = "tandem-engine-step-failed"
+
+
+async def abort_engine_step_failed(
+    context: grpc.aio.ServicerContext, exc: EngineStepFailed
+) -> None:
+    """End the call with INTERNAL, the step's error and the marker the router reads."""
+    context.set_trailing_metadata(((ENGINE_STEP_FAILED_KEY, "1"),))
+    await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+
+
+def is_engine_step_failure(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a worker call ended because that worker's engine step raised."""
+    return any(key == ENGINE_STEP_FAILED_KEY for key, _ in exc.trailing_metadata() or ())
