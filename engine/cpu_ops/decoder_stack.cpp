@@ -43,6 +43,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 // k of a weight [n, k], packed or not (see linear).
 int64_t in_features(const at::Tensor& weight) { return weight.dim() == 4 ? 2 * weight.size(1) : weight.size(1); }
 
+// SiLU(x @ gate.T) * (x @ up.T) for the MLP's fused gate_up weight [2I, k]: in one pass
+// where packed_silu_and_mul takes the weight, else its product and silu_and_mul.
+at::Tensor gated_activation(const at::Tensor& x, const at::Tensor& gate_up, int64_t intermediate) {
+  if (tandem_cpu::fuses_silu_and_mul(gate_up, intermediate)) {
+    RECORD_FUNCTION("tandem_cpu::packed_silu_and_mul", c10::ArrayRef<const c10::IValue>{});
+    return tandem_cpu::packed_silu_and_mul(x, gate_up, intermediate);
+  }
+  return tandem_cpu::silu_and_mul(linear(x, gate_up, c10::nullopt, 2 * intermediate));
+}
+
 // slots [tokens]: every slot in [0, num_slots); `op` names the caller in the error.
 void check_slots(const char* op, const int64_t* slots, int64_t tokens, int64_t num_slots) {
   for (int64_t t = 0; t < tokens; ++t) {
@@ -256,9 +266,8 @@ at::Tensor decoder_stack(const at::Tensor& embedding_table, int64_t vocab_size, 
     }
     hidden = linear(attention.view({tokens, q_size}), w[2], c10::nullopt, hidden_size, hidden);
     // MLP: fused gate/up, SiLU(gate) * up, down with the residual added.
-    at::Tensor gate_up =
-        linear(tandem_cpu::rms_norm(hidden, w[3], norm_eps), w[4], c10::nullopt, 2 * in_features(w[5]));
-    hidden = linear(tandem_cpu::silu_and_mul(gate_up), w[5], c10::nullopt, hidden_size, hidden);
+    hidden = linear(gated_activation(tandem_cpu::rms_norm(hidden, w[3], norm_eps), w[4], in_features(w[5])), w[5],
+                    c10::nullopt, hidden_size, hidden);
   }
   return tandem_cpu::rms_norm(hidden, final_norm, norm_eps);
 }

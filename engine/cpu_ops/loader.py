@@ -10,10 +10,11 @@ over the paged cache, the `cpu` attention backend), `pack_linear_weight`, `packe
 and `packs_bfloat16` (float32 matmuls, and bfloat16 ones on CPUs with AMX or
 AVX512-BF16, over weights packed at load, see engine/model/linear.py), `rms_norm`,
 `silu_and_mul` and `rotary_embedding_` (fused float32/bfloat16 elementwise ops, see
-engine/model/cpu_kernels.py), `greedy_argmax` (the greedy sampler's choice,
-engine/sampler.py), `cache_kv` (the K/V writes by slot) and `decoder_stack` (a step's
-decoder stack, see engine/model/cpu_stack.py); cpu_ops.h declares them all,
-register_ops.cpp registers them.
+engine/model/cpu_kernels.py), `packed_silu_and_mul` and `fuses_silu_and_mul` (the MLP's
+gate/up product and SiLU-and-multiply in one pass, bfloat16 with AMX), `greedy_argmax`
+(the greedy sampler's choice, engine/sampler.py), `cache_kv` (the K/V writes by slot)
+and `decoder_stack` (a step's decoder stack, see engine/model/cpu_stack.py); cpu_ops.h
+declares them all, register_ops.cpp registers them.
 """
 
 from __future__ import annotations
@@ -174,6 +175,20 @@ def packed_linear(
     `residual` (contiguous [rows, n], x's dtype) where given, the same bits as adding it to
     the result with `add_`."""
     return torch.ops.tandem_cpu.packed_linear(x, packed, n, bias, residual)
+
+
+def fuses_silu_and_mul(packed_gate_up: torch.Tensor, intermediate: int) -> bool:
+    """Whether `packed_silu_and_mul` takes this packed gate_up weight [2I, k]: bfloat16
+    packed for AMX, I a multiple of its 64-column panels."""
+    return bool(torch.ops.tandem_cpu.fuses_silu_and_mul(packed_gate_up, intermediate))
+
+
+def packed_silu_and_mul(
+    x: torch.Tensor, packed_gate_up: torch.Tensor, intermediate: int
+) -> torch.Tensor:
+    """silu_and_mul(packed_linear(x, packed_gate_up, 2 * intermediate, None)), the same
+    bits, without the [rows, 2I] product in memory (where `fuses_silu_and_mul`)."""
+    return torch.ops.tandem_cpu.packed_silu_and_mul(x, packed_gate_up, intermediate)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -368,6 +368,45 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
   return y;
 }
 
+// SiLU(gate) * up for rows of x, by the AMX path of packed_linear_bf16 over the gate_up
+// weight's panels in pairs (gate panel q and up panel q + I / kPanelBf16): each task's two
+// sums are rounded to bfloat16 as packed_linear rounds them, then go through
+// silu_and_mul's arithmetic into y [rows, I] while they are in L1. What it saves is the
+// [rows, 2I] product's trip through memory and a pass over it: the small preset's gate/up
+// product and SiLU-and-multiply (AMX Xeon, 2 threads, medians of 30 calls) took 2.15 ->
+// 1.94 ms at 512 rows, 0.26 -> 0.21 at 32 rows.
+at::Tensor packed_silu_and_mul_amx(const at::Tensor& x, const at::Tensor& packed, int64_t intermediate) {
+  using c10::BFloat16;
+  const int64_t k_len = packed.size(1) * 2, rows = x.size(0), ldx = x.stride(0);
+  const int64_t pairs = intermediate / kPanelBf16, row_blocks = (rows + kBrgemmRows - 1) / kBrgemmRows;
+  at::Tensor y = x.new_empty({rows, intermediate});
+  const BFloat16* xp = x.data_ptr<BFloat16>();
+  const BFloat16* wp = packed.data_ptr<BFloat16>();
+  BFloat16* yp = y.data_ptr<BFloat16>();
+  at::parallel_for(0, pairs * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    const tandem_cpu::BrgemmScope brgemm_scope;
+    const int64_t block = std::min(rows, kBrgemmRows) * kPanelBf16;
+    std::vector<float> gate(block), up(block);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t q = t / row_blocks, m0 = (t % row_blocks) * kBrgemmRows;
+      const int64_t m_len = std::min(kBrgemmRows, rows - m0);
+      at::native::cpublas::brgemm(m_len, kPanelBf16, k_len, ldx, kPanelBf16, kPanelBf16, false, xp + m0 * ldx,
+                                  wp + q * k_len * kPanelBf16, gate.data());
+      at::native::cpublas::brgemm(m_len, kPanelBf16, k_len, ldx, kPanelBf16, kPanelBf16, false, xp + m0 * ldx,
+                                  wp + (q + pairs) * k_len * kPanelBf16, up.data());
+      for (int64_t m = 0; m < m_len; ++m) {
+        BFloat16* out = yp + (m0 + m) * intermediate + q * kPanelBf16;
+        for (int64_t j = 0; j < kPanelBf16; j += tandem_cpu::kLanes16) {
+          const tandem_cpu::Vec16 g = tandem_cpu::round_bf16_16(tandem_cpu::load16(gate.data() + m * kPanelBf16 + j));
+          const tandem_cpu::Vec16 u = tandem_cpu::round_bf16_16(tandem_cpu::load16(up.data() + m * kPanelBf16 + j));
+          tandem_cpu::store_bf16(out + j, tandem_cpu::silu_times_bf16(g, u));
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 namespace tandem_cpu {
@@ -385,6 +424,21 @@ bool packs_bfloat16() {
 #else
   return amx_gemm();
 #endif
+}
+
+bool fuses_silu_and_mul(const at::Tensor& packed_gate_up, int64_t intermediate) {
+  return amx_gemm() && packed_gate_up.dim() == 4 && packed_gate_up.scalar_type() == at::kBFloat16 &&
+         intermediate % kPanelBf16 == 0 && packed_gate_up.size(0) == 2 * intermediate / kPanelBf16;
+}
+
+at::Tensor packed_silu_and_mul(const at::Tensor& x, const at::Tensor& packed_gate_up, int64_t intermediate) {
+  TORCH_CHECK(fuses_silu_and_mul(packed_gate_up, intermediate),
+              "packed_silu_and_mul: a bfloat16 gate_up weight packed for AMX, I a multiple of ", kPanelBf16,
+              ", expected");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == packed_gate_up.size(1) * 2 &&
+                  x.stride(1) == 1,
+              "packed_silu_and_mul: bfloat16 x [rows, k] with k contiguous expected");
+  return packed_silu_and_mul_amx(x, packed_gate_up, intermediate);
 }
 
 at::Tensor pack_linear_weight(const at::Tensor& weight) {

@@ -18,6 +18,10 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.impl("pack_linear_weight", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::pack_linear_weight));
   m.def("packed_linear(Tensor x, Tensor packed, int n, Tensor? bias, Tensor? residual=None) -> Tensor");
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::packed_linear));
+  m.def("fuses_silu_and_mul(Tensor packed_gate_up, int intermediate) -> bool");
+  m.impl("fuses_silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::fuses_silu_and_mul));
+  m.def("packed_silu_and_mul(Tensor x, Tensor packed_gate_up, int intermediate) -> Tensor");
+  m.impl("packed_silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::packed_silu_and_mul));
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(tandem_cpu::rms_norm));
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");

@@ -33,22 +33,25 @@ engine = llm_engine.Engine(
 )
 params = SamplingParams(max_tokens=1, temperature=0.0)
 faults = []
-for i in range(10):
+for i in range(12):
     engine.add_request(f"r{i}", [(7 * i + j) % 2000 + 3 for j in range(512)], params)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     engine.step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(*faults[2:])  # after two warm-up steps
+print(*faults[4:])  # after four warm-up steps
 """
 
 
 def prefill_faults(model_dir: Path, mode: str) -> float:
-    """Median minor page faults of eight prefill steps after two warm-up ones; mode
+    """Median minor page faults of eight prefill steps after four warm-up ones; mode
     "engine" (its malloc settings) or "glibc" (none, mmap threshold pinned at 128 KiB).
 
     The median is the steady state: the heap still grows now and then in the first few
     steps after warm-up (a step then faults a few hundred to ~1,100 pages, once), by how
-    much and when varying between identical runs."""
+    much and when varying between identical runs. In bfloat16 on a CPU with AMX (the
+    tiny model's `auto` dtype there) it took longer: a CI run's median over the 8 steps
+    after two warm-ups was 192; in four runs of 40 steps, 0-3 of the 8 after four warm-ups
+    faulted more than a page (medians 0-0.5)."""
     env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
     result = subprocess.run(
         [sys.executable, "-c", PREFILL_FAULTS, str(model_dir), mode],

@@ -5,7 +5,8 @@ clear error; the model's `Linear` packs its weight when the cpu kernels are turn
 (float32, and bfloat16 where the CPU has AMX or AVX512-BF16; a weight another module shares
 only where it is a Llama model's tied `lm_head`, whose embedding lookups then read the
 packed rows). The bfloat16 kernel's tests run on CPUs with either (AMX's GEMM where there
-is AMX, else the op's VDPBF16PS kernel); elsewhere packing bfloat16 is refused."""
+is AMX, else the op's VDPBF16PS kernel); elsewhere packing bfloat16 is refused. With AMX,
+the MLP's gate/up product fused with SiLU-and-multiply gives the two ops' bits."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from safetensors import safe_open
 from tandem.engine.config import EngineConfig
 from tandem.engine.cpu_ops.loader import (
     cpu_ops_error,
+    fuses_silu_and_mul,
     pack_linear_weight,
     packed_linear,
+    packed_silu_and_mul,
     packs_bfloat16,
+    silu_and_mul,
 )
 from tandem.engine.llm_engine import Engine
 from tandem.engine.model.cpu_kernels import use_cpu_kernels
@@ -255,3 +259,29 @@ def test_bfloat16_residual_gives_the_bits_of_adding_it_after(rows: int, with_bia
     residual = torch.randn(rows, 100, generator=generator).bfloat16()
     expected = packed_linear(x, packed, 100, bias).add_(residual)
     assert torch.equal(packed_linear(x, packed, 100, bias, residual), expected)
+
+
+def fuses_here() -> bool:
+    """Whether this CPU fuses the gate/up product with SiLU (bfloat16 with AMX)."""
+    weight = torch.zeros(128, 2).bfloat16()
+    return packs_bfloat16() and fuses_silu_and_mul(pack_linear_weight(weight), 64)
+
+
+@pytest.mark.skipif(not fuses_here(), reason="fused on CPUs with AMX only")
+@pytest.mark.parametrize("rows", [1, 7, 256, 300])
+def test_the_fused_gate_up_and_silu_gives_the_bits_of_the_two_ops(rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=generator).bfloat16()
+    packed = pack_linear_weight(torch.randn(2 * 192, 96, generator=generator).bfloat16())
+    assert fuses_silu_and_mul(packed, 192)
+    expected = silu_and_mul(packed_linear(x, packed, 2 * 192, None))
+    assert torch.equal(packed_silu_and_mul(x, packed, 192), expected)
+
+
+def test_the_fused_gate_up_and_silu_takes_only_its_weights() -> None:
+    # float32, and an intermediate size that is not a whole number of 64-column panels.
+    assert not fuses_silu_and_mul(pack_linear_weight(torch.randn(128, 16)), 64)
+    if packs_bfloat16():
+        assert not fuses_silu_and_mul(pack_linear_weight(torch.randn(2 * 96, 16).bfloat16()), 96)
+    with pytest.raises(RuntimeError, match="packed_silu_and_mul"):
+        packed_silu_and_mul(torch.randn(3, 16), pack_linear_weight(torch.randn(128, 16)), 64)
