@@ -102,7 +102,9 @@ class _SharedStart:
         """Sequence `seq`'s part of the shared start (`FirstAttempt` of `SequenceFlow`)."""
         if self.failure is not None:
             f = self.failure
-            raise AttemptFailed(f.worker_id, f.reason, f.error, f.migratable) from f.__cause__
+            raise AttemptFailed(
+                f.worker_id, f.reason, f.error, f.migratable, f.engine_step_failed
+            ) from f.__cause__
         assert self.pair is not None  # set whenever there is no failure
         leads = seq.index == self.leader
         if seq.index == 0 and not leads:  # its first token ended it at the prefill

@@ -5,12 +5,13 @@ migrates them (their worker is gone). A request present at two such failures is 
 a third time: it may be what breaks the engine. Here one prompt makes every engine step
 that holds it raise (fault injection into `Engine.step`), on three workers that prefill
 locally: it takes down two of them, not all three, the client gets a 500 that says why,
-and the third worker still serves.
+and the third worker still serves. A prefill shared by n sequences counts for each.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Iterator
 
@@ -20,7 +21,7 @@ import pytest
 from tandem.engine.llm_engine import Engine
 from tandem.router.sequence_flow import MAX_ENGINE_STEP_FAILURES
 from tandem.worker.config import WorkerRole
-from tests.helpers.inproc_cluster import InprocCluster, openai_client
+from tests.helpers.inproc_cluster import InprocCluster, inproc_router_config, openai_client
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,3 +82,37 @@ def test_a_request_that_breaks_two_engines_is_not_moved_to_a_third(three_workers
     assert sum(sample.value for metric in migrations.collect() for sample in metric.samples
                if sample.name.endswith("_total")) == MAX_ENGINE_STEP_FAILURES - 1  # fmt: skip
     three_workers.assert_idle(worker_ids={survivor})
+
+
+@pytest.fixture
+def disaggregated(tiny_model_dir) -> Iterator[InprocCluster]:
+    """1 prefill + 1 decode worker; every prompt through the prefill worker."""
+    model_dir = str(tiny_model_dir)
+    router = dataclasses.replace(inproc_router_config(model_dir), max_local_prefill_tokens=0)
+    cluster = InprocCluster(model_dir, router_config=router).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def disaggregated_client(disaggregated: InprocCluster) -> Iterator[openai.OpenAI]:
+    yield from openai_client(disaggregated.http_endpoint)
+
+
+def test_a_shared_prefill_that_breaks_its_engine_counts_for_every_sequence(
+    disaggregated, disaggregated_client, poison
+):
+    # n = 2: one prefill on prefill-0 for both sequences. It breaks; each sequence moves to
+    # decode-0 (prefilling locally), which it breaks too: its second failed step, so it
+    # stops there (uncounted, the shared failure would let it look for a third worker).
+    prompt, raised = poison
+    model = disaggregated.router.config.model_name
+    with pytest.raises(openai.InternalServerError) as info:
+        disaggregated_client.completions.create(
+            model=model, prompt=prompt, max_tokens=4, temperature=0.0, n=2
+        )
+    message = info.value.body["message"]
+    assert f"engine step failed on {MAX_ENGINE_STEP_FAILURES} workers" in message, message
+    assert set(raised) == {"prefill-0", "decode-0"}, raised
