@@ -5,13 +5,13 @@ migrates them (their worker is gone). A request present at two such failures is 
 a third time: it may be what breaks the engine. Here one prompt makes every engine step
 that holds it raise (fault injection into `Engine.step`), on three workers that prefill
 locally: it takes down two of them, not all three, the client gets a 500 that says why,
-and the third worker still serves. A prefill shared by n sequences counts for each.
+and the third worker still serves. A failed prefill shared by n sequences counts for each.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import dataclasses
 import threading
 from collections.abc import Iterator
 
@@ -19,9 +19,12 @@ import openai
 import pytest
 
 from tandem.engine.llm_engine import Engine
+from tandem.router.attempts import AttemptFailed, MigrationReason
+from tandem.router.errors import RouterError
+from tandem.router.forked_flow import _SharedStart
 from tandem.router.sequence_flow import MAX_ENGINE_STEP_FAILURES
 from tandem.worker.config import WorkerRole
-from tests.helpers.inproc_cluster import InprocCluster, inproc_router_config, openai_client
+from tests.helpers.inproc_cluster import InprocCluster, openai_client
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -47,24 +50,26 @@ def poison(monkeypatch) -> tuple[list[int], collections.Counter[str]]:
     return prompt, raised
 
 
-@pytest.fixture
-def three_workers(tiny_model_dir) -> Iterator[InprocCluster]:
-    roles = dict.fromkeys(WORKERS, WorkerRole.DECODE)
-    cluster = InprocCluster(str(tiny_model_dir), roles=roles).start()
+def serving(cluster: InprocCluster) -> Iterator[tuple[InprocCluster, openai.OpenAI]]:
+    """For a fixture to `yield from`: the cluster started, and an OpenAI client of it."""
+    cluster.start()
     try:
-        yield cluster
+        for client in openai_client(cluster.http_endpoint):
+            yield cluster, client
     finally:
         cluster.stop()
 
 
 @pytest.fixture
-def client(three_workers: InprocCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(three_workers.http_endpoint)
+def three_workers(tiny_model_dir) -> Iterator[tuple[InprocCluster, openai.OpenAI]]:
+    roles = dict.fromkeys(WORKERS, WorkerRole.DECODE)
+    yield from serving(InprocCluster(str(tiny_model_dir), roles=roles))
 
 
-def test_a_request_that_breaks_two_engines_is_not_moved_to_a_third(three_workers, client, poison):
+def test_a_request_that_breaks_two_engines_is_not_moved_to_a_third(three_workers, poison):
+    cluster, client = three_workers
     prompt, raised = poison
-    model = three_workers.router.config.model_name
+    model = cluster.router.config.model_name
     with pytest.raises(openai.InternalServerError) as info:
         client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0.0)
     message = info.value.body["message"]
@@ -78,41 +83,26 @@ def test_a_request_that_breaks_two_engines_is_not_moved_to_a_third(three_workers
         (other,) = make_prompts(2048, (20,), seed=seed)
         out = client.completions.create(model=model, prompt=other, max_tokens=4, temperature=0.0)
         assert out.usage.completion_tokens == 4
-    migrations = three_workers.router.metrics.migrations
+    migrations = cluster.router.metrics.migrations
     assert sum(sample.value for metric in migrations.collect() for sample in metric.samples
                if sample.name.endswith("_total")) == MAX_ENGINE_STEP_FAILURES - 1  # fmt: skip
-    three_workers.assert_idle(worker_ids={survivor})
+    cluster.assert_idle(worker_ids={survivor})
 
 
-@pytest.fixture
-def disaggregated(tiny_model_dir) -> Iterator[InprocCluster]:
-    """1 prefill + 1 decode worker; every prompt through the prefill worker."""
-    model_dir = str(tiny_model_dir)
-    router = dataclasses.replace(inproc_router_config(model_dir), max_local_prefill_tokens=0)
-    cluster = InprocCluster(model_dir, router_config=router).start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+def test_a_failed_shared_prefill_counts_for_every_sequence():
+    # n > 1 shares one prefill (router/forked_flow.py); when its engine step failed, each
+    # sequence's first attempt fails as one that was in that step.
+    error = RouterError("worker error (INTERNAL): engine step failed")
+    start = _SharedStart(flow=None, sequences=[], placement=None)  # type: ignore[arg-type]
+    start.failure = AttemptFailed(
+        "prefill-0", MigrationReason.PREFILL_FAILED, error, migratable=True, engine_step_failed=True
+    )
 
+    async def first_attempt() -> None:
+        async for _ in start.first_attempt(seq=None, attempt=None):  # type: ignore[arg-type]
+            pass
 
-@pytest.fixture
-def disaggregated_client(disaggregated: InprocCluster) -> Iterator[openai.OpenAI]:
-    yield from openai_client(disaggregated.http_endpoint)
-
-
-def test_a_shared_prefill_that_breaks_its_engine_counts_for_every_sequence(
-    disaggregated, disaggregated_client, poison
-):
-    # n = 2: one prefill on prefill-0 for both sequences. It breaks; each sequence moves to
-    # decode-0 (prefilling locally), which it breaks too: its second failed step, so it
-    # stops there (uncounted, the shared failure would let it look for a third worker).
-    prompt, raised = poison
-    model = disaggregated.router.config.model_name
-    with pytest.raises(openai.InternalServerError) as info:
-        disaggregated_client.completions.create(
-            model=model, prompt=prompt, max_tokens=4, temperature=0.0, n=2
-        )
-    message = info.value.body["message"]
-    assert f"engine step failed on {MAX_ENGINE_STEP_FAILURES} workers" in message, message
-    assert set(raised) == {"prefill-0", "decode-0"}, raised
+    for _ in range(2):  # one per sequence, each its own exception
+        with pytest.raises(AttemptFailed) as info:
+            asyncio.run(first_attempt())
+        assert info.value.engine_step_failed and info.value is not start.failure
