@@ -15,15 +15,20 @@ import collections
 import threading
 from collections.abc import Iterator
 
+import grpc
 import openai
 import pytest
 
 from tandem.engine.llm_engine import Engine
+from tandem.proto.cluster_auth import ClusterAuth, internal_channel
+from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
+from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.router.attempts import AttemptFailed, MigrationReason
 from tandem.router.errors import RouterError
 from tandem.router.forked_flow import _SharedStart
 from tandem.router.sequence_flow import MAX_ENGINE_STEP_FAILURES
 from tandem.worker.config import WorkerRole
+from tandem.worker.step_failure import ENGINE_STEP_FAILED_KEY
 from tests.helpers.inproc_cluster import InprocCluster, openai_client
 from tests.helpers.prompts import make_prompts
 
@@ -87,6 +92,25 @@ def test_a_request_that_breaks_two_engines_is_not_moved_to_a_third(three_workers
     assert sum(sample.value for metric in migrations.collect() for sample in metric.samples
                if sample.name.endswith("_total")) == MAX_ENGINE_STEP_FAILURES - 1  # fmt: skip
     cluster.assert_idle(worker_ids={survivor})
+    # A call that reaches a broken worker's closed loop was in no failed step: UNAVAILABLE,
+    # without the trailer, so it migrates as from any dead worker.
+    broken = next(w for w in cluster.workers if w.worker_id in raised)
+    code, trailers = cluster.run(decode_call_status(broken.endpoint, other))
+    assert code is grpc.StatusCode.UNAVAILABLE and ENGINE_STEP_FAILED_KEY not in trailers
+
+
+async def decode_call_status(endpoint: str, prompt: list[int]) -> tuple[grpc.StatusCode, dict]:
+    """How a decode worker ends a local-prefill Decode call: its status and trailers."""
+    async with internal_channel(endpoint, ClusterAuth(), options=()) as channel:
+        call = worker_pb2_grpc.DecodeWorkerStub(channel).Decode(
+            pb.DecodeRequest(request_id="direct", prompt_token_ids=prompt, local_prefill=True,
+                             params=pb.SamplingParams(max_tokens=2)),
+            timeout=10,
+        )  # fmt: skip
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in call:
+                pass
+        return info.value.code(), dict(info.value.trailing_metadata() or ())
 
 
 def test_a_failed_shared_prefill_counts_for_every_sequence():
