@@ -428,7 +428,8 @@ bool packs_bfloat16() {
 
 bool fuses_silu_and_mul(const at::Tensor& packed_gate_up, int64_t intermediate) {
   return amx_gemm() && packed_gate_up.dim() == 4 && packed_gate_up.scalar_type() == at::kBFloat16 &&
-         intermediate % kPanelBf16 == 0 && packed_gate_up.size(0) == 2 * intermediate / kPanelBf16;
+         packed_gate_up.size(2) == kPanelBf16 && packed_gate_up.size(3) == 2 && packed_gate_up.is_contiguous() &&
+         intermediate > 0 && intermediate % kPanelBf16 == 0 && packed_gate_up.size(0) == 2 * intermediate / kPanelBf16;
 }
 
 at::Tensor packed_silu_and_mul(const at::Tensor& x, const at::Tensor& packed_gate_up, int64_t intermediate) {
