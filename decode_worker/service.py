@@ -40,9 +40,9 @@ from tandem.worker.convert import (
     stats_to_proto,
     top_logprobs_to_proto,
 )
-from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed, EngineStepFailed, RequestStream
+from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed, RequestStream
 from tandem.worker.metrics import WorkerMetrics
-from tandem.worker.step_failure import abort_engine_step_failed
+from tandem.worker.step_failure import abort_engine_loop_closed
 
 logger = logging.getLogger(__name__)
 
@@ -122,10 +122,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 span.end()
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineStepFailed as exc:
-            await abort_engine_step_failed(context, exc)
         except EngineLoopClosed as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await abort_engine_loop_closed(context, exc)
         except TimeoutError:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

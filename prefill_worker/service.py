@@ -32,8 +32,8 @@ from tandem.worker.convert import (
     stats_to_proto,
     top_logprobs_to_proto,
 )
-from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed, EngineStepFailed
-from tandem.worker.step_failure import abort_engine_step_failed
+from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed
+from tandem.worker.step_failure import abort_engine_loop_closed
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +77,8 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
                     last = out
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except EngineStepFailed as exc:
-            await abort_engine_step_failed(context, exc)
         except EngineLoopClosed as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await abort_engine_loop_closed(context, exc)
         finally:
             if last is not None:
                 span.set_attribute("tandem.cached_tokens", last.num_cached_tokens)

@@ -11,23 +11,24 @@ neither, and counts as the worker's fault.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import grpc
 
-if TYPE_CHECKING:
-    from tandem.worker.engine_loop import EngineStepFailed
+from tandem.worker.engine_loop import EngineLoopClosed, EngineStepFailed
 
 # Trailing metadata key of a call that ended because the worker's engine step raised.
 ENGINE_STEP_FAILED_KEY = "tandem-engine-step-failed"
 
 
-async def abort_engine_step_failed(
-    context: grpc.aio.ServicerContext, exc: EngineStepFailed
+async def abort_engine_loop_closed(
+    context: grpc.aio.ServicerContext, exc: EngineLoopClosed
 ) -> None:
-    """End the call with INTERNAL, the step's error and the marker the router reads."""
-    context.set_trailing_metadata(((ENGINE_STEP_FAILED_KEY, "1"),))
-    await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+    """End a call whose engine loop closed under it: INTERNAL with the marker the router
+    reads when the call's request was in the step that failed (`EngineStepFailed`), else
+    UNAVAILABLE (the loop was already closed, or stopped: the worker's fault)."""
+    if isinstance(exc, EngineStepFailed):
+        context.set_trailing_metadata(((ENGINE_STEP_FAILED_KEY, "1"),))
+        await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+    await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
 
 def is_engine_step_failure(exc: grpc.aio.AioRpcError) -> bool:

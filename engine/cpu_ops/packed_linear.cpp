@@ -314,6 +314,14 @@ void dot_panels_task(const c10::BFloat16* x, int64_t ldx, int64_t rows, const c1
 }
 #endif
 
+// sums [m_len, kPanelBf16] = rows m0 .. m0 + m_len - 1 of x times panel p of a bfloat16
+// weight packed for AMX (k_len rows of the panel), by torch's batch-reduce GEMM.
+inline void panel_sums_amx(const c10::BFloat16* x, int64_t ldx, int64_t m0, int64_t m_len, const c10::BFloat16* packed,
+                           int64_t k_len, int64_t p, float* sums) {
+  at::native::cpublas::brgemm(m_len, kPanelBf16, k_len, ldx, kPanelBf16, kPanelBf16, false, x + m0 * ldx,
+                              packed + p * k_len * kPanelBf16, sums);
+}
+
 at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t n, const at::Tensor* bias,
                               const at::Tensor* residual) {
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kPanelBf16 && packed.size(3) == 2 && packed.is_contiguous() &&
@@ -356,8 +364,7 @@ at::Tensor packed_linear_bf16(const at::Tensor& x, const at::Tensor& packed, int
     for (int64_t t = begin; t < end; ++t) {
       const int64_t p = t / row_blocks, m0 = (t % row_blocks) * kBrgemmRows;
       const int64_t m_len = std::min(kBrgemmRows, rows - m0), cols = std::min(kPanelBf16, n - p * kPanelBf16);
-      at::native::cpublas::brgemm(m_len, kPanelBf16, k_len, ldx, kPanelBf16, kPanelBf16, false, xp + m0 * ldx,
-                                  wp + p * k_len * kPanelBf16, sums.data());
+      panel_sums_amx(xp, ldx, m0, m_len, wp, k_len, p, sums.data());
       const float* panel_bias = bp != nullptr ? bp + p * kPanelBf16 : nullptr;
       for (int64_t m = 0; m < m_len; ++m) {
         const int64_t at = (m0 + m) * n + p * kPanelBf16;
@@ -390,10 +397,8 @@ at::Tensor packed_silu_and_mul_amx(const at::Tensor& x, const at::Tensor& packed
     for (int64_t t = begin; t < end; ++t) {
       const int64_t q = t / row_blocks, m0 = (t % row_blocks) * kBrgemmRows;
       const int64_t m_len = std::min(kBrgemmRows, rows - m0);
-      at::native::cpublas::brgemm(m_len, kPanelBf16, k_len, ldx, kPanelBf16, kPanelBf16, false, xp + m0 * ldx,
-                                  wp + q * k_len * kPanelBf16, gate.data());
-      at::native::cpublas::brgemm(m_len, kPanelBf16, k_len, ldx, kPanelBf16, kPanelBf16, false, xp + m0 * ldx,
-                                  wp + (q + pairs) * k_len * kPanelBf16, up.data());
+      panel_sums_amx(xp, ldx, m0, m_len, wp, k_len, q, gate.data());
+      panel_sums_amx(xp, ldx, m0, m_len, wp, k_len, q + pairs, up.data());
       for (int64_t m = 0; m < m_len; ++m) {
         BFloat16* out = yp + (m0 + m) * intermediate + q * kPanelBf16;
         for (int64_t j = 0; j < kPanelBf16; j += tandem_cpu::kLanes16) {
