@@ -23,6 +23,10 @@ FINISH_REASONS: dict[FinishReason | None, pb.FinishReason] = {
 }
 FINISH_REASON_FROM_PROTO: dict[int, FinishReason | None] = {v: k for k, v in FINISH_REASONS.items()}
 
+# The wire's top_k is an int32. A top_k at or past the vocabulary keeps every token (as 0
+# does), so a larger one (the OpenAI API takes any int) travels as the int32 maximum.
+MAX_WIRE_TOP_K = 2**31 - 1
+
 WORKER_ROLES: dict[WorkerRole, pb.WorkerRole] = {
     WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL,
     WorkerRole.DECODE: pb.WORKER_ROLE_DECODE,
@@ -113,7 +117,7 @@ def sampling_params_to_proto(params: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(
         max_tokens=params.max_tokens,
         temperature=params.temperature,
-        top_k=params.top_k,
+        top_k=min(params.top_k, MAX_WIRE_TOP_K),
         top_p=params.top_p,
         min_p=params.min_p,
         stop=params.stop,

@@ -314,6 +314,13 @@ class RequestParser:
             )
         except (ValueError, TemplateError) as exc:
             raise invalid("messages", f"cannot be encoded with the chat template: {exc}") from exc
+        except RecursionError as exc:
+            # The template's renderer recurses once per level of a tool's parameters
+            # schema or a template variable: hundreds of levels exceed Python's limit.
+            raise invalid(
+                "tools" if tools else "messages",
+                "nest too deeply for the chat template to render",
+            ) from exc
         if not ids:
             raise invalid("messages", "encode to no tokens")
         return ids

@@ -93,6 +93,14 @@ def _chat(**fields: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": "hi"}], **fields}
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    """An object schema whose property "a" is such a schema, `depth` levels down."""
+    schema: dict[str, Any] = {"type": "object", "properties": {}}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
 CASES = [
     Bad("empty prompt", {"prompt": ""}, 400, ("'prompt'", "empty"), param="prompt"),
     Bad("missing prompt", {"max_tokens": 3}, 400, ("'prompt'", "required"), param="prompt"),
@@ -327,6 +335,14 @@ CASES = [
         ("'tools[0].function.parameters'", "not a valid JSON schema"),
         path="/v1/chat/completions",
         param="tools[0].function.parameters",
+    ),
+    Bad(
+        "chat tool schema nested 400 deep",
+        _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _nested(400)}}]),
+        400,
+        ("'tools'", "nest too deeply"),
+        path="/v1/chat/completions",
+        param="tools",
     ),
     Bad(
         "chat max_completion_tokens above the limit",

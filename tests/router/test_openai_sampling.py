@@ -166,6 +166,21 @@ def test_min_p_keeps_likely_tokens_and_equals_a_colocated_run(
     assert unfiltered.choices[0].logprobs.tokens != logprobs.tokens
 
 
+def test_top_k_past_the_wire_int32_samples_as_top_k_off(client, cluster, colocated, tokenizer):
+    """top_k 2**40 (the API takes any int; the worker wire's top_k is an int32) is served,
+    and keeps every token as top_k off does: the same seeded draws as one engine without
+    top_k."""
+    args = dict(
+        model=cluster.router.config.model_name, prompt=PROMPT, max_tokens=MAX_TOKENS,
+        temperature=1.0, seed=9, logprobs=0,
+    )  # fmt: skip
+    choice = client.completions.create(**args, extra_body={"ignore_eos": True, "top_k": 2**40})
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.0, seed=9)
+    (expected,) = generate(colocated, [PROMPT], params)
+    assert choice.choices[0].logprobs.tokens == token_texts(tokenizer, expected.token_ids)
+    assert sampling_params_to_proto(SamplingParams(top_k=2**40)).top_k == 2**31 - 1
+
+
 def test_logit_bias_minus_100_bans_the_greedy_token(client, cluster, colocated, tokenizer):
     greedy = colocated_run(colocated)
     # The token greedy produces first, and the one it repeats most.
