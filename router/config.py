@@ -65,6 +65,10 @@ class RouterConfig:
     # Times one request may move to another worker after its worker failed (0: never);
     # past them the client gets one retriable UNAVAILABLE / 503.
     max_migrations: int = 3
+    # Longest a migrating request that has streamed tokens waits for a decode worker to
+    # move to when none is available (its only one died; a replacement loads its model
+    # first: seconds on CPU, longer for big models); past it the client gets 503.
+    migration_wait_s: float = 60.0
     # Most choices (`n`) one OpenAI request may ask for (each decodes on its own).
     max_n: int = DEFAULT_MAX_N
 
@@ -101,6 +105,10 @@ class RouterConfig:
         if isinstance(self.max_migrations, bool) or not isinstance(self.max_migrations, int) \
                 or self.max_migrations < 0:  # fmt: skip
             raise ValueError(f"max_migrations must be an integer >= 0, got {self.max_migrations!r}")
+        if not 0 <= self.migration_wait_s <= self.request_timeout_s:
+            raise ValueError(
+                f"migration_wait_s must be in [0, request_timeout_s], got {self.migration_wait_s}"
+            )
         if isinstance(self.max_n, bool) or not isinstance(self.max_n, int) or self.max_n < 1:
             raise ValueError(f"max_n must be an integer >= 1, got {self.max_n!r}")
         if self.max_body_bytes < 1024:

@@ -59,6 +59,7 @@ class RequestFlow:
         *,
         tokenizer: Any = None,
         max_migrations: int = DEFAULT_MAX_MIGRATIONS,
+        migration_wait_s: float,
         on_worker_failed: Callable[[str], None] | None = None,
     ) -> None:
         self.pool = pool
@@ -77,6 +78,8 @@ class RequestFlow:
             # The served model's tokenizer (router-side detokenizing after a migration).
             tokenizer=tokenizer,
             max_migrations=max_migrations,
+            # How long a migrating sequence waits for a decode worker when none is left.
+            migration_wait_s=migration_wait_s,
             # Told the id of a worker whose call failed (so nothing new is placed there).
             on_worker_failed=on_worker_failed,
         )

@@ -13,13 +13,18 @@ prefills prompt + every token already streamed and generates the rest. The clien
 stream goes on with no duplicated or missing token (with greedy sampling, the text of
 an uninterrupted run). After a migration the router detokenizes the output itself
 (`continuation.py`). At most `max_migrations` per sequence; past them, one
-`WorkerUnavailable`. A sequence that was in a failed engine step on two workers
+`WorkerUnavailable`. When no decode worker is available to move to (the only one
+died), a migrating sequence that has streamed tokens waits up to `migration_wait_s` for
+one to join or come back (the pool controller replaces a dead worker within seconds)
+rather than end half streamed; one that has streamed nothing gets 503 at once, as a new
+request does, and its client may retry. A sequence that was in a failed engine step on two workers
 (worker/step_failure.py) is not moved again: it may be what breaks the engine, and
 moving it on would take down one worker after another. The client gets a 500.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -65,6 +70,8 @@ logger = logging.getLogger(__name__)
 _EXHAUSTED_RETRY_AFTER_S = 1.0
 # Failed engine steps a sequence may be in before it counts as their likely cause.
 MAX_ENGINE_STEP_FAILURES = 2
+# How often a migrating sequence with no decode worker to move to looks for one again.
+MIGRATION_WAIT_POLL_S = 0.1
 
 Chunks = AsyncGenerator[GenerationChunk, None]
 # How a sequence's first attempt runs when its caller starts it (a forked request's
@@ -85,6 +92,7 @@ class SequenceFlow:
         *,
         tokenizer: object,
         max_migrations: int,
+        migration_wait_s: float,
         on_worker_failed: Callable[[str], None] | None,
     ) -> None:
         self.pool = pool
@@ -95,6 +103,7 @@ class SequenceFlow:
         # None: migrated sequences keep the new worker's text.
         self.tokenizer = tokenizer
         self.max_migrations = max_migrations
+        self.migration_wait_s = migration_wait_s
         self.on_worker_failed = on_worker_failed
 
     async def run(
@@ -136,7 +145,8 @@ class SequenceFlow:
                         # Every token was streamed; only the finish message was lost.
                         yield final_chunk(detok, FinishReason.LENGTH)
                         return
-                    placement = self.policy.place_migrated(
+                    placement = await self._place_migrated(
+                        bool(seq.output_ids),
                         PlacementRequest(
                             seq.migration_key, [*seq.prompt_ids, *seq.output_ids], num_left,
                             seq.slo, cache_salt=seq.params.cache_salt,
@@ -148,6 +158,26 @@ class SequenceFlow:
         finally:
             if seq.owns_placement:
                 self.policy.on_finish(seq.placement_key, seq.output_ids)
+
+    async def _place_migrated(self, streamed: bool, request: PlacementRequest) -> Placement:
+        """The migrating sequence's next pair. While no decode worker is available, one
+        that `streamed` tokens looks again every MIGRATION_WAIT_POLL_S for up to
+        `migration_wait_s`; then (at once for one that did not) the policy's
+        `WorkerUnavailable`."""
+        if not streamed:
+            return self.policy.place_migrated(request)
+        deadline = time.monotonic() + self.migration_wait_s
+        while True:
+            try:
+                return self.policy.place_migrated(request)
+            except WorkerUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise WorkerUnavailable(
+                        f"{exc} (the request waited {self.migration_wait_s:g} s to move on "
+                        f"after its worker failed)",
+                        retry_after_s=exc.retry_after_s,
+                    ) from exc
+            await asyncio.sleep(MIGRATION_WAIT_POLL_S)
 
     def _count_migration(self, seq: Sequence, failure: AttemptFailed) -> None:
         """Keep new requests off the failed worker; raise the client's error if the

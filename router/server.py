@@ -102,6 +102,7 @@ class Router:
             config.request_timeout_s,
             tokenizer=tokenizer.tokenizer,
             max_migrations=config.max_migrations,
+            migration_wait_s=config.migration_wait_s,
             on_worker_failed=self.policy_runtime.mark_unreachable,
         )
         admin = PoolsAdmin(self.admin_backend, self._worker_load, self._planner_json)

@@ -91,6 +91,11 @@ def test_router_config_validation(tiny_model_dir):
         RouterConfig(model_dir=str(tiny_model_dir), admission_policy="maybe")
     with pytest.raises(ValueError, match="ttft_slo_s must be > 0"):
         RouterConfig(model_dir=str(tiny_model_dir), ttft_slo_s=0)
+    for wait_s in (-1.0, 1801.0):
+        with pytest.raises(
+            ValueError, match=r"migration_wait_s must be in \[0, request_timeout_s\]"
+        ):
+            RouterConfig(model_dir=str(tiny_model_dir), migration_wait_s=wait_s)
     assert not hasattr(RouterConfig(model_dir=str(tiny_model_dir)), "block_size")
 
 

@@ -349,3 +349,64 @@ def test_past_max_migrations_the_client_gets_one_retriable_error(tiny_model_dir)
         cluster.assert_idle()
     finally:
         cluster.stop()
+
+
+def test_streams_on_the_only_decode_worker_wait_for_its_replacement(tiny_model_dir):
+    """kill -9 of the only decode worker (1P + 1D) with 4 greedy streams in flight: with
+    nowhere to move, they wait (`migration_wait_s`) instead of failing; once the
+    controller publishes a replacement they continue there, token- and text-equal to an
+    uninterrupted run, and every worker ends idle."""
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE}
+    cluster = ProcessCluster(str(tiny_model_dir), roles).start()
+    try:
+        prompts = make_prompts(2048, (40, 90, 17, 150), seed=78)
+        reference = cluster.run(run_all(cluster, "ref", prompts))
+        cluster.assert_idle()
+
+        async def scenario() -> tuple[list[tuple[list[int], str]], bool]:
+            ids = [f"req-{i}" for i in range(len(prompts))]
+            tasks = await start_streams(cluster.grpc_endpoint, ids, prompts)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, cluster.kill, "decode-0")
+            # Long enough for the router to see the broken streams (well under 0.1 s
+            # here) and, before this change, to fail them.
+            await asyncio.sleep(1.0)
+            waited = not any(task.done() for task in tasks)
+            await loop.run_in_executor(None, cluster.set_state, "decode-0", WorkerLifecycle.DEAD)
+            await loop.run_in_executor(None, cluster.add, "decode-1", WorkerRole.DECODE)
+            return list(await asyncio.gather(*tasks)), waited
+
+        results, waited = cluster.run(scenario(), timeout_s=300)
+        assert waited, "a stream ended while no decode worker was there to move to"
+        assert results == reference
+        counts = cluster.migrations()
+        assert counts["decode_failed"] + counts["worker_lost"] >= len(prompts)
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
+
+
+def test_a_stream_with_nowhere_to_move_fails_after_migration_wait(tiny_model_dir):
+    """The only decode worker dies and no replacement comes: the stream in flight ends
+    with one UNAVAILABLE once `migration_wait_s` (1 s here) has passed, not before."""
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE}
+    cluster = ProcessCluster(str(tiny_model_dir), roles, migration_wait_s=1.0).start()
+    try:
+        prompt = make_prompts(2048, (60,), seed=79)[0]
+
+        async def scenario() -> tuple[BaseException | tuple, float]:
+            (task,) = await start_streams(cluster.grpc_endpoint, ["req-0"], [prompt])
+            await asyncio.get_running_loop().run_in_executor(None, cluster.kill, "decode-0")
+            killed_at = time.monotonic()
+            (result,) = await asyncio.gather(task, return_exceptions=True)
+            return result, time.monotonic() - killed_at
+
+        result, took_s = cluster.run(scenario(), timeout_s=120)
+        assert isinstance(result, grpc.aio.AioRpcError), result
+        assert result.code() is grpc.StatusCode.UNAVAILABLE
+        assert "waited 1 s" in result.details(), result.details()
+        assert 1.0 <= took_s < 10.0, took_s
+        cluster.set_state("decode-0", WorkerLifecycle.DEAD)
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
