@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.worker.config import WorkerRole
 from tests.helpers.inproc_cluster import InprocCluster, inproc_router_config
 from tests.helpers.prompts import make_prompts
 
@@ -117,6 +118,23 @@ def test_disaggregation_decisions_are_counted_with_conditional_disaggregation(ti
         assert sum(decisions.values()) == len(prompts), decisions
         transfers = metrics.get(f"tandem:kv_transfer_seconds_count{{{model}}}", 0)
         assert transfers == decisions["disaggregated"]
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
+
+
+def test_local_prefills_teach_the_decode_workers_prefill_model(tiny_model_dir):
+    """With no prefill pool every prompt is prefilled where it decodes: each one's
+    prefill time (the Decode stream's `prefill_timings`) reaches that worker's prefill
+    latency model, which predicts the TTFT of the next local prefill."""
+    prompts = make_prompts(2048, (4, 9, 30), seed=43)
+    cluster = InprocCluster(str(tiny_model_dir), roles={"decode-0": WorkerRole.DECODE})
+    cluster.start()
+    try:
+        model = cluster.router.policy_runtime.policy.workers["decode-0"].prefill_model
+        assert model.num_observations == 0
+        cluster.run(run_fixed_length(cluster.grpc_endpoint, prompts))
+        assert model.num_observations == len(prompts)
         cluster.assert_idle()
     finally:
         cluster.stop()
