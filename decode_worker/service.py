@@ -42,7 +42,7 @@ from tandem.worker.convert import (
 )
 from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed, RequestStream
 from tandem.worker.metrics import WorkerMetrics
-from tandem.worker.step_failure import abort_engine_loop_closed
+from tandem.worker.step_failure import abort_engine_loop_closed, answers_engine_loop_closed
 
 logger = logging.getLogger(__name__)
 
@@ -248,10 +248,12 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
         except grpc.aio.AioRpcError as exc:
             logger.info("release of %s on %s failed: %s", handle.request_id, handle.endpoint, exc)
 
+    @answers_engine_loop_closed
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         aborted = await self.loop.call(lambda e: e.abort(request.request_id))
         return pb.AbortResponse(aborted=aborted)
 
+    @answers_engine_loop_closed
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         stats = self.loop.stats()
         transfer = self.kv_client.stats()

@@ -33,7 +33,7 @@ from tandem.worker.convert import (
     top_logprobs_to_proto,
 )
 from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed
-from tandem.worker.step_failure import abort_engine_loop_closed
+from tandem.worker.step_failure import abort_engine_loop_closed, answers_engine_loop_closed
 
 logger = logging.getLogger(__name__)
 
@@ -132,10 +132,12 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
     async def _release(self, req_id: str) -> None:
         await self.loop.call(functools.partial(Engine.release, req_id=req_id))
 
+    @answers_engine_loop_closed
     async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
         released = await self.loop.call(lambda e: e.release(request.request_id))
         return pb.ReleaseResponse(released=released)
 
+    @answers_engine_loop_closed
     async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
         stats = self.loop.stats()
         transfer = self._transfer_stats()

@@ -11,12 +11,21 @@ neither, and counts as the worker's fault.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import grpc
 
 from tandem.worker.engine_loop import EngineLoopClosed, EngineStepFailed
 
 # Trailing metadata key of a call that ended because the worker's engine step raised.
 ENGINE_STEP_FAILED_KEY = "tandem-engine-step-failed"
+
+ServiceT = TypeVar("ServiceT")
+RequestT = TypeVar("RequestT")
+ResponseT = TypeVar("ResponseT")
+UnaryHandler = Callable[[ServiceT, RequestT, grpc.aio.ServicerContext], Awaitable[ResponseT]]
 
 
 async def abort_engine_loop_closed(
@@ -29,6 +38,25 @@ async def abort_engine_loop_closed(
         context.set_trailing_metadata(((ENGINE_STEP_FAILED_KEY, "1"),))
         await context.abort(grpc.StatusCode.INTERNAL, str(exc))
     await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+
+def answers_engine_loop_closed(
+    handler: UnaryHandler[ServiceT, RequestT, ResponseT],
+) -> UnaryHandler[ServiceT, RequestT, ResponseT]:
+    """A unary handler (Release, Abort, Stats) whose call, when the engine loop is closed,
+    ends as `abort_engine_loop_closed` ends it (not as an unexpected UNKNOWN)."""
+
+    @functools.wraps(handler)
+    async def answer(
+        service: ServiceT, request: RequestT, context: grpc.aio.ServicerContext
+    ) -> ResponseT:
+        try:
+            return await handler(service, request, context)
+        except EngineLoopClosed as exc:
+            await abort_engine_loop_closed(context, exc)
+            raise  # abort raises; this line is never reached
+
+    return answer
 
 
 def is_engine_step_failure(exc: grpc.aio.AioRpcError) -> bool:

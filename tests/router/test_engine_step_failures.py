@@ -97,6 +97,24 @@ def test_a_request_that_breaks_two_engines_is_not_moved_to_a_third(three_workers
     broken = next(w for w in cluster.workers if w.worker_id in raised)
     code, trailers = cluster.run(decode_call_status(broken.endpoint, other))
     assert code is grpc.StatusCode.UNAVAILABLE and ENGINE_STEP_FAILED_KEY not in trailers
+    # So do its unary calls (they were UNKNOWN: an unexpected error in the handler).
+    assert cluster.run(unary_call_codes(broken.endpoint)) == {
+        "Abort": grpc.StatusCode.UNAVAILABLE,
+        "Stats": grpc.StatusCode.UNAVAILABLE,
+    }
+
+
+async def unary_call_codes(endpoint: str) -> dict[str, grpc.StatusCode]:
+    """How a decode worker ends an Abort and a Stats call."""
+    async with internal_channel(endpoint, ClusterAuth(), options=()) as channel:
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        codes = {}
+        for name, call in (("Abort", stub.Abort(pb.AbortRequest(request_id="x"), timeout=10)),
+                           ("Stats", stub.Stats(pb.StatsRequest(), timeout=10))):  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await call
+            codes[name] = info.value.code()
+        return codes
 
 
 async def decode_call_status(endpoint: str, prompt: list[int]) -> tuple[grpc.StatusCode, dict]:

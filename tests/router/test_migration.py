@@ -396,8 +396,8 @@ def test_a_stream_with_nowhere_to_move_fails_after_migration_wait(tiny_model_dir
 
         async def scenario() -> tuple[BaseException | tuple, float]:
             (task,) = await start_streams(cluster.grpc_endpoint, ["req-0"], [prompt])
+            killed_at = time.monotonic()  # before the kill: the router may see it first
             await asyncio.get_running_loop().run_in_executor(None, cluster.kill, "decode-0")
-            killed_at = time.monotonic()
             (result,) = await asyncio.gather(task, return_exceptions=True)
             return result, time.monotonic() - killed_at
 
