@@ -14,17 +14,25 @@ from tandem.router.server import Router
 
 logger = logging.getLogger(__name__)
 
+# What stops `tandem serve` (Ctrl-C; SIGTERM from Kubernetes, systemd, `docker stop`).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
 
 async def serve(config: ClusterConfig, announce=print) -> None:
     """Start the cluster, announce its endpoints, wait for a stop signal, stop it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, stop.set)
     cluster = LocalCluster(config)
     planner = None
     try:
         router = await cluster.start()
+        # Again: `ray.init` (in `cluster.start`) installs SIGTERM handlers of its own in
+        # this driver process (exit at once; a segfault here), which would cut every
+        # stream instead of draining them.
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, stop.set)
         planner = await start_planner(config, router)
         announce(
             f"Tandem serving {config.model_dir}, {dtype_banner(config.engine)}, "
@@ -50,7 +58,7 @@ async def serve(config: ClusterConfig, announce=print) -> None:
         if planner is not None:
             await planner.stop()
         await cluster.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
 
 

@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 _IN_POOL = frozenset({WorkerLifecycle.SERVING, WorkerLifecycle.DRAINING})
 # How often the router retries adding a wanted worker it could not reach.
 JOIN_RETRY_INTERVAL_S = 1.0
+# How long a stopping router lets the requests in flight finish: within Kubernetes'
+# default 30 s between SIGTERM and SIGKILL, with room for the rest of the shutdown.
+STOP_GRACE_S = 20.0
 
 
 class Router:
@@ -137,7 +140,7 @@ class Router:
         app.router.add_get("/metrics", self._metrics_handler)
         add_admin_routes(app, admin)
         # A client that disconnects cancels its handler, which cancels its worker calls.
-        self._http = web.AppRunner(app, handler_cancellation=True)
+        self._http = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=STOP_GRACE_S)
         await self._http.setup()
         site = web.TCPSite(self._http, config.host, config.http_port)
         await site.start()
@@ -243,15 +246,19 @@ class Router:
             body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
-    async def stop(self, grace_s: float = 10.0) -> None:
+    async def stop(self) -> None:
+        """Stop taking requests on every API at once, give those in flight up to
+        STOP_GRACE_S to finish (HTTP and gRPC alike), then close the worker channels."""
         if self._join_retry is not None:
             self._join_retry.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._join_retry
+        drains = []
         if self._http is not None:
-            await self._http.cleanup()
+            drains.append(self._http.cleanup())  # its runner's shutdown_timeout: the grace
         if self._server is not None:
-            await self._server.stop(grace_s)
+            drains.append(self._server.stop(STOP_GRACE_S))
+        await asyncio.gather(*drains)
         if self.policy_runtime is not None:
             await self.policy_runtime.stop()
         await self.pool.close()

@@ -31,7 +31,7 @@ from tests.helpers.ray_pools import (
     scrape,
     until,
 )
-from tests.helpers.router_command import RouterCommand
+from tests.helpers.tandem_command import RouterCommand
 
 pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 

@@ -1,7 +1,8 @@
-"""`tandem router --ray-address ADDR` as a process of its own (what a Kubernetes router
-Deployment runs): started on free ports, its endpoints read from what it announces
-(its output goes to a file, so a chatty log never blocks it on a full pipe), stopped
-with Ctrl-C (SIGINT) and killed if that does not end it in time."""
+"""`tandem router --ray-address ADDR` (what a Kubernetes router Deployment runs) or
+`tandem serve` as a process of its own: started on free ports, its endpoints read from
+what it announces (its output goes to a file, so a chatty log never blocks it on a full
+pipe), stopped with a signal (Ctrl-C's SIGINT unless told) and killed if that does not
+end it in time."""
 
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ _GRPC_LINE = re.compile(r"gRPC\s+tandem\.v1\.Generation\s+(\S+:\d+)")
 _HTTP_LINE = re.compile(r"HTTP\s+(http://\S+:\d+)/health")
 
 
-class RouterCommand:
-    def __init__(self, ray_address: str, log_path: Path, *flags: str) -> None:
-        argv = [sys.executable, "-m", "tandem.cluster.cli", "router", "--ray-address",
-                ray_address, "--grpc-port", "0", "--http-port", "0", *flags]  # fmt: skip
+class TandemCommand:
+    """`tandem COMMAND ARGS` on free ports; see the module doc."""
+
+    def __init__(self, command: str, log_path: Path, *args: str) -> None:
+        argv = [sys.executable, "-m", "tandem.cluster.cli", command,
+                "--grpc-port", "0", "--http-port", "0", *args]  # fmt: skip
+        self.command = command
         self.grpc_endpoint = ""
         self.http_endpoint = ""
         self.log_path = log_path
@@ -38,10 +42,14 @@ class RouterCommand:
             )
 
     @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
     def output(self) -> str:
         return self.log_path.read_text("utf-8", "replace")
 
-    def wait_ready(self, timeout_s: float = 120.0) -> RouterCommand:
+    def wait_ready(self, timeout_s: float = 120.0) -> TandemCommand:
         """Until both endpoints are announced; AssertionError (with its output) when the
         process exits first or time is up."""
         deadline = time.monotonic() + timeout_s
@@ -53,19 +61,26 @@ class RouterCommand:
                 return self
             if self._proc.poll() is not None:
                 raise AssertionError(
-                    f"tandem router exited with {self._proc.returncode}:\n{output}"
+                    f"tandem {self.command} exited with {self._proc.returncode}:\n{output}"
                 )
             if time.monotonic() > deadline:
-                raise AssertionError(f"tandem router not ready in {timeout_s:g} s:\n{output}")
+                raise AssertionError(
+                    f"tandem {self.command} not ready in {timeout_s:g} s:\n{output}"
+                )
             time.sleep(0.2)
 
-    def stop(self, timeout_s: float = 60.0) -> int:
-        """Ctrl-C, then its exit status (SIGKILL, and -9, past `timeout_s`)."""
+    def stop(self, timeout_s: float = 60.0, sig: signal.Signals = signal.SIGINT) -> int:
+        """`sig`, then its exit status (SIGKILL, and -9, past `timeout_s`)."""
         if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGINT)
+            self._proc.send_signal(sig)
             try:
                 self._proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(10)
         return self._proc.returncode
+
+
+class RouterCommand(TandemCommand):
+    def __init__(self, ray_address: str, log_path: Path, *flags: str) -> None:
+        super().__init__("router", log_path, "--ray-address", ray_address, *flags)
