@@ -2,8 +2,9 @@
 
 Every failure on the HTTP side leaves as `{"error": {"message", "type", "param", "code"}}`
 with a matching status: the router's own `RouterError`s (400 / 404 / 429 / 503 / 504),
-the HTTP layer's errors (401, 404 route, 405, 413) and, as a last resort, 500 for a bug
-(logged with its traceback here, never shown to the client).
+the HTTP layer's errors (401, 404 route, 405, 413, 400 for a body that cannot be read)
+and, as a last resort, 500 for a bug (logged with its traceback here, never shown to the
+client).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError, retry_after_header
 
@@ -107,6 +109,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if exc.http_status >= 500:
             logger.warning("%s %s failed: %s", request.method, request.path, exc)
         return error_response(exc)
+    except RequestPayloadError as exc:
+        # A body aiohttp cannot read (a broken gzip or deflate stream, a truncated chunk):
+        # the client's fault. The reason is the cause's message.
+        reason = getattr(exc.__cause__, "message", None) or str(exc)
+        return error_response(InvalidRequest(f"the request body cannot be read: {reason}"))
     except web.HTTPException as exc:
         if exc.status < 400:  # redirects and the like pass through unchanged
             raise

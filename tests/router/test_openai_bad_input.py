@@ -46,8 +46,10 @@ def http(
     path: str,
     body: Any = None,
     key: str | None = API_KEY,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, dict[str, str], Any]:
-    """One request; `body` is JSON-encoded unless already bytes (or an iterable of bytes)."""
+    """One request; `body` is JSON-encoded unless already bytes (or an iterable of bytes);
+    `headers` on top of the JSON content type and the key."""
     if body is None or isinstance(body, (bytes, Iterator)):
         data = body
     else:
@@ -56,6 +58,8 @@ def http(
     request.add_header("Content-Type", "application/json")
     if key is not None:
         request.add_header("Authorization", f"Bearer {key}")
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, dict(response.headers), json.loads(response.read())
@@ -79,6 +83,7 @@ class Bad:
     param: Any = ...
     code: Any = ...
     extra: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 def _chunks(total: int) -> Iterator[bytes]:
@@ -103,6 +108,13 @@ def _nested(depth: int) -> dict[str, Any]:
 
 CASES = [
     Bad("empty prompt", {"prompt": ""}, 400, ("'prompt'", "empty"), param="prompt"),
+    Bad(
+        "gzip body that is not gzip",
+        b'{"prompt": "hi"}',
+        400,
+        ("body cannot be read", "gzip"),
+        headers={"Content-Encoding": "gzip"},
+    ),
     Bad("missing prompt", {"max_tokens": 3}, 400, ("'prompt'", "required"), param="prompt"),
     Bad(
         "prompt longer than the context",
@@ -481,7 +493,9 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_bad_input_gets_openai_error(cluster: InprocCluster, case: Bad):
     body = case.body() if callable(case.body) else case.body
-    status, _, answer = http(cluster.http_endpoint, case.method, case.path, body, case.key)
+    status, _, answer = http(
+        cluster.http_endpoint, case.method, case.path, body, case.key, case.headers
+    )
     assert status == case.status, answer
     assert set(answer) == {"error"}, answer
     error = answer["error"]
