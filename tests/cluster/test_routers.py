@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import signal
 import urllib.request
 
 import grpc
@@ -115,7 +116,9 @@ def test_second_router_command_serves_and_follows_a_scale_event(tiny_model_dir, 
             await assert_idle(await cluster.controller.wait_at_target.remote(60.0), auth=auth)
         finally:
             if second is not None:
-                assert await asyncio.to_thread(second.stop) == 0, second.output
+                # SIGTERM, as Kubernetes stops a router pod: a clean drain and exit 0.
+                stopped = await asyncio.to_thread(second.stop, 60.0, signal.SIGTERM)
+                assert stopped == 0, second.output
             await cluster.stop()
 
     init_ray_with_role_slots()
