@@ -13,13 +13,17 @@ prefills prompt + every token already streamed and generates the rest. The clien
 stream goes on with no duplicated or missing token (with greedy sampling, the text of
 an uninterrupted run). After a migration the router detokenizes the output itself
 (`continuation.py`). At most `max_migrations` per sequence; past them, one
-`WorkerUnavailable`. When no decode worker is available to move to (the only one
-died), a migrating sequence that has streamed tokens waits up to `migration_wait_s` for
-one to join or come back (the pool controller replaces a dead worker within seconds)
-rather than end half streamed; one that has streamed nothing gets 503 at once, as a new
-request does, and its client may retry. A sequence that was in a failed engine step on two workers
-(worker/step_failure.py) is not moved again: it may be what breaks the engine, and
-moving it on would take down one worker after another. The client gets a 500.
+`WorkerUnavailable`.
+
+When no decode worker is available to move to (the only one died), a migrating sequence
+that has streamed tokens waits up to `migration_wait_s` for one to join or come back
+(the pool controller replaces a dead worker within seconds) rather than end half
+streamed; one that has streamed nothing gets 503 at once, as a new request does, and
+its client may retry.
+
+A sequence that was in a failed engine step on two workers (worker/step_failure.py) is
+not moved again: it may be what breaks the engine, and moving it on would take down one
+worker after another. The client gets a 500.
 """
 
 from __future__ import annotations
