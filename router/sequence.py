@@ -47,6 +47,8 @@ class Sequence:
     num_migrations: int = 0
     # Failed attempts whose worker's engine step raised while this sequence was in it.
     num_engine_step_failures: int = 0
+    # Whether it once waited for a decode worker to move to (sequence_flow.py: once only).
+    waited_for_decode_worker: bool = False
 
     @property
     def first_attempt(self) -> bool:

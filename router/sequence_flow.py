@@ -19,7 +19,9 @@ When no decode worker is available to move to (the only one died), a migrating s
 that has streamed tokens waits up to `migration_wait_s` for one to join or come back
 (the pool controller replaces a dead worker within seconds) rather than end half
 streamed; one that has streamed nothing gets 503 at once, as a new request does, and
-its client may retry.
+its client may retry. A sequence waits so once: if the worker it moved to dies too with
+none left, it may be what kills them (a crash on its input), and waiting again would
+crash replacement after replacement; it gets the 503 at once.
 
 A sequence that was in a failed engine step on two workers (worker/step_failure.py) is
 not moved again: it may be what breaks the engine, and moving it on would take down one
@@ -150,7 +152,7 @@ class SequenceFlow:
                         yield final_chunk(detok, FinishReason.LENGTH)
                         return
                     placement = await self._place_migrated(
-                        bool(seq.output_ids),
+                        seq,
                         PlacementRequest(
                             seq.migration_key, [*seq.prompt_ids, *seq.output_ids], num_left,
                             seq.slo, cache_salt=seq.params.cache_salt,
@@ -163,18 +165,19 @@ class SequenceFlow:
             if seq.owns_placement:
                 self.policy.on_finish(seq.placement_key, seq.output_ids)
 
-    async def _place_migrated(self, streamed: bool, request: PlacementRequest) -> Placement:
+    async def _place_migrated(self, seq: Sequence, request: PlacementRequest) -> Placement:
         """The migrating sequence's next pair. While no decode worker is available, one
-        that `streamed` tokens looks again every MIGRATION_WAIT_POLL_S for up to
-        `migration_wait_s`; then (at once for one that did not) the policy's
-        `WorkerUnavailable`."""
-        if not streamed:
+        that streamed tokens and never waited before looks again every
+        MIGRATION_WAIT_POLL_S for up to `migration_wait_s`; then (at once for any other)
+        the policy's `WorkerUnavailable`."""
+        if not seq.output_ids or seq.waited_for_decode_worker:
             return self.policy.place_migrated(request)
         deadline = time.monotonic() + self.migration_wait_s
         while True:
             try:
                 return self.policy.place_migrated(request)
             except WorkerUnavailable as exc:
+                seq.waited_for_decode_worker = True
                 if time.monotonic() >= deadline:
                     raise WorkerUnavailable(
                         f"{exc} (the request waited {self.migration_wait_s:g} s to move on "

@@ -410,3 +410,41 @@ def test_a_stream_with_nowhere_to_move_fails_after_migration_wait(tiny_model_dir
         cluster.assert_idle()
     finally:
         cluster.stop()
+
+
+def test_a_stream_waits_for_a_replacement_once(tiny_model_dir):
+    """The only decode worker dies: the stream waits for the replacement and goes on
+    there; when that one dies too with none left, the stream may be what kills them, so
+    it fails at once (503 / UNAVAILABLE) rather than wait `migration_wait_s` (60 s) again
+    for a worker to crash next."""
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE}
+    cluster = ProcessCluster(str(tiny_model_dir), roles).start()
+    try:
+        prompt = make_prompts(2048, (30,), seed=81)[0]
+
+        async def scenario() -> tuple[BaseException | tuple, float]:
+            loop = asyncio.get_running_loop()
+            progress: dict[str, int] = {}
+            task = asyncio.ensure_future(
+                stream_tokens(cluster.grpc_endpoint, "req-0", prompt, progress, max_tokens=900)
+            )
+            await wait_streaming(progress, ["req-0"])
+            await loop.run_in_executor(None, cluster.kill, "decode-0")
+            await loop.run_in_executor(None, cluster.set_state, "decode-0", WorkerLifecycle.DEAD)
+            await loop.run_in_executor(None, cluster.add, "decode-1", WorkerRole.DECODE)
+            # Going on on the replacement.
+            await wait_streaming(progress, ["req-0"], min_tokens=progress["req-0"] + 8)
+            killed_at = time.monotonic()
+            await loop.run_in_executor(None, cluster.kill, "decode-1")
+            (result,) = await asyncio.gather(task, return_exceptions=True)
+            return result, time.monotonic() - killed_at
+
+        result, took_s = cluster.run(scenario(), timeout_s=240)
+        assert isinstance(result, grpc.aio.AioRpcError), result
+        assert result.code() is grpc.StatusCode.UNAVAILABLE
+        assert "no decode worker is available" in result.details(), result.details()
+        assert took_s < 5.0, took_s
+        cluster.set_state("decode-1", WorkerLifecycle.DEAD)
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
