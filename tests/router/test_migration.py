@@ -351,6 +351,24 @@ def test_past_max_migrations_the_client_gets_one_retriable_error(tiny_model_dir)
         cluster.stop()
 
 
+async def outcome_of_kill(
+    cluster: ProcessCluster, worker_id: str, task: asyncio.Future
+) -> tuple[BaseException | tuple, float]:
+    """kill -9 `worker_id`, then `task`'s result (or exception) and the seconds from just
+    before the kill (the router may see it before the kill call returns)."""
+    killed_at = time.monotonic()
+    await asyncio.get_running_loop().run_in_executor(None, cluster.kill, worker_id)
+    (result,) = await asyncio.gather(task, return_exceptions=True)
+    return result, time.monotonic() - killed_at
+
+
+def unavailable_details(result: BaseException | tuple) -> str:
+    """The details of a stream that ended with UNAVAILABLE."""
+    assert isinstance(result, grpc.aio.AioRpcError), result
+    assert result.code() is grpc.StatusCode.UNAVAILABLE
+    return result.details() or ""
+
+
 def test_streams_on_the_only_decode_worker_wait_for_its_replacement(tiny_model_dir):
     """kill -9 of the only decode worker (1P + 1D) with 4 greedy streams in flight: with
     nowhere to move, they wait (`migration_wait_s`) instead of failing; once the
@@ -396,15 +414,10 @@ def test_a_stream_with_nowhere_to_move_fails_after_migration_wait(tiny_model_dir
 
         async def scenario() -> tuple[BaseException | tuple, float]:
             (task,) = await start_streams(cluster.grpc_endpoint, ["req-0"], [prompt])
-            killed_at = time.monotonic()  # before the kill: the router may see it first
-            await asyncio.get_running_loop().run_in_executor(None, cluster.kill, "decode-0")
-            (result,) = await asyncio.gather(task, return_exceptions=True)
-            return result, time.monotonic() - killed_at
+            return await outcome_of_kill(cluster, "decode-0", task)
 
         result, took_s = cluster.run(scenario(), timeout_s=120)
-        assert isinstance(result, grpc.aio.AioRpcError), result
-        assert result.code() is grpc.StatusCode.UNAVAILABLE
-        assert "waited 1 s" in result.details(), result.details()
+        assert "waited 1 s" in unavailable_details(result)
         assert 1.0 <= took_s < 10.0, took_s
         cluster.set_state("decode-0", WorkerLifecycle.DEAD)
         cluster.assert_idle()
@@ -434,15 +447,10 @@ def test_a_stream_waits_for_a_replacement_once(tiny_model_dir):
             await loop.run_in_executor(None, cluster.add, "decode-1", WorkerRole.DECODE)
             # Going on on the replacement.
             await wait_streaming(progress, ["req-0"], min_tokens=progress["req-0"] + 8)
-            killed_at = time.monotonic()
-            await loop.run_in_executor(None, cluster.kill, "decode-1")
-            (result,) = await asyncio.gather(task, return_exceptions=True)
-            return result, time.monotonic() - killed_at
+            return await outcome_of_kill(cluster, "decode-1", task)
 
         result, took_s = cluster.run(scenario(), timeout_s=240)
-        assert isinstance(result, grpc.aio.AioRpcError), result
-        assert result.code() is grpc.StatusCode.UNAVAILABLE
-        assert "no decode worker is available" in result.details(), result.details()
+        assert "no decode worker is available" in unavailable_details(result)
         assert took_s < 5.0, took_s
         cluster.set_state("decode-1", WorkerLifecycle.DEAD)
         cluster.assert_idle()
