@@ -232,15 +232,20 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def session_cpu_s(session_id: int) -> float:
-    """CPU seconds of every live process of session `session_id` (a server started by
-    `ServerProcess` leads its own session; Ray's daemons and workers stay in it)."""
-    total = 0.0
+def session_pids(session_id: int) -> list[int]:
+    """Every live process of session `session_id` (a server started in a session of its
+    own leads it; Ray's daemons and workers stay in it)."""
+    pids = []
     for entry in os.listdir("/proc"):
         fields = _stat_fields(entry) if entry.isdigit() else None
         if fields is not None and int(fields[3]) == session_id:  # field 3: session id
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+            pids.append(int(entry))
+    return pids
+
+
+def session_cpu_s(session_id: int) -> float:
+    """CPU seconds of every live process of session `session_id` (see `session_pids`)."""
+    return sum(process_cpu_s(pid) or 0.0 for pid in session_pids(session_id))
 
 
 def ensure_model(model_dir: Path, preset: str) -> Path:

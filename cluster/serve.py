@@ -22,8 +22,12 @@ async def serve(config: ClusterConfig, announce=print) -> None:
     """Start the cluster, announce its endpoints, wait for a stop signal, stop it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in STOP_SIGNALS:
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_stop_signals() -> None:
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, stop.set)
+
+    on_stop_signals()
     cluster = LocalCluster(config)
     planner = None
     try:
@@ -31,8 +35,7 @@ async def serve(config: ClusterConfig, announce=print) -> None:
         # Again: `ray.init` (in `cluster.start`) installs SIGTERM handlers of its own in
         # this driver process (exit at once; a segfault here), which would cut every
         # stream instead of draining them.
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, stop.set)
+        on_stop_signals()
         planner = await start_planner(config, router)
         announce(
             f"Tandem serving {config.model_dir}, {dtype_banner(config.engine)}, "

@@ -1,11 +1,13 @@
 """`tandem router --ray-address ADDR` (what a Kubernetes router Deployment runs) or
-`tandem serve` as a process of its own: started on free ports, its endpoints read from
-what it announces (its output goes to a file, so a chatty log never blocks it on a full
-pipe), stopped with a signal (Ctrl-C's SIGINT unless told) and killed if that does not
-end it in time."""
+`tandem serve` as a process of its own, leading a session of its own (so what it starts,
+Ray's daemons included, can be found and ended): started on free ports, its endpoints
+read from what it announces (its output goes to a file, so a chatty log never blocks it
+on a full pipe), stopped with a signal (Ctrl-C's SIGINT unless told) and killed, with
+its whole session, if that does not end it in time."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -14,9 +16,10 @@ import sys
 import time
 from pathlib import Path
 
+from tandem.bench.harness import session_pids
 from tests.helpers.worker_process import REPO_ROOT
 
-# What `tandem router` prints once it serves.
+# What `tandem router` and `tandem serve` print once they serve.
 _GRPC_LINE = re.compile(r"gRPC\s+tandem\.v1\.Generation\s+(\S+:\d+)")
 _HTTP_LINE = re.compile(r"HTTP\s+(http://\S+:\d+)/health")
 
@@ -39,6 +42,7 @@ class TandemCommand:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                start_new_session=True,
             )
 
     @property
@@ -70,15 +74,25 @@ class TandemCommand:
             time.sleep(0.2)
 
     def stop(self, timeout_s: float = 60.0, sig: signal.Signals = signal.SIGINT) -> int:
-        """`sig`, then its exit status (SIGKILL, and -9, past `timeout_s`)."""
+        """`sig` to the command alone (as Kubernetes or a terminal sends it), then its exit
+        status (its session SIGKILLed, and -9, past `timeout_s`)."""
         if self._proc.poll() is None:
             self._proc.send_signal(sig)
             try:
                 self._proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
+                self.kill_session()
                 self._proc.wait(10)
         return self._proc.returncode
+
+    def session_pids(self) -> list[int]:
+        """Its live processes (the command's own while it runs, and whatever it started)."""
+        return session_pids(self._proc.pid)
+
+    def kill_session(self) -> None:
+        """SIGKILL to every process of its session (what a failed stop left behind)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
 
 
 class RouterCommand(TandemCommand):
