@@ -1,10 +1,11 @@
-"""Clients of the pools admin API for `tandem pools` / `tandem scale`.
+"""Clients of the pools admin API for `tandem pools` / `tandem scale` / `tandem drain`.
 
 Two ways in, one answer shape (the JSON of `GET /admin/pools`):
-- `HttpAdminClient`: a router's HTTP admin API (`GET /admin/pools`, `POST /admin/scale`),
-  with the router's API key when it has one;
+- `HttpAdminClient`: a router's HTTP admin API (`GET /admin/pools`, `POST /admin/scale`,
+  `POST /admin/drain`), with the router's API key when it has one;
 - `RayAdminClient`: straight to the pool controller of a Ray cluster (for an operator
-  with Ray access; no router needed).
+  with Ray access, or a node's own stop hook; no router needed). Only it drains a Ray
+  node (`drain_node`).
 Both raise `AdminRefused` (a 4xx/5xx or a controller refusal, with its reason) or
 `AdminUnreachable` (nothing answered).
 """
@@ -58,6 +59,8 @@ class AdminClient(Protocol):
 
     def scale(self, prefill: int, decode: int) -> PoolsView: ...
 
+    def drain(self, worker_id: str) -> PoolsView: ...
+
 
 class HttpAdminClient:
     """A router's HTTP admin API at host:port."""
@@ -72,6 +75,9 @@ class HttpAdminClient:
 
     def scale(self, prefill: int, decode: int) -> PoolsView:
         return self._request("POST", "/admin/scale", {"prefill": prefill, "decode": decode})
+
+    def drain(self, worker_id: str) -> PoolsView:
+        return self._request("POST", "/admin/drain", {"worker_id": worker_id})
 
     def _request(self, method: str, path: str, body: dict | None) -> PoolsView:
         headers = {"Content-Type": "application/json"}
@@ -117,6 +123,19 @@ class RayAdminClient:
             raise AdminRefused(str(exc)) from None
         return membership_json(self._get(self.controller.scale.remote(targets)))
 
+    def drain(self, worker_id: str) -> PoolsView:
+        return membership_json(self._get(self.controller.drain.remote(worker_id)))
+
+    def drain_node(self, node_id: str, deadline_s: float) -> PoolsView:
+        return membership_json(self._get(self.controller.drain_node.remote(node_id, deadline_s)))
+
+    @staticmethod
+    def this_node() -> str:
+        """The Ray node this process runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def _get(self, ref: Any) -> Membership:
         import ray
 
@@ -144,6 +163,16 @@ def shortfall(view: PoolsView) -> str:
             extra = "".join(f", {n} {s}" for s, n in busy.items())
             gaps.append(f"{role} {serving}/{target} serving{extra}")
     return "; ".join(gaps)
+
+
+def still_running(view: PoolsView, worker_id: str | None = None, node: str | None = None
+                  ) -> list[dict[str, Any]]:  # fmt: skip
+    """The workers of `view` that are the one named or on the node named and not yet
+    stopped (a dead one is stopped: its requests moved on)."""
+    return [
+        w for w in view["workers"]
+        if w["state"] != "dead" and (w["id"] == worker_id or (node and w["node"] == node))
+    ]  # fmt: skip
 
 
 def format_table(view: PoolsView) -> str:

@@ -1,9 +1,10 @@
 """Starts a Tandem cluster on Ray: the pool controller (which starts the workers) and a router.
 
 `LocalCluster` starts a local Ray instance (or joins `ray_address`), starts the named
-`PoolController` actor with the starting targets, waits until they serve, then runs
-a router in this process that follows the controller's membership. `stop()` drains
-and releases everything it created, Ray included if it started it.
+`PoolController` actor on this process's node with the starting targets, waits until
+they serve, then runs a router in this process that follows the controller's
+membership. `stop()` drains and releases everything it created, Ray included if it
+started it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tandem.cluster.config import ClusterConfig, ThreadPolicy, role_resource
 from tandem.cluster.pool_controller import (
@@ -73,8 +75,12 @@ class LocalCluster:
         }
         logger.info("torch threads per worker: %d (%s); worker env %s", threads, source, env)
         # Not detached: the controller (and the workers it owns) go with this process.
+        # On this process's node: Ray would place an actor that asks for no CPU on any
+        # node, and the controller's workers die with it when that node goes (a worker
+        # pod stopping); the head pod also serves the controller's metrics port.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         self.controller = RemotePoolController.options(
-            name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE
+            name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE, scheduling_strategy=here
         ).remote(config, threads, env)
         timeout_s = config.ray.worker_start_timeout_s
         # The first call also waits for the controller's process to start.

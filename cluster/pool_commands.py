@@ -1,14 +1,20 @@
-"""`tandem pools`, `tandem scale` and `tandem router`: operating a running cluster.
+"""`tandem pools`, `tandem scale`, `tandem drain` and `tandem router`: operating a
+running cluster.
 
     tandem pools [--address HOST:PORT | --ray-address ADDR] [--json]
     tandem scale --prefill N --decode M [--address HOST:PORT | --ray-address ADDR] [--timeout S]
+    tandem drain --worker ID [--address HOST:PORT | --ray-address ADDR] [--timeout S]
+    tandem drain (--node NODE_ID | --this-node) --ray-address ADDR [--timeout S]
     tandem router --ray-address ADDR [--grpc-port P] [--http-port P] [--host H]
 
 `--address` is a router's HTTP address (its admin API, with TANDEM_API_KEY / --api-key
 when the router wants one); `--ray-address` goes straight to the cluster's pool
 controller. `tandem scale` returns 0 once the serving workers match the targets, 1
 on timeout (saying which role is short) and 2 when the change is refused (with the
-reason). Heavy imports stay inside the handlers.
+reason). `tandem drain` returns 0 once the workers it drains have stopped (their
+requests finished, replacements started elsewhere), 1 on timeout (naming those still
+running), 2 when refused; `--this-node` is what a Ray node's own stop hook runs (the
+Helm chart's worker pods on SIGTERM). Heavy imports stay inside the handlers.
 """
 
 from __future__ import annotations
@@ -17,6 +23,11 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.cluster.admin_client import PoolsView
 
 DEFAULT_ADMIN_ADDRESS = "127.0.0.1:8000"
 EXIT_TIMEOUT = 1
@@ -42,6 +53,26 @@ def add_pool_commands(commands: argparse._SubParsersAction) -> None:
         help="longest wait for the pools to match, s [300]",
     )  # fmt: skip
     scale.set_defaults(handler=_run_scale)
+
+    drain = commands.add_parser(
+        "drain", help="drain a worker, or every worker on a Ray node, and wait until they stop"
+    )
+    _add_address(drain)
+    which = drain.add_mutually_exclusive_group(required=True)
+    which.add_argument("--worker", default=None, help="a worker id (see `tandem pools`)")
+    which.add_argument(
+        "--node", default=None,
+        help="a Ray node id: drain its workers and keep new ones off it (with --ray-address)",
+    )  # fmt: skip
+    which.add_argument(
+        "--this-node", action="store_true",
+        help="the Ray node this command runs on, as --node (with --ray-address)",
+    )  # fmt: skip
+    drain.add_argument(
+        "--timeout", type=positive_float, default=300.0,
+        help="longest wait for the workers to stop, s; a node's deadline for Ray [300]",
+    )  # fmt: skip
+    drain.set_defaults(handler=_run_drain)
 
     router = commands.add_parser(
         "router", help="start one more router for a running cluster (joins its Ray cluster)"
@@ -131,27 +162,78 @@ def planner_line(planner: dict) -> str:
 
 
 def _run_scale(args: argparse.Namespace) -> int:
-    from tandem.cluster.admin_client import AdminRefused, AdminUnreachable, shortfall
+    from tandem.cluster.admin_client import shortfall
+
+    def change(client) -> PoolsView:
+        return client.scale(args.prefill, args.decode)
+
+    code, view = _change_then_wait("scale", args, change, shortfall)
+    if code == 0:
+        targets = view["targets"]
+        print(f"pools at target: prefill {targets['prefill']}, decode {targets['decode']}")
+    return code
+
+
+def _run_drain(args: argparse.Namespace) -> int:
+    from tandem.cluster.admin_client import still_running
+
+    if args.worker is None and not args.ray_address:
+        print("tandem drain: --node and --this-node need --ray-address (they drain a Ray "
+              "node through the pool controller)", file=sys.stderr)  # fmt: skip
+        return EXIT_REFUSED
+    node = args.node
+    # The workers the drain moves off, from its first answer.
+    drained: list[str] = []
+
+    def change(client) -> PoolsView:
+        nonlocal node
+        if args.worker is not None:
+            view = client.drain(args.worker)
+        else:
+            node = node or client.this_node()
+            view = client.drain_node(node, args.timeout)
+        drained.extend(w["id"] for w in still_running(view, args.worker, node))
+        return view
+
+    def pending(view: PoolsView) -> str:
+        running = still_running(view, args.worker, node)
+        return ", ".join(f"{w['id']} ({w['state']}, {w['running']} running)" for w in running)
+
+    code, _ = _change_then_wait("drain", args, change, pending)
+    if code == 0:
+        what = f"worker {args.worker}" if args.worker is not None else f"node {node}"
+        print(f"{what}: drained and stopped: {', '.join(drained) or 'no workers'}")
+    return code
+
+
+def _change_then_wait(
+    name: str,
+    args: argparse.Namespace,
+    change: Callable[[Any], PoolsView],
+    pending: Callable[[PoolsView], str],
+) -> tuple[int, PoolsView]:
+    """Make `change` through the admin client, then poll the pools until `pending` says
+    nothing is left ("") or `args.timeout` passes; (exit code, last view)."""
+    from tandem.cluster.admin_client import AdminRefused, AdminUnreachable
 
     deadline = time.monotonic() + args.timeout
+    view: PoolsView = {}
     try:
         client = _client(args)
-        view = client.scale(args.prefill, args.decode)
-        while gap := shortfall(view):
+        view = change(client)
+        while gap := pending(view):
             if time.monotonic() > deadline:
-                print(f"tandem scale: timed out after {args.timeout:g} s: {gap}", file=sys.stderr)
-                return EXIT_TIMEOUT
+                print(f"tandem {name}: timed out after {args.timeout:g} s: {gap}", file=sys.stderr)
+                return EXIT_TIMEOUT, view
             time.sleep(max(0.0, min(0.5, deadline - time.monotonic())))
             view = client.get_pools()
     except AdminRefused as exc:
-        print(f"tandem scale: refused: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        print(f"tandem {name}: refused: {exc}", file=sys.stderr)
+        return EXIT_REFUSED, view
     except (AdminUnreachable, RuntimeError) as exc:
-        print(f"tandem scale: {exc}", file=sys.stderr)
-        return EXIT_TIMEOUT
-    targets = view["targets"]
-    print(f"pools at target: prefill {targets['prefill']}, decode {targets['decode']}")
-    return 0
+        print(f"tandem {name}: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT, view
+    return 0, view
 
 
 def _run_router(args: argparse.Namespace) -> int:

@@ -4,9 +4,10 @@ It keeps each role at its target size: starts every worker as a `WorkerActor` th
 asks for the role's Ray resource (so an autoscaler can add a node for a pending
 worker), probes each worker every `health_interval_s`, replaces a dead one, and on a
 scale-down drains a worker (routers stop placing on it, its requests finish, its
-blocks come back) before stopping it. Routers follow the changes through `watch()`
-(see `cluster.membership_watcher`); admin calls arrive through `scale()` / `drain()`
-(see `cluster.admin_backend`). Bookkeeping and decisions live in `PoolState`.
+blocks come back) before stopping it; `drain_node()` does so for every worker on a Ray
+node that is about to go. Routers follow the changes through `watch()` (see
+`cluster.membership_watcher`); admin calls arrive through `scale()` / `drain()` (see
+`cluster.admin_backend`) and `tandem drain`. Bookkeeping and decisions live in `PoolState`.
 
 Worker lifecycle: starting -> serving -> draining -> (stopped, gone); any of them ->
 dead (process exited, node lost, probes failed) -> listed for `dead_retention_s`,
@@ -29,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from tandem.cluster.config import ClusterConfig, role_resource
 from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
+from tandem.cluster.ray_nodes import check_drainable, keep_new_actors_off
 from tandem.cluster.worker_actor import RemoteWorkerActor, WorkerPlacement, node_host
 from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
 from tandem.router.pool_gauges import PoolGauges
@@ -152,6 +154,17 @@ class PoolController:
         self._reconcile_now()
         return self.state.membership()
 
+    async def drain_node(self, node_id: str, deadline_s: float) -> Membership:
+        """Move every worker off a Ray node that goes within `deadline_s` (a pod
+        stopping): Ray places nothing new there, its serving workers drain and are
+        replaced elsewhere, and one that comes up there later drains at once."""
+        check_drainable(node_id)
+        keep_new_actors_off(node_id, deadline_s)
+        for worker_id in self.state.drain_node(node_id, time.monotonic()):
+            logger.info("pools: draining %s (its node %s is going)", worker_id, node_id)
+        self._reconcile_now()
+        return self.state.membership()
+
     async def wait_at_target(self, timeout_s: float) -> Membership:
         """The membership once every role serves exactly its target with nothing
         starting or draining; TimeoutError past `timeout_s`."""
@@ -245,17 +258,17 @@ class PoolController:
         self._starts.pop(worker_id, None)
         if worker_id not in self.state.records:  # cancelled meanwhile
             return
-        self.state.update(
+        state = self.state.came_up(
             worker_id,
             time.monotonic(),
-            state=WorkerLifecycle.SERVING,
             endpoint=placement.endpoint,
             metrics_url=placement.metrics_url,
             node=placement.node,
             pid=placement.pid,
         )
-        logger.info("pools: %s serving on %s (pid %d)", worker_id, placement.endpoint,
-                    placement.pid)  # fmt: skip
+        logger.info("pools: %s %s on %s (pid %d)", worker_id,
+                    "serving" if state is WorkerLifecycle.SERVING else "up, draining at once: "
+                    "its node is going,", placement.endpoint, placement.pid)  # fmt: skip
         self._reconcile_now()
 
     async def _probe_all(self) -> None:

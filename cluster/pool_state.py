@@ -92,6 +92,8 @@ class PoolState:
         self.version = 1
         self.records: dict[str, WorkerRecord] = {}
         self.restarts = dict.fromkeys(targets, 0)
+        # Ray nodes being drained: a worker that comes up on one drains at once.
+        self.draining_nodes: set[str] = set()
         self._ids = {role: itertools.count() for role in WorkerRole}
 
     @property
@@ -180,6 +182,24 @@ class PoolState:
             record.since_s = now_s
             record.health_failures = 0
         self.bump()
+
+    def came_up(self, worker_id: str, now_s: float, **placement: Any) -> WorkerLifecycle:
+        """A started worker's placement (node, endpoint, ...): it serves, or drains at
+        once when its node is going (placed there before the node's drain began)."""
+        going = placement.get("node") in self.draining_nodes
+        state = WorkerLifecycle.DRAINING if going else WorkerLifecycle.SERVING
+        self.update(worker_id, now_s, state=state, **placement)
+        return state
+
+    def drain_node(self, node: str, now_s: float) -> list[str]:
+        """Drain the serving workers on `node`, and any that come up there later; the
+        ids drained now."""
+        self.draining_nodes.add(node)
+        on_node = [r.worker_id for r in self.records.values()
+                   if r.info.node == node and r.state is WorkerLifecycle.SERVING]  # fmt: skip
+        for worker_id in on_node:
+            self.update(worker_id, now_s, state=WorkerLifecycle.DRAINING)
+        return on_node
 
     def mark_dead(self, worker_id: str, now_s: float) -> bool:
         """A worker found dead; True when it was serving or starting (so it counts as

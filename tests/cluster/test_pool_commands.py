@@ -61,6 +61,21 @@ def test_pools_and_scale_commands_through_the_controller(ray_session, tiny_model
             assert states == [("decode", "serving")] * 2 + [("prefill", "serving")]
             assert all(w["pid"] > 0 and w["endpoint"] for w in view["workers"])
 
+            # Drain one worker through the router's HTTP admin API: returns 0 once it
+            # stopped; the target stays, so a replacement starts. Unknown: exit 2.
+            http = cluster.router.http_endpoint
+            rc = await asyncio.to_thread(cli, "drain", "--worker", "decode-9", "--address", http)
+            assert rc == 2
+            assert "no worker 'decode-9' in the pools" in capsys.readouterr().err
+            rc = await asyncio.to_thread(
+                cli, "drain", "--worker", "decode-1", "--address", http, "--timeout", "120"
+            )
+            assert rc == 0, capsys.readouterr().err
+            assert capsys.readouterr().out == "worker decode-1: drained and stopped: decode-1\n"
+            refilled = await cluster.controller.wait_at_target.remote(120.0)
+            ids = sorted(w.worker_id for w in refilled.workers)
+            assert ids == ["decode-0", "decode-2", "prefill-0"]
+
             # Too short a timeout for a worker to start: exit 1, saying which role is short.
             rc = await asyncio.to_thread(
                 cli, "scale", "--prefill", "1", "--decode", "3", "--ray-address", address,

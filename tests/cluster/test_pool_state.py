@@ -100,3 +100,25 @@ def test_membership_carries_load_without_a_version_change():
     worker = {w.worker_id: w for w in state.membership().workers}["decode-0"]
     assert (worker.running, worker.waiting, worker.kv_usage) == (2, 1, 0.5)
     assert state.version == version
+
+
+def test_a_draining_node_drains_its_serving_workers_and_any_that_come_up_there():
+    state = state_with([(P, S.SERVING), (D, S.SERVING), (D, S.STARTING), (D, S.SERVING)],
+                       decode=3)  # fmt: skip
+    for worker_id, node in (("prefill-0", "n1"), ("decode-0", "n2"), ("decode-2", "n2")):
+        state.update(worker_id, 0.0, node=node)
+    version = state.version
+    assert state.drain_node("n2", 5.0) == ["decode-0", "decode-2"]
+    assert state.version > version
+    assert [state.records[w].state for w in ("decode-0", "decode-2")] == [S.DRAINING] * 2
+    assert state.records["prefill-0"].state is S.SERVING
+    assert state.plan().start == [D, D]
+    # decode-1 was placed on n2 before its drain: it drains as soon as it is up.
+    assert state.came_up("decode-1", 6.0, node="n2", endpoint="h:1", pid=7) is S.DRAINING
+    info = state.records["decode-1"].info
+    assert (info.state, info.endpoint, info.pid) == (S.DRAINING, "h:1", 7)
+    assert state.plan().start == [D, D, D]
+    # Elsewhere a worker serves.
+    state.add(WorkerRecord(info=WorkerInfo(worker_id="decode-3", role=D, state=S.STARTING)))
+    assert state.came_up("decode-3", 7.0, node="n3", endpoint="h:2", pid=8) is S.SERVING
+    assert state.drain_node("n3", 8.0) == ["decode-3"]

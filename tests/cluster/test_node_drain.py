@@ -1,0 +1,166 @@
+"""`tandem drain --node`: what a Ray node about to go runs first (the Helm chart's
+worker pods run it as `--this-node` on SIGTERM).
+
+Four Ray nodes on one machine (`ray.cluster_utils.Cluster`): the head (this driver, the
+pool controller) with no CPUs; a node offering `tandem_prefill`; a node offering two
+`tandem_decode`; and, added once the decode worker serves there, a fourth offering one
+`tandem_decode`. Streams are running on the decode worker when its node's drain starts:
+Ray places nothing new on that node though it has room, the replacement serves on the
+fourth node, the streams finish whole, and the old worker stops with every block back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from tandem.cluster.cli import main
+from tandem.cluster.launcher import LocalCluster
+from tandem.cluster.ray_start import start_with_retries
+from tandem.router.membership import Membership
+from tests.helpers.grpc_calls import start_streams, stream_tokens
+from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import assert_idle, cluster_config, serving, wait_membership
+
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+
+NODES_TIMEOUT_S = 120
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def ray_nodes():
+    """(cluster, head, prefill node, decode node), the driver connected to the head."""
+    clusters: list[Cluster] = []
+
+    def start() -> tuple[Cluster, str, str, str]:
+        cluster = Cluster()
+        clusters.append(cluster)
+        head = cluster.add_node(num_cpus=0)
+        prefill_node = cluster.add_node(num_cpus=2, resources={"tandem_prefill": 1})
+        decode_node = cluster.add_node(num_cpus=2, resources={"tandem_decode": 2})
+        ray.init(address=cluster.address, log_to_driver=False)
+        cluster.wait_for_nodes(timeout=NODES_TIMEOUT_S)
+        return cluster, head.node_id, prefill_node.node_id, decode_node.node_id
+
+    def undo() -> None:
+        ray.shutdown()
+        clusters[-1].shutdown()
+
+    cluster, *nodes = start_with_retries(start, undo)
+    yield cluster, *nodes
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def nodes_of(membership: Membership) -> dict[str, str]:
+    return {w.worker_id: w.node for w in membership.workers}
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def ping(self) -> str:
+        return "pong"
+
+
+def ray_places_a_decode_actor(wait_s: float = 5.0) -> bool:
+    """Whether Ray starts a new actor that asks for one `tandem_decode` within `wait_s`."""
+    probe = Probe.options(resources={"tandem_decode": 1}).remote()  # type: ignore[attr-defined]
+    try:
+        ready, _ = ray.wait([probe.ping.remote()], timeout=wait_s)
+        return bool(ready)
+    finally:
+        ray.kill(probe)
+
+
+def drain(*argv: str) -> int:
+    return main(["drain", *argv])
+
+
+def test_drain_node_moves_its_worker_and_loses_no_stream(ray_nodes, tiny_model_dir, capsys):
+    ray_cluster, head, prefill_node, decode_node = ray_nodes
+    prompts = make_prompts(2048, (20, 45, 70), seed=31)
+    ids = [f"drain-{i}" for i in range(len(prompts))]
+
+    async def scenario() -> None:
+        cluster = LocalCluster(cluster_config(tiny_model_dir))
+        try:
+            await cluster.start()
+            address = cluster.ray_address
+            before = await cluster.membership()
+            (old,) = serving(before, "decode")
+            assert (old.node, serving(before, "prefill")[0].node) == (decode_node, prefill_node)
+            # The controller runs where `LocalCluster` runs (the head here), never on a
+            # worker's node that may go (Ray would place it anywhere otherwise).
+            controller_node = await cluster.controller.__ray_call__.remote(
+                lambda _: ray.get_runtime_context().get_node_id()
+            )
+            assert controller_node == head
+            fourth = ray_cluster.add_node(num_cpus=2, resources={"tandem_decode": 1})
+            ray_cluster.wait_for_nodes(timeout=NODES_TIMEOUT_S)
+
+            # Refused (exit 2), nothing changes: a node not in the cluster; the head,
+            # which is where `--this-node` finds this driver.
+            for argv, reason in (
+                (["--node", "ab" * 28], "no alive Ray node"),
+                (["--this-node"], f"node: {head} is the Ray head node"),
+            ):
+                assert await asyncio.to_thread(drain, *argv, "--ray-address", address) == 2
+                assert reason in capsys.readouterr().err
+            assert (await cluster.membership()).workers == before.workers
+
+            # The decode node has room for one more decode worker.
+            assert await asyncio.to_thread(ray_places_a_decode_actor)
+
+            streams = await start_streams(cluster.router.grpc_endpoint, ids, prompts)
+            command = asyncio.ensure_future(asyncio.to_thread(
+                drain, "--node", decode_node, "--ray-address", address, "--timeout", "120"
+            ))  # fmt: skip
+
+            def replacements(m: Membership) -> list:
+                return [w for w in serving(m, "decode") if w.worker_id != old.worker_id]
+
+            moved = await wait_membership(cluster, replacements, 120.0, "a replacement serving")
+            (new,) = replacements(moved)
+            assert new.node == fourth.node_id
+            # Ray places nothing new on the draining node, though it has room (and the
+            # replacement took the fourth node's only place).
+            assert not await asyncio.to_thread(ray_places_a_decode_actor)
+            rc = await command
+            out, err = capsys.readouterr()
+            assert rc == 0, err
+            assert out.strip() == f"node {decode_node}: drained and stopped: {old.worker_id}"
+            results = await asyncio.gather(*streams)
+
+            after = await cluster.controller.wait_at_target.remote(120.0)
+            assert [w.worker_id for w in serving(after, "decode")] == [new.worker_id]
+            assert old.worker_id not in nodes_of(after)
+            # The one replacement went straight to the fourth node: none came up on
+            # the draining node to be drained in turn.
+            loads = await cluster.controller.drained_loads.remote()
+            assert list(loads) == [old.worker_id]
+            last = loads[old.worker_id]
+            assert last.is_idle and last.num_free_blocks == last.num_blocks
+            # Nothing lost: each stream whole, and token-equal to a run on the new worker.
+            endpoint = cluster.router.grpc_endpoint
+            again = await asyncio.gather(*(stream_tokens(endpoint, f"again-{i}", p)
+                                           for i, p in enumerate(prompts)))  # fmt: skip
+            assert [tokens for tokens, _ in results] == [tokens for tokens, _ in again]
+            assert all(len(tokens) == MAX_TOKENS for tokens, _ in results)
+            await assert_idle(after, auth=cluster.config.worker.cluster_auth)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+def test_drain_this_node_needs_the_ray_address(capsys):
+    assert main(["drain", "--this-node", "--address", "127.0.0.1:1"]) == 2
+    assert "--node and --this-node need --ray-address" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["drain", "--worker", "decode-0", "--node", "ab" * 28])
+    with pytest.raises(SystemExit):
+        main(["drain"])
