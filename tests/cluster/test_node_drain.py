@@ -1,17 +1,20 @@
-"""`tandem drain --node`: what a Ray node about to go runs first (the Helm chart's
-worker pods run it as `--this-node` on SIGTERM).
+"""`tandem drain --this-node`: what a Ray node about to go runs first (the Helm chart's
+worker pods run it on SIGTERM).
 
 Four Ray nodes on one machine (`ray.cluster_utils.Cluster`): the head (this driver, the
-pool controller) with no CPUs; a node offering `tandem_prefill`; a node offering two
-`tandem_decode`; and, added once the decode worker serves there, a fourth offering one
-`tandem_decode`. Streams are running on the decode worker when its node's drain starts:
-Ray places nothing new on that node though it has room, the replacement serves on the
-fourth node, the streams finish whole, and the old worker stops with every block back.
+pool controller) with no CPUs; a node offering `tandem_prefill`; a node at its own
+loopback address (127.0.0.2) offering two `tandem_decode`; and, added once the decode
+worker serves there, a fourth (127.0.0.3) offering one. Streams are running on the
+decode worker when a process on its node (connected to Ray through that node's raylet,
+as a pod's shell is) runs the command: Ray places nothing new on the node though it has
+room, the replacement serves on the fourth node, the streams finish whole, the old
+worker stops with every block back, and the command exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 import ray
@@ -29,6 +32,17 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 NODES_TIMEOUT_S = 120
 MAX_TOKENS = 160
+DECODE_NODE_IP = "127.0.0.2"
+FOURTH_NODE_IP = "127.0.0.3"
+# `tandem drain` run by a process whose Ray node is the one at argv[1] (Ray picks a
+# driver's node by its address), as a worker pod's shell runs it.
+ON_NODE = """
+import sys
+import ray
+from tandem.cluster.cli import main
+ray.init(address=sys.argv[2], _node_ip_address=sys.argv[1], log_to_driver=False)
+sys.exit(main(["drain", *sys.argv[3:]]))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +55,9 @@ def ray_nodes():
         clusters.append(cluster)
         head = cluster.add_node(num_cpus=0)
         prefill_node = cluster.add_node(num_cpus=2, resources={"tandem_prefill": 1})
-        decode_node = cluster.add_node(num_cpus=2, resources={"tandem_decode": 2})
+        decode_node = cluster.add_node(
+            num_cpus=2, resources={"tandem_decode": 2}, node_ip_address=DECODE_NODE_IP
+        )
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes(timeout=NODES_TIMEOUT_S)
         return cluster, head.node_id, prefill_node.node_id, decode_node.node_id
@@ -80,13 +96,14 @@ def drain(*argv: str) -> int:
     return main(["drain", *argv])
 
 
-def test_drain_node_moves_its_worker_and_loses_no_stream(ray_nodes, tiny_model_dir, capsys):
+def test_drain_this_node_moves_its_worker_and_loses_no_stream(ray_nodes, tiny_model_dir, capsys):
     ray_cluster, head, prefill_node, decode_node = ray_nodes
     prompts = make_prompts(2048, (20, 45, 70), seed=31)
     ids = [f"drain-{i}" for i in range(len(prompts))]
 
     async def scenario() -> None:
         cluster = LocalCluster(cluster_config(tiny_model_dir))
+        command: asyncio.subprocess.Process | None = None
         try:
             await cluster.start()
             address = cluster.ray_address
@@ -99,7 +116,9 @@ def test_drain_node_moves_its_worker_and_loses_no_stream(ray_nodes, tiny_model_d
                 lambda _: ray.get_runtime_context().get_node_id()
             )
             assert controller_node == head
-            fourth = ray_cluster.add_node(num_cpus=2, resources={"tandem_decode": 1})
+            fourth = ray_cluster.add_node(
+                num_cpus=2, resources={"tandem_decode": 1}, node_ip_address=FOURTH_NODE_IP
+            )
             ray_cluster.wait_for_nodes(timeout=NODES_TIMEOUT_S)
 
             # Refused (exit 2), nothing changes: a node not in the cluster; the head,
@@ -116,9 +135,11 @@ def test_drain_node_moves_its_worker_and_loses_no_stream(ray_nodes, tiny_model_d
             assert await asyncio.to_thread(ray_places_a_decode_actor)
 
             streams = await start_streams(cluster.router.grpc_endpoint, ids, prompts)
-            command = asyncio.ensure_future(asyncio.to_thread(
-                drain, "--node", decode_node, "--ray-address", address, "--timeout", "120"
-            ))  # fmt: skip
+            command = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", ON_NODE, DECODE_NODE_IP, address,
+                "--this-node", "--ray-address", address, "--timeout", "120",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            )  # fmt: skip
 
             def replacements(m: Membership) -> list:
                 return [w for w in serving(m, "decode") if w.worker_id != old.worker_id]
@@ -129,10 +150,11 @@ def test_drain_node_moves_its_worker_and_loses_no_stream(ray_nodes, tiny_model_d
             # Ray places nothing new on the draining node, though it has room (and the
             # replacement took the fourth node's only place).
             assert not await asyncio.to_thread(ray_places_a_decode_actor)
-            rc = await command
-            out, err = capsys.readouterr()
-            assert rc == 0, err
-            assert out.strip() == f"node {decode_node}: drained and stopped: {old.worker_id}"
+            out, err = await asyncio.wait_for(command.communicate(), 150.0)
+            assert command.returncode == 0, err.decode()[-3000:]
+            assert out.decode().strip() == (
+                f"node {decode_node}: drained and stopped: {old.worker_id}"
+            )
             results = await asyncio.gather(*streams)
 
             after = await cluster.controller.wait_at_target.remote(120.0)
@@ -152,6 +174,9 @@ def test_drain_node_moves_its_worker_and_loses_no_stream(ray_nodes, tiny_model_d
             assert all(len(tokens) == MAX_TOKENS for tokens, _ in results)
             await assert_idle(after, auth=cluster.config.worker.cluster_auth)
         finally:
+            if command is not None and command.returncode is None:
+                command.kill()
+                await command.wait()
             await cluster.stop()
 
     asyncio.run(scenario())
