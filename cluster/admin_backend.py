@@ -4,16 +4,20 @@ Bad input comes back as the controller's `ValueError` (unknown worker, target ov
 budget) and a change that cannot be made now as its `RuntimeError` (a target the Ray
 cluster can never place, a drain of a worker that is not serving), unwrapped from
 Ray's task error so the admin API maps them to INVALID_ARGUMENT / FAILED_PRECONDITION.
+A call that finds the controller gone is made once more on the one now answering to
+its name, if there is one (a restarted `tandem serve`; see `cluster.controller_link`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
+from tandem.cluster.controller_link import ControllerLink
 from tandem.cluster.pool_controller import CONTROLLER_REPLY_S
 from tandem.router.membership import Membership, PoolTargets
 
@@ -21,24 +25,29 @@ logger = logging.getLogger(__name__)
 
 
 class RayAdminBackend:
-    """Implements `tandem.router.membership.AdminBackend` over a controller handle."""
+    """Implements `tandem.router.membership.AdminBackend` over a controller link."""
 
-    def __init__(self, controller: Any, timeout_s: float = CONTROLLER_REPLY_S) -> None:
-        self.controller = controller
+    def __init__(self, link: ControllerLink, timeout_s: float = CONTROLLER_REPLY_S) -> None:
+        self.link = link
         self.timeout_s = timeout_s
 
     async def get_pools(self) -> Membership:
-        return await self._call(self.controller.get_membership.remote())
+        return await self._call(lambda controller: controller.get_membership.remote())
 
     async def scale(self, targets: PoolTargets) -> Membership:
-        return await self._call(self.controller.scale.remote(targets))
+        return await self._call(lambda controller: controller.scale.remote(targets))
 
     async def drain(self, worker_id: str) -> Membership:
-        return await self._call(self.controller.drain.remote(worker_id))
+        return await self._call(lambda controller: controller.drain.remote(worker_id))
 
-    async def _call(self, ref: Any) -> Membership:
+    async def _call(self, call: Callable[[Any], Any]) -> Membership:
         try:
-            return await asyncio.wait_for(ref, self.timeout_s)
+            try:
+                return await asyncio.wait_for(call(self.link.handle), self.timeout_s)
+            except ray.exceptions.RayActorError:
+                if not await self.link.renew():
+                    raise
+                return await asyncio.wait_for(call(self.link.handle), self.timeout_s)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause
             if isinstance(cause, ValueError | RuntimeError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import re
 import sys
 import time
@@ -159,14 +160,23 @@ def port(text: str) -> int:
 
 
 def positive_float(text: str) -> float:
-    """argparse type: a number > 0 (seconds)."""
+    """argparse type: a finite number > 0 (seconds)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if value == math.inf:
+        raise argparse.ArgumentTypeError("must be finite, got inf")
     return value
+
+
+def non_empty(text: str) -> str:
+    """argparse type: a string with something in it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 # Units of `byte_size`: Kubernetes quantities (decimal K/M/G/T, binary Ki/Mi/Gi/Ti), each

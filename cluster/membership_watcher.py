@@ -2,7 +2,9 @@
 
 Runs in each router process: long-polls the pool controller's `watch()` and hands
 every newer `Membership` to a callback (`Router.update_membership`). A controller
-that does not answer is retried with a pause; the router keeps its last view.
+that does not answer is retried with a pause; the router keeps its last view. One that
+is gone is looked up again by name (`ControllerLink.renew`): a new controller (a
+restarted `tandem serve`) is followed from its first membership.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import ray
 
+from tandem.cluster.controller_link import ControllerLink
 from tandem.router.membership import Membership
 
 logger = logging.getLogger(__name__)
@@ -27,13 +29,13 @@ class MembershipWatcher:
 
     def __init__(
         self,
-        controller: Any,
+        link: ControllerLink,
         on_change: OnChange,
         since_version: int = 0,
         poll_timeout_s: float = 10.0,
         retry_s: float = 1.0,
     ) -> None:
-        self.controller = controller
+        self.link = link
         self.on_change = on_change
         # The version the router already has (0: none yet).
         self.version = since_version
@@ -51,19 +53,27 @@ class MembershipWatcher:
             self._task = None
 
     async def _follow(self) -> None:
+        following = self.link.handle
         while True:
+            if self.link.handle != following:  # renewed, here or by the admin backend
+                logger.warning("membership: a new pool controller; following it")
+                following, self.version = self.link.handle, 0
             try:
                 # The controller answers by poll_timeout_s; the margin covers Ray's own hops.
                 membership: Membership = await asyncio.wait_for(
-                    self.controller.watch.remote(self.version, self.poll_timeout_s),
+                    following.watch.remote(self.version, self.poll_timeout_s),
                     self.poll_timeout_s + 10.0,
                 )
+            except ray.exceptions.RayActorError as exc:
+                if self.link.handle == following and not await self.link.renew():
+                    logger.warning("membership: the pool controller is gone (%s); retrying", exc)
+                    await asyncio.sleep(self.retry_s)
+                continue
             except (TimeoutError, ray.exceptions.RayError) as exc:
                 logger.warning("membership: controller did not answer (%s); retrying", exc)
                 await asyncio.sleep(self.retry_s)
                 continue
-            # Equal: nothing new (the poll timed out). Lower: a new controller started
-            # counting again; its view replaces the old one.
+            # Equal: nothing new (the poll timed out).
             if membership.version == self.version:
                 continue
             self.version = membership.version

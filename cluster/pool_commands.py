@@ -35,7 +35,7 @@ EXIT_REFUSED = 2
 
 
 def add_pool_commands(commands: argparse._SubParsersAction) -> None:
-    from tandem.cluster.cli import port, positive_float, positive_int
+    from tandem.cluster.cli import non_empty, port, positive_float, positive_int
 
     pools = commands.add_parser("pools", help="list the workers of a running cluster")
     _add_address(pools)
@@ -59,9 +59,11 @@ def add_pool_commands(commands: argparse._SubParsersAction) -> None:
     )
     _add_address(drain)
     which = drain.add_mutually_exclusive_group(required=True)
-    which.add_argument("--worker", default=None, help="a worker id (see `tandem pools`)")
     which.add_argument(
-        "--node", default=None,
+        "--worker", type=non_empty, default=None, help="a worker id (see `tandem pools`)"
+    )
+    which.add_argument(
+        "--node", type=non_empty, default=None,
         help="a Ray node id: drain its workers and keep new ones off it (with --ray-address)",
     )  # fmt: skip
     which.add_argument(
@@ -123,7 +125,8 @@ def _client(args: argparse.Namespace):
 
     if args.ray_address:
         ray_auth_env()
-        from tandem.cluster.router_process import find_controller, join_ray
+        from tandem.cluster.controller_link import find_controller
+        from tandem.cluster.router_process import join_ray
 
         try:
             join_ray(args.ray_address)

@@ -16,6 +16,7 @@ Rules:
 from __future__ import annotations
 
 import itertools
+import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -90,6 +91,8 @@ class PoolState:
         self.targets = dict(targets)
         self.max_workers_per_role = max_workers_per_role
         self.version = 1
+        # This state's own id in every membership it gives out.
+        self.owner = uuid.uuid4().hex
         self.records: dict[str, WorkerRecord] = {}
         self.restarts = dict.fromkeys(targets, 0)
         # Ray nodes being drained: a worker that comes up on one drains at once.
@@ -110,7 +113,7 @@ class PoolState:
                 prefill=self.targets[WorkerRole.PREFILL], decode=self.targets[WorkerRole.DECODE]
             )
         restarts = {role.value: n for role, n in self.restarts.items()}
-        return Membership(self.version, workers, targets, restarts)
+        return Membership(self.version, workers, targets, restarts, self.owner)
 
     @staticmethod
     def _with_load(record: WorkerRecord) -> WorkerInfo:

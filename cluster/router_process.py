@@ -15,12 +15,9 @@ from typing import Any
 import ray
 
 from tandem.cluster.admin_backend import RayAdminBackend
+from tandem.cluster.controller_link import ControllerLink, find_controller
 from tandem.cluster.membership_watcher import MembershipWatcher
-from tandem.cluster.pool_controller import (
-    CONTROLLER_NAME,
-    CONTROLLER_NAMESPACE,
-    CONTROLLER_REPLY_S,
-)
+from tandem.cluster.pool_controller import CONTROLLER_REPLY_S
 from tandem.router.config import RouterConfig
 from tandem.router.membership import Membership, WorkerLifecycle
 from tandem.router.server import Router
@@ -33,17 +30,6 @@ def join_ray(address: str) -> None:
     """Connect this process to the Ray cluster at `address` (once)."""
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-
-
-def find_controller() -> Any:
-    """The running cluster's pool controller (Ray must be initialised)."""
-    try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE)
-    except ValueError:
-        raise RuntimeError(
-            f"no Tandem cluster on this Ray cluster (no actor {CONTROLLER_NAME!r} in "
-            f"namespace {CONTROLLER_NAMESPACE!r}); start one with `tandem serve`"
-        ) from None
 
 
 def serving_endpoints(membership: Membership) -> list[WorkerEndpoint]:
@@ -59,16 +45,16 @@ class AttachedRouter:
 
     def __init__(self, config: RouterConfig, controller: Any) -> None:
         self.config = config
-        self.controller = controller
+        self.link = ControllerLink(controller)
         self.router: Router | None = None
         self.watcher: MembershipWatcher | None = None
 
     async def start(self, timeout_s: float = 60.0) -> Router:
         # The controller gives up after timeout_s; the margin bounds a reply that never comes.
         membership: Membership = await asyncio.wait_for(
-            self.controller.wait_at_target.remote(timeout_s), timeout_s + CONTROLLER_REPLY_S
+            self.link.handle.wait_at_target.remote(timeout_s), timeout_s + CONTROLLER_REPLY_S
         )
-        admin = RayAdminBackend(self.controller)
+        admin = RayAdminBackend(self.link)
         workers = serving_endpoints(membership)
         router = Router(self.config, workers, admin=admin)
         await router.start()
@@ -76,9 +62,7 @@ class AttachedRouter:
         # snapshot (its pool gauges and `membership` start from it, not empty).
         await router.update_membership(membership)
         self.router = router
-        self.watcher = MembershipWatcher(
-            self.controller, router.update_membership, membership.version
-        )
+        self.watcher = MembershipWatcher(self.link, router.update_membership, membership.version)
         self.watcher.start()
         return router
 

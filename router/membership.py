@@ -68,7 +68,7 @@ class PoolTargets:
 
 @dataclass(frozen=True)
 class Membership:
-    """A snapshot of the pools; `version` grows with every change."""
+    """A snapshot of the pools; `version` grows with every change its owner makes."""
 
     version: int
     workers: list[WorkerInfo] = field(default_factory=list)
@@ -77,6 +77,9 @@ class Membership:
     # (`tandem:worker_restarts_total`). A restart alone does not bump `version`: the
     # dead worker's state change that comes with it does.
     restarts: dict[str, int] = field(default_factory=dict)
+    # Which owner counted `version` (a pool controller, unique per start): a restarted
+    # one counts from 1 again, and names its workers from 0 again.
+    owner: str = ""
 
 
 class AdminBackend(Protocol):

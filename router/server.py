@@ -150,21 +150,26 @@ class Router:
         logger.info("router: gRPC %s, HTTP %s", self.grpc_endpoint, self.http_endpoint)
 
     async def update_membership(self, membership: Membership) -> None:
-        """Apply a new pools snapshot (older or repeated versions are ignored).
+        """Apply a new pools snapshot (older or repeated versions of its owner are ignored).
 
         New SERVING / DRAINING workers get a channel and join the policy (a worker whose
         limits disagree with the pools is refused and logged); only SERVING ones take
         new requests. Workers that are DEAD, STARTING again or absent leave: the calls
-        still on them end, so their requests migrate.
+        still on them end, so their requests migrate. A snapshot from another owner (a
+        restarted pool controller) replaces every worker, same ids included.
         """
         runtime, flow = self.policy_runtime, self.flow
         if runtime is None or flow is None:
             raise RuntimeError("update_membership before Router.start")
         async with self._membership_lock:
-            if self.membership is not None and membership.version <= self.membership.version:
+            last = self.membership
+            new_owner = last is not None and membership.owner != last.owner
+            if last is not None and not new_owner and membership.version <= last.version:
                 logger.debug("membership version %d ignored (have %d)",
-                             membership.version, self.membership.version)  # fmt: skip
+                             membership.version, last.version)  # fmt: skip
                 return
+            if new_owner:
+                logger.info("a new pools owner: every worker is replaced")
             self.membership = membership
             self.metrics.pools.update(membership)
             self._pending.clear()
@@ -173,7 +178,12 @@ class Router:
             }
             for current in self.pool.workers:
                 info = wanted.get(current.worker_id)
-                if info is None or info.endpoint != current.endpoint or info.role != current.role:
+                if (
+                    new_owner
+                    or info is None
+                    or info.endpoint != current.endpoint
+                    or info.role != current.role
+                ):
                     num_lost = flow.worker_lost(current.worker_id)
                     logger.info("worker %s left the pools (%d requests migrate)",
                                 current.worker_id, num_lost)  # fmt: skip

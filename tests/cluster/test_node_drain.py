@@ -187,5 +187,6 @@ def test_drain_this_node_needs_the_ray_address(capsys):
     assert "--node and --this-node need --ray-address" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["drain", "--worker", "decode-0", "--node", "ab" * 28])
-    with pytest.raises(SystemExit):
-        main(["drain"])
+    for argv in ([], ["--node", ""], ["--worker", " "], ["--worker", "d", "--timeout", "inf"]):
+        with pytest.raises(SystemExit):
+            main(["drain", *argv])

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from tandem.cluster.admin_backend import RayAdminBackend
+from tandem.cluster.controller_link import ControllerLink
 from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.membership_watcher import MembershipWatcher
 from tandem.router.membership import Membership, PoolTargets, WorkerLifecycle
@@ -49,7 +50,9 @@ def test_kill_9_decode_worker_is_replaced_and_watchers_see_it(ray_session, tiny_
         seen: list[Membership] = []
         try:
             await cluster.start()
-            watcher = MembershipWatcher(cluster.controller, seen.append, poll_timeout_s=2.0)
+            watcher = MembershipWatcher(
+                ControllerLink(cluster.controller), seen.append, poll_timeout_s=2.0
+            )
             watcher.start()
             before = await cluster.membership()
             [decode] = serving(before, "decode")
@@ -106,7 +109,7 @@ def test_scale_drain_and_bad_input(ray_session, tiny_model_dir):
         cluster = LocalCluster(cluster_config(tiny_model_dir))
         try:
             await cluster.start()
-            admin = RayAdminBackend(cluster.controller)
+            admin = RayAdminBackend(ControllerLink(cluster.controller))
             start = await admin.get_pools()
             assert start.targets == PoolTargets(prefill=1, decode=1)
 

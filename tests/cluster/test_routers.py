@@ -9,7 +9,10 @@ import asyncio
 import dataclasses
 import json
 import signal
+import urllib.error
 import urllib.request
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import grpc
 import pytest
@@ -50,6 +53,23 @@ def refusals(metrics_url: str) -> float:
         for name, value in scrape(metrics_url).items()
         if name.startswith("tandem:unauthenticated_requests_total")
     )
+
+
+async def stop_both(router: RouterCommand | None, cluster: LocalCluster) -> None:
+    """The router command by SIGTERM, as Kubernetes stops a router pod (a clean drain
+    and exit 0), then the cluster."""
+    if router is not None:
+        stopped = await asyncio.to_thread(router.stop, 60.0, signal.SIGTERM)
+        assert stopped == 0, router.output
+    await cluster.stop()
+
+
+def run_on_ray(scenario: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    init_ray_with_role_slots()
+    try:
+        asyncio.run(scenario())
+    finally:
+        ray.shutdown()
 
 
 def test_second_router_command_serves_and_follows_a_scale_event(tiny_model_dir, tmp_path,
@@ -115,14 +135,51 @@ def test_second_router_command_serves_and_follows_a_scale_event(tiny_model_dir, 
             assert sum(refusals(w.metrics_url) for w in membership.workers) > before
             await assert_idle(await cluster.controller.wait_at_target.remote(60.0), auth=auth)
         finally:
-            if second is not None:
-                # SIGTERM, as Kubernetes stops a router pod: a clean drain and exit 0.
-                stopped = await asyncio.to_thread(second.stop, 60.0, signal.SIGTERM)
-                assert stopped == 0, second.output
+            await stop_both(second, cluster)
+
+    run_on_ray(scenario)
+
+
+def test_a_router_follows_a_restarted_pool_controller(tiny_model_dir, tmp_path):
+    """`tandem serve` restarted on the same Ray cluster starts a new pool controller
+    under the same name: a `tandem router` started before keeps serving, on the new
+    workers, and its admin API answers from the new controller, with no restart."""
+    prompts = make_prompts(2048, (9, 40, 75), seed=32)
+    expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
+    config = cluster_config(tiny_model_dir)
+
+    def worker_pids(http_endpoint: str) -> set[int]:
+        return {w["pid"] for w in admin_view(http_endpoint)["workers"]}
+
+    def serves_two_workers(http_endpoint: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"{http_endpoint}/health", timeout=10) as reply:
+                return json.loads(reply.read())["workers"] == 2
+        except urllib.error.HTTPError:  # 503 while it has no ready workers
+            return False
+
+    async def scenario() -> None:
+        cluster = LocalCluster(config)
+        router = None
+        try:
+            await cluster.start()
+            router = RouterCommand(cluster.ray_address, tmp_path / "router.log")
+            await asyncio.to_thread(router.wait_ready)
+            assert await generate_tokens(router.grpc_endpoint, prompts, MAX_TOKENS) == expected
             await cluster.stop()
 
-    init_ray_with_role_slots()
-    try:
-        asyncio.run(scenario())
-    finally:
-        ray.shutdown()
+            cluster = LocalCluster(config)
+            await cluster.start()
+            new_pids = {w.pid for w in (await cluster.membership()).workers}
+            # Its admin API answers from the new controller, its own view follows it.
+            assert await asyncio.to_thread(worker_pids, router.http_endpoint) == new_pids
+            await until(
+                lambda: serves_two_workers(router.http_endpoint), 30.0,
+                "the router to serve the new controller's workers",
+            )  # fmt: skip
+            assert await generate_tokens(router.grpc_endpoint, prompts, MAX_TOKENS) == expected
+            await assert_idle(await cluster.membership())
+        finally:
+            await stop_both(router, cluster)
+
+    run_on_ray(scenario)
