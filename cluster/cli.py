@@ -362,13 +362,21 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    from tandem.cluster.pool_commands import ray_auth_env
+
+    if args.ray_address:
+        ray_auth_env()  # before Ray is imported: it reads the auth mode then
     from tandem.cluster.serve import serve
 
     try:
         config = cluster_config_from_args(args)
     except CliError as exc:
         args.serve_parser.error(str(exc))  # usage + message on stderr, exit status 2
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except ConnectionError as exc:  # Ray's answer when it cannot join --ray-address
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
