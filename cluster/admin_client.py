@@ -136,6 +136,16 @@ class RayAdminClient:
 
         return ray.get_runtime_context().get_node_id()
 
+    @staticmethod
+    def resolve_node(prefix: str) -> str:
+        """The alive Ray node whose id starts with `prefix`; AdminRefused unless one does."""
+        from tandem.cluster.ray_nodes import resolve_node_id
+
+        try:
+            return resolve_node_id(prefix)
+        except ValueError as exc:
+            raise AdminRefused(str(exc)) from None
+
     def _get(self, ref: Any) -> Membership:
         import ray
 

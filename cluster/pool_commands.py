@@ -64,7 +64,8 @@ def add_pool_commands(commands: argparse._SubParsersAction) -> None:
     )
     which.add_argument(
         "--node", type=non_empty, default=None,
-        help="a Ray node id: drain its workers and keep new ones off it (with --ray-address)",
+        help="a Ray node id, or its start as `tandem pools` shows it: drain its workers and "
+        "keep new ones off it (with --ray-address)",
     )  # fmt: skip
     which.add_argument(
         "--this-node", action="store_true",
@@ -193,7 +194,7 @@ def _run_drain(args: argparse.Namespace) -> int:
         if args.worker is not None:
             view = client.drain(args.worker)
         else:
-            node = node or client.this_node()
+            node = client.resolve_node(node) if node else client.this_node()
             view = client.drain_node(node, args.timeout)
         drained.extend(w["id"] for w in still_running(view, args.worker, node))
         return view

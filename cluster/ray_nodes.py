@@ -26,6 +26,16 @@ DRAIN_MESSAGE = "Tandem: this node's workers are moving off it"
 HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 
+def resolve_node_id(prefix: str) -> str:
+    """The alive Ray node whose id starts with `prefix` (`tandem pools` shows 12
+    characters); ValueError when none or several do."""
+    found = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"].startswith(prefix)]
+    if len(found) != 1:
+        what = "no alive Ray node" if not found else f"{len(found)} alive Ray nodes"
+        raise ValueError(f"node: {what} with an id starting {prefix[:64]!r}")
+    return found[0]
+
+
 def check_drainable(node_id: str) -> None:
     """ValueError unless `node_id` is an alive Ray node other than the head and the
     caller's own."""

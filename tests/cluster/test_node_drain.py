@@ -121,10 +121,12 @@ def test_drain_this_node_moves_its_worker_and_loses_no_stream(ray_nodes, tiny_mo
             )
             ray_cluster.wait_for_nodes(timeout=NODES_TIMEOUT_S)
 
-            # Refused (exit 2), nothing changes: a node not in the cluster; the head,
-            # which is where `--this-node` finds this driver.
+            # Refused (exit 2), nothing changes: a node not in the cluster; the head, by
+            # the start of its id (as `tandem pools` shows it) or as `--this-node` (this
+            # driver's node).
             for argv, reason in (
-                (["--node", "ab" * 28], "no alive Ray node"),
+                (["--node", "ab" * 28], "no alive Ray node with an id starting 'abab"),
+                (["--node", head[:12]], f"node: {head} is the Ray head node"),
                 (["--this-node"], f"node: {head} is the Ray head node"),
             ):
                 assert await asyncio.to_thread(drain, *argv, "--ray-address", address) == 2
