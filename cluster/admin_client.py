@@ -48,7 +48,8 @@ def membership_json(membership: Membership) -> PoolsView:
         for w in membership.workers
     ]
     targets = membership.targets
-    view: PoolsView = {"workers": workers, "targets": {}}
+    view: PoolsView = {"workers": workers, "targets": {}, "version": membership.version,
+                       "owner": membership.owner}  # fmt: skip
     if targets is not None:
         view["targets"] = {"prefill": targets.prefill, "decode": targets.decode}
     return view

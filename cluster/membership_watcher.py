@@ -54,10 +54,11 @@ class MembershipWatcher:
 
     async def _follow(self) -> None:
         following = self.link.handle
+        gone_logged = False  # said once while no controller answers, not every retry
         while True:
             if self.link.handle != following:  # renewed, here or by the admin backend
                 logger.warning("membership: a new pool controller; following it")
-                following, self.version = self.link.handle, 0
+                following, self.version, gone_logged = self.link.handle, 0, False
             try:
                 # The controller answers by poll_timeout_s; the margin covers Ray's own hops.
                 membership: Membership = await asyncio.wait_for(
@@ -66,7 +67,13 @@ class MembershipWatcher:
                 )
             except ray.exceptions.RayActorError as exc:
                 if self.link.handle == following and not await self.link.renew():
-                    logger.warning("membership: the pool controller is gone (%s); retrying", exc)
+                    if not gone_logged:
+                        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+                        logger.warning(
+                            "membership: the pool controller is gone (%s); looking for a new "
+                            "one every %g s", reason, self.retry_s,
+                        )  # fmt: skip
+                        gone_logged = True
                     await asyncio.sleep(self.retry_s)
                 continue
             except (TimeoutError, ray.exceptions.RayError) as exc:

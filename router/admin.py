@@ -20,6 +20,8 @@ from tandem.router.errors import InvalidRequest, RouterError
 from tandem.router.membership import AdminBackend, Membership, PoolTargets, WorkerInfo
 
 ROLES = ("prefill", "decode")
+# Longer than any worker id the pool controller gives ("<role>-<n>").
+MAX_WORKER_ID_CHARS = 128
 
 
 class AdminUnavailable(RouterError):
@@ -114,6 +116,12 @@ class PoolsAdmin:
     async def drain(self, worker_id: Any) -> Membership:
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidRequest("worker_id must be a non-empty string", param="worker_id")
+        if len(worker_id) > MAX_WORKER_ID_CHARS:  # not echoed: the reply stays short
+            raise InvalidRequest(
+                f"worker_id has {len(worker_id)} characters; worker ids are like 'decode-3' "
+                "(see GET /admin/pools)",
+                param="worker_id",
+            )
         owner = self._owner()
         try:
             return await owner.drain(worker_id)
@@ -143,6 +151,8 @@ class PoolsAdmin:
             if targets is not None
             else None,
             "version": membership.version,
+            # Whose versions they are: a restarted pool controller counts from 1 again.
+            "owner": membership.owner,
         } | self._planner_json()
 
     def _planner_json(self) -> dict[str, Any]:

@@ -148,9 +148,6 @@ def test_a_router_follows_a_restarted_pool_controller(tiny_model_dir, tmp_path):
     expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
     config = cluster_config(tiny_model_dir)
 
-    def worker_pids(http_endpoint: str) -> set[int]:
-        return {w["pid"] for w in admin_view(http_endpoint)["workers"]}
-
     def serves_two_workers(http_endpoint: str) -> bool:
         try:
             with urllib.request.urlopen(f"{http_endpoint}/health", timeout=10) as reply:
@@ -166,13 +163,17 @@ def test_a_router_follows_a_restarted_pool_controller(tiny_model_dir, tmp_path):
             router = RouterCommand(cluster.ray_address, tmp_path / "router.log")
             await asyncio.to_thread(router.wait_ready)
             assert await generate_tokens(router.grpc_endpoint, prompts, MAX_TOKENS) == expected
+            first_owner = (await asyncio.to_thread(admin_view, router.http_endpoint))["owner"]
             await cluster.stop()
 
             cluster = LocalCluster(config)
             await cluster.start()
             new_pids = {w.pid for w in (await cluster.membership()).workers}
-            # Its admin API answers from the new controller, its own view follows it.
-            assert await asyncio.to_thread(worker_pids, router.http_endpoint) == new_pids
+            # Its admin API answers from the new controller (another owner), its own view
+            # follows it.
+            view = await asyncio.to_thread(admin_view, router.http_endpoint)
+            assert {w["pid"] for w in view["workers"]} == new_pids
+            assert view["owner"] not in ("", first_owner)
             await until(
                 lambda: serves_two_workers(router.http_endpoint), 30.0,
                 "the router to serve the new controller's workers",

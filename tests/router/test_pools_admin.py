@@ -139,6 +139,10 @@ def test_admin_errors_over_grpc_and_auth(pools):
     assert status == 401
     status, reply = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": "nope"}))
     assert status == 400 and reply["error"]["param"] == "worker_id"
+    # A huge id is refused without being echoed back.
+    status, reply = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": "x" * 10_000}))
+    assert status == 400 and reply["error"]["param"] == "worker_id"
+    assert len(reply["error"]["message"]) < 200
 
 
 def test_scale_up_then_down_under_load_fails_nothing(pools):
