@@ -74,7 +74,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
             raise
 
     def _response(self, membership: Membership) -> admin_pb.PoolsResponse:
-        reply = admin_pb.PoolsResponse(version=membership.version)
+        reply = admin_pb.PoolsResponse(version=membership.version, owner=membership.owner)
         for worker in membership.workers:
             fields = self.admin.worker_json(worker)
             reply.workers.append(admin_pb.Worker(**fields))

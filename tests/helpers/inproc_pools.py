@@ -15,6 +15,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import uuid
 from collections.abc import Coroutine
 from typing import Any
 
@@ -46,6 +47,7 @@ class InprocPools:
         self.infos: dict[str, WorkerInfo] = {}
         self.servers: dict[str, PrefillWorker | DecodeWorker] = {}
         self.version = 0
+        self.owner = uuid.uuid4().hex
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -101,7 +103,7 @@ class InprocPools:
             await asyncio.sleep(0.05)
 
     def snapshot(self) -> Membership:
-        return Membership(self.version, list(self.infos.values()), self.targets)
+        return Membership(self.version, list(self.infos.values()), self.targets, owner=self.owner)
 
     # ----- AdminBackend -------------------------------------------------------------
 

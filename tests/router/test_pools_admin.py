@@ -77,6 +77,7 @@ def test_get_pools_lists_workers_and_targets(pools):
 
     reply = pools.run(grpc_pools())
     assert {w.id for w in reply.workers} == {w["id"] for w in body["workers"]}
+    assert (reply.version, reply.owner) == (body["version"], body["owner"])
     assert (reply.targets.prefill, reply.targets.decode) == (1, 1)
 
 

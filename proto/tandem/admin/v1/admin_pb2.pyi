@@ -57,11 +57,13 @@ class Worker(_message.Message):
     def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., metrics_url: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...
 
 class PoolsResponse(_message.Message):
-    __slots__ = ("workers", "targets", "version")
+    __slots__ = ("workers", "targets", "version", "owner")
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     targets: PoolTargets
     version: int
-    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., targets: _Optional[_Union[PoolTargets, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+    owner: str
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., targets: _Optional[_Union[PoolTargets, _Mapping]] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
