@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench.harness import session_pids
+from tandem.bench.harness import free_port, session_pids
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.prompts import make_prompts
@@ -26,12 +25,6 @@ from tests.helpers.tandem_command import TandemCommand
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 MAX_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class RayHead:

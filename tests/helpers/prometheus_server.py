@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -20,11 +19,7 @@ from typing import Any
 
 import yaml
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tandem.bench.harness import free_port
 
 
 class PrometheusServer:
@@ -33,7 +28,7 @@ class PrometheusServer:
 
     def __init__(self, workdir: Path, job_names: list[str], rule_files: list[Path]) -> None:
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen[bytes] | None = None
         scrape_configs = [
