@@ -44,6 +44,7 @@ def membership_json(membership: Membership) -> PoolsView:
             "running": w.running,
             "waiting": w.waiting,
             "kv_usage": w.kv_usage,
+            "being_replaced": w.being_replaced,
         }
         for w in membership.workers
     ]
@@ -191,7 +192,9 @@ def format_table(view: PoolsView) -> str:
     columns = ("id", "role", "state", "node", "pid", "endpoint", "running", "waiting", "kv_usage")
     rows: list[tuple[str, ...]] = [columns]
     for w in sorted(view["workers"], key=lambda w: (w["role"], w["id"])):
-        row = dict(w, node=str(w.get("node", ""))[:12], kv_usage=f"{w.get('kv_usage', 0):.0%}")
+        state = w["state"] + (" (being replaced)" if w.get("being_replaced") else "")
+        row = dict(w, state=state, node=str(w.get("node", ""))[:12],
+                   kv_usage=f"{w.get('kv_usage', 0):.0%}")  # fmt: skip
         rows.append(tuple(str(row.get(c, "")) for c in columns))
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(r, widths, strict=True)).rstrip()

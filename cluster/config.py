@@ -47,6 +47,12 @@ class PoolsConfig:
     # Shortest drain: routers learn of a drain through their watchers, so an idle
     # worker still gets this long for requests placed just before they did.
     drain_min_s: float = 2.0
+    # How long a worker asked to drain (`tandem drain`, its node going) serves on while
+    # its replacement starts, where the cluster has room for one more: it drains once the
+    # replacement serves or after this long (a node's drain waits at most half its
+    # deadline). 0: it drains at once, and its role is a worker short until the
+    # replacement serves.
+    replace_wait_s: float = 120.0
     # How long a dead worker stays listed (state `dead`) after it was found dead.
     dead_retention_s: float = 30.0
     # Port of the pool controller's Prometheus /metrics endpoint; 0 picks a free one.
@@ -73,6 +79,8 @@ class PoolsConfig:
             raise ValueError(
                 f"pools.drain_min_s must be in [0, drain_timeout_s], got {self.drain_min_s}"
             )
+        if self.replace_wait_s < 0:
+            raise ValueError(f"pools.replace_wait_s must be >= 0, got {self.replace_wait_s}")
         if self.dead_retention_s < 0:
             raise ValueError(f"pools.dead_retention_s must be >= 0, got {self.dead_retention_s}")
         if self.max_health_failures < 1:

@@ -4,14 +4,17 @@ It keeps each role at its target size: starts every worker as a `WorkerActor` th
 asks for the role's Ray resource (so an autoscaler can add a node for a pending
 worker), probes each worker every `health_interval_s`, replaces a dead one, and on a
 scale-down drains a worker (routers stop placing on it, its requests finish, its
-blocks come back) before stopping it; `drain_node()` does so for every worker on a Ray
-node that is about to go. Routers follow the changes through `watch()` (see
-`cluster.membership_watcher`); admin calls arrive through `scale()` / `drain()` (see
-`cluster.admin_backend`) and `tandem drain`. Bookkeeping and decisions live in `PoolState`.
+blocks come back) before stopping it. A drain asked for (`drain()`, or `drain_node()`
+for every worker on a Ray node about to go) replaces the worker: where the cluster has
+room for one more, the worker serves on until its replacement does (make before break:
+a role's only worker leaves no gap), at most `replace_wait_s`; else it drains at once.
+Routers follow the changes through `watch()` (see `cluster.membership_watcher`); admin
+calls arrive through `scale()` / `drain()` (see `cluster.admin_backend`) and `tandem
+drain`. Bookkeeping and decisions live in `PoolState`.
 
-Worker lifecycle: starting -> serving -> draining -> (stopped, gone); any of them ->
-dead (process exited, node lost, probes failed) -> listed for `dead_retention_s`,
-then gone; a dead starting or serving worker is replaced at once.
+Worker lifecycle: starting -> serving (-> being replaced) -> draining -> (stopped,
+gone); any of them -> dead (process exited, node lost, probes failed) -> listed for
+`dead_retention_s`, then gone; a dead starting or serving worker is replaced at once.
 """
 
 from __future__ import annotations
@@ -147,21 +150,23 @@ class PoolController:
         return self.state.membership()
 
     async def drain(self, worker_id: str) -> Membership:
-        """Drain one serving worker and start a replacement (the target stays)."""
+        """Replace one serving worker (the target stays): it drains once its replacement
+        serves, or at once where the cluster has no room for one more."""
         self.state.drain_target(worker_id)
-        self.state.update(worker_id, time.monotonic(), state=WorkerLifecycle.DRAINING)
-        logger.info("pools: draining %s on request", worker_id)
+        self._replace([worker_id], self.config.pools.replace_wait_s, "on request")
         self._reconcile_now()
         return self.state.membership()
 
     async def drain_node(self, node_id: str, deadline_s: float) -> Membership:
         """Move every worker off a Ray node that goes within `deadline_s` (a pod
-        stopping): Ray places nothing new there, its serving workers drain and are
-        replaced elsewhere, and one that comes up there later drains at once."""
+        stopping): Ray places nothing new there, its serving workers are replaced
+        elsewhere (waiting for the replacements at most half the deadline, so that their
+        requests have the other half to finish), and one that comes up there later
+        drains at once."""
         check_drainable(node_id)
         keep_new_actors_off(node_id, deadline_s)
-        for worker_id in self.state.drain_node(node_id, time.monotonic()):
-            logger.info("pools: draining %s (its node %s is going)", worker_id, node_id)
+        wait_s = min(self.config.pools.replace_wait_s, deadline_s / 2)
+        self._replace(self.state.drain_node(node_id), wait_s, f"its node {node_id} is going")
         self._reconcile_now()
         return self.state.membership()
 
@@ -184,6 +189,36 @@ class PoolController:
     async def get_config(self) -> ClusterConfig:
         return self.config
 
+    def _replace(self, worker_ids: list[str], wait_s: float, why: str) -> None:
+        """Have serving workers replaced: each serves on until its replacement does (at
+        most `wait_s`) while Ray has room for one more worker of its role (or an
+        autoscaler can add a node), else it drains at once."""
+        now_s = time.monotonic()
+        free = None if self.config.ray.autoscaling else ray.available_resources()
+        for worker_id in worker_ids:
+            role = self.state.records[worker_id].role
+            needs = self._worker_resources(role)
+            room = free is None or all(free.get(name, 0.0) >= n for name, n in needs.items())
+            if wait_s > 0 and room:
+                for name, n in needs.items():
+                    if free is not None:
+                        free[name] -= n
+                self.state.replace(worker_id, now_s, wait_s)
+                logger.info("pools: replacing %s (%s): it serves until a new %s worker does, "
+                            "%g s at most", worker_id, why, role.value, wait_s)  # fmt: skip
+            else:
+                self.state.update(worker_id, now_s, state=WorkerLifecycle.DRAINING)
+                logger.info("pools: draining %s (%s)", worker_id, why)
+
+    def _worker_resources(self, role: WorkerRole) -> dict[str, float]:
+        """The Ray resources one worker of `role` asks for."""
+        needs = {"CPU": 1.0}
+        if self.config.use_gpu:
+            needs["GPU"] = self.config.ray.gpus_per_worker
+        if self._role_resources:
+            needs[role_resource(role)] = 1.0
+        return needs
+
     # -- reconcile loop ------------------------------------------------------------------
 
     def _reconcile_now(self) -> None:
@@ -203,8 +238,8 @@ class PoolController:
             await asyncio.sleep(interval_s)
 
     def _apply_plan(self) -> None:
-        plan = self.state.plan()
         now_s = time.monotonic()
+        plan = self.state.plan(now_s)
         for worker_id in plan.cancel:
             logger.info("pools: cancelling start of %s (target went down)", worker_id)
             start = self._starts.pop(worker_id, None)
@@ -214,21 +249,26 @@ class PoolController:
         for worker_id in plan.drain:
             logger.info("pools: draining %s (scale down)", worker_id)
             self.state.update(worker_id, now_s, state=WorkerLifecycle.DRAINING)
+        for worker_id in plan.replaced:
+            logger.info("pools: draining %s (replaced, or its wait for a replacement ran out)",
+                        worker_id)  # fmt: skip
+            self.state.update(worker_id, now_s, state=WorkerLifecycle.DRAINING)
         for role in plan.start:
             self._start_worker(role, now_s)
         self._publish()
 
     def _start_worker(self, role: WorkerRole, now_s: float) -> None:
-        config, ray_config = self.config, self.config.ray
+        config = self.config
         worker_id = self.state.new_worker_id(role)
         engine = dataclasses.replace(config.engine, mode=role.engine_mode,
                                      num_threads=self.num_threads)  # fmt: skip
         worker_config = WorkerConfig(worker_id, role, engine, settings=config.worker)
-        options: dict = {"num_cpus": 1, "max_restarts": 0}
-        if config.use_gpu:
-            options["num_gpus"] = ray_config.gpus_per_worker
-        if self._role_resources:
-            options["resources"] = {role_resource(role): 1}
+        needs = self._worker_resources(role)
+        options: dict = {"num_cpus": needs.pop("CPU"), "max_restarts": 0}
+        if "GPU" in needs:
+            options["num_gpus"] = needs.pop("GPU")
+        if needs:
+            options["resources"] = needs
         env = self.worker_env.get(role)
         if env:
             options["runtime_env"] = {"env_vars": env}

@@ -10,6 +10,9 @@ Rules:
 - a role has `live` workers (starting + serving); fewer than the target: start more;
   more: the surplus goes (a starting one is stopped at once, else the least loaded
   serving one drains). Draining and dead workers never count towards a target.
+- a worker being replaced (a drain asked while the cluster had room for one more)
+  serves on but no longer counts, so a replacement starts; it drains once new workers
+  fill the target without it, or when its wait runs out.
 - a target change replaces the previous one whole (the last scale call wins).
 """
 
@@ -58,6 +61,9 @@ class WorkerRecord:
     since_s: float = 0.0
     health_failures: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    # Set while it is being replaced: the monotonic time it drains at even when no
+    # replacement serves by then.
+    replace_by_s: float | None = None
 
     @property
     def worker_id(self) -> str:
@@ -82,6 +88,9 @@ class Plan:
     cancel: list[str] = field(default_factory=list)
     # Serving workers to move to draining.
     drain: list[str] = field(default_factory=list)
+    # Workers being replaced to move to draining now: new ones fill the target without
+    # them, or their wait ran out.
+    replaced: list[str] = field(default_factory=list)
 
 
 class PoolState:
@@ -129,15 +138,26 @@ class PoolState:
         return sum(r.role is role and r.state in states for r in self.records.values())
 
     def live(self, role: WorkerRole) -> list[WorkerRecord]:
-        """Starting and serving workers of `role` (what counts towards its target)."""
+        """Starting and serving workers of `role` that count towards its target (one
+        being replaced does not: its replacement does)."""
         live_states = (WorkerLifecycle.STARTING, WorkerLifecycle.SERVING)
-        return [r for r in self.records.values() if r.role is role and r.state in live_states]
+        return [
+            r
+            for r in self.records.values()
+            if r.role is role and r.state in live_states and r.replace_by_s is None
+        ]
+
+    def being_replaced(self, role: WorkerRole) -> list[WorkerRecord]:
+        return [r for r in self.records.values() if r.role is role and r.replace_by_s is not None]
 
     def at_target(self) -> bool:
-        """Every role has exactly its target serving, and nothing starting or draining."""
+        """Every role has exactly its target serving, and nothing starting, draining or
+        being replaced."""
         busy = (WorkerLifecycle.STARTING, WorkerLifecycle.DRAINING)
         return all(
-            self.count(role, WorkerLifecycle.SERVING) == target and self.count(role, *busy) == 0
+            self.count(role, WorkerLifecycle.SERVING) == target
+            and self.count(role, *busy) == 0
+            and not self.being_replaced(role)
             for role, target in self.targets.items()
         )
 
@@ -178,12 +198,23 @@ class PoolState:
         self.bump()
 
     def update(self, worker_id: str, now_s: float, **changes: Any) -> None:
-        """Change a worker's public info (state, endpoint, ...); bumps the version."""
+        """Change a worker's public info (state, endpoint, ...); bumps the version. A new
+        state ends a replacement (the worker drains, or died)."""
         record = self.records[worker_id]
-        record.info = replace(record.info, **changes)
         if "state" in changes:
+            changes["being_replaced"] = False
+            record.replace_by_s = None
             record.since_s = now_s
             record.health_failures = 0
+        record.info = replace(record.info, **changes)
+        self.bump()
+
+    def replace(self, worker_id: str, now_s: float, wait_s: float) -> None:
+        """Keep a serving worker serving while `plan()` starts its replacement; it drains
+        once new workers fill its role's target without it, or at now_s + wait_s."""
+        record = self.records[worker_id]
+        record.replace_by_s = now_s + wait_s
+        record.info = replace(record.info, being_replaced=True)
         self.bump()
 
     def came_up(self, worker_id: str, now_s: float, **placement: Any) -> WorkerLifecycle:
@@ -194,15 +225,16 @@ class PoolState:
         self.update(worker_id, now_s, state=state, **placement)
         return state
 
-    def drain_node(self, node: str, now_s: float) -> list[str]:
-        """Drain the serving workers on `node`, and any that come up there later; the
-        ids drained now."""
+    def drain_node(self, node: str) -> list[str]:
+        """Mark `node` as going (a worker that comes up there drains at once); the ids of
+        the serving workers on it now, not yet being replaced, for the caller to drain or
+        replace."""
         self.draining_nodes.add(node)
-        on_node = [r.worker_id for r in self.records.values()
-                   if r.info.node == node and r.state is WorkerLifecycle.SERVING]  # fmt: skip
-        for worker_id in on_node:
-            self.update(worker_id, now_s, state=WorkerLifecycle.DRAINING)
-        return on_node
+        return [
+            r.worker_id
+            for r in self.records.values()
+            if r.info.node == node and r.state is WorkerLifecycle.SERVING and r.replace_by_s is None
+        ]
 
     def mark_dead(self, worker_id: str, now_s: float) -> bool:
         """A worker found dead; True when it was serving or starting (so it counts as
@@ -210,7 +242,11 @@ class PoolState:
         record = self.records[worker_id]
         if record.state is WorkerLifecycle.DEAD:
             return False
-        replaced = record.state in (WorkerLifecycle.STARTING, WorkerLifecycle.SERVING)
+        # One being replaced has its replacement under way already.
+        replaced = (
+            record.state in (WorkerLifecycle.STARTING, WorkerLifecycle.SERVING)
+            and record.replace_by_s is None
+        )
         self.update(worker_id, now_s, state=WorkerLifecycle.DEAD)
         if replaced:
             self.restarts[record.role] = self.restarts.get(record.role, 0) + 1
@@ -237,16 +273,23 @@ class PoolState:
             raise RuntimeError(
                 f"worker_id: {worker_id} is {record.state.value}; only a serving worker drains"
             )
+        if record.replace_by_s is not None:
+            raise RuntimeError(
+                f"worker_id: {worker_id} is being replaced already (it drains once its "
+                "replacement serves)"
+            )
         return record
 
     def bump(self) -> None:
         self.version += 1
 
-    def plan(self) -> Plan:
-        """Start, cancel or drain so that each role's live count meets its target."""
+    def plan(self, now_s: float) -> Plan:
+        """Start, cancel or drain so that each role's live count meets its target, and
+        drain the workers being replaced that the target no longer needs."""
         plan = Plan()
         for role, target in self.targets.items():
             live = self.live(role)
+            plan.replaced.extend(self._replacements_done(role, target, live, now_s))
             if len(live) < target:
                 plan.start.extend([role] * (target - len(live)))
                 continue
@@ -262,3 +305,17 @@ class PoolState:
             )
             plan.drain.extend(r.worker_id for r in by_load[:surplus])
         return plan
+
+    def _replacements_done(
+        self, role: WorkerRole, target: int, live: list[WorkerRecord], now_s: float
+    ) -> list[str]:
+        """The workers of `role` being replaced that drain now: those whose wait ran out,
+        and those that new serving workers make unneeded for the target (the least
+        loaded first: the busiest keep serving until the last replacement does)."""
+        replaced = self.being_replaced(role)
+        overdue = [r for r in replaced if r.replace_by_s is not None and now_s >= r.replace_by_s]
+        waiting = [r for r in replaced if r not in overdue]
+        new_serving = sum(r.state is WorkerLifecycle.SERVING for r in live)
+        unneeded = max(0, len(waiting) - max(0, target - new_serving))
+        by_load = sorted(waiting, key=lambda r: r.load.num_running + r.load.num_waiting)
+        return [r.worker_id for r in overdue + by_load[:unneeded]]

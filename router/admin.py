@@ -141,6 +141,7 @@ class PoolsAdmin:
             "running": load.running,
             "waiting": load.waiting,
             "kv_usage": load.kv_usage,
+            "being_replaced": worker.being_replaced,
         }
 
     def to_json(self, membership: Membership) -> dict[str, Any]:

@@ -50,6 +50,9 @@ class WorkerInfo:
     waiting: int = 0
     # Fraction of the worker's KV blocks in use, 0..1.
     kv_usage: float = 0.0
+    # A serving worker asked to drain (`tandem drain`, its node going) while the cluster
+    # had room for one more: it serves on until a new worker of its role does, then drains.
+    being_replaced: bool = False
 
 
 @dataclass(frozen=True)

@@ -139,11 +139,14 @@ def test_scale_drain_and_bad_input(ray_session, tiny_model_dir):
             assert len(serving(up, "decode")) == 2 and len(serving(up, "prefill")) == 1
             assert len({w.pid for w in up.workers}) == 3
 
-            # Drain one worker by name: a replacement starts, the drained one stops idle.
+            # Drain one worker by name: it serves on while a replacement starts (Ray has
+            # room for one more), then drains and stops idle.
             [first, second] = serving(up, "decode")
             drained = await admin.drain(first.worker_id)
-            state = {w.worker_id: w.state for w in drained.workers}
-            assert state[first.worker_id] is WorkerLifecycle.DRAINING
+            [named] = [w for w in drained.workers if w.worker_id == first.worker_id]
+            assert (named.state, named.being_replaced) == (WorkerLifecycle.SERVING, True)
+            with pytest.raises(RuntimeError, match="is being replaced already"):
+                await admin.drain(first.worker_id)
             after = await cluster.controller.wait_at_target.remote(120.0)
             ids = {w.worker_id for w in serving(after, "decode")}
             assert first.worker_id not in ids and second.worker_id in ids and len(ids) == 2

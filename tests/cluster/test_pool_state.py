@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
+from tandem.cluster.pool_state import Plan, PoolState, WorkerLoad, WorkerRecord
 from tandem.router.membership import PoolTargets, WorkerInfo, WorkerLifecycle
 from tandem.worker.config import WorkerRole
 
@@ -23,14 +23,14 @@ def state_with(workers: list[tuple[WorkerRole, WorkerLifecycle]], prefill=1, dec
 
 def test_plan_starts_what_is_missing():
     state = state_with([(P, S.SERVING)], prefill=1, decode=2)
-    assert state.plan().start == [D, D]
+    assert state.plan(0.0).start == [D, D]
     assert not state.at_target()
 
 
 def test_plan_drains_least_loaded_serving_and_cancels_starting_first():
     state = state_with([(D, S.SERVING), (D, S.SERVING), (D, S.STARTING), (P, S.SERVING)])
     state.records["decode-0"].load = WorkerLoad(num_running=3, num_blocks=8, num_free_blocks=2)
-    plan = state.plan()
+    plan = state.plan(0.0)
     assert plan.cancel == ["decode-2"]
     assert plan.drain == ["decode-1"]
     assert plan.start == []
@@ -38,7 +38,7 @@ def test_plan_drains_least_loaded_serving_and_cancels_starting_first():
 
 def test_draining_and_dead_do_not_count_towards_targets():
     state = state_with([(P, S.SERVING), (D, S.DRAINING), (D, S.DEAD)])
-    assert state.plan().start == [D]
+    assert state.plan(0.0).start == [D]
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_last_target_wins_whole():
     state.set_targets(state.check_targets(PoolTargets(prefill=1, decode=2)))
     assert state.targets == {P: 1, D: 2}
     assert state.membership().targets == PoolTargets(prefill=1, decode=2)
-    assert state.plan().start == [D]
+    assert state.plan(0.0).start == [D]
 
 
 def test_drain_of_unknown_or_not_serving_worker_is_refused():
@@ -102,23 +102,80 @@ def test_membership_carries_load_without_a_version_change():
     assert state.version == version
 
 
-def test_a_draining_node_drains_its_serving_workers_and_any_that_come_up_there():
+def test_a_draining_node_names_its_serving_workers_and_drains_any_that_come_up_there():
     state = state_with([(P, S.SERVING), (D, S.SERVING), (D, S.STARTING), (D, S.SERVING)],
                        decode=3)  # fmt: skip
     for worker_id, node in (("prefill-0", "n1"), ("decode-0", "n2"), ("decode-2", "n2")):
         state.update(worker_id, 0.0, node=node)
     version = state.version
-    assert state.drain_node("n2", 5.0) == ["decode-0", "decode-2"]
+    # The caller drains or replaces the ones named (the controller decides which).
+    assert state.drain_node("n2") == ["decode-0", "decode-2"]
+    state.update("decode-0", 5.0, state=S.DRAINING)
+    state.replace("decode-2", 5.0, wait_s=30.0)
     assert state.version > version
-    assert [state.records[w].state for w in ("decode-0", "decode-2")] == [S.DRAINING] * 2
     assert state.records["prefill-0"].state is S.SERVING
-    assert state.plan().start == [D, D]
+    assert state.plan(6.0).start == [D, D]
     # decode-1 was placed on n2 before its drain: it drains as soon as it is up.
     assert state.came_up("decode-1", 6.0, node="n2", endpoint="h:1", pid=7) is S.DRAINING
     info = state.records["decode-1"].info
     assert (info.state, info.endpoint, info.pid) == (S.DRAINING, "h:1", 7)
-    assert state.plan().start == [D, D, D]
-    # Elsewhere a worker serves.
+    assert state.plan(7.0).start == [D, D, D]
+    # Elsewhere a worker serves; a worker being replaced is not named again.
     state.add(WorkerRecord(info=WorkerInfo(worker_id="decode-3", role=D, state=S.STARTING)))
     assert state.came_up("decode-3", 7.0, node="n3", endpoint="h:2", pid=8) is S.SERVING
-    assert state.drain_node("n3", 8.0) == ["decode-3"]
+    assert state.drain_node("n3") == ["decode-3"]
+    assert state.drain_node("n2") == []
+
+
+def test_a_worker_being_replaced_serves_until_its_replacement_does():
+    state = state_with([(P, S.SERVING), (D, S.SERVING)])
+    state.replace("decode-0", 10.0, wait_s=60.0)
+    decode = {w.worker_id: w for w in state.membership().workers}["decode-0"]
+    assert (decode.state, decode.being_replaced) == (S.SERVING, True)
+    plan = state.plan(11.0)
+    assert (plan.start, plan.replaced, plan.drain) == ([D], [], [])
+    assert not state.at_target()
+    state.add(WorkerRecord(info=WorkerInfo(worker_id="decode-1", role=D, state=S.STARTING)))
+    assert state.plan(12.0) == Plan()  # the replacement loads; decode-0 serves on
+    with pytest.raises(RuntimeError, match="worker_id: decode-0 is being replaced already"):
+        state.drain_target("decode-0")
+    assert state.came_up("decode-1", 20.0, node="n1", endpoint="h:1", pid=7) is S.SERVING
+    assert state.plan(20.0).replaced == ["decode-0"]
+    state.update("decode-0", 20.0, state=S.DRAINING)
+    decode = {w.worker_id: w for w in state.membership().workers}["decode-0"]
+    assert (decode.state, decode.being_replaced) == (S.DRAINING, False)
+    assert state.records["decode-0"].replace_by_s is None
+    assert state.plan(21.0) == Plan()
+
+
+def test_a_worker_being_replaced_drains_when_its_wait_runs_out():
+    state = state_with([(P, S.SERVING), (D, S.SERVING), (D, S.STARTING)])
+    state.replace("decode-0", 10.0, wait_s=30.0)
+    assert state.plan(39.9).replaced == []
+    assert state.plan(40.0).replaced == ["decode-0"]
+
+
+def test_of_workers_being_replaced_the_busiest_serve_until_the_last_replacement_does():
+    state = state_with([(P, S.SERVING), (D, S.SERVING), (D, S.SERVING), (D, S.SERVING)],
+                       decode=3)  # fmt: skip
+    state.records["decode-0"].load = WorkerLoad(num_running=5)
+    state.records["decode-1"].load = WorkerLoad(num_running=1)
+    state.replace("decode-0", 0.0, wait_s=60.0)
+    state.replace("decode-1", 0.0, wait_s=60.0)
+    assert state.plan(1.0).start == [D, D]
+    state.add(WorkerRecord(info=WorkerInfo(worker_id="decode-3", role=D, state=S.SERVING)))
+    assert state.plan(2.0).replaced == ["decode-1"]  # the least loaded goes first
+    # The target drops to 1: both being replaced drain, and one of the two others, as in
+    # any scale-down.
+    state.set_targets({P: 1, D: 1})
+    plan = state.plan(3.0)
+    assert sorted(plan.replaced) == ["decode-0", "decode-1"]
+    assert len(plan.drain) == 1 and plan.drain[0] in ("decode-2", "decode-3")
+
+
+def test_a_worker_being_replaced_that_dies_is_not_a_restart():
+    state = state_with([(P, S.SERVING), (D, S.SERVING)])
+    state.replace("decode-0", 0.0, wait_s=60.0)
+    assert not state.mark_dead("decode-0", now_s=1.0)
+    assert state.restarts[D] == 0
+    assert state.plan(2.0).start == [D]  # still one replacement, not two

@@ -323,6 +323,44 @@ def test_scale_down_under_load_then_up(ray_session, tiny_model_dir, prompts, exp
     asyncio.run(scenario())
 
 
+def test_draining_the_only_decode_worker_under_load_fails_no_request(
+    ray_session, tiny_model_dir, prompts, expected
+):
+    """1P + 1D under load, the decode worker drained by name: it serves on until its
+    replacement does, then drains (make before break), so with no other decode worker
+    every request still completes with the right text; the drained worker stops idle."""
+
+    async def scenario() -> None:
+        cluster = LocalCluster(config_for(tiny_model_dir, 1, 1))
+        try:
+            await cluster.start()
+            load = Load(cluster.router.grpc_endpoint, prompts, expected, MAX_TOKENS, 4)
+            load.start()
+            await until(lambda: load.done >= 4, 60.0, "requests under load")
+            [old] = serving(await cluster.membership(), "decode")
+            asked = await cluster.controller.drain.remote(old.worker_id)
+            [named] = [w for w in asked.workers if w.worker_id == old.worker_id]
+            assert (named.state, named.being_replaced) == (WorkerLifecycle.SERVING, True)
+            done_at_drain = load.done
+            final = await cluster.controller.wait_at_target.remote(120.0)
+            await until(lambda: load.done >= done_at_drain + 8, 60.0, "requests after it")
+            await load.stop()
+            assert load.errors == [], load.errors[:5]
+            assert load.wrong == []
+            [new] = serving(final, "decode")
+            assert new.worker_id != old.worker_id
+            loads = await cluster.controller.drained_loads.remote()
+            assert list(loads) == [old.worker_id]
+            assert loads[old.worker_id].is_idle
+            assert loads[old.worker_id].num_free_blocks == loads[old.worker_id].num_blocks
+            assert (await cluster.controller.restarts.remote()) == {"prefill": 0, "decode": 0}
+            await assert_idle(final, auth=cluster.config.worker.cluster_auth)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
 def test_chaos_random_kills_under_steady_load(ray_session, tiny_model_dir, prompts, expected):
     """2P+2D under load; a random worker is killed, the pools heal, again (3 kills,
     bounded well under 3 minutes). A same-role peer is always alive, so every request

@@ -33,7 +33,7 @@ class PoolTargets(_message.Message):
     def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("id", "role", "state", "node", "pid", "endpoint", "metrics_url", "running", "waiting", "kv_usage")
+    __slots__ = ("id", "role", "state", "node", "pid", "endpoint", "metrics_url", "running", "waiting", "kv_usage", "being_replaced")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class Worker(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
+    BEING_REPLACED_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     state: str
@@ -54,7 +55,8 @@ class Worker(_message.Message):
     running: int
     waiting: int
     kv_usage: float
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., metrics_url: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ...) -> None: ...
+    being_replaced: bool
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., metrics_url: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., being_replaced: _Optional[bool] = ...) -> None: ...
 
 class PoolsResponse(_message.Message):
     __slots__ = ("workers", "targets", "version", "owner")

@@ -70,7 +70,8 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DrainWorker(self, request, context):
-        """Stop placing work on one worker, let its requests finish, then remove it.
+        """Replace one worker: it serves on until a new one of its role does (where the cluster
+        has room for one more), then stops taking work, lets its requests finish, and goes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
