@@ -186,9 +186,13 @@ class Engine:
     def _stop(self, request: Request) -> None:
         """End a request with `stop` (a finished grammar, a completed stop string). One a
         prefill worker just prefilled ends too: nothing is left to decode, so its KV is
-        freed, not held for a decode worker."""
+        freed, not held for a decode worker. One the same token ended by length stops
+        too: its text ends at the stop string (OpenAI: `stop` is a natural stop point or
+        a provided stop sequence)."""
         if request.finish_reason is FinishReason.PREFILLED:
             self.kv.free(request)
+            request.finish_reason = FinishReason.STOP
+        elif request.finish_reason is FinishReason.LENGTH:
             request.finish_reason = FinishReason.STOP
         elif not request.is_finished:
             self.scheduler.finish(request, FinishReason.STOP)

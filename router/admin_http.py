@@ -15,15 +15,19 @@ from aiohttp import web
 from tandem.router.admin import PoolsAdmin, parse_targets
 from tandem.router.errors import InvalidRequest
 from tandem.router.openai.errors import dumps
+from tandem.router.openai.fields import check_text
 
 logger = logging.getLogger(__name__)
 
 
 async def _json_body(request: web.Request) -> object:
+    raw = await request.read() or b"null"
     try:
-        return json.loads(await request.read() or b"null")
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    check_text(raw, body)
+    return body
 
 
 def add_admin_routes(app: web.Application, admin: PoolsAdmin) -> None:

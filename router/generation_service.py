@@ -54,7 +54,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self, request: gen_pb.GenerateRequest, context
     ) -> AsyncIterator[gen_pb.GenerateResponse]:
         try:
-            prompt_ids, params = self._validate(request)
+            prompt_ids, params = await self.tokenizer.off_loop(self._validate, request)
             slo = self.flow.slo.resolve(
                 request.slo_class or None,
                 ttft_s=request.ttft_slo_s if request.HasField("ttft_slo_s") else None,
@@ -101,7 +101,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def Tokenize(self, request: gen_pb.TokenizeRequest, context) -> gen_pb.TokenizeResponse:
         try:
             self._check_model(request.model)
-            ids = self.tokenizer.encode(request.prompt)
+            ids = await self.tokenizer.off_loop(self.tokenizer.encode, request.prompt)
         except RouterError as exc:
             await abort_with(context, exc)
         except ValueError as exc:

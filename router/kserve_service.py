@@ -100,7 +100,7 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context) -> kserve_pb.ModelInferResponse:
         try:
-            parsed = self._parse(request)
+            parsed = await self._parse(request)
         except InvalidRequest as exc:
             logger.debug("ModelInfer %r rejected: %s", request.id, exc)
             await abort_with(context, exc)
@@ -153,7 +153,7 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     ) -> None:
         """Run one request of a stream, queueing its responses (or its error)."""
         try:
-            parsed = self._parse(request)
+            parsed = await self._parse(request)
             if not parsed.stream:
                 output = await self._generate_all(parsed)
                 await responses.put(self._stream_response(request, parsed, output))
@@ -175,9 +175,10 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             logger.exception("ModelStreamInfer %r failed", request.id)
             await responses.put(self._stream_error(request, "internal error"))
 
-    def _parse(self, request: kserve_pb.ModelInferRequest) -> KserveRequest:
+    async def _parse(self, request: kserve_pb.ModelInferRequest) -> KserveRequest:
+        """The request checked and tokenized (on the tokenizer's thread, off the loop)."""
         self._check_model(request.model_name, request.model_version)
-        return parse_request(request, self.tokenizer)
+        return await self.tokenizer.off_loop(parse_request, request, self.tokenizer)
 
     def _check_model(self, name: str, version: str) -> None:
         if name != self.model_name:

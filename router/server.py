@@ -85,6 +85,7 @@ class Router:
         self._server: grpc.aio.Server | None = None
         self._http: web.AppRunner | None = None
         self.policy_runtime: PolicyRuntime | None = None
+        self.tokenizer: PromptTokenizer | None = None
         # The live planner's view for `/admin/pools` (set by whoever runs one).
         self.planner_view: Callable[[], dict[str, Any] | None] | None = None
 
@@ -94,7 +95,9 @@ class Router:
         self.policy_runtime = PolicyRuntime(config, self.pool)
         policy = await self.policy_runtime.start()
         # Prompts are checked against the length the workers report, not a setting.
-        tokenizer = PromptTokenizer(config.model_dir, self.policy_runtime.limits.max_model_len)
+        self.tokenizer = tokenizer = PromptTokenizer(
+            config.model_dir, self.policy_runtime.limits.max_model_len
+        )
         self.flow = flow = RequestFlow(
             self.pool,
             policy,
@@ -269,6 +272,8 @@ class Router:
         if self._server is not None:
             drains.append(self._server.stop(STOP_GRACE_S))
         await asyncio.gather(*drains)
+        if self.tokenizer is not None:
+            self.tokenizer.close()
         if self.policy_runtime is not None:
             await self.policy_runtime.stop()
         await self.pool.close()

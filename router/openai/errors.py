@@ -74,12 +74,20 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+def _ascii_dumps(obj: Any) -> str:
+    """`dumps` with every non-ASCII character escaped: an error message may quote the
+    client's text, and this encodes whatever that holds (a lone surrogate too)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 def error_response(exc: RouterError) -> web.Response:
     headers = {}
     retry_after = retry_after_header(exc)
     if retry_after is not None:
         headers["Retry-After"] = retry_after
-    return web.json_response(error_body(exc), status=exc.http_status, headers=headers, dumps=dumps)
+    return web.json_response(
+        error_body(exc), status=exc.http_status, headers=headers, dumps=_ascii_dumps
+    )
 
 
 def from_http_exception(exc: web.HTTPException, request: web.Request) -> HttpApiError:

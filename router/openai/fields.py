@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from tandem.router.errors import InvalidRequest
@@ -26,6 +27,41 @@ def show(value: Any) -> str:
     if len(text) > _MAX_SHOWN_CHARS:
         text = text[: _MAX_SHOWN_CHARS - 3] + "..."
     return text
+
+
+# A JSON escape of a UTF-16 surrogate, as raw body bytes: the only way one gets into a
+# parsed body (raw UTF-8 cannot hold one), alone or as half of an escaped pair.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def check_text(raw: bytes, body: Any) -> None:
+    """InvalidRequest naming a field of `body` (parsed from `raw`) whose text, or one of
+    whose keys, holds a lone UTF-16 surrogate: JSON allows the escape "\\ud800", but it
+    is not Unicode text, and no tokenizer, encoder or client takes it. Escaped pairs
+    (an emoji from an ASCII-only JSON writer) are single characters once parsed."""
+    if not _SURROGATE_ESCAPE.search(raw):
+        return
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str) and _SURROGATE.search(value):
+            raise InvalidRequest(
+                f"'{where or 'body'}' holds a lone UTF-16 surrogate (an unpaired \\ud800-"
+                "\\udfff escape); text must be valid Unicode",
+                param=where or None,
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if _SURROGATE.search(key):
+                    raise InvalidRequest(
+                        f"a key of '{where or 'body'}' holds a lone UTF-16 surrogate; keys "
+                        "must be valid Unicode",
+                        param=where or None,
+                    )
+                stack.append((f"{where}.{key}" if where else key, item))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
 
 
 def invalid(name: str, message: str) -> InvalidRequest:

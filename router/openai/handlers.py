@@ -20,7 +20,7 @@ from aiohttp import web
 
 from tandem.router.errors import InvalidRequest, ModelNotFound
 from tandem.router.openai.errors import dumps
-from tandem.router.openai.fields import show
+from tandem.router.openai.fields import check_text, show
 from tandem.router.openai.prompt_batch import generate_prompts
 from tandem.router.openai.protocol import GenerationRequest, RequestParser
 from tandem.router.openai.responses import (
@@ -73,7 +73,8 @@ class OpenAIHandlers:
         app.router.add_post("/detokenize", self.detokenize)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        generations = self.parser.completion(await self._read_json(request))
+        body = await self._read_json(request)
+        generations = await self.tokenizer.off_loop(self.parser.completion, body)
         builder = CompletionResponses(
             f"cmpl-{uuid.uuid4().hex}",
             self.model_name,
@@ -84,7 +85,8 @@ class OpenAIHandlers:
         return await self._run(request, generations, builder)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        generation = self.parser.chat(await self._read_json(request))
+        body = await self._read_json(request)
+        generation = await self.tokenizer.off_loop(self.parser.chat, body)
         args = (
             f"chatcmpl-{uuid.uuid4().hex}",
             self.model_name,
@@ -113,12 +115,14 @@ class OpenAIHandlers:
         return web.json_response(self._model_card(), dumps=dumps)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        ids = self.parser.tokenize(await self._read_json(request))
+        body = await self._read_json(request)
+        ids = await self.tokenizer.off_loop(self.parser.tokenize, body)
         body = {"tokens": ids, "count": len(ids), "max_model_len": self.tokenizer.max_model_len}
         return web.json_response(body, dumps=dumps)
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        text = self.parser.detokenize(await self._read_json(request))
+        body = await self._read_json(request)
+        text = await self.tokenizer.off_loop(self.parser.detokenize, body)
         return web.json_response({"prompt": text}, dumps=dumps)
 
     def _model_card(self) -> dict[str, Any]:
@@ -168,6 +172,7 @@ class OpenAIHandlers:
         if not isinstance(body, dict):
             kind = _JSON_TYPE_NAMES.get(type(body), "a literal")
             raise InvalidRequest(f"the request body must be a JSON object, got {kind}")
+        check_text(raw, body)
         return body
 
 

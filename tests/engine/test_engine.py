@@ -165,6 +165,23 @@ def test_stop_string_truncates_output(tiny_model_dir):
     assert engine.is_idle()
 
 
+def test_stop_string_completed_by_the_last_allowed_token_is_a_stop(tiny_model_dir):
+    """The token that reaches max_tokens also completes a stop string: the text ends at
+    the stop string, so the finish reason is `stop` (OpenAI's and vLLM's), not `length`."""
+    engine = make_engine(tiny_model_dir)
+    prompt = [engine.tokenizer.encode("the model and the cache")]
+    base = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    [full] = generate(engine, prompt, base)
+    stop = engine.tokenizer.decode(full.token_ids[-1:]).strip()
+    cut = full.text.index(stop)
+    # Set-up: the stop string's first whole occurrence ends in the last token's text.
+    assert cut + len(stop) > len(engine.tokenizer.decode(full.token_ids[:-1])), full
+    [stopped] = generate(engine, prompt, SamplingParams(**{**vars(base), "stop": [stop]}), "s")
+    assert stopped.token_ids == full.token_ids and stopped.text == full.text[:cut]
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", stop)
+    assert engine.is_idle()
+
+
 def test_stop_string_in_the_first_token_ends_the_request_at_the_prefill(tiny_model_dir):
     """A prefill engine's first token that completes a stop string ends the request there
     (stop, its KV freed, not held for a decode worker that would decode past the stop)."""

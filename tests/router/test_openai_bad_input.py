@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -486,6 +487,51 @@ CASES = [
     ),
     Bad("detokenize a string", {"tokens": "hi"}, 400, ("'tokens'", "list"), path="/detokenize"),
     Bad("unknown SLO class", {"prompt": "hi", "slo_class": "gold"}, 400, ("slo_class", "gold")),
+    # A lone UTF-16 surrogate (JSON's "\ud800" escape; json.dumps writes one) is not text.
+    Bad(
+        "lone surrogate in the prompt",
+        {"prompt": "a\ud800b"},
+        400,
+        ("'prompt'", "surrogate"),
+        param="prompt",
+    ),
+    Bad(
+        "lone surrogate in the model",
+        {"prompt": "hi", "model": "m\udfff"},
+        400,
+        ("'model'", "surrogate"),
+        param="model",
+    ),
+    Bad(
+        "lone surrogate in a stop string",
+        {"prompt": "hi", "stop": ["x", "\udc00"]},
+        400,
+        ("'stop[1]'", "surrogate"),
+        param="stop[1]",
+    ),
+    Bad(
+        "lone surrogate in a logit_bias key",
+        {"prompt": "hi", "logit_bias": {"\ud800": 1}},
+        400,
+        ("a key of 'logit_bias'", "surrogate"),
+        param="logit_bias",
+    ),
+    Bad(
+        "lone surrogate in a chat message",
+        {"messages": [{"role": "user", "content": "hi \ud83d"}]},
+        400,
+        ("'messages[0].content'", "surrogate"),
+        path="/v1/chat/completions",
+        param="messages[0].content",
+    ),
+    Bad(
+        "lone surrogate to tokenize",
+        {"prompt": "\ud800"},
+        400,
+        ("'prompt'", "surrogate"),
+        path="/tokenize",
+        param="prompt",
+    ),
     Bad("negative TTFT target", {"prompt": "hi", "ttft_slo_s": -1}, 400, ("ttft",)),
 ]
 
@@ -510,6 +556,17 @@ def test_bad_input_gets_openai_error(cluster: InprocCluster, case: Bad):
         assert error["code"] == case.code, error
     for key, value in case.extra.items():
         assert error[key] == value, error
+
+
+def test_escaped_surrogate_pairs_are_text(cluster: InprocCluster):
+    """An emoji written as an escaped UTF-16 pair (as an ASCII-only JSON writer does) is
+    one character once parsed: accepted, and tokenized as the raw UTF-8 text is."""
+    escaped = json.dumps({"prompt": "hi \U0001f600"}).encode()
+    assert b"\\ud83d\\ude00" in escaped
+    raw = json.dumps({"prompt": "hi \U0001f600"}, ensure_ascii=False).encode()
+    answers = [http(cluster.http_endpoint, "POST", "/tokenize", body) for body in (escaped, raw)]
+    assert [status for status, _, _ in answers] == [200, 200], answers
+    assert answers[0][2]["tokens"] == answers[1][2]["tokens"]
 
 
 def test_good_request_after_bad_ones_succeeds_and_cluster_is_idle(cluster: InprocCluster):
@@ -610,3 +667,37 @@ def test_unexpected_error_is_a_500_without_details(model_dir):
     assert status == 500
     error = json.loads(text)["error"]
     assert error["type"] == "internal_error" and "secret" not in error["message"]
+
+
+def test_a_long_prompt_being_tokenized_stalls_no_other_request(model_dir):
+    """Megabytes of text take seconds to tokenize: on the tokenizer's own thread, so the
+    event loop, and with it every other request and stream, goes on meanwhile."""
+
+    async def scenario() -> tuple[float, list[float]]:
+        config = RouterConfig(model_dir=str(model_dir), grpc_port=0, http_port=0)
+        tokenizer = PromptTokenizer(str(model_dir))
+        flow = FailingFlow(WorkerUnavailable("no worker in this test"), num_chunks=0)
+        app = make_http_app(None, flow, tokenizer, config)
+        waits = []
+        try:
+            async with TestClient(TestServer(app)) as client:
+                started = time.monotonic()
+                body = {"prompt": "a " * 1_500_000}  # 3 MB, under the 8 MiB body limit
+                big = asyncio.create_task(client.post("/tokenize", json=body))
+                while not big.done():
+                    asked = time.monotonic()
+                    reply = await client.get("/v1/models")
+                    assert reply.status == 200
+                    waits.append(time.monotonic() - asked)
+                    await asyncio.sleep(0.05)
+                response = await big
+                took_s = time.monotonic() - started
+                assert response.status == 200
+                assert (await response.json())["count"] > 1_000_000
+        finally:
+            tokenizer.close()
+        return took_s, waits
+
+    took_s, waits = asyncio.run(scenario())
+    assert took_s > 1.0, took_s  # set-up: long enough that a stall would show
+    assert len(waits) >= 5 and max(waits) < took_s / 4, (took_s, waits)

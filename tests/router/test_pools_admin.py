@@ -144,6 +144,9 @@ def test_admin_errors_over_grpc_and_auth(pools):
     status, reply = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": "x" * 10_000}))
     assert status == 400 and reply["error"]["param"] == "worker_id"
     assert len(reply["error"]["message"]) < 200
+    # A lone UTF-16 surrogate is not text: 400 naming the field, in JSON.
+    status, reply = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": "d\ud800"}))
+    assert status == 400 and reply["error"]["param"] == "worker_id", reply
 
 
 def test_scale_up_then_down_under_load_fails_nothing(pools):
