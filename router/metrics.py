@@ -148,6 +148,8 @@ class RouterMetrics:
             [*labels, "worker_id"],
             registry=r,
         )
+        for series in (self.running, self.waiting, self.goodput):
+            series.labels(model_name)
         for decision in DISAGG_DECISIONS:
             self.disagg_decisions.labels(model_name, decision)
         for reason in MIGRATION_REASONS:
