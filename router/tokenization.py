@@ -56,11 +56,14 @@ class PromptTokenizer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        """Token ids of a chat (the model's chat template, with the assistant prompt);
-        `tools` (OpenAI tool objects) are handed to templates that render them, and
-        `template_kwargs` (vLLM's `chat_template_kwargs`, e.g. `enable_thinking`) are the
-        template's own variables."""
+        """Token ids of a chat (the model's chat template; by default with the assistant
+        prompt after it, or, `continue_final_message`, ending inside the last message,
+        for the model to go on with); `tools` (OpenAI tool objects) are handed to
+        templates that render them, and `template_kwargs` (vLLM's `chat_template_kwargs`,
+        e.g. `enable_thinking`) are the template's own variables."""
         if not messages:
             raise ValueError("messages must not be empty")
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -68,7 +71,8 @@ class PromptTokenizer:
         ids = self.tokenizer.apply_chat_template(
             messages,
             tools=None if tools is None else [*tools],
-            add_generation_prompt=True,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=True,
             return_dict=False,
             **(template_kwargs or {}),
@@ -94,6 +98,10 @@ class PromptTokenizer:
             if spaced != alone:
                 sequences.append(spaced)
         return sequences
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level BPE: "Ġworld" for " world")."""
+        return [str(token) for token in self.tokenizer.convert_ids_to_tokens(ids)]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         text = self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from tandem.router.errors import InvalidRequest, ModelNotFound
 from tandem.router.openai.errors import dumps
-from tandem.router.openai.fields import check_text, show
+from tandem.router.openai.fields import check_text, get_bool, show
 from tandem.router.openai.prompt_batch import generate_prompts
 from tandem.router.openai.protocol import GenerationRequest, RequestParser
 from tandem.router.openai.responses import (
@@ -116,9 +116,17 @@ class OpenAIHandlers:
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)
+        # vLLM's: each token also as the vocabulary spells it.
+        with_strs = get_bool(body, "return_token_strs")
         ids = await self.tokenizer.off_loop(self.parser.tokenize, body)
-        body = {"tokens": ids, "count": len(ids), "max_model_len": self.tokenizer.max_model_len}
-        return web.json_response(body, dumps=dumps)
+        answer: dict[str, Any] = {
+            "tokens": ids,
+            "count": len(ids),
+            "max_model_len": self.tokenizer.max_model_len,
+        }
+        if with_strs:
+            answer["token_strs"] = self.tokenizer.token_strs(ids)
+        return web.json_response(answer, dumps=dumps)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await self._read_json(request)

@@ -75,13 +75,19 @@ _CHAT_UNSUPPORTED = {
     "add_special_tokens": (None, False),  # the chat template places them
     "functions": (None, []),
     "function_call": (None, "none", "auto"),
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
     "chat_template": (None,),
 }
 # Keyword arguments apply_chat_template sets itself, never from `chat_template_kwargs`.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"conversation", "messages", "tools", "add_generation_prompt", "tokenize", "return_dict"}
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+    }
 )
 
 
@@ -202,7 +208,7 @@ class RequestParser:
         if has_prompt == has_messages:
             raise invalid("prompt", "send exactly one of 'prompt' and 'messages'")
         if not has_prompt:
-            return self._chat_ids(body)
+            return self._chat_ids(body, parse_tools(body))
         prompts = self._prompts(body)
         if len(prompts) > 1:
             raise invalid("prompt", f"holds {len(prompts)} prompts; tokenize one at a time")
@@ -308,9 +314,26 @@ class RequestParser:
         template_kwargs = get_object(body, "chat_template_kwargs") or {}
         if reserved := sorted(_RESERVED_TEMPLATE_KWARGS & template_kwargs.keys()):
             raise invalid("chat_template_kwargs", f"may not set {', '.join(reserved)}")
+        # vLLM's: the assistant prompt after the chat (default), or the model goes on
+        # with the chat's last message, an assistant's.
+        add_generation_prompt = get_bool(body, "add_generation_prompt")
+        continue_final = bool(get_bool(body, "continue_final_message"))
+        if continue_final and add_generation_prompt:
+            raise invalid(
+                "continue_final_message", "cannot be true with 'add_generation_prompt': true"
+            )
+        if continue_final and chat[-1]["role"] != "assistant":
+            raise invalid(
+                "continue_final_message",
+                f"needs an assistant message last, got {show(chat[-1]['role'])}",
+            )
         try:
             ids = self.tokenizer.encode_chat(
-                chat, tools.template_tools() if tools else None, template_kwargs
+                chat,
+                tools.template_tools() if tools else None,
+                template_kwargs,
+                add_generation_prompt=not continue_final and add_generation_prompt is not False,
+                continue_final_message=continue_final,
             )
         except (ValueError, TemplateError) as exc:
             raise invalid("messages", f"cannot be encoded with the chat template: {exc}") from exc

@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 import openai
 import pytest
 
+from tandem.router.openai.protocol import RequestParser
+from tandem.router.policy import SloConfig
 from tandem.router.tokenization import PromptTokenizer
 from tests.helpers.grpc_calls import worker_stats
 from tests.helpers.hf_reference import LOGPROB_TOLERANCE, hf_greedy, hf_top_logprobs
@@ -244,6 +246,40 @@ def test_models_and_tokenize(client, cluster, model_dir, tokenizer):
     # The template's own variables (vLLM's chat_template_kwargs) reach it; ChatML uses none.
     body = {"messages": chat, "chat_template_kwargs": {"enable_thinking": False}}
     assert post(cluster, "/tokenize", body)["tokens"] == tokenizer.encode_chat(chat)
+    # vLLM's add_generation_prompt and return_token_strs.
+    body = {"messages": chat, "add_generation_prompt": False, "return_token_strs": True}
+    out = post(cluster, "/tokenize", body)
+    assert out["tokens"] == tokenizer.encode_chat(chat, add_generation_prompt=False)
+    assert out["tokens"] != tokenizer.encode_chat(chat)
+    assert out["token_strs"] == tokenizer.token_strs(out["tokens"])
+    assert tokenizer.tokenizer.convert_tokens_to_string(out["token_strs"]) == (
+        tokenizer.decode(out["tokens"], skip_special_tokens=False)
+    )
+
+
+def test_chat_continues_the_final_assistant_message(client, cluster, tokenizer):
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant)
+    message, and the reply goes on from there, as a completion of those tokens does."""
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The model"}]
+    ids = tokenizer.encode_chat(chat, add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(ids, skip_special_tokens=False).endswith("The model")
+    reply = client.chat.completions.create(
+        model=model_name(cluster),
+        messages=chat,
+        max_tokens=8,
+        temperature=0,
+        extra_body={
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "ignore_eos": True,
+        },
+    )
+    assert reply.usage.prompt_tokens == len(ids)
+    same = client.completions.create(
+        model=model_name(cluster), prompt=ids, max_tokens=8, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].message.content == same.choices[0].text
 
 
 def test_chat_template_kwargs_are_the_templates_variables(model_dir):
@@ -254,6 +290,20 @@ def test_chat_template_kwargs_are_the_templates_variables(model_dir):
     chat = [{"role": "user", "content": "hi"}]
     assert tokenizer.decode(tokenizer.encode_chat(chat)) == "hi"
     assert tokenizer.decode(tokenizer.encode_chat(chat, None, {"shout": True})) == "hi!!"
+
+
+def test_tokenize_hands_tools_to_the_template_as_chat_does(model_dir):
+    tokenizer = PromptTokenizer(str(model_dir))
+    tokenizer.tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% for t in tools or [] %}[{{ t['function']['name'] }}]{% endfor %}"
+    )
+    parser = RequestParser(tokenizer, "m", SloConfig(), max_n=1)
+    chat = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    ids = parser.tokenize({"messages": chat, "tools": tools})
+    assert tokenizer.decode(ids) == "hi[get_time]"
+    assert ids == parser.chat({"messages": chat, "tools": tools}).prompt_ids
 
 
 def test_api_key_is_required_and_health_stays_open(client, cluster):
