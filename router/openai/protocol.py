@@ -44,8 +44,9 @@ from tandem.router.tokenization import PromptTokenizer
 
 # Most alternatives a client may ask for per position (vLLM's default `max_logprobs`).
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
-# Seeds travel as uint64.
-MAX_SEED = 2**64 - 1
+# Seeds travel as uint64; a negative one (int64, as vLLM and OpenAI's clients take) as
+# its two's complement, so -1 is 2**64 - 1 (torch's manual_seed maps it alike).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
 # OpenAI's default for /v1/completions when `max_tokens` is absent.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Most prompts one /v1/completions request may batch (each runs as a request of its own).
@@ -455,7 +456,9 @@ class RequestParser:
             raise invalid("bad_words", str(exc)) from exc
         min_tokens = get_int(body, "min_tokens", min_value=0, max_value=max_tokens)
         skip_special_tokens = get_bool(body, "skip_special_tokens")
-        seed = get_int(body, "seed", min_value=0, max_value=MAX_SEED)
+        seed = get_int(body, "seed", min_value=MIN_SEED, max_value=MAX_SEED)
+        if seed is not None:
+            seed %= 2**64
         stop = get_str_list(body, "stop", MAX_NUM_STOP_STRINGS)
         ignore_eos = bool(get_bool(body, "ignore_eos"))
         include_stop = bool(get_bool(body, "include_stop_str_in_output"))

@@ -216,6 +216,10 @@ def test_seeded_sampling_is_reproducible(client, cluster):
     )
     texts = [client.completions.create(**args).choices[0].text for _ in range(8)]
     assert texts == texts[:1] * 8
+    # A negative (int64) seed is its uint64 two's complement: -1 draws as 2**64 - 1 does.
+    negative = client.completions.create(**{**args, "seed": -1}).choices[0].text
+    assert negative == client.completions.create(**{**args, "seed": 2**64 - 1}).choices[0].text
+    assert negative != texts[0]
 
 
 def test_models_and_tokenize(client, cluster, model_dir, tokenizer):

@@ -165,7 +165,12 @@ CASES = [
     Bad("top_p 1.5", {"prompt": "hi", "top_p": 1.5}, 400, ("'top_p'", "1.5")),
     Bad("top_p infinite", b'{"prompt": "hi", "top_p": Infinity}', 400, ("'top_p'", "infinity")),
     Bad("top_k -2", {"prompt": "hi", "top_k": -2}, 400, ("'top_k'", "-2")),
-    Bad("negative seed", {"prompt": "hi", "seed": -1}, 400, ("'seed'", "-1")),
+    Bad(
+        "seed under int64",
+        {"prompt": "hi", "seed": -(2**63) - 1},
+        400,
+        ("'seed'", ">= -9223372036854775808"),
+    ),
     Bad(
         "unknown model",
         {"prompt": "hi", "model": "gpt-17"},
