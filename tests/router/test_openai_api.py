@@ -200,6 +200,15 @@ def test_stop_string_cuts_the_text(client, cluster):
     )
     assert kept.choices[0].text == text[: text.index(stop) + len(stop)]
     assert kept.choices[0].finish_reason == "stop"
+    # A stop string that the last allowed token completes: the text ends there, so the
+    # finish reason is `stop` (the decode worker's engine sees it; the prefill worker
+    # made the first token).
+    short = client.completions.create(**args, max_tokens=6, extra_body={"ignore_eos": True})
+    last = short.choices[0].text[-2:]
+    assert short.choices[0].text.index(last) == len(short.choices[0].text) - 2, short
+    ended = client.completions.create(**args, max_tokens=6, stop=[last])
+    assert ended.choices[0].text == short.choices[0].text[:-2]
+    assert ended.choices[0].finish_reason == "stop"
 
 
 def test_seeded_sampling_is_reproducible(client, cluster):
