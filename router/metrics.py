@@ -83,7 +83,7 @@ class RouterMetrics:
         )
         self.waiting = Gauge(
             "tandem:num_requests_waiting",
-            "Requests queued by admission control.",
+            "Requests waiting at the router for a worker pair (the admission queue).",
             labels,
             registry=r,
         )
@@ -182,12 +182,15 @@ class RouterMetrics:
 
     def record(self, num_prompt_tokens: int, ttft_target_s: float | None = None,
                itl_target_s: float | None = None,
-               admission_wait_s: float = 0.0) -> RequestRecord:  # fmt: skip
-        """Start tracking one admitted request (`admission_wait_s`: how long it waited
-        at the router before it was placed)."""
+               arrived_at: float | None = None) -> RequestRecord:  # fmt: skip
+        """Start tracking one admitted request; `arrived_at`: when it reached the router
+        (monotonic; now by default), so that its TTFT, latency and SLO include the time it
+        waited for admission."""
         self.prompt_tokens.labels(self.model_name).inc(num_prompt_tokens)
         self.running.labels(self.model_name).inc()
-        return RequestRecord(self, ttft_target_s, itl_target_s, admission_wait_s)
+        now = time.monotonic()
+        arrival = now if arrived_at is None else arrived_at
+        return RequestRecord(self, ttft_target_s, itl_target_s, now - arrival, arrival)
 
     def _finish(self, record: RequestRecord, reason: str) -> None:
         name = self.model_name
@@ -198,7 +201,8 @@ class RouterMetrics:
         if record.num_tokens > 1 and record.first_token_at is not None:
             gaps_s = record.last_token_at - record.first_token_at
             self.tpot.labels(name).observe(gaps_s / (record.num_tokens - 1))
-        met = record.met_slo()
+        # A request that failed or was aborted is no goodput, however fast its tokens came.
+        met = reason in ("stop", "length") and record.met_slo()
         self._slo_window.append(met)
         if met:
             self.goodput.labels(name).inc()

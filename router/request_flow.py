@@ -129,7 +129,7 @@ class RequestFlow:
         charged = dataclasses.replace(params, max_tokens=n * params.max_tokens) if n > 1 else params
         placement = await self._place(req_id, prompt_ids, charged, slo, span)
         record = self.metrics.record(len(prompt_ids), slo.slo.ttft_s, slo.slo.itl_s,
-                                     admission_wait_s=time.monotonic() - arrived_at)  # fmt: skip
+                                     arrived_at=arrived_at)  # fmt: skip
         self.metrics.disagg_decisions.labels(self.metrics.model_name, placement.decision).inc()
         usage = Usage(prompt_tokens=len(prompt_ids))
         sequences = [
@@ -190,6 +190,8 @@ class RequestFlow:
     ) -> Placement:
         """Pick the worker pair (may wait in the admission queue, or shed)."""
         queue_span = self.tracing.start_span("queue", span, **{"tandem.slo_class": slo.class_name})
+        waiting = self.metrics.waiting.labels(self.metrics.model_name)
+        waiting.inc()
         try:
             placement = await self.policy.place(
                 PlacementRequest(
@@ -202,6 +204,7 @@ class RequestFlow:
             span.end()
             raise
         finally:
+            waiting.dec()
             queue_span.end()
         span.set_attribute("tandem.decision", placement.decision)
         return placement

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 import urllib.request
 from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.engine.sampling_params import SamplingParams
+from tandem.router.errors import Overloaded
+from tandem.router.metrics import RouterMetrics
+from tandem.router.policy import SloConfig
+from tandem.router.request_flow import RequestFlow
+from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerRole
 from tests.helpers.inproc_cluster import InprocCluster, inproc_router_config
 from tests.helpers.prompts import make_prompts
+from tests.helpers.ray_pools import until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -141,3 +150,62 @@ def test_local_prefills_teach_the_decode_workers_prefill_model(tiny_model_dir):
         cluster.assert_idle()
     finally:
         cluster.stop()
+
+
+def test_ttft_and_goodput_count_the_admission_wait_and_only_finished_requests():
+    metrics = RouterMetrics("m")
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.registry.get_sample_value(name, {"model_name": "m", **labels}) or 0.0
+
+    # Waited 0.5 s for admission, then its first token came at once: TTFT is 0.5 s, over
+    # its 0.3 s target (the wait also feeds the queue part of the TTFT split).
+    late = metrics.record(4, ttft_target_s=0.3, arrived_at=time.monotonic() - 0.5)
+    late.on_prefill("prefill-0", "prefill", 4, queue_s=0.0, compute_s=0.01)
+    late.on_tokens(1)
+    late.finish("stop")
+    assert value("tandem:time_to_first_token_seconds_sum") >= 0.5
+    assert value("tandem:request_queue_time_seconds_sum") >= 0.5
+    # Within target, but failed: no goodput either.
+    failed = metrics.record(4, ttft_target_s=10.0)
+    failed.on_tokens(1)
+    failed.finish("error")
+    assert value("tandem:goodput_requests_total") == 0
+    done = metrics.record(4, ttft_target_s=10.0)
+    done.on_tokens(1)
+    done.finish("length")
+    assert value("tandem:goodput_requests_total") == 1
+    assert value("tandem:slo_attainment") == pytest.approx(1 / 3)
+
+
+def test_requests_waiting_for_admission_are_counted_while_they_wait():
+    class HeldPolicy:
+        """Places nothing until released, then sheds (the admission queue's end)."""
+
+        def __init__(self) -> None:
+            self.release = asyncio.Event()
+
+        async def place(self, request):
+            await self.release.wait()
+            raise Overloaded("no worker pair can meet the SLO", retry_after_s=1.0)
+
+    async def scenario() -> None:
+        metrics, policy = RouterMetrics("m"), HeldPolicy()
+        flow = RequestFlow(None, policy, SloConfig(), metrics, Tracing("test", "none"),  # type: ignore[arg-type]
+                           30.0, 30.0, migration_wait_s=1.0)  # fmt: skip
+        waiting = lambda: metrics.registry.get_sample_value(  # noqa: E731
+            "tandem:num_requests_waiting", {"model_name": "m"}
+        )
+        params = SamplingParams(max_tokens=2)
+        streams = [flow.generate(f"r{i}", [1, 2, 3], params) for i in range(2)]
+        tasks = [asyncio.create_task(anext(s)) for s in streams]
+        await until(lambda: waiting() == 2, 5.0, "two requests waiting")
+        policy.release.set()
+        for task in tasks:
+            with pytest.raises(Overloaded):
+                await task
+        assert waiting() == 0
+        rejected = {"model_name": "m", "reason": "overloaded"}
+        assert metrics.registry.get_sample_value("tandem:requests_rejected_total", rejected) == 2
+
+    asyncio.run(scenario())
