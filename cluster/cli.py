@@ -301,7 +301,10 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help="seconds one engine step may run before its worker counts as hung and is "
         f"replaced [{WorkerSettings.step_watchdog_s:.0f}]",
     )  # fmt: skip
-    serve.add_argument("--api-key", default=None, help="require this key (or TANDEM_API_KEY)")
+    serve.add_argument(
+        "--api-key", default=None,
+        help="require this key on every public API, HTTP and gRPC (or TANDEM_API_KEY)",
+    )  # fmt: skip
     serve.add_argument(
         "--max-n", type=positive_int, default=None,
         help=f"most choices (n) one OpenAI request may ask for [{router['max_n'].default}]",

@@ -26,7 +26,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -199,13 +199,22 @@ class RefusalLog:
         logger.warning("refused %s %s from %s: %s%s", self.what, target, peer, reason, more)
 
 
-class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Aborts every call but health probes with UNAUTHENTICATED unless its metadata
-    carries the cluster token. The request is never read (nor logged)."""
+class RefusingInterceptor(grpc.aio.ServerInterceptor):
+    """Turns away, UNAUTHENTICATED, every call but those of `open_methods` (method name
+    prefixes) that `why_refused` finds a reason to, before its request is read (nor
+    logged); each refusal goes to `log`."""
 
-    def __init__(self, auth: ClusterAuth, on_refused: Callable[[], None] | None = None) -> None:
-        self.auth = auth
-        self.log = RefusalLog("internal call", on_refused=on_refused)
+    def __init__(self, log: RefusalLog, open_methods: tuple[str, ...]) -> None:
+        self.log = log
+        self.open_methods = open_methods
+
+    def why_refused(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+        """Why a call with this metadata may not go on; None when it may."""
+        raise NotImplementedError
+
+    def refusal_message(self, reason: str) -> str:
+        """What the client is told."""
+        raise NotImplementedError
 
     async def intercept_service(
         self,
@@ -213,16 +222,39 @@ class ClusterTokenInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         method = handler_call_details.method
-        if method.startswith(OPEN_METHOD_PREFIXES):
+        reason = None
+        if not method.startswith(self.open_methods):
+            reason = self.why_refused(handler_call_details.invocation_metadata)
+        if reason is None:
             return await continuation(handler_call_details)
-        presented = _metadata_value(handler_call_details.invocation_metadata, TOKEN_METADATA_KEY)
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            self.log.refused(method, context.peer(), reason)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, self.refusal_message(reason))
+
+        return _refusal_handler(await continuation(handler_call_details), refuse)
+
+
+class ClusterTokenInterceptor(RefusingInterceptor):
+    """Refuses every call but health probes unless its metadata carries the cluster
+    token."""
+
+    def __init__(self, auth: ClusterAuth, on_refused: Callable[[], None] | None = None) -> None:
+        super().__init__(RefusalLog("internal call", on_refused=on_refused), OPEN_METHOD_PREFIXES)
+        self.auth = auth
+
+    def why_refused(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+        presented = metadata_value(metadata, TOKEN_METADATA_KEY)
         if self.auth.accepts(presented):
-            return await continuation(handler_call_details)
-        reason = "no cluster token" if presented is None else "wrong cluster token"
-        return _refusal_handler(await continuation(handler_call_details), method, reason, self.log)
+            return None
+        return "no cluster token" if presented is None else "wrong cluster token"
+
+    def refusal_message(self, reason: str) -> str:
+        return f"{reason}: internal calls need the cluster token"
 
 
-def _metadata_value(metadata: Sequence[tuple[str, Any]] | None, key: str) -> str | None:
+def metadata_value(metadata: Sequence[tuple[str, Any]] | None, key: str) -> str | None:
+    """The first text value of `key` in a call's metadata (None when absent)."""
     for name, value in metadata or ():
         if name == key:
             return value if isinstance(value, str) else None
@@ -230,17 +262,12 @@ def _metadata_value(metadata: Sequence[tuple[str, Any]] | None, key: str) -> str
 
 
 def _refusal_handler(
-    handler: grpc.RpcMethodHandler | None, method: str, reason: str, log: RefusalLog
+    handler: grpc.RpcMethodHandler | None,
+    refuse: Callable[[Any, grpc.aio.ServicerContext], Awaitable[None]],
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that logs and aborts (raw bytes in:
-    the request is not even parsed)."""
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        log.refused(method, context.peer(), reason)
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED, f"{reason}: internal calls need the cluster token"
-        )
-
+    """A handler of the same kind as `handler` (one message or a stream, in and out)
+    that runs `refuse` (which aborts) instead: raw bytes in, so the request is not even
+    parsed."""
     streaming = (
         (handler.request_streaming, handler.response_streaming) if handler else (False, False)
     )
@@ -253,15 +280,15 @@ def _refusal_handler(
     return make(refuse)
 
 
-class _TokenMetadata:
-    """Adds the cluster token to the metadata of a call."""
+class _AddedMetadata:
+    """Adds one metadata entry (the cluster token, an API key) to every call."""
 
-    def __init__(self, token: str) -> None:
-        self._token = token
+    def __init__(self, key: str, value: str) -> None:
+        self._key, self._value = key, value
 
-    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    def _with_entry(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
-        metadata[TOKEN_METADATA_KEY] = self._token
+        metadata[self._key] = self._value
         return grpc.aio.ClientCallDetails(
             details.method, details.timeout, metadata, details.credentials,
             details.wait_for_ready,
@@ -270,45 +297,51 @@ class _TokenMetadata:
 
 # grpc.aio files each interceptor under the first call kind it implements, so each
 # kind needs an object of its own.
-class _UnaryUnaryToken(_TokenMetadata, grpc.aio.UnaryUnaryClientInterceptor):
+class _UnaryUnaryMetadata(_AddedMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(
         self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
-        return await continuation(self._with_token(client_call_details), request)
+        return await continuation(self._with_entry(client_call_details), request)
 
 
-class _UnaryStreamToken(_TokenMetadata, grpc.aio.UnaryStreamClientInterceptor):
+class _UnaryStreamMetadata(_AddedMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(
         self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails, request: Any
     ) -> Any:
-        return await continuation(self._with_token(client_call_details), request)
+        return await continuation(self._with_entry(client_call_details), request)
 
 
-class _StreamUnaryToken(_TokenMetadata, grpc.aio.StreamUnaryClientInterceptor):
+class _StreamUnaryMetadata(_AddedMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self,
         continuation: Any,
         client_call_details: grpc.aio.ClientCallDetails,
         request_iterator: Any,
     ) -> Any:
-        return await continuation(self._with_token(client_call_details), request_iterator)
+        return await continuation(self._with_entry(client_call_details), request_iterator)
 
 
-class _StreamStreamToken(_TokenMetadata, grpc.aio.StreamStreamClientInterceptor):
+class _StreamStreamMetadata(_AddedMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(
         self,
         continuation: Any,
         client_call_details: grpc.aio.ClientCallDetails,
         request_iterator: Any,
     ) -> Any:
-        return await continuation(self._with_token(client_call_details), request_iterator)
+        return await continuation(self._with_entry(client_call_details), request_iterator)
+
+
+def metadata_interceptors(key: str, value: str) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that add `key: value` to the metadata of every call of a
+    grpc.aio channel (all four call kinds)."""
+    kinds = (_UnaryUnaryMetadata, _UnaryStreamMetadata, _StreamUnaryMetadata, _StreamStreamMetadata)
+    return [kind(key, value) for kind in kinds]
 
 
 def _token_interceptors(auth: ClusterAuth) -> list[grpc.aio.ClientInterceptor] | None:
     if auth.token is None:
         return None
-    kinds = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
-    return [kind(auth.token) for kind in kinds]
+    return metadata_interceptors(TOKEN_METADATA_KEY, auth.token)
 
 
 def internal_channel(

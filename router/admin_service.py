@@ -1,11 +1,9 @@
-"""gRPC `tandem.admin.v1.Admin` on the router's public port (see `router.admin`)."""
+"""gRPC `tandem.admin.v1.Admin` on the router's public port (see `router.admin`; the
+API key, when set, is checked for every public service by `router.api_key`)."""
 
 from __future__ import annotations
 
-import hmac
 import logging
-
-import grpc
 
 from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
 from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
@@ -19,26 +17,10 @@ SERVICE_NAME = admin_pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 class AdminService(admin_pb2_grpc.AdminServicer):
-    def __init__(self, admin: PoolsAdmin, api_key: str | None) -> None:
+    def __init__(self, admin: PoolsAdmin) -> None:
         self.admin = admin
-        self._expected = api_key.encode() if api_key is not None else None
-
-    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self._expected is None:
-            return
-        metadata = dict(context.invocation_metadata() or ())
-        header = metadata.get("authorization", "")
-        scheme, _, token = str(header).partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self._expected
-        ):
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "missing or incorrect API key: send metadata 'authorization: Bearer <key>'",
-            )
 
     async def GetPools(self, request: admin_pb.GetPoolsRequest, context) -> admin_pb.PoolsResponse:
-        await self._authorize(context)
         try:
             return self._response(await self.admin.get_pools())
         except RouterError as exc:
@@ -48,7 +30,6 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def ScalePools(
         self, request: admin_pb.ScalePoolsRequest, context
     ) -> admin_pb.PoolsResponse:
-        await self._authorize(context)
         try:
             body = {
                 role: getattr(request, role)
@@ -65,7 +46,6 @@ class AdminService(admin_pb2_grpc.AdminServicer):
     async def DrainWorker(
         self, request: admin_pb.DrainWorkerRequest, context
     ) -> admin_pb.PoolsResponse:
-        await self._authorize(context)
         try:
             logger.info("admin: drain %s", request.worker_id)
             return self._response(await self.admin.drain(request.worker_id))

@@ -54,8 +54,9 @@ class RouterConfig:
     # Conditional disaggregation: the longest uncached prompt a decode worker may
     # prefill itself when that predicts better goodput; 0 = always use prefill workers.
     max_local_prefill_tokens: int = DEFAULT_MAX_LOCAL_PREFILL_TOKENS
-    # OpenAI HTTP API: clients must send `Authorization: Bearer <api_key>`; None: open.
-    # (`/health` and `/metrics` stay open either way.)
+    # Every public API (HTTP, and each gRPC service) needs `Authorization: Bearer
+    # <api_key>` (router/api_key.py); None: open. Health, `/metrics` and gRPC reflection
+    # stay open either way.
     api_key: str | None = None
     # Largest HTTP request body accepted; bigger ones get 413.
     max_body_bytes: int = 8 * 1024 * 1024

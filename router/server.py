@@ -29,6 +29,7 @@ from tandem.router.admin import PoolsAdmin, WorkerLoad
 from tandem.router.admin_http import add_admin_routes
 from tandem.router.admin_service import SERVICE_NAME as ADMIN_SERVICE_NAME
 from tandem.router.admin_service import AdminService
+from tandem.router.api_key import ApiKeyInterceptor
 from tandem.router.config import RouterConfig
 from tandem.router.generation_service import GenerationService
 from tandem.router.http_server import make_http_app
@@ -112,7 +113,8 @@ class Router:
             on_worker_failed=self.policy_runtime.mark_unreachable,
         )
         admin = PoolsAdmin(self.admin_backend, self._worker_load, self._planner_json)
-        self._server = server = grpc.aio.server(options=GRPC_OPTIONS)
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else None
+        self._server = server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(flow, tokenizer, config.model_name, config.max_n), server
         )
@@ -120,7 +122,7 @@ class Router:
             KserveService(flow, tokenizer, self.pool, config.model_name, config.probe_timeout_s),
             server,
         )
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(admin, config.api_key), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminService(admin), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(

@@ -5,11 +5,10 @@ Probes (`/health`, `/metrics`) stay open so load balancers and Prometheus need n
 
 from __future__ import annotations
 
-import hmac
-
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from tandem.router.api_key import bearer_matches
 from tandem.router.openai.errors import Handler, HttpApiError
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -23,14 +22,13 @@ def make_auth_middleware(api_key: str) -> Middleware:
         if request.path in OPEN_PATHS:
             return await handler(request)
         header = request.headers.get("Authorization", "")
-        scheme, _, token = header.partition(" ")
         if not header:
             raise HttpApiError(
                 401,
                 "missing API key: send the header 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected):
+        if not bearer_matches(header, expected):
             raise HttpApiError(
                 401,
                 "incorrect API key in the Authorization header (expected 'Bearer <key>')",

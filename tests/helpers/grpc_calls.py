@@ -7,18 +7,58 @@ from typing import Any
 
 import grpc
 
-from tandem.proto.cluster_auth import ClusterAuth, internal_channel
+from tandem.proto.cluster_auth import ClusterAuth, internal_channel, metadata_interceptors
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
+
+# The API key of the test routers that have one (the shared in-process cluster's).
+TEST_API_KEY = "sk-tandem-test"
+BEARER = ("authorization", f"Bearer {TEST_API_KEY}")
+
+
+def public_channel(endpoint: str) -> grpc.aio.Channel:
+    """A channel to a router's public gRPC port that sends the test API key on every call
+    (a router without a key ignores it)."""
+    return grpc.aio.insecure_channel(endpoint, interceptors=metadata_interceptors(*BEARER))
+
+
+class _BearerSync(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """The test API key on every call of a blocking channel."""
+
+    @staticmethod
+    def _details(details: Any) -> Any:
+        return details._replace(metadata=[*(details.metadata or ()), BEARER])
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        return continuation(self._details(details), requests)
+
+
+def public_channel_sync(endpoint: str) -> grpc.Channel:
+    """`public_channel`, blocking."""
+    return grpc.intercept_channel(grpc.insecure_channel(endpoint), _BearerSync())
 
 
 async def generate_tokens(
     endpoint: str, prompts: list[list[int]], max_tokens: int, timeout_s: float = 120.0
 ) -> list[list[int]]:
     """Greedy-generate every prompt concurrently over `Generate`; token ids per prompt."""
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
 
         async def one(prompt: list[int]) -> list[int]:
@@ -50,7 +90,7 @@ async def stream_tokens(
     """Greedy-generate one stream over `Generate` (EOS ignored); (token ids, text).
     `progress[req_id]` follows the tokens received so far; `sampling`: more
     `GenerateRequest` fields (penalties, logit_bias, ...)."""
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = gen_pb.GenerateRequest(
             request_id=req_id,

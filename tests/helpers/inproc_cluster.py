@@ -26,12 +26,12 @@ from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerConfig, WorkerRole, WorkerSettings
-from tests.helpers.grpc_calls import assert_workers_idle
+from tests.helpers.grpc_calls import TEST_API_KEY, assert_workers_idle
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 
-# The session cluster's router: its OpenAI HTTP API needs this key and refuses bodies
-# over MAX_BODY_BYTES (gRPC and KServe calls are unaffected).
-SHARED_API_KEY = "sk-tandem-test"
+# The session cluster's router: every public API needs this key (gRPC clients:
+# grpc_calls.public_channel), and HTTP refuses bodies over MAX_BODY_BYTES.
+SHARED_API_KEY = TEST_API_KEY
 SHARED_MAX_BODY_BYTES = 256 * 1024
 
 

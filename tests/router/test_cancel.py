@@ -9,6 +9,7 @@ import pytest
 
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tests.helpers.grpc_calls import public_channel
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -17,7 +18,7 @@ IDLE_WITHIN_S = 0.3
 
 
 async def cancel_after(endpoint: str, prompt: list[int], num_messages: int) -> int:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = gen_pb.GenerateRequest(
             prompt_token_ids=prompt, max_tokens=900, temperature=0.0, ignore_eos=True
@@ -42,7 +43,7 @@ def test_grpc_cancel_mid_stream_frees_workers(cluster, num_messages):
 
 def test_grpc_deadline_expiry_frees_workers(cluster):
     async def scenario() -> grpc.StatusCode:
-        async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
+        async with public_channel(cluster.grpc_endpoint) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             request = gen_pb.GenerateRequest(
                 prompt_token_ids=make_prompts(2048, (60,), seed=52)[0],

@@ -13,9 +13,13 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from tandem.proto.inference import grpc_service_pb2 as kserve_pb
+from tandem.proto.inference import grpc_service_pb2_grpc as kserve_grpc
+from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.tokenization import PromptTokenizer
+from tests.helpers.grpc_calls import public_channel_sync
 from tests.helpers.hf_reference import (
     LOGPROB_TOLERANCE,
     hf_greedy,
@@ -30,13 +34,65 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture
 def channel(cluster):
-    with grpc.insecure_channel(cluster.grpc_endpoint) as channel:
+    with public_channel_sync(cluster.grpc_endpoint) as channel:
         yield channel
 
 
 def test_health_check_is_serving(channel):
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_every_service_but_health_and_reflection_needs_the_api_key(cluster):
+    """The shared router has an API key: without it (or with a wrong one) every call of
+    Generation, KServe and Admin is UNAUTHENTICATED before its request is read; probes
+    (gRPC health, KServe live/ready) and reflection answer anyone."""
+    generate = gen_pb.GenerateRequest(prompt="hi", max_tokens=2)
+    calls = {
+        "Generation/Generate": ("unary_stream", "/tandem.v1.Generation/Generate", generate),
+        "Generation/Tokenize": (
+            "unary_unary", "/tandem.v1.Generation/Tokenize", gen_pb.TokenizeRequest(prompt="hi")
+        ),
+        "Generation/ListModels": (
+            "unary_unary", "/tandem.v1.Generation/ListModels", gen_pb.ListModelsRequest()
+        ),
+        "KServe/ModelInfer": (
+            "unary_unary", "/inference.GRPCInferenceService/ModelInfer",
+            kserve_pb.ModelInferRequest(model_name="x"),
+        ),
+        "KServe/ModelMetadata": (
+            "unary_unary", "/inference.GRPCInferenceService/ModelMetadata",
+            kserve_pb.ModelMetadataRequest(name="x"),
+        ),
+        "KServe/ModelStreamInfer": (
+            "stream_stream", "/inference.GRPCInferenceService/ModelStreamInfer",
+            kserve_pb.ModelInferRequest(model_name="x"),
+        ),
+        "Admin/GetPools": ("unary_unary", "/tandem.admin.v1.Admin/GetPools",
+                           admin_pb.GetPoolsRequest()),
+    }  # fmt: skip
+    for metadata in ((), (("authorization", "Bearer sk-wrong"),), (("authorization", "x"),)):
+        with grpc.insecure_channel(cluster.grpc_endpoint) as channel:
+            for name, (kind, method, request) in calls.items():
+                call = getattr(channel, kind)(
+                    method, request_serializer=type(request).SerializeToString
+                )
+                with pytest.raises(grpc.RpcError) as info:
+                    reply = call(iter([request]) if kind.startswith("stream") else request,
+                                 timeout=10, metadata=metadata)  # fmt: skip
+                    if kind.endswith("stream"):
+                        list(reply)
+                assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED, (name, metadata)
+    with grpc.insecure_channel(cluster.grpc_endpoint) as channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        kserve = kserve_grpc.GRPCInferenceServiceStub(channel)
+        assert kserve.ServerLive(kserve_pb.ServerLiveRequest(), timeout=5).live
+        assert kserve.ServerReady(kserve_pb.ServerReadyRequest(), timeout=5).ready
+        assert not kserve.ModelReady(kserve_pb.ModelReadyRequest(name="x"), timeout=5).ready
+        assert "tandem.v1.Generation" in ProtoReflectionDescriptorDatabase(channel).get_services()
 
 
 def test_generate_through_reflection_discovered_descriptors(channel, tiny_model_dir):

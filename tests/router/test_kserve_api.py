@@ -18,6 +18,7 @@ from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.errors import InvalidRequest
 from tandem.router.kserve_request import parse_request
 from tandem.router.tokenization import PromptTokenizer
+from tests.helpers.grpc_calls import BEARER, public_channel, public_channel_sync
 from tests.helpers.hf_reference import hf_greedy
 
 
@@ -64,15 +65,22 @@ def expected(cluster) -> dict[str, str]:
     return {p: cluster.run(_generate_text(cluster.grpc_endpoint, p))[0] for p in PROMPTS}
 
 
+def _with_api_key(request) -> None:
+    """A tritonclient plugin: the router's API key on every call (Triton's own plugins,
+    e.g. BasicAuth, set a header the same way)."""
+    request.headers[BEARER[0]] = BEARER[1]
+
+
 @pytest.fixture
 def client(cluster):
     client = grpcclient.InferenceServerClient(cluster.grpc_endpoint)
+    client.register_plugin(_with_api_key)
     yield client
     client.close()
 
 
 async def _generate_text(endpoint: str, prompt: str) -> tuple[str, list[int]]:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = gen_pb.GenerateRequest(
             prompt=prompt, max_tokens=GREEDY["max_tokens"], temperature=0.0
@@ -86,7 +94,7 @@ async def _generate_text(endpoint: str, prompt: str) -> tuple[str, list[int]]:
 
 def _reflected_services(endpoint: str) -> list[str]:
     request = reflection_pb2.ServerReflectionRequest(list_services="")
-    with grpc.insecure_channel(endpoint) as channel:
+    with public_channel_sync(endpoint) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         (reply,) = stub.ServerReflectionInfo(iter([request]), timeout=10)
     return [service.name for service in reply.list_services_response.service]
@@ -255,7 +263,7 @@ def test_infer_typed_contents_matches_generate(cluster, model_name, expected):
     ]:
         tensor = request.inputs.add(name=name, datatype=datatype, shape=[1])
         getattr(tensor.contents, field).append(value)
-    with grpc.insecure_channel(cluster.grpc_endpoint) as channel:
+    with public_channel_sync(cluster.grpc_endpoint) as channel:
         stub = triton_grpc.GRPCInferenceServiceStub(channel)
         response = stub.ModelInfer(request, timeout=60)
         request.inputs[0].datatype = "INT32"
@@ -349,9 +357,11 @@ def test_stream_reports_errors_per_request(client, model_name, expected):
     client.start_stream(callback=collector)
     client.async_stream_infer(model_name, _inputs("x", {"temperature": -1}, stream=True))
     client.async_stream_infer("no-such-model", _inputs("x", stream=True))
-    for word in ("temperature", "no-such-model"):
-        result, error = collector.next()
-        assert result is None and word in error.message()
+    # Each request of a stream runs on its own: their answers may come in either order.
+    answers = [collector.next() for _ in range(2)]
+    assert [result for result, _ in answers] == [None, None]
+    messages = " | ".join(error.message() for _, error in answers)
+    assert "temperature" in messages and "no-such-model" in messages, messages
     prompt = PROMPTS[1]
     client.async_stream_infer(model_name, _inputs(prompt, GREEDY, stream=True))
     assert "".join(_text(r) for r in collector.until_final()) == expected[prompt]

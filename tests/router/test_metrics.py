@@ -17,6 +17,7 @@ from tandem.router.policy import SloConfig
 from tandem.router.request_flow import RequestFlow
 from tandem.telemetry.tracing import Tracing
 from tandem.worker.config import WorkerRole
+from tests.helpers.grpc_calls import public_channel
 from tests.helpers.inproc_cluster import InprocCluster, inproc_router_config
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import until
@@ -27,12 +28,11 @@ MAX_TOKENS = 7
 
 
 async def run_fixed_length(endpoint: str, prompts: list[list[int]]) -> None:
-    import grpc
 
     from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
     from tandem.proto.tandem.v1 import generation_pb2_grpc
 
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         for prompt in prompts:
             request = gen_pb.GenerateRequest(

@@ -20,6 +20,7 @@ from tandem.router.membership import WorkerLifecycle
 from tandem.worker.config import WorkerRole
 from tests.helpers.grpc_calls import (
     assert_workers_idle,
+    public_channel,
     start_streams,
     stream_tokens,
     wait_streaming,
@@ -77,7 +78,7 @@ async def stream_choices(
     tokens: list[list[int]] = [[] for _ in range(N_CHOICES)]
     texts = ["" for _ in range(N_CHOICES)]
     num_completion_tokens = 0
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = gen_pb.GenerateRequest(
             request_id=req_id, prompt_token_ids=prompt, max_tokens=FORK_MAX_TOKENS,
@@ -266,7 +267,7 @@ def test_worker_declared_dead_migrates_its_streams_and_stop_strings_still_cut(de
         stops.append(stop if stop.strip() and text.find(stop) >= len(text) // 2 else "")
 
     async def run_with_stops(prefix: str, progress: dict[str, int] | None):
-        async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
+        async with public_channel(cluster.grpc_endpoint) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
 
             async def one(i: int) -> tuple[list[int], str, int, str]:

@@ -17,12 +17,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import grpc
 import pytest
 
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
-from tests.helpers.grpc_calls import worker_stats
+from tests.helpers.grpc_calls import public_channel, worker_stats
 from tests.helpers.inproc_cluster import InprocCluster, inproc_router_config
 from tests.helpers.prompts import make_prompts
 
@@ -100,7 +99,7 @@ async def run_one(stub, request: gen_pb.GenerateRequest, cancel: bool) -> Outcom
 
 async def run_all(endpoint: str, requests: list[tuple[str, gen_pb.GenerateRequest]]):
     limit = asyncio.Semaphore(CONCURRENCY)
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
 
         async def limited(kind: str, request: gen_pb.GenerateRequest) -> Outcome:

@@ -33,7 +33,7 @@ from tandem.router.errors import InvalidRequest
 from tandem.router.kserve_request import parse_request
 from tandem.router.tokenization import PromptTokenizer
 from tandem.worker.convert import sampling_params_from_proto, sampling_params_to_proto
-from tests.helpers.grpc_calls import worker_stats
+from tests.helpers.grpc_calls import public_channel, worker_stats
 from tests.helpers.hf_reference import LOGPROB_TOLERANCE, hf_prompt_scores
 from tests.helpers.inproc_cluster import (
     InprocCluster,
@@ -504,7 +504,7 @@ def test_n_sequences_are_charged_the_prompt_once(cluster):
             request_id="charged", prompt_token_ids=PROMPT, max_tokens=MAX_TOKENS,
             temperature=0.0, ignore_eos=True, n=3,
         )  # fmt: skip
-        async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
+        async with public_channel(cluster.grpc_endpoint) as channel:
             stream = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
             num_blocks = None
             async for _ in stream:  # from the first token on, the request is placed
@@ -922,7 +922,7 @@ def test_kserve_sampling_parameters_carry_penalties_and_bias(tokenizer):
 
 async def _generate_cached(endpoint: str, request: gen_pb.GenerateRequest) -> int:
     """The prompt tokens a Generate call found in a prefix cache."""
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         async for msg in stub.Generate(request, timeout=60):
             if msg.HasField("usage"):
@@ -931,7 +931,7 @@ async def _generate_cached(endpoint: str, request: gen_pb.GenerateRequest) -> in
 
 
 async def _generate_ids(endpoint: str, request: gen_pb.GenerateRequest) -> list[int]:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         ids: list[int] = []
         async for msg in stub.Generate(request, timeout=60):
@@ -962,7 +962,7 @@ def test_worker_wire_keeps_every_sampling_field():
 async def _generate_by_index(
     endpoint: str, request: gen_pb.GenerateRequest
 ) -> dict[int, list[int]]:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         ids: dict[int, list[int]] = {}
         async for msg in stub.Generate(request, timeout=60):

@@ -16,7 +16,12 @@ from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
 from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
 from tandem.router.membership import PoolTargets, WorkerInfo, WorkerLifecycle
 from tandem.worker.config import WorkerConfig, WorkerRole
-from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens, stream_tokens
+from tests.helpers.grpc_calls import (
+    TEST_API_KEY,
+    assert_workers_idle,
+    generate_tokens,
+    stream_tokens,
+)
 from tests.helpers.inproc_cluster import SHARED_API_KEY
 from tests.helpers.inproc_pools import InprocPools
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
@@ -26,7 +31,7 @@ from tests.helpers.router_metrics import migration_counts
 
 pytestmark = pytest.mark.timeout(600)
 
-API_KEY = "sk-admin-test"
+API_KEY = TEST_API_KEY  # the key test clients send (grpc_calls' helpers too)
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 GRPC_AUTH = (("authorization", f"Bearer {API_KEY}"),)
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.membership import WorkerLifecycle
 from tandem.worker.config import WorkerRole
+from tests.helpers.grpc_calls import public_channel
 from tests.helpers.process_cluster import ProcessCluster
 
 pytestmark = pytest.mark.timeout(600)
@@ -25,7 +25,7 @@ OPTION = " ".join(["decode prefill batch queue worker router latency cache"] * 8
 
 
 async def guided_stream(endpoint: str, req_id: str, progress: dict[str, int]) -> str:
-    async with grpc.aio.insecure_channel(endpoint) as channel:
+    async with public_channel(endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = gen_pb.GenerateRequest(
             request_id=req_id,

@@ -20,6 +20,7 @@ from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.proto.inference import grpc_service_pb2_grpc as kserve_grpc
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
+from tests.helpers.grpc_calls import public_channel_sync
 from tests.helpers.inproc_cluster import InprocCluster, openai_client
 from tests.helpers.json_schemas import MAX_TOKENS, SCHEMAS
 
@@ -289,7 +290,7 @@ def test_bad_specs_are_400s_naming_the_field(client, cluster, kwargs, param):
 
 def test_guided_through_generate_and_kserve(cluster):
     schema = SCHEMAS[6]
-    with grpc.insecure_channel(cluster.grpc_endpoint) as channel:
+    with public_channel_sync(cluster.grpc_endpoint) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         request = gen_pb.GenerateRequest(
             prompt="the",

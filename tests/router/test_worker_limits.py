@@ -19,6 +19,7 @@ from tandem.router.policy_runtime import WorkerLimits, worker_limits
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 from tandem.worker.config import WorkerConfig, WorkerRole
+from tests.helpers.grpc_calls import public_channel
 from tests.helpers.inproc_cluster import InprocCluster
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 
@@ -112,7 +113,7 @@ def test_router_checks_prompts_against_the_workers_max_model_len(tiny_model_dir)
     cluster.start()
 
     async def generate(prompt_len: int, max_tokens: int) -> grpc.StatusCode:
-        async with grpc.aio.insecure_channel(cluster.grpc_endpoint) as channel:
+        async with public_channel(cluster.grpc_endpoint) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             request = gen_pb.GenerateRequest(
                 prompt_token_ids=[5] * prompt_len, max_tokens=max_tokens, temperature=0.0
