@@ -37,6 +37,10 @@ _FINISH = {
 }
 
 
+# Longest client request_id (it is echoed, and names the request in logs and traces).
+MAX_REQUEST_ID_CHARS = 256
+
+
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(
         self,
@@ -62,14 +66,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         except RouterError as exc:
             await abort_with(context, exc)
-        req_id = request.request_id or uuid.uuid4().hex
+        # The client's id is a label it gets back, not the router's key: two clients (or
+        # a retry) may send the same one at once, so the router's id adds a random part.
+        req_id = uuid.uuid4().hex
+        if request.request_id:
+            req_id = f"{request.request_id}-{req_id[:12]}"
+        echoed_id = request.request_id or req_id
         stream = self.flow.generate(req_id, prompt_ids, params, slo, n=request.n or 1)
         # Client cancel or deadline: the RPC ends while we may be parked at a yield.
         context.add_done_callback(lambda _: stream.cancel())
         try:
             async for chunk in stream:
                 msg = gen_pb.GenerateResponse(
-                    request_id=req_id,
+                    request_id=echoed_id,
                     token_ids=chunk.token_ids,
                     text=chunk.text,
                     logprobs=chunk.logprobs,
@@ -128,6 +137,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def _validate(self, request: gen_pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Prompt ids and sampling params, or InvalidRequest naming the bad field."""
         self._check_model(request.model)
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest(
+                f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                f"got {len(request.request_id)}",
+                "request_id",
+            )
         if request.n > self.max_n:
             raise InvalidRequest(f"n must be <= {self.max_n}, got {request.n}", "n")
         try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import grpc
@@ -19,7 +20,7 @@ from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.tokenization import PromptTokenizer
-from tests.helpers.grpc_calls import public_channel_sync
+from tests.helpers.grpc_calls import public_channel, public_channel_sync
 from tests.helpers.hf_reference import (
     LOGPROB_TOLERANCE,
     hf_greedy,
@@ -220,6 +221,7 @@ BAD_REQUESTS = [
     (dict(prompt="hi", stop=["x"] * 17), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     (dict(prompt="hi", slo_class="gold"), grpc.StatusCode.INVALID_ARGUMENT, "slo_class"),
+    (dict(prompt="hi", request_id="r" * 257), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     (dict(prompt="hi", ttft_slo_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "ttft"),
     (dict(prompt="hi", top_logprobs=2), grpc.StatusCode.INVALID_ARGUMENT, "top_logprobs"),
     (dict(prompt="hi", min_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "min_p"),
@@ -252,3 +254,37 @@ def test_bad_generate_requests_get_clear_errors(channel, tiny_model_dir, fields,
     request = gen_pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=4, temperature=0.0)
     tokens = [t for reply in stub.Generate(request, timeout=60) for t in reply.token_ids]
     assert tokens == hf_greedy(tiny_model_dir, [prompt], 4)[0]
+
+
+def test_clients_may_send_the_same_request_id_at_once(cluster, tiny_model_dir):
+    """A request_id is the client's label, echoed back: two requests with one id at the
+    same time, or one that names another's n-th sequence ("z#1" beside "z" with n = 2),
+    each run whole (the router keys requests by ids of its own)."""
+    prompt = make_prompts(2048, (20,), seed=63)[0]
+    want = hf_greedy(tiny_model_dir, [prompt], 24)[0]
+
+    async def one(stub, request_id: str, n: int = 1) -> tuple[set[str], list[list[int]]]:
+        request = gen_pb.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            max_tokens=24,
+            temperature=0.0,
+            ignore_eos=True,
+            n=n,
+        )
+        echoed, tokens = set(), [[] for _ in range(n)]
+        async for reply in stub.Generate(request, timeout=60):
+            echoed.add(reply.request_id)
+            tokens[reply.index] += reply.token_ids
+        return echoed, tokens
+
+    async def scenario() -> list:
+        async with public_channel(cluster.grpc_endpoint) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            return await asyncio.gather(
+                one(stub, "dup"), one(stub, "dup"), one(stub, "z", n=2), one(stub, "z#1")
+            )
+
+    results = cluster.run(scenario())
+    assert [echoed for echoed, _ in results] == [{"dup"}, {"dup"}, {"z"}, {"z#1"}]
+    assert [tokens for _, tokens in results] == [[want], [want], [want, want], [want]]
