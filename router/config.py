@@ -58,7 +58,8 @@ class RouterConfig:
     # <api_key>` (router/api_key.py); None: open. Health, `/metrics` and gRPC reflection
     # stay open either way.
     api_key: str | None = None
-    # Largest HTTP request body accepted; bigger ones get 413.
+    # Largest HTTP request body (bigger: 413) and public gRPC message (bigger:
+    # RESOURCE_EXHAUSTED) accepted.
     max_body_bytes: int = 8 * 1024 * 1024
     # Cluster token (and optional TLS) the router presents on its calls to workers: the
     # workers' `WorkerSettings.cluster_auth`. (The public APIs use `api_key`.)

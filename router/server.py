@@ -50,6 +50,8 @@ from tandem.telemetry.tracing import Tracing
 
 logger = logging.getLogger(__name__)
 
+RECEIVE_LIMIT = "grpc.max_receive_message_length"
+
 # Worker states that keep a worker in the router's pool (DRAINING: requests finish there).
 _IN_POOL = frozenset({WorkerLifecycle.SERVING, WorkerLifecycle.DRAINING})
 # How often the router retries adding a wanted worker it could not reach.
@@ -114,7 +116,13 @@ class Router:
         )
         admin = PoolsAdmin(self.admin_backend, self._worker_load, self._planner_json)
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else None
-        self._server = server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
+        # A public message may be as large as an HTTP body, no larger: what a prompt may
+        # cost the tokenizer thread (8 MiB of text: ~6 s) is the same on every API.
+        public_options = [
+            *(option for option in GRPC_OPTIONS if option[0] != RECEIVE_LIMIT),
+            (RECEIVE_LIMIT, config.max_body_bytes),
+        ]
+        self._server = server = grpc.aio.server(options=public_options, interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(flow, tokenizer, config.model_name, config.max_n), server
         )

@@ -28,6 +28,7 @@ from tests.helpers.hf_reference import (
     hf_prompt_scores,
     hf_top_logprobs,
 )
+from tests.helpers.inproc_cluster import SHARED_MAX_BODY_BYTES
 from tests.helpers.prompts import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -288,3 +289,15 @@ def test_clients_may_send_the_same_request_id_at_once(cluster, tiny_model_dir):
     results = cluster.run(scenario())
     assert [echoed for echoed, _ in results] == [{"dup"}, {"dup"}, {"z"}, {"z#1"}]
     assert [tokens for _, tokens in results] == [[want], [want], [want, want], [want]]
+
+
+def test_a_message_over_the_body_limit_is_refused_as_http_does(channel):
+    """The public gRPC port takes messages up to the HTTP body limit (the shared
+    router's: 256 KiB), so a prompt costs the tokenizer no more on one API than another."""
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    assert stub.Tokenize(gen_pb.TokenizeRequest(prompt="a " * 100_000), timeout=30).token_ids
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Tokenize(
+            gen_pb.TokenizeRequest(prompt="a " * (SHARED_MAX_BODY_BYTES // 2)), timeout=30
+        )
+    assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
