@@ -18,6 +18,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tandem.cluster.config import ClusterConfig, ThreadPolicy, role_resource
+from tandem.cluster.controller_link import ControllerLink
 from tandem.cluster.pool_controller import (
     CONTROLLER_NAME,
     CONTROLLER_NAMESPACE,
@@ -95,6 +96,13 @@ class LocalCluster:
         # The router learns block size and max model length from the workers' Stats.
         self.router = router = await self._attached.start(timeout_s)
         return router
+
+    @property
+    def controller_link(self) -> ControllerLink:
+        """The link this cluster's router keeps to the pool controller (started)."""
+        if self._attached is None:
+            raise RuntimeError("the cluster is not started")
+        return self._attached.link
 
     @property
     def ray_address(self) -> str:

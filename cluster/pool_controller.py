@@ -34,9 +34,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from tandem.cluster.config import ClusterConfig, role_resource
 from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
 from tandem.cluster.ray_nodes import check_drainable, keep_new_actors_off
+from tandem.cluster.traffic_totals import TrafficTotals
 from tandem.cluster.worker_actor import RemoteWorkerActor, WorkerPlacement, node_host
+from tandem.planner.observe import Counters
 from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
-from tandem.router.pool_gauges import PoolGauges
+from tandem.router.pool_gauges import PlannerGauges, PoolGauges
 from tandem.worker.config import WorkerConfig, WorkerRole
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,10 @@ class PoolController:
         # The pool gauges routers re-export, served on the controller's own /metrics.
         self.metrics_registry = CollectorRegistry()
         self.gauges = PoolGauges(self.metrics_registry)
+        # The live planner's gauges, as it publishes them (`cluster.traffic`).
+        self.planner_gauges = PlannerGauges(self.metrics_registry)
+        # Every router's traffic totals, for the live planner.
+        self.traffic_totals = TrafficTotals()
         self._changed = asyncio.Condition()
         self._loop_task: asyncio.Task | None = None
         self._starts: dict[str, asyncio.Task] = {}
@@ -182,6 +188,22 @@ class PoolController:
 
     async def drained_loads(self) -> dict[str, WorkerLoad]:
         return dict(self.drained)
+
+    async def report_traffic(self, router_id: str, counters: Counters) -> None:
+        """A router's running traffic totals (`cluster.traffic.TrafficReporter`)."""
+        self.traffic_totals.report(router_id, counters, time.monotonic())
+
+    async def traffic(self) -> Counters:
+        """Every router's traffic totals, summed."""
+        return self.traffic_totals.total()
+
+    async def publish_plan(
+        self, recommended: tuple[int, int] | None, predicted_rps: float | None, observed_rps: float
+    ) -> None:
+        """The live planner's gauges, for this /metrics."""
+        self.planner_gauges.observe(observed_rps)
+        if recommended is not None and predicted_rps is not None:
+            self.planner_gauges.recommend(recommended, predicted_rps)
 
     async def get_metrics_url(self) -> str:
         return self.metrics_url

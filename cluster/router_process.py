@@ -18,6 +18,7 @@ from tandem.cluster.admin_backend import RayAdminBackend
 from tandem.cluster.controller_link import ControllerLink, find_controller
 from tandem.cluster.membership_watcher import MembershipWatcher
 from tandem.cluster.pool_controller import CONTROLLER_REPLY_S
+from tandem.cluster.traffic import TrafficReporter
 from tandem.router.config import RouterConfig
 from tandem.router.membership import Membership, WorkerLifecycle
 from tandem.router.server import Router
@@ -41,13 +42,15 @@ def serving_endpoints(membership: Membership) -> list[WorkerEndpoint]:
 
 
 class AttachedRouter:
-    """Owns a router and the watcher that keeps its membership current."""
+    """Owns a router, the watcher that keeps its membership current, and the reporter
+    that tells the pool controller its traffic (for the live planner)."""
 
     def __init__(self, config: RouterConfig, controller: Any) -> None:
         self.config = config
         self.link = ControllerLink(controller)
         self.router: Router | None = None
         self.watcher: MembershipWatcher | None = None
+        self.reporter: TrafficReporter | None = None
 
     async def start(self, timeout_s: float = 60.0) -> Router:
         # The controller gives up after timeout_s; the margin bounds a reply that never comes.
@@ -64,6 +67,8 @@ class AttachedRouter:
         self.router = router
         self.watcher = MembershipWatcher(self.link, router.update_membership, membership.version)
         self.watcher.start()
+        self.reporter = TrafficReporter(self.link, router)
+        self.reporter.start()
         return router
 
     async def stop(self) -> None:
@@ -72,7 +77,10 @@ class AttachedRouter:
             self.watcher = None
         if self.router is not None:
             await self.router.stop()
-            self.router = None
+        if self.reporter is not None:  # after the router: its last report counts everything
+            await self.reporter.stop()
+            self.reporter = None
+        self.router = None
 
 
 async def run_router(ray_address: str, overrides: dict[str, Any], announce=print) -> None:

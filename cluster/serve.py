@@ -7,6 +7,7 @@ import logging
 import signal
 
 from tandem.cluster.launcher import ClusterConfig, LocalCluster
+from tandem.cluster.traffic import ClusterTraffic
 from tandem.engine.dtype import dtype_banner
 from tandem.planner.live import LivePlanner, limits_of
 from tandem.planner.live_config import PlannerMode
@@ -36,7 +37,7 @@ async def serve(config: ClusterConfig, announce=print) -> None:
         # this driver process (exit at once; a segfault here), which would cut every
         # stream instead of draining them.
         on_stop_signals()
-        planner = await start_planner(config, router)
+        planner = await start_planner(config, router, ClusterTraffic(cluster.controller_link))
         announce(
             f"Tandem serving {config.model_dir}, {dtype_banner(config.engine)}, "
             f"attention {config.engine.resolved_attention_backend}"
@@ -65,10 +66,13 @@ async def serve(config: ClusterConfig, announce=print) -> None:
             loop.remove_signal_handler(sig)
 
 
-async def start_planner(config: ClusterConfig, router: Router) -> LivePlanner | None:
-    """The live P:D planner beside the router (None when `--planner off`)."""
+async def start_planner(
+    config: ClusterConfig, router: Router, traffic: ClusterTraffic
+) -> LivePlanner | None:
+    """The live P:D planner beside the router, reading every router's traffic (None when
+    `--planner off`)."""
     if config.planner.mode is PlannerMode.OFF:
         return None
-    planner = LivePlanner(config.planner, router, limits_of(config.engine))
+    planner = LivePlanner(config.planner, router, limits_of(config.engine), traffic)
     await planner.start()
     return planner

@@ -1,12 +1,14 @@
 """The live planner: runs beside a serving router and recommends (or applies) the split.
 
-Every `interval_s` it reads the traffic the router saw over the last
-`window_intervals` intervals (`observe`, `live_inputs`), takes the router's
+Every `interval_s` it reads the traffic seen over the last `window_intervals` intervals
+(`observe`, `live_inputs`): in a cluster every router's, summed by the pool controller
+(a `TrafficSource`, `cluster.traffic`), else its own router's; takes the router's
 online-corrected latency models (mean per role, averaged over the same window), and
 searches every split of the budget in a separate process (`live_plan`); the current
 split stays recommended unless another beats its predicted goodput by `min_gain`. It publishes
 `tandem:planner_recommended_workers{role}`, `tandem:planner_predicted_goodput` and
-`tandem:planner_observed_goodput` on the router's `/metrics`, and the recommendation
+`tandem:planner_observed_goodput` on the router's `/metrics` (and through the
+`TrafficSource` on the pool controller's), and the recommendation
 with its reason under `"planner"` in `/admin/pools` (so `tandem pools` shows it). In
 `auto` it resizes the pools through the router's admin backend (the pool controller),
 one worker at a time, behind the `ResizeGate` hysteresis.
@@ -21,7 +23,7 @@ import multiprocessing as mp
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 from tandem.engine.config import EngineConfig
 from tandem.planner.hysteresis import ResizeGate, Split
@@ -34,7 +36,7 @@ from tandem.planner.live_plan import (
     ignore_interrupts,
     warm_up,
 )
-from tandem.planner.observe import Counters, ObservedLoad, read_counters
+from tandem.planner.observe import Counters, ObservedLoad, read_router_counters
 from tandem.planner.profile_format import EngineLimits
 from tandem.planner.profile_model import LatencyLaws
 from tandem.planner.simulator import SloTargets
@@ -44,6 +46,17 @@ from tandem.router.server import Router
 from tandem.worker.config import WorkerRole
 
 logger = logging.getLogger(__name__)
+
+
+class TrafficSource(Protocol):
+    """Where a planner beside one of several routers reads the traffic of all of them,
+    and publishes its gauges for all to see (`cluster.traffic.ClusterTraffic`)."""
+
+    async def counters(self) -> Counters: ...
+
+    async def publish(
+        self, recommended: tuple[int, int] | None, predicted_rps: float | None, observed_rps: float
+    ) -> None: ...
 
 
 def _mean(rows: Sequence[Sequence[float]]) -> tuple[float, ...]:
@@ -94,12 +107,20 @@ def current_split(membership: Membership) -> tuple[Split | None, bool]:
 class LivePlanner:
     """Owns the planning task and the process its searches run in."""
 
-    def __init__(self, config: PlannerConfig, router: Router, limits: EngineLimits) -> None:
+    def __init__(
+        self,
+        config: PlannerConfig,
+        router: Router,
+        limits: EngineLimits,
+        traffic: TrafficSource | None = None,
+    ) -> None:
         if config.mode is PlannerMode.OFF:
             raise ValueError("the planner is off")
         self.config = config
         self.router = router
         self.limits = limits
+        # Every router's traffic (a cluster's); None: this router's only.
+        self.traffic = traffic
         self.gate = ResizeGate(config.change_interval_s, config.confirmations)
         self.budget = config.max_workers
         self.last: LivePlanResult | None = None
@@ -122,7 +143,7 @@ class LivePlanner:
         if self.budget is None:
             split, _ = current_split(await self._pools())
             self.budget = sum(split) if split else len(self._workers())
-        self._reset_counters()
+        await self._reset_counters()
         self.router.planner_view = self.view
         self._task = asyncio.create_task(self._run_forever(), name="live-planner")
         logger.info("planner (%s): every %g s, budget %d workers",
@@ -153,10 +174,11 @@ class LivePlanner:
         """Observe the last interval, plan, publish, and (auto) maybe resize."""
         now = time.monotonic()
         assert self._inputs is not None
-        load = self._inputs.observe(now, self._read_counters())
+        load = self._inputs.observe(now, await self._read_counters())
         self.last_load = load
-        metrics = self.router.metrics
-        metrics.planner_observed_goodput.set(load.goodput_rps)
+        gauges = self.router.metrics.planner
+        gauges.observe(load.goodput_rps)
+        await self._publish()
         if self.budget is not None and self.budget < 2:
             self.last_action = f"a budget of {self.budget} worker cannot split (--max-workers >= 2)"
             return
@@ -169,9 +191,8 @@ class LivePlanner:
         result = await self._plan(load, split)
         self.last = result
         self.num_plans += 1
-        metrics.planner_recommended_workers.labels("prefill").set(result.recommended[0])
-        metrics.planner_recommended_workers.labels("decode").set(result.recommended[1])
-        metrics.planner_predicted_goodput.set(result.predicted_goodput_rps)
+        gauges.recommend(result.recommended, result.predicted_goodput_rps)
+        await self._publish()
         logger.info("planner: %s", result.reason)
         if self.config.mode is not PlannerMode.AUTO:
             self.last_action = "observe mode: recommendation only"
@@ -234,14 +255,26 @@ class LivePlanner:
             raise RuntimeError("the live planner needs a router with a pool controller")
         return await backend.get_pools()
 
-    def _read_counters(self) -> Counters:
-        cached = self._policy().num_reported_cached_tokens
-        return read_counters(self.router.metrics.registry, cached)
+    async def _read_counters(self) -> Counters:
+        if self.traffic is not None:
+            return await self.traffic.counters()
+        return read_router_counters(self.router)
 
-    def _reset_counters(self) -> None:
-        self._inputs = InputWindow(
-            self.config.window_intervals, time.monotonic(), self._read_counters()
-        )
+    async def _reset_counters(self) -> None:
+        counters = await self._read_counters()
+        self._inputs = InputWindow(self.config.window_intervals, time.monotonic(), counters)
+
+    async def _publish(self) -> None:
+        """This router's planner gauges, also where every router's traffic comes from."""
+        if self.traffic is None:
+            return
+        gauges = self.router.metrics.planner
+        try:
+            await self.traffic.publish(
+                gauges.recommended, gauges.predicted_rps, gauges.observed_rps or 0.0
+            )
+        except Exception as exc:  # the gauges lag; planning goes on
+            logger.warning("planner: publishing its gauges failed: %s", exc)
 
     def view(self) -> dict[str, Any]:
         """The `"planner"` key of `/admin/pools`."""

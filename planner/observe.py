@@ -9,19 +9,28 @@ goodput.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry
+
+if TYPE_CHECKING:
+    from tandem.router.server import Router
 
 
 @dataclass(frozen=True)
 class Counters:
+    """Running totals of one router (or, summed, of every router of a cluster)."""
+
     first_tokens: float = 0.0
     prompt_tokens: float = 0.0
     generation_tokens: float = 0.0
     finished: float = 0.0
     goodput: float = 0.0
     cached_tokens: float = 0.0
+
+    def __add__(self, other: Counters) -> Counters:
+        return Counters(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,14 @@ def _total(registry: CollectorRegistry, sample_name: str) -> float:
             if sample.name == sample_name:
                 total += sample.value
     return total
+
+
+def read_router_counters(router: Router) -> Counters:
+    """A serving router's totals (its metrics and its policy's reported cache hits)."""
+    runtime = router.policy_runtime
+    if runtime is None or runtime.policy is None or router.metrics is None:
+        raise RuntimeError("the router is not serving")
+    return read_counters(router.metrics.registry, runtime.policy.num_reported_cached_tokens)
 
 
 def read_counters(registry: CollectorRegistry, cached_tokens: float) -> Counters:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from tandem.router.pool_gauges import PoolGauges
+from tandem.router.pool_gauges import PlannerGauges, PoolGauges
 
 # Bucket bounds follow vLLM's, so dashboards and alerts port unchanged.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -155,24 +155,8 @@ class RouterMetrics:
         for reason in MIGRATION_REASONS:
             self.migrations.labels(model_name, reason)
         self._slo_window: deque[bool] = deque(maxlen=SLO_WINDOW)
-        # The live P:D planner's view (`tandem.planner.live` sets them when it runs).
-        self.planner_recommended_workers = Gauge(
-            "tandem:planner_recommended_workers",
-            "Workers per role (prefill, decode) the planner recommends.",
-            ["role"],
-            registry=r,
-        )
-        self.planner_predicted_goodput = Gauge(
-            "tandem:planner_predicted_goodput",
-            "Requests/s within SLO the planner predicts for its recommendation at the "
-            "observed load.",
-            registry=r,
-        )
-        self.planner_observed_goodput = Gauge(
-            "tandem:planner_observed_goodput",
-            "Requests/s within SLO over the planner's last interval.",
-            registry=r,
-        )
+        # The live P:D planner's view (`tandem.planner.live` sets it when one runs).
+        self.planner = PlannerGauges(r)
         # tandem:pool_workers / pool_target_workers / worker_restarts_total, re-exported
         # from the membership the router follows (fed by `Router.update_membership`).
         self.pools = PoolGauges(r)

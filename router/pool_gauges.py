@@ -1,4 +1,5 @@
-"""The pool gauges every router re-exports on its /metrics, from the membership it follows.
+"""The pool gauges every router re-exports on its /metrics, from the membership it
+follows, and the live planner's (`PlannerGauges`, at the end).
 
     tandem:pool_workers{role,state}        workers per role and lifecycle state
     tandem:pool_target_workers{role}       the target size of each role
@@ -66,3 +67,50 @@ class PoolGauges(Collector):
         yield workers
         yield targets
         yield restarts
+
+
+class PlannerGauges(Collector):
+    """The live planner's view, exported once it has one (`tandem.planner.live`): on
+    the router it runs beside, and in a cluster on the pool controller's /metrics too
+    (the one Kubernetes scrapes on the head).
+
+        tandem:planner_recommended_workers{role}   the split it recommends
+        tandem:planner_predicted_goodput           requests/s within SLO it predicts there
+        tandem:planner_observed_goodput            requests/s within SLO last interval
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.recommended: tuple[int, int] | None = None
+        self.predicted_rps: float | None = None
+        self.observed_rps: float | None = None
+        registry.register(self)
+
+    def observe(self, observed_rps: float) -> None:
+        self.observed_rps = observed_rps
+
+    def recommend(self, recommended: tuple[int, int], predicted_rps: float) -> None:
+        self.recommended, self.predicted_rps = recommended, predicted_rps
+
+    def collect(self) -> Iterator[Metric]:
+        if self.recommended is not None:
+            workers = GaugeMetricFamily(
+                "tandem:planner_recommended_workers",
+                "Workers per role (prefill, decode) the planner recommends.",
+                labels=["role"],
+            )
+            workers.add_metric(["prefill"], self.recommended[0])
+            workers.add_metric(["decode"], self.recommended[1])
+            yield workers
+        if self.predicted_rps is not None:
+            yield GaugeMetricFamily(
+                "tandem:planner_predicted_goodput",
+                "Requests/s within SLO the planner predicts for its recommendation at the "
+                "observed load.",
+                value=self.predicted_rps,
+            )
+        if self.observed_rps is not None:
+            yield GaugeMetricFamily(
+                "tandem:planner_observed_goodput",
+                "Requests/s within SLO over the planner's last interval.",
+                value=self.observed_rps,
+            )

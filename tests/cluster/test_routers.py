@@ -21,6 +21,7 @@ import ray
 from tandem.cluster.cli import main
 from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.router_process import serving_endpoints
+from tandem.planner.observe import Counters, read_router_counters
 from tandem.proto.cluster_auth import ClusterAuth, generate_token
 from tandem.router.server import Router
 from tests.helpers.grpc_calls import generate_tokens
@@ -89,6 +90,19 @@ def test_second_router_command_serves_and_follows_a_scale_event(tiny_model_dir, 
             second = RouterCommand(cluster.ray_address, tmp_path / "router.log")
             await asyncio.to_thread(second.wait_ready)
             assert await generate_tokens(second.grpc_endpoint, prompts, MAX_TOKENS) == expected
+
+            # The pool controller sums every router's traffic (what the live planner beside
+            # the first router reads): these requests went through the second one only.
+            def seen(traffic: Counters) -> tuple[float, ...]:
+                return (traffic.first_tokens, traffic.prompt_tokens,
+                        traffic.generation_tokens, traffic.finished)  # fmt: skip
+
+            want_seen = (3, sum(map(len, prompts)), 3 * MAX_TOKENS, 3)
+            deadline = asyncio.get_running_loop().time() + 15.0
+            while seen(traffic := await cluster.controller.traffic.remote()) != want_seen:
+                assert asyncio.get_running_loop().time() < deadline, traffic
+                await asyncio.sleep(0.2)
+            assert read_router_counters(first).first_tokens == 0
 
             # A scale event through the first router ...
             http_a = first.http_endpoint.removeprefix("http://")

@@ -4,8 +4,10 @@ Ray actors) while it serves load, and every panel query of deploy/grafana/tandem
 every recording rule of deploy/prometheus/rules.yaml must return data through
 Prometheus' HTTP API: no "No data" panel, no metric name that nothing exports.
 
-Targets carry the labels the chart's monitors add (`namespace` on all, `model_name` on
-the workers and the pool controller, whose own series do not have it)."""
+Targets carry the labels the chart's monitors add (`namespace` and `model_name` on all;
+a series' own `model_name`, a router's, is kept). The router and the pool controller
+both export the pool gauges, and the planner's go to both: every count must still come
+out once."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import yaml
 
 from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.serve import start_planner
+from tandem.cluster.traffic import ClusterTraffic
 from tandem.planner.live_config import PlannerConfig, PlannerMode
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.helm_chart import ROOT
@@ -114,11 +117,13 @@ def test_every_panel_and_recording_rule_has_data_under_load(
         planner = None
         try:
             router = await cluster.start()
-            planner = await start_planner(config, router)
+            planner = await start_planner(config, router, ClusterTraffic(cluster.controller_link))
             membership = await cluster.membership()
             model = router.config.model_name
             prometheus.set_targets(
-                "router", [f"{router.http_endpoint}/metrics"], {"namespace": NAMESPACE}
+                "router",
+                [f"{router.http_endpoint}/metrics"],
+                {"namespace": NAMESPACE, "model_name": model},
             )
             ray_targets = [w.metrics_url for w in membership.workers]
             ray_targets.append(cluster.controller_metrics_url)
@@ -140,9 +145,11 @@ def test_every_panel_and_recording_rule_has_data_under_load(
                 f'sum(tandem:request_success_total{{namespace="{NAMESPACE}"}}) >= {num_requests}',
                 20, "the last requests scraped",
             )  # fmt: skip
+            # From the pool controller (job "ray"): where Kubernetes scrapes it.
+            from_controller = f'{{namespace="{NAMESPACE}", job="ray"}}'
             await wait_for(
-                f'count(tandem:planner_recommended_workers{{namespace="{NAMESPACE}"}}) == 2',
-                90, "the live planner's first recommendation scraped",
+                f"count(tandem:planner_recommended_workers{from_controller}) == 2",
+                90, "the live planner's first recommendation scraped from the controller",
             )  # fmt: skip
             # A rule evaluation after that scrape (every 1 s).
             scraped_at = time.time()
@@ -195,10 +202,21 @@ def check_panels_and_rules(prometheus: PrometheusServer, model: str) -> None:
             f"label/{label}/values", **{"match[]": "tandem:num_requests_running"}
         )
         assert value in values, (label, values)
-    # And the numbers mean something: requests finished, workers serve in both pools.
+    # And the numbers mean something: requests finished, one worker serves in each pool
+    # (the router's copy of the pool gauges and the controller's count once), as the board
+    # shows it too.
     serving = prometheus.query(
-        f'namespace_role:tandem_serving_workers:sum{{namespace="{NAMESPACE}"}}'
+        f'namespace_model_role:tandem_serving_workers:max{{namespace="{NAMESPACE}"}}'
     )
-    assert {s["metric"]["role"]: float(s["value"][1]) for s in serving} == {
-        "prefill": 1.0, "decode": 1.0,
-    }  # fmt: skip
+    assert sorted((s["metric"]["role"], float(s["value"][1])) for s in serving) == [
+        ("decode", 1.0), ("prefill", 1.0),
+    ]  # fmt: skip
+    [pools_panel] = [
+        expr
+        for title, expr in panel_queries()
+        if title.startswith("Workers per role") and "pool_workers" in expr
+    ]
+    shown = prometheus.query(with_variables(pools_panel, model))
+    assert sorted((s["metric"]["role"], float(s["value"][1])) for s in shown) == [
+        ("decode", 1.0), ("prefill", 1.0),
+    ]  # fmt: skip

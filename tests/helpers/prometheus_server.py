@@ -35,6 +35,9 @@ class PrometheusServer:
             {
                 "job_name": name,
                 "metrics_path": "/metrics",
+                # As the chart's monitors: a target's `model_name` labels the series that
+                # lack one (pool and planner gauges) and leaves the routers' own alone.
+                "honor_labels": True,
                 "file_sd_configs": [
                     {"files": [str(self._targets_file(name))], "refresh_interval": "1s"}
                 ],

@@ -22,6 +22,7 @@ import ray
 from tandem.cluster.cli import main
 from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.serve import start_planner
+from tandem.cluster.traffic import ClusterTraffic
 from tandem.planner.live_config import PlannerConfig, PlannerMode
 from tests.helpers.grpc_calls import stream_tokens
 from tests.helpers.ray_pools import (
@@ -120,7 +121,7 @@ def test_auto_planner_moves_toward_prefill_for_documents(ray_session, tiny_model
                 await asyncio.sleep(0.2)
             assert load.num_done >= WARM_UP_REQUESTS and not load.failures, load.failures
             print(f"{time.monotonic() - t0:.0f} s: warmed up")
-            planner = await start_planner(config, router)
+            planner = await start_planner(config, router, ClusterTraffic(cluster.controller_link))
             assert planner is not None and planner.budget == 3
             # Steady chat: plans come, all recommend 1P+2D, and the split stays.
             recommended = set()
@@ -142,6 +143,10 @@ def test_auto_planner_moves_toward_prefill_for_documents(ray_session, tiny_model
             samples = await asyncio.to_thread(scrape, f"{router.http_endpoint}/metrics")
             assert samples['tandem:planner_recommended_workers{role="decode"}'] == 2
             assert "tandem:planner_predicted_goodput" in samples
+            assert samples["tandem:planner_observed_goodput"] >= 0
+            # ... and on the pool controller's (what Kubernetes scrapes on the head).
+            samples = await asyncio.to_thread(scrape, cluster.controller_metrics_url)
+            assert samples['tandem:planner_recommended_workers{role="decode"}'] == 2
             assert samples["tandem:planner_observed_goodput"] >= 0
             url = f"{router.http_endpoint}/admin/pools"
             pools = json.loads(await asyncio.to_thread(_get, url))
