@@ -23,6 +23,7 @@ from tandem.router.errors import (
 )
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.request_flow import RequestFlow
+from tandem.router.sequence import sequence_id
 from tandem.router.structured_outputs import field_ruling_out_grammar_tokens, guided_from_generate
 from tandem.router.tokenization import PromptTokenizer
 from tandem.worker.convert import set_stop_reason
@@ -53,6 +54,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_n = max_n
+        # Router ids of the requests (and their sequences) in flight here.
+        self._in_flight: set[str] = set()
 
     async def Generate(
         self, request: gen_pb.GenerateRequest, context
@@ -66,13 +69,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         except RouterError as exc:
             await abort_with(context, exc)
-        # The client's id is a label it gets back, not the router's key: two clients (or
-        # a retry) may send the same one at once, so the router's id adds a random part.
-        req_id = uuid.uuid4().hex
-        if request.request_id:
-            req_id = f"{request.request_id}-{req_id[:12]}"
+        num_sequences = request.n or 1
+        held = self._claim_ids(request.request_id, num_sequences)
+        req_id = held[0]
         echoed_id = request.request_id or req_id
-        stream = self.flow.generate(req_id, prompt_ids, params, slo, n=request.n or 1)
+        stream = self.flow.generate(req_id, prompt_ids, params, slo, n=num_sequences)
         # Client cancel or deadline: the RPC ends while we may be parked at a yield.
         context.add_done_callback(lambda _: stream.cancel())
         try:
@@ -106,6 +107,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await abort_with(context, exc)
         finally:
             await stream.aclose()
+            self._in_flight.difference_update(held)
+
+    def _claim_ids(self, client_id: str, num_sequences: int) -> list[str]:
+        """The router's id for a request, and its sequences' (`sequence_id`), held until
+        it ends. The client's `request_id` is a label echoed back: it is the router's id
+        too (so logs and traces show it) unless that, or one of its sequences' ids, names
+        a request in flight here (two clients, or a retry, may send one id at once; "z#1"
+        is sequence 1 of "z"); then the router's adds a random part."""
+        base = client_id or uuid.uuid4().hex
+        while True:
+            held = [sequence_id(base, i) for i in range(num_sequences)]
+            if self._in_flight.isdisjoint(held):
+                self._in_flight.update(held)
+                return held
+            base = f"{client_id}-{uuid.uuid4().hex[:12]}"
 
     async def Tokenize(self, request: gen_pb.TokenizeRequest, context) -> gen_pb.TokenizeResponse:
         try:
@@ -190,7 +206,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             structured=guided_from_generate(request.guided),
             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
         )
-        for name in ("logit_bias", "allowed_token_ids"):
+        for name in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
             try:
                 self.tokenizer.check_vocabulary(name, getattr(request, name))
             except ValueError as exc:

@@ -130,7 +130,7 @@ def parse_request(
         raise InvalidRequest(f"invalid sampling parameters: {exc}", "sampling_parameters") from exc
     if (conflict := field_ruling_out_grammar_tokens(params)) is not None:
         raise InvalidRequest(f"{conflict!r} cannot be combined with structured outputs", conflict)
-    for key in ("logit_bias", "allowed_token_ids"):
+    for key in ("logit_bias", "allowed_token_ids", "stop_token_ids"):
         try:
             tokenizer.check_vocabulary(key, getattr(params, key))
         except ValueError as exc:

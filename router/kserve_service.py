@@ -101,6 +101,12 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context) -> kserve_pb.ModelInferResponse:
         try:
             parsed = await self._parse(request)
+            if parsed.stream:
+                raise InvalidRequest(
+                    "input 'stream' is true: a streamed generation needs ModelStreamInfer "
+                    "(ModelInfer answers once)",
+                    param="stream",
+                )
         except InvalidRequest as exc:
             logger.debug("ModelInfer %r rejected: %s", request.id, exc)
             await abort_with(context, exc)

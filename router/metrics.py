@@ -150,6 +150,7 @@ class RouterMetrics:
         )
         for series in (self.running, self.waiting, self.goodput):
             series.labels(model_name)
+        self.rejected.labels(model_name, "overloaded")
         for decision in DISAGG_DECISIONS:
             self.disagg_decisions.labels(model_name, decision)
         for reason in MIGRATION_REASONS:

@@ -51,6 +51,12 @@ from tandem.telemetry.tracing import Tracing
 logger = logging.getLogger(__name__)
 
 RECEIVE_LIMIT = "grpc.max_receive_message_length"
+# How often the public services' gRPC health follows the workers' readiness.
+READINESS_INTERVAL_S = 1.0
+READINESS_SERVICES = (
+    generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+    KSERVE_SERVICE_NAME,
+)
 
 # Worker states that keep a worker in the router's pool (DRAINING: requests finish there).
 _IN_POOL = frozenset({WorkerLifecycle.SERVING, WorkerLifecycle.DRAINING})
@@ -80,6 +86,7 @@ class Router:
         # JOIN_RETRY_INTERVAL_S until they answer or a new membership replaces them.
         self._pending: dict[str, WorkerInfo] = {}
         self._join_retry: asyncio.Task | None = None
+        self._readiness: asyncio.Task | None = None
         self.flow: RequestFlow | None = None
         self.tracing = tracing or Tracing("tandem-router", config.trace_exporter)
         self.pool = WorkerPool(workers, config.cluster_auth)
@@ -147,6 +154,9 @@ class Router:
         self.grpc_endpoint = f"{config.host}:{port}"
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._readiness = asyncio.get_running_loop().create_task(
+            self._publish_readiness(health_servicer)
+        )
         app = make_http_app(
             self.pool, flow, tokenizer, config, dtype=self.policy_runtime.limits.dtype
         )
@@ -269,9 +279,35 @@ class Router:
             body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
+    async def _publish_readiness(self, health_servicer: health.aio.HealthServicer) -> None:
+        """gRPC health per public service (`tandem.v1.Generation`, KServe's) follows
+        `/health`: SERVING while every worker answers and a decode-capable one exists,
+        checked every READINESS_INTERVAL_S, so a load balancer that health-checks a
+        service stops sending there. The server's own status ("") stays SERVING while
+        the process runs: liveness probes ask it, and a router must not be restarted
+        because its workers are down."""
+        ready: bool | None = None
+        while True:
+            try:
+                now_ready = await self.pool.is_ready(self.config.probe_timeout_s)
+                if now_ready != ready:
+                    status = health_pb2.HealthCheckResponse.SERVING if now_ready else (
+                        health_pb2.HealthCheckResponse.NOT_SERVING
+                    )  # fmt: skip
+                    for service in READINESS_SERVICES:
+                        await health_servicer.set(service, status)
+                    ready = now_ready
+            except Exception:  # one failed check must not end them
+                logger.exception("router: readiness check failed")
+            await asyncio.sleep(READINESS_INTERVAL_S)
+
     async def stop(self) -> None:
         """Stop taking requests on every API at once, give those in flight up to
         STOP_GRACE_S to finish (HTTP and gRPC alike), then close the worker channels."""
+        if self._readiness is not None:
+            self._readiness.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._readiness
         if self._join_retry is not None:
             self._join_retry.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -39,7 +39,9 @@ def guided_from_fields(
     """The one guided-decoding key of `keys` set in `fields` (None: none), checked;
     raises InvalidRequest naming the key (after `prefix`) when it is malformed, or when
     several are set."""
-    given = [key for key in keys if fields.get(key) not in (None, False)]
+    # Unset: absent, null, or false (`guided_json_object: false`); 0 or "" are set, and
+    # checked (`0 in (None, False)` holds in Python: compared by identity).
+    given = [key for key in keys if fields.get(key) is not None and fields.get(key) is not False]
     if not given:
         return None
     first, name = given[0], prefix + given[0]

@@ -21,6 +21,7 @@ import urllib.request
 import grpc
 import pytest
 import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cluster.launcher import LocalCluster
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
@@ -195,6 +196,17 @@ def _post_completion(http_endpoint: str, model: str) -> tuple[int, dict, float]:
         return exc.code, dict(exc.headers), time.monotonic() - started
 
 
+async def _grpc_health(endpoint: str) -> set[tuple[str, int]]:
+    """(service, status) of the router's gRPC health for itself ("") and Generate."""
+    async with grpc.aio.insecure_channel(endpoint) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        replies = [
+            (service, await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5))
+            for service in ("", "tandem.v1.Generation")
+        ]
+    return {(service, reply.status) for service, reply in replies}
+
+
 def test_only_decode_worker_killed_gets_503_or_waits_then_recovers(ray_session, tiny_model_dir):
     """kill -9 of the only decode worker (1P + 1D): until the replacement serves, each
     request either gets 503 + Retry-After at once (placed when no decode worker was
@@ -210,6 +222,14 @@ def test_only_decode_worker_killed_gets_503_or_waits_then_recovers(ray_session, 
             assert (await asyncio.to_thread(_post_completion, http, model))[0] == 200
             [decode] = serving(await cluster.membership(), "decode")
             os.kill(decode.pid, signal.SIGKILL)
+            grpc_health: set[tuple[str, int]] = set()
+
+            async def watch_grpc_health() -> None:
+                while True:
+                    grpc_health.update(await _grpc_health(cluster.router.grpc_endpoint))
+                    await asyncio.sleep(0.1)
+
+            watching = asyncio.create_task(watch_grpc_health())
             statuses = []
             deadline = time.monotonic() + 90.0
             while time.monotonic() < deadline:
@@ -223,6 +243,16 @@ def test_only_decode_worker_killed_gets_503_or_waits_then_recovers(ray_session, 
                 await asyncio.sleep(0.2)
             assert statuses[-1] == 200, statuses
             healed = await cluster.controller.wait_at_target.remote(60.0)
+            watching.cancel()
+            await asyncio.gather(watching, return_exceptions=True)
+            # gRPC health: the public services went NOT_SERVING while no decode worker
+            # served (a load balancer checking them stops sending); the server itself
+            # stayed SERVING (liveness: the router is fine, and is not restarted).
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            assert ("tandem.v1.Generation", not_serving) in grpc_health, grpc_health
+            assert {status for service, status in grpc_health if service == ""} == {
+                health_pb2.HealthCheckResponse.SERVING
+            }
             assert decode.worker_id not in {w.worker_id for w in serving(healed, "decode")}
             assert (await cluster.controller.restarts.remote()) == {"prefill": 0, "decode": 1}
             await assert_idle(healed, auth=cluster.config.worker.cluster_auth)

@@ -41,8 +41,13 @@ def channel(cluster):
 
 
 def test_health_check_is_serving(channel):
-    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    health = health_pb2_grpc.HealthStub(channel)
+    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    # Each public service, ready (its workers answer): as /health.
+    for service in ("tandem.v1.Generation", "inference.GRPCInferenceService"):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, service
 
 
 def test_every_service_but_health_and_reflection_needs_the_api_key(cluster):
@@ -233,6 +238,7 @@ BAD_REQUESTS = [
     ),
     (dict(prompt="hi", prompt_logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "prompt_logprobs"),
     (dict(prompt="hi", allowed_token_ids=[3, 2048]), grpc.StatusCode.INVALID_ARGUMENT, "2048"),
+    (dict(prompt="hi", stop_token_ids=[2, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "99999"),
     (dict(prompt="hi", bad_words=[" "]), grpc.StatusCode.INVALID_ARGUMENT, "bad_words"),
     (dict(prompt="hi", bad_words=["x"] * 129), grpc.StatusCode.INVALID_ARGUMENT, "bad_words"),
     (
@@ -260,7 +266,7 @@ def test_bad_generate_requests_get_clear_errors(channel, tiny_model_dir, fields,
 def test_clients_may_send_the_same_request_id_at_once(cluster, tiny_model_dir):
     """A request_id is the client's label, echoed back: two requests with one id at the
     same time, or one that names another's n-th sequence ("z#1" beside "z" with n = 2),
-    each run whole (the router keys requests by ids of its own)."""
+    each run whole (the router's own id for the second adds a random part)."""
     prompt = make_prompts(2048, (20,), seed=63)[0]
     want = hf_greedy(tiny_model_dir, [prompt], 24)[0]
 

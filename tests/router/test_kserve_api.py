@@ -333,6 +333,14 @@ BAD_REQUESTS = [
     ("too long", lambda: _inputs("x", {"max_tokens": 5000}), None, "INVALID_ARGUMENT",
      ["context length"]),
     ("unknown model", lambda: _inputs("x"), "no-such-model", "NOT_FOUND", ["no-such-model"]),
+    ("stream on unary ModelInfer", lambda: _inputs("x", stream=True), None, "INVALID_ARGUMENT",
+     ["stream", "ModelStreamInfer"]),
+    ("stop token outside the vocabulary", lambda: _inputs("x", {"stop_token_ids": [99999999]}),
+     None, "INVALID_ARGUMENT", ["stop_token_ids", "99999999", "vocabulary"]),
+    ("guided_json 0", lambda: _inputs("x", {"guided_json": 0}), None, "INVALID_ARGUMENT",
+     ["guided_json"]),
+    ("guided_regex false-ish 0", lambda: _inputs("x", {"guided_regex": 0}), None,
+     "INVALID_ARGUMENT", ["guided_regex"]),
 ]  # fmt: skip
 
 

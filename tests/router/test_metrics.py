@@ -100,9 +100,9 @@ def test_metrics_match_a_known_workload(tiny_model_dir):
         # Known label values exist before their first event (no "No data" panels).
         assert metrics[f"tandem:disagg_decisions_total{{decision=local_prefill,{model}}}"] == 0
         assert metrics[f"tandem:request_migrations_total{{{model},reason=worker_lost}}"] == 0
-        # No request waited in admission (none is set here): 0, not a missing series.
+        # None waits for admission, none was shed: 0, not a missing series.
         assert metrics[f"tandem:num_requests_waiting{{{model}}}"] == 0
-        assert metrics[f"tandem:num_requests_running{{{model}}}"] == 0
+        assert metrics[f"tandem:requests_rejected_total{{{model},reason=overloaded}}"] == 0
         assert decode[f"tandem:kv_transfer_bytes_total{{{d_labels}}}"] > 0
         assert decode[f"tandem:num_requests_running{{{d_labels}}}"] == 0
         cluster.assert_idle()
