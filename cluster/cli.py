@@ -395,7 +395,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     import torch
 
     from tandem.cluster.config import ClusterConfig, PoolsConfig, RayConfig, ThreadPolicy
-    from tandem.cluster.security_flags import cluster_auth_from_args
+    from tandem.cluster.security_flags import cluster_auth_from_args, server_api_key
     from tandem.engine.config import DeviceKind, EngineConfig, default_device
     from tandem.planner.live_config import PlannerConfig, PlannerMode
     from tandem.router.config import RouterConfig
@@ -410,7 +410,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         raise CliError(
             f"--kv-backend {args.kv_backend} moves KV between GPUs; with --device cpu use tcp"
         )
-    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    try:
+        api_key = server_api_key(args.api_key)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     try:
         limit = _flag(args.max_workers_per_role, PoolsConfig.max_workers_per_role)
         limits = {

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.config import EngineConfig, default_device
-from tandem.planner.live_config import PlannerConfig
+from tandem.planner.live_config import PlannerConfig, PlannerMode
 from tandem.router.config import RouterConfig
 from tandem.worker.config import WorkerRole, WorkerSettings, check_kv_backend
 
@@ -214,6 +214,18 @@ class ClusterConfig:
                 f"router.model_dir ({self.router.model_dir}) must be model_dir ({self.model_dir})"
             )
         check_kv_backend(self.worker.kv_backend, self.engine.device)
+        budget, per_role = self.planner.max_workers, self.pools.max_workers_per_role
+        if (
+            self.planner.mode is not PlannerMode.OFF
+            and budget is not None
+            and budget > 2 * per_role
+        ):
+            # Every split the planner may recommend has each role within the budget.
+            raise ValueError(
+                f"planner.max_workers ({budget}) cannot be split with at most "
+                f"pools.max_workers_per_role ({per_role}) per role; raise the one or lower "
+                "the other"
+            )
         if self.router.cluster_auth != self.worker.cluster_auth:
             # The router calls the workers with its own; a different one is refused.
             raise ValueError(

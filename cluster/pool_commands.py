@@ -245,8 +245,15 @@ def _run_router(args: argparse.Namespace) -> int:
 
     ray_auth_env()
     from tandem.cluster.router_process import run_router
+    from tandem.cluster.security_flags import server_api_key
 
-    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    try:
+        api_key = server_api_key(args.api_key)
+        if args.grpc_port is not None and args.grpc_port == args.http_port != 0:
+            raise ValueError(f"--grpc-port and --http-port must differ, both {args.http_port}")
+    except ValueError as exc:
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
     overrides = {
         name: value
         for name, value in (

@@ -85,3 +85,19 @@ def cluster_auth_from_args(
     elif args.internal_tls_server_name:
         raise ValueError("--internal-tls-server-name needs the --internal-tls-* files")
     return ClusterAuth(token=token, tls=tls)
+
+
+def server_api_key(flag_value: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The public API key a server (`tandem serve`, `tandem router`) requires: `--api-key`,
+    else `$TANDEM_API_KEY`, else None (open). An empty or blank key is a ValueError, never
+    an open server: an unset shell variable (`--api-key "$KEY"`) or an empty Secret value
+    would otherwise switch authentication off without a word."""
+    if flag_value is not None:
+        source, key = "--api-key", flag_value
+    elif "TANDEM_API_KEY" in environ:
+        source, key = "TANDEM_API_KEY", environ["TANDEM_API_KEY"]
+    else:
+        return None
+    if not key.strip():
+        raise ValueError(f"{source} is empty; give a key, or leave it unset for an open server")
+    return key

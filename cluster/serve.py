@@ -73,6 +73,7 @@ async def start_planner(
     `--planner off`)."""
     if config.planner.mode is PlannerMode.OFF:
         return None
-    planner = LivePlanner(config.planner, router, limits_of(config.engine), traffic)
+    planner = LivePlanner(config.planner, router, limits_of(config.engine), traffic,
+                          max_per_role=config.pools.max_workers_per_role)  # fmt: skip
     await planner.start()
     return planner

@@ -113,6 +113,7 @@ class LivePlanner:
         router: Router,
         limits: EngineLimits,
         traffic: TrafficSource | None = None,
+        max_per_role: int | None = None,
     ) -> None:
         if config.mode is PlannerMode.OFF:
             raise ValueError("the planner is off")
@@ -121,6 +122,8 @@ class LivePlanner:
         self.limits = limits
         # Every router's traffic (a cluster's); None: this router's only.
         self.traffic = traffic
+        # The most workers the pools take of one role: no split beyond it is recommended.
+        self.max_per_role = max_per_role
         self.gate = ResizeGate(config.change_interval_s, config.confirmations)
         self.budget = config.max_workers
         self.last: LivePlanResult | None = None
@@ -225,7 +228,7 @@ class LivePlanner:
         given = LivePlanInput(
             laws, self.limits, self.budget, targets, load, split,
             policy.selector.config.max_local_prefill_tokens, self.config.num_sim_requests,
-            min_gain=self.config.min_gain,
+            min_gain=self.config.min_gain, max_per_role=self.max_per_role,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._executor, compute_plan, given)

@@ -33,6 +33,8 @@ class LivePlanInput:
     # The current split stays recommended unless another one's goodput beats it by more
     # than this fraction (near-ties must not flip the recommendation on noise).
     min_gain: float = 0.0
+    # The most workers the pools take of one role (splits beyond it are not searched).
+    max_per_role: int | None = None
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,9 @@ def compute_plan(given: LivePlanInput) -> LivePlanResult:
         seed=given.seed,
     )
     settings = SimSettings(given.limits, max_local_prefill_tokens=given.max_local_prefill_tokens)
-    result = plan(given.laws, settings, given.budget, given.slo, workload)
+    result = plan(
+        given.laws, settings, given.budget, given.slo, workload, max_per_role=given.max_per_role
+    )
     goodput = {(s.layout.num_prefill, s.layout.num_decode): s.goodput_rps for s in result.splits}
     if given.current is not None and given.current not in goodput:
         layout = Layout(*given.current)

@@ -181,11 +181,18 @@ def _full(
     return sim.run(workload, report.rate_rps, num_requests=report.num_requests)
 
 
-def layouts(num_workers: int) -> tuple[list[Layout], Layout]:
-    """Every split p + d = N (p, d >= 1) and the colocated layout of N workers."""
+def layouts(num_workers: int, max_per_role: int | None = None) -> tuple[list[Layout], Layout]:
+    """Every split p + d = N (p, d >= 1; each at most `max_per_role`, the most workers
+    the pools take of one role) and the colocated layout of N workers."""
     if num_workers < 2:
         raise ValueError(f"the budget must be >= 2 workers (one per role), got {num_workers}")
-    splits = [Layout(p, num_workers - p) for p in range(1, num_workers)]
+    cap = num_workers if max_per_role is None else max_per_role
+    splits = [Layout(p, num_workers - p) for p in range(1, num_workers)
+              if p <= cap and num_workers - p <= cap]  # fmt: skip
+    if not splits:
+        raise ValueError(
+            f"the budget of {num_workers} workers has no split with at most {cap} per role"
+        )
     return splits, Layout(num_colocated=num_workers)
 
 
@@ -198,9 +205,11 @@ def plan(
     *,
     target: float = TARGET_ATTAINMENT,
     progress: Callable[[LayoutResult], None] | None = None,
+    max_per_role: int | None = None,
 ) -> Plan:
-    """Search every layout of `num_workers` and recommend a split."""
-    split_layouts, colocated_layout = layouts(num_workers)
+    """Search every layout of `num_workers` (splits with at most `max_per_role` of a
+    role) and recommend a split."""
+    split_layouts, colocated_layout = layouts(num_workers, max_per_role)
     results = []
     for layout in [*split_layouts, colocated_layout]:
         result = max_goodput(laws, settings, layout, slo, workload, target=target)

@@ -102,8 +102,14 @@ class RouterConfig:
         for name in ("prefill_timeout_s", "request_timeout_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError("api_key must be a non-empty string or None")
+        if self.api_key is not None and (
+            not isinstance(self.api_key, str) or not self.api_key.strip()
+        ):
+            raise ValueError("api_key must be a non-blank string or None")
+        if self.grpc_port == self.http_port != 0:
+            raise ValueError(
+                f"grpc_port and http_port must differ (0: a free one each), both {self.http_port}"
+            )
         if isinstance(self.max_migrations, bool) or not isinstance(self.max_migrations, int) \
                 or self.max_migrations < 0:  # fmt: skip
             raise ValueError(f"max_migrations must be an integer >= 0, got {self.max_migrations!r}")

@@ -142,6 +142,14 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--decode", "4", "--max-workers-per-role", "3"), "num_decode (4) is over max_workers"),
         (("--kv-cache-memory", "lots"), "--kv-cache-memory: expected bytes or a size like"),
         (("--kv-cache-memory", "0MiB"), "--kv-cache-memory: must be at least 1 byte"),
+        (("--grpc-port", "8000", "--http-port", "8000"), "grpc_port and http_port must differ"),
+        (
+            ("--planner", "auto", "--max-workers", "9", "--max-workers-per-role", "4"),
+            "planner.max_workers (9) cannot be split with at most pools.max_workers_per_role (4)",
+        ),
+        # An empty key (an unset shell variable) must not mean an open server.
+        (("--api-key", ""), "--api-key is empty"),
+        (("--api-key", "  "), "--api-key is empty"),
         # 1 MiB holds 256 tokens of the tiny model in float32 (auto is bfloat16 on CPUs
         # with bf16 GEMM instructions), its max_model_len is 2048.
         (
@@ -206,3 +214,12 @@ def test_a_missing_model_directory_is_one_line_and_exit_2(capsys, tmp_path, comm
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "no config.json in model directory" in err and "Traceback" not in err
+
+
+def test_an_empty_api_key_in_the_environment_is_refused(tiny_model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("TANDEM_API_KEY", "")
+    assert "TANDEM_API_KEY is empty" in refused(capsys, tiny_model_dir)
+    monkeypatch.setenv("TANDEM_API_KEY", "k")
+    assert config_of(tiny_model_dir).router.api_key == "k"
+    monkeypatch.delenv("TANDEM_API_KEY")
+    assert config_of(tiny_model_dir).router.api_key is None

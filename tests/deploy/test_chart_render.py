@@ -29,8 +29,10 @@ from tests.helpers.helm_chart import (
     ROOT,
     case_values,
     lint,
+    manifests,
     merged_values,
     release_name,
+    render,
     render_case,
 )
 
@@ -144,19 +146,16 @@ def test_head_runs_tandem_serve_with_the_pool_targets(case):
     assert "$KUBERAY_GEN_RAY_START_CMD &" in script
     [serve_line] = [line for line in script.splitlines() if line.startswith("tandem serve")]
     argv = shlex.split(serve_line.removesuffix("&"))
-    # The planner's flags (built in parallel) as the planner specifies them; the rest
-    # must parse with the real `tandem serve` parser.
-    planner = values["planner"]
-    planner_argv = (
-        []
-        if planner["mode"] == "off"
-        else ["--planner", planner["mode"], "--planner-interval", str(planner["interval"]),
-              "--max-workers", str(planner["maxWorkers"])]
-    )  # fmt: skip
-    assert argv[len(argv) - len(planner_argv) :] == planner_argv
     from tandem.cluster.cli import build_parser
 
-    args = build_parser().parse_args(argv[1 : len(argv) - len(planner_argv)])
+    # Every flag parses with the real `tandem serve` parser.
+    args = build_parser().parse_args(argv[1:])
+    # The planner's mode is always named (`tandem serve`'s own default is observe).
+    planner = values["planner"]
+    assert args.planner == planner["mode"]
+    if planner["mode"] != "off":
+        assert args.planner_interval == planner["interval"]
+        assert args.max_workers == planner["maxWorkers"]
     assert args.prefill == values["prefill"]["replicas"]
     assert args.decode == values["decode"]["replicas"]
     assert args.model == f"{values['model']['mountPath']}/{values['model']['name']}"
@@ -166,6 +165,25 @@ def test_head_runs_tandem_serve_with_the_pool_targets(case):
     assert args.max_workers_per_role == max(
         values["prefill"]["maxReplicas"], values["decode"]["maxReplicas"]
     )
+
+
+def test_large_engine_numbers_reach_tandem_serve_as_integers():
+    """Values files give numbers as floats; from a million on, Helm's toString writes
+    them as 1e+06, which `tandem serve` refuses (the head would crash-loop)."""
+    engine = {"maxModelLen": 1048576, "maxNumBatchedTokens": 1000000,
+              "maxLocalPrefillTokens": 2000000}  # fmt: skip
+    values = {"prefill": {"engineArgs": engine}, "decode": {"engineArgs": engine}}
+    [cluster] = by_kind(manifests(render(values)), "RayCluster")
+    [head] = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    [serve_line] = [
+        line for line in head["args"][0].splitlines() if line.startswith("tandem serve")
+    ]
+    from tandem.cluster.cli import build_parser
+
+    args = build_parser().parse_args(shlex.split(serve_line.removesuffix("&"))[1:])
+    assert (args.max_model_len, args.max_num_batched_tokens, args.max_local_prefill_tokens) == (
+        1048576, 1000000, 2000000,
+    )  # fmt: skip
 
 
 def test_router_joins_the_ray_cluster_and_serves_both_ports(case):

@@ -67,6 +67,10 @@ def test_schema_refuses_with_the_field(values: dict[str, Any], field: str, why: 
         ({"prefill": {"gpus": 0, "engineArgs": {"kvBackend": "nccl"}},
           "decode": {"gpus": 0, "engineArgs": {"kvBackend": "nccl"}}},
          "prefill.engineArgs.kvBackend nccl needs gpus: 1"),
+        ({"planner": {"mode": "observe", "maxWorkers": 9}},
+         "planner.maxWorkers (9) must be <= twice the larger maxReplicas (4)"),
+        ({"router": {"service": {"grpcPort": 8000, "httpPort": 8000}}},
+         "router.service.grpcPort and httpPort must differ (both 8000)"),
     ],
 )  # fmt: skip
 def test_chart_checks_refuse_with_a_message(values: dict[str, Any], message: str):

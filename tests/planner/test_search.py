@@ -30,6 +30,14 @@ def test_fit_recovers_the_laws_the_samples_came_from(profile):
     assert halves == pytest.approx(whole)
 
 
+def test_layouts_keep_each_role_within_the_pools_limit():
+    """The pool controller refuses a role over its per-role limit: no such split is searched."""
+    splits, _ = layouts(8, max_per_role=5)
+    assert [(s.num_prefill, s.num_decode) for s in splits] == [(3, 5), (4, 4), (5, 3)]
+    with pytest.raises(ValueError, match="no split with at most 3 per role"):
+        layouts(8, max_per_role=3)
+
+
 def test_layouts_cover_every_split_and_refuse_a_budget_below_two():
     splits, colocated = layouts(4)
     assert [(s.num_prefill, s.num_decode) for s in splits] == [(1, 3), (2, 2), (3, 1)]

@@ -99,6 +99,13 @@ Checks the schema cannot express; each failure names the field.
 {{- if and (ne .Values.planner.mode "off") (lt (int .Values.planner.maxWorkers) (add (int .Values.prefill.minReplicas) (int .Values.decode.minReplicas) | int)) -}}
 {{- fail (printf "planner.maxWorkers (%d) must be >= prefill.minReplicas + decode.minReplicas" (int .Values.planner.maxWorkers)) -}}
 {{- end -}}
+{{- $perRole := max (int .Values.prefill.maxReplicas) (int .Values.decode.maxReplicas) -}}
+{{- if and (ne .Values.planner.mode "off") (gt (int .Values.planner.maxWorkers) (mul 2 $perRole | int)) -}}
+{{- fail (printf "planner.maxWorkers (%d) must be <= twice the larger maxReplicas (%d): no split of it fits the worker groups" (int .Values.planner.maxWorkers) $perRole) -}}
+{{- end -}}
+{{- if eq (int .Values.router.service.grpcPort) (int .Values.router.service.httpPort) -}}
+{{- fail (printf "router.service.grpcPort and httpPort must differ (both %d)" (int .Values.router.service.httpPort)) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Volumes and mounts for the model, and the download init container. */}}
@@ -218,28 +225,36 @@ limits:
   {{- end }}
 {{- end -}}
 
+{{/* An integer as a flag's text: values files give numbers as floats, which toString
+writes as 1e+06 from a million on. */}}
+{{- define "tandem.int" -}}
+{{- printf "%d" (int64 .) -}}
+{{- end -}}
+
 {{/* `tandem serve` flags from the values (the head runs the pool controller). */}}
 {{- define "tandem.serveArgs" -}}
 {{- $e := .Values.prefill.engineArgs | default dict -}}
 {{- $args := list "--ray-address" "auto" "--model" (include "tandem.modelDir" .) -}}
-{{- $args = concat $args (list "--prefill" (toString .Values.prefill.replicas) "--decode" (toString .Values.decode.replicas)) -}}
-{{- $args = concat $args (list "--max-workers-per-role" (toString (max (int .Values.prefill.maxReplicas) (int .Values.decode.maxReplicas)))) -}}
-{{- $args = concat $args (list "--autoscaling" "--pool-metrics-port" (toString .Values.metrics.poolControllerPort)) -}}
+{{- $args = concat $args (list "--prefill" (include "tandem.int" .Values.prefill.replicas) "--decode" (include "tandem.int" .Values.decode.replicas)) -}}
+{{- $args = concat $args (list "--max-workers-per-role" (include "tandem.int" (max (int64 .Values.prefill.maxReplicas) (int64 .Values.decode.maxReplicas)))) -}}
+{{- $args = concat $args (list "--autoscaling" "--pool-metrics-port" (include "tandem.int" .Values.metrics.poolControllerPort)) -}}
 {{- $args = concat $args (list "--device" (ternary "cuda" "cpu" (eq (include "tandem.usesGpu" .) "true"))) -}}
 {{- if $e.kvBackend }}{{ $args = concat $args (list "--kv-backend" $e.kvBackend) }}{{ end -}}
-{{- if $e.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString $e.maxModelLen)) }}{{ end -}}
-{{- if $e.maxNumBatchedTokens }}{{ $args = concat $args (list "--max-num-batched-tokens" (toString $e.maxNumBatchedTokens)) }}{{ end -}}
+{{- if $e.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (include "tandem.int" $e.maxModelLen)) }}{{ end -}}
+{{- if $e.maxNumBatchedTokens }}{{ $args = concat $args (list "--max-num-batched-tokens" (include "tandem.int" $e.maxNumBatchedTokens)) }}{{ end -}}
 {{- if $e.kvCacheMemory }}{{ $args = concat $args (list "--kv-cache-memory" $e.kvCacheMemory) }}{{ end -}}
-{{- if $e.threads }}{{ $args = concat $args (list "--threads" (toString $e.threads)) }}{{ end -}}
+{{- if $e.threads }}{{ $args = concat $args (list "--threads" (include "tandem.int" $e.threads)) }}{{ end -}}
 {{- if and (hasKey $e "chunkedPrefill") (not $e.chunkedPrefill) }}{{ $args = append $args "--no-chunked-prefill" }}{{ end -}}
-{{- if hasKey $e "maxLocalPrefillTokens" }}{{ $args = concat $args (list "--max-local-prefill-tokens" (toString $e.maxLocalPrefillTokens)) }}{{ end -}}
+{{- if hasKey $e "maxLocalPrefillTokens" }}{{ $args = concat $args (list "--max-local-prefill-tokens" (include "tandem.int" $e.maxLocalPrefillTokens)) }}{{ end -}}
 {{- with .Values.router.slo -}}
 {{- if .admission }}{{ $args = concat $args (list "--admission" .admission) }}{{ end -}}
 {{- if .ttftSeconds }}{{ $args = concat $args (list "--ttft-slo" (toString .ttftSeconds)) }}{{ end -}}
 {{- if .itlSeconds }}{{ $args = concat $args (list "--itl-slo" (toString .itlSeconds)) }}{{ end -}}
 {{- end -}}
+{{- /* Always named: `tandem serve`'s own default is observe. */ -}}
+{{- $args = concat $args (list "--planner" .Values.planner.mode) -}}
 {{- if ne .Values.planner.mode "off" -}}
-{{- $args = concat $args (list "--planner" .Values.planner.mode "--planner-interval" (toString .Values.planner.interval) "--max-workers" (toString .Values.planner.maxWorkers)) -}}
+{{- $args = concat $args (list "--planner-interval" (toString .Values.planner.interval) "--max-workers" (include "tandem.int" .Values.planner.maxWorkers)) -}}
 {{- end -}}
 {{- join " " $args -}}
 {{- end -}}
