@@ -25,7 +25,7 @@ from tandem.cluster.pool_controller import (
     CONTROLLER_REPLY_S,
     RemotePoolController,
 )
-from tandem.cluster.ray_start import start_local_ray
+from tandem.cluster.ray_start import check_reachable, start_local_ray
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
 from tandem.cluster.worker_env import worker_env_vars
 from tandem.router.membership import Membership
@@ -116,6 +116,7 @@ class LocalCluster:
         if ray.is_initialized():
             return
         if self.config.ray.address:
+            check_reachable(self.config.ray.address)
             ray.init(address=self.config.ray.address, log_to_driver=False)
             return
         pools = self.config.pools

@@ -269,4 +269,7 @@ def _run_router(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return EXIT_REFUSED
+    except ConnectionError as exc:  # no Ray cluster at --ray-address
+        print(f"tandem router: {exc}", file=sys.stderr)
+        return EXIT_TIMEOUT
     return 0

@@ -10,6 +10,7 @@ raylet) running and owned by no one, so they are stopped before the next try.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -55,6 +56,20 @@ def start_with_retries(start: Callable[[], T], undo: Callable[[], None]) -> T:
             logger.warning("Ray's start timed out (try %d of %d): %s", attempt, START_ATTEMPTS, exc)
             errors.append(f"{type(exc).__name__}: {exc}")
     raise RayStartError(f"Ray did not start in {START_ATTEMPTS} tries: " + " | ".join(errors))
+
+
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """ConnectionError at once when nothing accepts a connection at a Ray address
+    (`host:port`, or `ray://host:port`): `ray.init` would retry it for minutes, deaf to
+    a command's own timeout. `auto` (the address `ray start` left on this machine) is
+    Ray's to find."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"no Ray cluster answers at {address}: {exc}") from None
 
 
 def start_local_ray(**kwargs: Any) -> None:

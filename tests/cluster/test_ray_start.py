@@ -1,10 +1,19 @@
-"""Ray's start tried again after a node start timeout (cluster/ray_start.py)."""
+"""Ray's start tried again after a node start timeout, and a Ray address nothing
+answers at refused at once (cluster/ray_start.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import pytest
 
+from tandem.bench.harness import free_port
 from tandem.cluster.ray_start import START_ATTEMPTS, RayStartError, start_with_retries
+
+# `tandem` as a fresh process (no Ray initialized by other tests).
+CLI = "import sys; from tandem.cluster.cli import main; sys.exit(main(sys.argv[1:]))"
 
 TIMEOUT = "The current node timed out during startup."  # what Ray raises
 
@@ -46,3 +55,24 @@ def test_timeouts_on_every_try_raise_with_each_reason():
         start_with_retries(flaky.start, flaky.undo)
     assert all(f"({i})" in str(info.value) for i in range(START_ATTEMPTS))
     assert flaky.starts == flaky.undos == START_ATTEMPTS
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["pools"], ["scale", "--prefill", "1", "--decode", "1", "--timeout", "5"], ["router"],
+     ["drain", "--this-node"]],
+)  # fmt: skip
+def test_a_ray_address_nothing_answers_at_is_one_line_at_once(command):
+    """`ray.init` retries an address nobody listens at for minutes, deaf to `--timeout`
+    and SIGTERM: the commands refuse it at once (exit 1, one line)."""
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, *command, "--ray-address", address],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert time.monotonic() - started < 30
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"tandem {command[0]}: no Ray cluster answers at {address}: [Errno 111] Connection refused"
+    ]
