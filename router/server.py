@@ -212,7 +212,12 @@ class Router:
                                 current.worker_id, num_lost)  # fmt: skip
                     runtime.remove_worker(current.worker_id)
                     self.pool.remove(current.worker_id)
-            for info in wanted.values():
+            # Serving workers first: a worker that drains because its replacement now
+            # serves must stay placeable until the replacement has joined (joining awaits
+            # its Stats), or requests in between would find no worker of the role.
+            for info in sorted(
+                wanted.values(), key=lambda w: w.state is not WorkerLifecycle.SERVING
+            ):
                 await self._join(info)
 
     async def _join(self, info: WorkerInfo) -> None:

@@ -23,7 +23,7 @@ from tests.helpers.grpc_calls import (
     stream_tokens,
 )
 from tests.helpers.inproc_cluster import SHARED_API_KEY
-from tests.helpers.inproc_pools import InprocPools
+from tests.helpers.inproc_pools import InprocPools, _with
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import admin_pool_counts, metrics_pool_counts, scrape
@@ -313,4 +313,49 @@ def test_worker_that_disagrees_with_the_pools_is_refused(pools, tiny_model_dir, 
     assert "odd-0" not in joined and set(pools.infos) <= joined
     prompt = make_prompts(2048, (12,), seed=84)
     assert len(pools.run(generate_tokens(pools.router.grpc_endpoint, prompt, 8))[0]) == 8
+    assert_pools_idle(pools)
+
+
+def test_a_replacement_joins_before_the_worker_it_replaces_stops_taking_requests(pools):
+    """The snapshot in which a replacement serves and the worker it replaces drains (the
+    pool controller's make-before-break drain): the router joins the replacement (its
+    Stats call, slowed here) before it stops placing on the other, so a decode worker
+    is placeable throughout."""
+    [old] = pools.serving(WorkerRole.DECODE)
+    policy = pools.router.policy_runtime.policy
+    original_stats = pools.router.pool.worker_stats
+
+    async def scenario() -> list[bool]:
+        new = await pools._start_worker(WorkerRole.DECODE)
+
+        async def slow_stats(worker, timeout_s):
+            if worker.worker_id == new.worker_id:
+                await asyncio.sleep(0.5)
+            return await original_stats(worker, timeout_s)
+
+        placeable: list[bool] = []
+
+        async def sample() -> None:
+            while True:
+                placeable.append(any(w.available for w in policy.workers.values()
+                                     if w.role is WorkerRole.DECODE))  # fmt: skip
+                await asyncio.sleep(0.005)
+
+        pools.router.pool.worker_stats = slow_stats
+        sampling = asyncio.create_task(sample())
+        try:
+            pools.infos[new.worker_id] = _with(pools.infos[new.worker_id], WorkerLifecycle.SERVING)
+            pools.infos[old] = _with(pools.infos[old], WorkerLifecycle.DRAINING)
+            await pools._publish()
+            await asyncio.sleep(0.05)
+        finally:
+            sampling.cancel()
+            await asyncio.gather(sampling, return_exceptions=True)
+            pools.router.pool.worker_stats = original_stats
+        await pools._drain_and_stop(old)
+        return placeable
+
+    placeable = pools.run(scenario())
+    assert len(placeable) > 20 and all(placeable), placeable.count(False)
+    assert pools.serving(WorkerRole.DECODE) != [old]
     assert_pools_idle(pools)
