@@ -12,6 +12,7 @@ Both raise `AdminRefused` (a 4xx/5xx or a controller refusal, with its reason) o
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -86,14 +87,16 @@ class HttpAdminClient:
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(self.base + path, data, headers, method=method)
         try:
+            request = urllib.request.Request(self.base + path, data, headers, method=method)
             with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
                 return json.loads(reply.read())
         except urllib.error.HTTPError as exc:
             raise AdminRefused(f"{exc.code}: {_error_message(exc.read())}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise AdminUnreachable(f"{self.base}: {exc}") from None
+        except (ValueError, http.client.InvalidURL) as exc:  # a malformed --address
+            raise AdminUnreachable(f"{self.base}: not a usable address: {exc}") from None
 
 
 def _error_message(body: bytes) -> str:

@@ -16,6 +16,7 @@ the command line can read defaults without starting Ray.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,7 +146,7 @@ class RayConfig:
 
     def __post_init__(self) -> None:
         gpus = self.gpus_per_worker
-        if gpus <= 0 or (gpus > 1 and not float(gpus).is_integer()):
+        if not math.isfinite(gpus) or gpus <= 0 or (gpus > 1 and not float(gpus).is_integer()):
             raise ValueError(f"ray.gpus_per_worker must be in (0, 1] or whole, got {gpus}")
         if self.worker_start_timeout_s <= 0:
             raise ValueError(

@@ -172,7 +172,8 @@ class PoolController:
         check_drainable(node_id)
         keep_new_actors_off(node_id, deadline_s)
         wait_s = min(self.config.pools.replace_wait_s, deadline_s / 2)
-        self._replace(self.state.drain_node(node_id), wait_s, f"its node {node_id} is going")
+        on_node = self.state.drain_node(node_id, time.monotonic() + wait_s)
+        self._replace(on_node, wait_s, f"its node {node_id} is going")
         self._reconcile_now()
         return self.state.membership()
 

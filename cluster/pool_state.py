@@ -225,11 +225,14 @@ class PoolState:
         self.update(worker_id, now_s, state=state, **placement)
         return state
 
-    def drain_node(self, node: str) -> list[str]:
+    def drain_node(self, node: str, replace_by_s: float) -> list[str]:
         """Mark `node` as going (a worker that comes up there drains at once); the ids of
         the serving workers on it now, not yet being replaced, for the caller to drain or
-        replace."""
+        replace. One there already being replaced is so by `replace_by_s` at the latest."""
         self.draining_nodes.add(node)
+        for record in self.records.values():
+            if record.info.node == node and record.replace_by_s is not None:
+                record.replace_by_s = min(record.replace_by_s, replace_by_s)
         return [
             r.worker_id
             for r in self.records.values()

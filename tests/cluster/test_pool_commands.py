@@ -102,3 +102,10 @@ def test_pools_and_scale_commands_through_the_controller(ray_session, tiny_model
             await cluster.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_malformed_admin_address_is_one_line(capsys):
+    assert cli("pools", "--address", "http://[::1") == 1
+    assert capsys.readouterr().err == (
+        "tandem pools: http://[::1: not a usable address: Invalid IPv6 URL\n"
+    )

@@ -109,7 +109,7 @@ def test_a_draining_node_names_its_serving_workers_and_drains_any_that_come_up_t
         state.update(worker_id, 0.0, node=node)
     version = state.version
     # The caller drains or replaces the ones named (the controller decides which).
-    assert state.drain_node("n2") == ["decode-0", "decode-2"]
+    assert state.drain_node("n2", 35.0) == ["decode-0", "decode-2"]
     state.update("decode-0", 5.0, state=S.DRAINING)
     state.replace("decode-2", 5.0, wait_s=30.0)
     assert state.version > version
@@ -123,8 +123,10 @@ def test_a_draining_node_names_its_serving_workers_and_drains_any_that_come_up_t
     # Elsewhere a worker serves; a worker being replaced is not named again.
     state.add(WorkerRecord(info=WorkerInfo(worker_id="decode-3", role=D, state=S.STARTING)))
     assert state.came_up("decode-3", 7.0, node="n3", endpoint="h:2", pid=8) is S.SERVING
-    assert state.drain_node("n3") == ["decode-3"]
-    assert state.drain_node("n2") == []
+    assert state.drain_node("n3", 37.0) == ["decode-3"]
+    # decode-2, being replaced by 35.0, is not named again; a sooner deadline binds it.
+    assert state.drain_node("n2", 20.0) == []
+    assert state.records["decode-2"].replace_by_s == 20.0
 
 
 def test_a_worker_being_replaced_serves_until_its_replacement_does():

@@ -138,6 +138,7 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--device", "cpu", "--kv-backend", "cuda_ipc"), "--kv-backend cuda_ipc moves KV"),
         (("--device", "cpu", "--cuda-graphs", "on"), "cuda_graphs on needs a CUDA device"),
         (("--gpus-per-worker", "1.5"), "ray.gpus_per_worker must be in (0, 1] or whole"),
+        (("--gpus-per-worker", "nan"), "ray.gpus_per_worker must be in (0, 1] or whole"),
         (("--max-workers-per-role", "0"), "--max-workers-per-role: must be >= 1"),
         (("--decode", "4", "--max-workers-per-role", "3"), "num_decode (4) is over max_workers"),
         (("--kv-cache-memory", "lots"), "--kv-cache-memory: expected bytes or a size like"),

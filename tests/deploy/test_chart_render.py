@@ -186,6 +186,13 @@ def test_large_engine_numbers_reach_tandem_serve_as_integers():
     )  # fmt: skip
 
 
+def test_an_idle_timeout_of_zero_is_kept():
+    """0 (scale idle pods down at once) is a value; `default` would make it 60."""
+    values = {"ray": {"autoscaling": {"enabled": True, "idleTimeoutSeconds": 0}}}
+    [cluster] = by_kind(manifests(render(values)), "RayCluster")
+    assert cluster["spec"]["autoscalerOptions"]["idleTimeoutSeconds"] == 0
+
+
 def test_router_joins_the_ray_cluster_and_serves_both_ports(case):
     name, _, objects = case
     values = merged_values(name)

@@ -44,6 +44,8 @@ def refused(values: dict[str, Any]) -> str:
          "minimum"),
         ({"decode": {"engineArgs": {"kvCacheMemory": "lots"}}},
          "/decode/engineArgs/kvCacheMemory", "does not match"),
+        # It is a label value too, which must end with a letter or digit.
+        ({"model": {"name": "qwen-"}}, "/model/name", "does not match"),
     ],
 )  # fmt: skip
 def test_schema_refuses_with_the_field(values: dict[str, Any], field: str, why: str):
@@ -71,6 +73,8 @@ def test_schema_refuses_with_the_field(values: dict[str, Any], field: str, why: 
          "planner.maxWorkers (9) must be <= twice the larger maxReplicas (4)"),
         ({"router": {"service": {"grpcPort": 8000, "httpPort": 8000}}},
          "router.service.grpcPort and httpPort must differ (both 8000)"),
+        ({"metrics": {"poolControllerPort": 6379}},
+         "metrics.poolControllerPort (6379) is one of the Ray head's ports"),
     ],
 )  # fmt: skip
 def test_chart_checks_refuse_with_a_message(values: dict[str, Any], message: str):

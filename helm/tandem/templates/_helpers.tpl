@@ -103,6 +103,9 @@ Checks the schema cannot express; each failure names the field.
 {{- if and (ne .Values.planner.mode "off") (gt (int .Values.planner.maxWorkers) (mul 2 $perRole | int)) -}}
 {{- fail (printf "planner.maxWorkers (%d) must be <= twice the larger maxReplicas (%d): no split of it fits the worker groups" (int .Values.planner.maxWorkers) $perRole) -}}
 {{- end -}}
+{{- if has (int .Values.metrics.poolControllerPort) (list 6379 8265 10001) -}}
+{{- fail (printf "metrics.poolControllerPort (%d) is one of the Ray head's ports (6379 GCS, 8265 dashboard, 10001 client)" (int .Values.metrics.poolControllerPort)) -}}
+{{- end -}}
 {{- if eq (int .Values.router.service.grpcPort) (int .Values.router.service.httpPort) -}}
 {{- fail (printf "router.service.grpcPort and httpPort must differ (both %d)" (int .Values.router.service.httpPort)) -}}
 {{- end -}}
