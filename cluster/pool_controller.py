@@ -223,8 +223,8 @@ class PoolController:
             needs = self._worker_resources(role)
             room = free is None or all(free.get(name, 0.0) >= n for name, n in needs.items())
             if wait_s > 0 and room:
-                for name, n in needs.items():
-                    if free is not None:
+                if free is not None:  # the next worker's room is what this one leaves
+                    for name, n in needs.items():
                         free[name] -= n
                 self.state.replace(worker_id, now_s, wait_s)
                 logger.info("pools: replacing %s (%s): it serves until a new %s worker does, "

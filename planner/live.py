@@ -174,14 +174,19 @@ class LivePlanner:
     # ----- one interval ----------------------------------------------------------------
 
     async def run_once(self) -> None:
-        """Observe the last interval, plan, publish, and (auto) maybe resize."""
+        """Observe the last interval, plan, (auto) maybe resize; publish the gauges once,
+        whatever the interval ended with."""
         now = time.monotonic()
         assert self._inputs is not None
         load = self._inputs.observe(now, await self._read_counters())
         self.last_load = load
-        gauges = self.router.metrics.planner
-        gauges.observe(load.goodput_rps)
-        await self._publish()
+        self.router.metrics.planner.observe(load.goodput_rps)
+        try:
+            await self._plan_and_act(load, now)
+        finally:
+            await self._publish()
+
+    async def _plan_and_act(self, load: ObservedLoad, now: float) -> None:
         if self.budget is not None and self.budget < 2:
             self.last_action = f"a budget of {self.budget} worker cannot split (--max-workers >= 2)"
             return
@@ -194,8 +199,7 @@ class LivePlanner:
         result = await self._plan(load, split)
         self.last = result
         self.num_plans += 1
-        gauges.recommend(result.recommended, result.predicted_goodput_rps)
-        await self._publish()
+        self.router.metrics.planner.recommend(result.recommended, result.predicted_goodput_rps)
         logger.info("planner: %s", result.reason)
         if self.config.mode is not PlannerMode.AUTO:
             self.last_action = "observe mode: recommendation only"

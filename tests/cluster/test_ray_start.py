@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -66,12 +65,11 @@ def test_a_ray_address_nothing_answers_at_is_one_line_at_once(command):
     """`ray.init` retries an address nobody listens at for minutes, deaf to `--timeout`
     and SIGTERM: the commands refuse it at once (exit 1, one line)."""
     address = f"127.0.0.1:{free_port()}"
-    started = time.monotonic()
+    # A hang ends in TimeoutExpired (the process is killed).
     done = subprocess.run(
         [sys.executable, "-c", CLI, *command, "--ray-address", address],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert time.monotonic() - started < 30
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip().splitlines() == [
         f"tandem {command[0]}: no Ray cluster answers at {address}: [Errno 111] Connection refused"

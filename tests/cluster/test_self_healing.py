@@ -281,6 +281,10 @@ class Load:
         self._stop.set()
         await asyncio.wait_for(self._task, timeout_s)
 
+    async def until_done(self, count: int, timeout_s: float, what: str) -> None:
+        """Wait until `count` requests in all completed; AssertionError past `timeout_s`."""
+        await until(lambda: self.done >= count, timeout_s, what)
+
     async def _run(self) -> None:
         rng = random.Random(0)
         async with grpc.aio.insecure_channel(self.endpoint) as channel:
@@ -313,7 +317,7 @@ def test_scale_down_under_load_then_up(ray_session, tiny_model_dir, prompts, exp
             await cluster.start()
             load = Load(cluster.router.grpc_endpoint, prompts, expected, MAX_TOKENS, 4)
             load.start()
-            await until(lambda: load.done >= 4, 60.0, "requests under load")
+            await load.until_done(4, 60.0, "requests under load")
             await cluster.controller.scale.remote(PoolTargets(prefill=1, decode=1))
             down = await cluster.controller.wait_at_target.remote(120.0)
             await load.stop()
@@ -334,7 +338,7 @@ def test_scale_down_under_load_then_up(ray_session, tiny_model_dir, prompts, exp
             # through its watcher; the policy spreads load).
             load = Load(cluster.router.grpc_endpoint, prompts, expected, 8, 4)
             load.start()
-            await until(lambda: load.done >= 40, 120.0, "requests after scale-up")
+            await load.until_done(40, 120.0, "requests after scale-up")
             await load.stop()
             assert load.errors == [] and load.wrong == []
             for worker in new:
@@ -366,14 +370,14 @@ def test_draining_the_only_decode_worker_under_load_fails_no_request(
             await cluster.start()
             load = Load(cluster.router.grpc_endpoint, prompts, expected, MAX_TOKENS, 4)
             load.start()
-            await until(lambda: load.done >= 4, 60.0, "requests under load")
+            await load.until_done(4, 60.0, "requests under load")
             [old] = serving(await cluster.membership(), "decode")
             asked = await cluster.controller.drain.remote(old.worker_id)
             [named] = [w for w in asked.workers if w.worker_id == old.worker_id]
             assert (named.state, named.being_replaced) == (WorkerLifecycle.SERVING, True)
             done_at_drain = load.done
             final = await cluster.controller.wait_at_target.remote(120.0)
-            await until(lambda: load.done >= done_at_drain + 8, 60.0, "requests after it")
+            await load.until_done(done_at_drain + 8, 60.0, "requests after the drain")
             await load.stop()
             assert load.errors == [], load.errors[:5]
             assert load.wrong == []
@@ -404,8 +408,7 @@ def test_chaos_random_kills_under_steady_load(ray_session, tiny_model_dir, promp
             load = Load(cluster.router.grpc_endpoint, prompts, expected, 24, 4)
             load.start()
             for _ in range(3):
-                done = load.done
-                await until(lambda d=done: load.done >= d + 3, 60.0, "requests between kills")
+                await load.until_done(load.done + 3, 60.0, "requests between kills")
                 membership = await cluster.controller.wait_at_target.remote(60.0)
                 victim = rng.choice(membership.workers)
                 os.kill(victim.pid, signal.SIGKILL)

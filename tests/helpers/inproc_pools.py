@@ -129,7 +129,7 @@ class InprocPools:
         if info.state is not WorkerLifecycle.SERVING:
             raise RuntimeError(f"worker {worker_id} is {info.state.value}, not serving")
         await self._set(worker_id, WorkerLifecycle.DRAINING)
-        asyncio.get_running_loop().create_task(self._drain_and_stop(worker_id))
+        asyncio.get_running_loop().create_task(self.drain_and_stop(worker_id))
         return self.snapshot()
 
     # ----- reconcile ------------------------------------------------------------------
@@ -140,7 +140,7 @@ class InprocPools:
         for role, n in ((WorkerRole.PREFILL, self.targets.prefill),
                         (WorkerRole.DECODE, self.targets.decode)):  # fmt: skip
             for _ in range(n):
-                endpoints.append(await self._start_worker(role))
+                endpoints.append(await self.start_worker(role))
         config = RouterConfig(
             model_dir=self.model_dir, grpc_port=0, http_port=0, **self.router_overrides
         )
@@ -151,7 +151,7 @@ class InprocPools:
             self.infos[endpoint.worker_id] = _with(info, WorkerLifecycle.SERVING)
         await self._publish()
 
-    async def _start_worker(self, role: WorkerRole) -> WorkerEndpoint:
+    async def start_worker(self, role: WorkerRole) -> WorkerEndpoint:
         worker_id = f"{role.value}-{next(self._ids)}"
         self.infos[worker_id] = WorkerInfo(worker_id, role, WorkerLifecycle.STARTING)
         await self._publish()
@@ -186,18 +186,18 @@ class InprocPools:
                                  (WorkerRole.DECODE, self.targets.decode)):  # fmt: skip
                 serving = self.serving(role)
                 if len(serving) < target:
-                    endpoint = await self._start_worker(role)
+                    endpoint = await self.start_worker(role)
                     await self._set(endpoint.worker_id, WorkerLifecycle.SERVING)
                     changed = True
                 elif len(serving) > target:
                     victim = serving[-1]
                     await self._set(victim, WorkerLifecycle.DRAINING)
-                    await self._drain_and_stop(victim)
+                    await self.drain_and_stop(victim)
                     changed = True
             if not changed:
                 await asyncio.sleep(0.05)
 
-    async def _drain_and_stop(self, worker_id: str) -> None:
+    async def drain_and_stop(self, worker_id: str) -> None:
         """Wait until the worker's own Stats show it idle, then stop it and drop it."""
         info = self.infos[worker_id]
         loop = asyncio.get_running_loop()
@@ -224,7 +224,12 @@ class InprocPools:
         self._kick()
 
     async def _set(self, worker_id: str, state: WorkerLifecycle) -> None:
-        self.infos[worker_id] = _with(self.infos[worker_id], state)
+        await self.set_states({worker_id: state})
+
+    async def set_states(self, states: dict[str, WorkerLifecycle]) -> None:
+        """Change several workers' states in one snapshot to the router."""
+        for worker_id, state in states.items():
+            self.infos[worker_id] = _with(self.infos[worker_id], state)
         await self._publish()
 
     async def _publish(self) -> None:

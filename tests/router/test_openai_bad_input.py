@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -702,31 +701,28 @@ def test_a_long_prompt_being_tokenized_stalls_no_other_request(model_dir):
     """Megabytes of text take seconds to tokenize: on the tokenizer's own thread, so the
     event loop, and with it every other request and stream, goes on meanwhile."""
 
-    async def scenario() -> tuple[float, list[float]]:
+    async def scenario() -> int:
         config = RouterConfig(model_dir=str(model_dir), grpc_port=0, http_port=0)
         tokenizer = PromptTokenizer(str(model_dir))
         flow = FailingFlow(WorkerUnavailable("no worker in this test"), num_chunks=0)
         app = make_http_app(None, flow, tokenizer, config)
-        waits = []
+        answered = 0
         try:
             async with TestClient(TestServer(app)) as client:
-                started = time.monotonic()
                 body = {"prompt": "a " * 1_500_000}  # 3 MB, under the 8 MiB body limit
                 big = asyncio.create_task(client.post("/tokenize", json=body))
                 while not big.done():
-                    asked = time.monotonic()
                     reply = await client.get("/v1/models")
                     assert reply.status == 200
-                    waits.append(time.monotonic() - asked)
+                    answered += 1
                     await asyncio.sleep(0.05)
                 response = await big
-                took_s = time.monotonic() - started
                 assert response.status == 200
                 assert (await response.json())["count"] > 1_000_000
         finally:
             tokenizer.close()
-        return took_s, waits
+        return answered
 
-    took_s, waits = asyncio.run(scenario())
-    assert took_s > 1.0, took_s  # set-up: long enough that a stall would show
-    assert len(waits) >= 5 and max(waits) < took_s / 4, (took_s, waits)
+    # Other requests were answered while the long one was in flight (with the loop
+    # blocked, only the one sent before it reached the tokenizer was).
+    assert asyncio.run(scenario()) >= 5

@@ -23,7 +23,7 @@ from tests.helpers.grpc_calls import (
     stream_tokens,
 )
 from tests.helpers.inproc_cluster import SHARED_API_KEY
-from tests.helpers.inproc_pools import InprocPools, _with
+from tests.helpers.inproc_pools import InprocPools
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import admin_pool_counts, metrics_pool_counts, scrape
@@ -326,7 +326,7 @@ def test_a_replacement_joins_before_the_worker_it_replaces_stops_taking_requests
     original_stats = pools.router.pool.worker_stats
 
     async def scenario() -> list[bool]:
-        new = await pools._start_worker(WorkerRole.DECODE)
+        new = await pools.start_worker(WorkerRole.DECODE)
 
         async def slow_stats(worker, timeout_s):
             if worker.worker_id == new.worker_id:
@@ -344,15 +344,15 @@ def test_a_replacement_joins_before_the_worker_it_replaces_stops_taking_requests
         pools.router.pool.worker_stats = slow_stats
         sampling = asyncio.create_task(sample())
         try:
-            pools.infos[new.worker_id] = _with(pools.infos[new.worker_id], WorkerLifecycle.SERVING)
-            pools.infos[old] = _with(pools.infos[old], WorkerLifecycle.DRAINING)
-            await pools._publish()
+            await pools.set_states(
+                {new.worker_id: WorkerLifecycle.SERVING, old: WorkerLifecycle.DRAINING}
+            )
             await asyncio.sleep(0.05)
         finally:
             sampling.cancel()
             await asyncio.gather(sampling, return_exceptions=True)
             pools.router.pool.worker_stats = original_stats
-        await pools._drain_and_stop(old)
+        await pools.drain_and_stop(old)
         return placeable
 
     placeable = pools.run(scenario())
