@@ -193,6 +193,36 @@ def test_an_idle_timeout_of_zero_is_kept():
     assert cluster["spec"]["autoscalerOptions"]["idleTimeoutSeconds"] == 0
 
 
+def test_a_probe_set_to_null_falls_back_to_kubernetes_timing():
+    """`--set router.probes.readiness=null` drops the timing, not the probe (it rendered
+    a bare `null` inside the probe: YAML no parser takes)."""
+    values = {"router": {"probes": {"readiness": None, "liveness": None}}}
+    [deployment] = by_kind(manifests(render(values)), "Deployment")
+    kubernetes_validate.validate(deployment, KUBE_VERSION, strict=True)
+    [container] = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"] == {"httpGet": {"path": "/health", "port": "http"}}
+    assert set(container["livenessProbe"]) == {"grpc"}
+
+
+def test_metrics_scrapers_reach_only_the_http_port_of_a_closed_router():
+    prometheus = {"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}
+    clients = [{"podSelector": {"matchLabels": {"app": "chat"}}}]
+    values = {"networkPolicy": {"enabled": True, "metricsScrapers": [prometheus]}}
+    closed = dict(values, networkPolicy={**values["networkPolicy"], "allowedClients": clients})
+    rules = {}
+    for name, given in (("open", values), ("closed", closed)):
+        policies = by_kind(manifests(render(given)), "NetworkPolicy")
+        [router] = [p for p in policies if p["metadata"]["name"].endswith("router")]
+        kubernetes_validate.validate(router, KUBE_VERSION, strict=True)
+        rules[name] = router["spec"]["ingress"]
+    # Open to anyone: nothing to add. Closed: the clients on both ports, Prometheus on HTTP.
+    assert rules["open"] == [{"ports": [{"port": 50051, "protocol": "TCP"},
+                                        {"port": 8000, "protocol": "TCP"}]}]  # fmt: skip
+    assert rules["closed"][0]["from"] == clients
+    assert rules["closed"][1] == {"ports": [{"port": 8000, "protocol": "TCP"}],
+                                  "from": [prometheus]}  # fmt: skip
+
+
 def test_router_joins_the_ray_cluster_and_serves_both_ports(case):
     name, _, objects = case
     values = merged_values(name)

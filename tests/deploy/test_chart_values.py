@@ -46,6 +46,17 @@ def refused(values: dict[str, Any]) -> str:
          "/decode/engineArgs/kvCacheMemory", "does not match"),
         # It is a label value too, which must end with a letter or digit.
         ({"model": {"name": "qwen-"}}, "/model/name", "does not match"),
+        # `tandem serve` refuses an empty cache: the head would crash-loop.
+        ({"decode": {"engineArgs": {"kvCacheMemory": "0Gi"}}},
+         "/decode/engineArgs/kvCacheMemory", "does not match"),
+        # The tag is image.tag's: "repo:1.0" would render "repo:1.0:<tag>".
+        ({"image": {"repository": "ghcr.io/acme/tandem:1.0"}}, "/image/repository",
+         "does not match"),
+        ({"image": {"repository": "ghcr.io/acme/tandem@sha256:ab"}}, "/image/repository",
+         "does not match"),
+        ({"nameOverride": "Tandem_LLM"}, "/nameOverride", "does not match"),
+        ({"auth": {"apiKeySecret": {"name": "keys", "key": "api/key"}}},
+         "/auth/apiKeySecret/key", "does not match"),
     ],
 )  # fmt: skip
 def test_schema_refuses_with_the_field(values: dict[str, Any], field: str, why: str):
@@ -75,10 +86,26 @@ def test_schema_refuses_with_the_field(values: dict[str, Any], field: str, why: 
          "router.service.grpcPort and httpPort must differ (both 8000)"),
         ({"metrics": {"poolControllerPort": 6379}},
          "metrics.poolControllerPort (6379) is one of the Ray head's ports"),
+        ({"model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "/llama"}}},
+         "model.pvc.subPath (/llama) must be a relative path without '..'"),
+        ({"model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "a/../b"}}},
+         "model.pvc.subPath (a/../b) must be a relative path without '..'"),
     ],
 )  # fmt: skip
 def test_chart_checks_refuse_with_a_message(values: dict[str, Any], message: str):
     assert message in refused(values)
+
+
+def test_values_near_the_refused_ones_are_accepted():
+    for values in (
+        {"decode": {"engineArgs": {"kvCacheMemory": "0.5Gi"}},
+         "prefill": {"engineArgs": {"kvCacheMemory": "0.5Gi"}}},
+        {"image": {"repository": "registry.local:5000/acme/tandem"}},
+        {"nameOverride": "llm-2"},
+        {"model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "hub/llama..3"}}},
+    ):  # fmt: skip
+        validate_values(values)
+        assert render(values)
 
 
 def test_an_agreeing_gpu_entry_is_accepted():

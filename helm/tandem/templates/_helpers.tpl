@@ -106,6 +106,11 @@ Checks the schema cannot express; each failure names the field.
 {{- if has (int .Values.metrics.poolControllerPort) (list 6379 8265 10001) -}}
 {{- fail (printf "metrics.poolControllerPort (%d) is one of the Ray head's ports (6379 GCS, 8265 dashboard, 10001 client)" (int .Values.metrics.poolControllerPort)) -}}
 {{- end -}}
+{{- with .Values.model.pvc.subPath -}}
+{{- if or (hasPrefix "/" .) (has ".." (splitList "/" .)) -}}
+{{- fail (printf "model.pvc.subPath (%s) must be a relative path without '..' (Kubernetes refuses it)" .) -}}
+{{- end -}}
+{{- end -}}
 {{- if eq (int .Values.router.service.grpcPort) (int .Values.router.service.httpPort) -}}
 {{- fail (printf "router.service.grpcPort and httpPort must differ (both %d)" (int .Values.router.service.httpPort)) -}}
 {{- end -}}
