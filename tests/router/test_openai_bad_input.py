@@ -115,6 +115,22 @@ CASES = [
         ("body cannot be read", "gzip"),
         headers={"Content-Encoding": "gzip"},
     ),
+    # aiohttp answered these two in plain text from its parser, before any middleware,
+    # while their decoders were not installed.
+    Bad(
+        "zstd body that is not zstd",
+        b'{"prompt": "hi"}',
+        400,
+        ("body cannot be read", "zstd"),
+        headers={"Content-Encoding": "zstd"},
+    ),
+    Bad(
+        "br body that is not brotli",
+        b"\x8b" * 64,
+        400,
+        ("body",),
+        headers={"Content-Encoding": "br"},
+    ),
     Bad("missing prompt", {"max_tokens": 3}, 400, ("'prompt'", "required"), param="prompt"),
     Bad(
         "prompt longer than the context",
@@ -584,6 +600,33 @@ def test_bad_input_gets_openai_error(cluster: InprocCluster, case: Bad):
         assert error["code"] == case.code, error
     for key, value in case.extra.items():
         assert error[key] == value, error
+
+
+def test_compressed_bodies_are_read(cluster: InprocCluster):
+    """Every Content-Encoding an HTTP client may send (gzip, deflate, br, zstd) is read."""
+    import gzip
+    import zlib
+
+    import brotli
+
+    try:
+        from compression import zstd  # type: ignore[import-not-found]  # Python >= 3.14
+    except ImportError:
+        from backports import zstd
+
+    plain = json.dumps({"prompt": "hi there"}).encode()
+    encoders = {"gzip": gzip.compress, "deflate": zlib.compress, "br": brotli.compress,
+                "zstd": zstd.compress}  # fmt: skip
+    answers = {}
+    for name, encode in encoders.items():
+        headers = {"Content-Encoding": name}
+        answers[name] = http(
+            cluster.http_endpoint, "POST", "/tokenize", encode(plain), headers=headers
+        )
+    expected = http(cluster.http_endpoint, "POST", "/tokenize", plain)
+    assert expected[0] == 200, expected
+    for name, (status, _, answer) in answers.items():
+        assert (status, answer["tokens"]) == (200, expected[2]["tokens"]), (name, answer)
 
 
 def test_escaped_surrogate_pairs_are_text(cluster: InprocCluster):
