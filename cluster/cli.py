@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_model_commands(commands: argparse._SubParsersAction) -> None:
-    model = commands.add_parser("model", help="make or inspect model directories")
+    model = commands.add_parser("model", help="make a model directory")
     model_commands = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     make = model_commands.add_parser(
         "make", help="write a random-weight Llama model directory that transformers loads"

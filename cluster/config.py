@@ -129,7 +129,8 @@ class RayConfig:
 
     # Join an existing Ray cluster ("auto" or host:port); None starts a local one.
     address: str | None = None
-    # GPUs per worker bundle (cuda only); a fraction lets several workers share one GPU.
+    # GPUs each worker actor asks Ray for (cuda only); a fraction lets several workers
+    # share one GPU.
     gpus_per_worker: float = 1.0
     # Longest one worker may take from being asked for (waiting for a node included) to
     # serving; past it the start counts as failed and the worker is started again.

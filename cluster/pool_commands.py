@@ -81,10 +81,16 @@ def add_pool_commands(commands: argparse._SubParsersAction) -> None:
         "router", help="start one more router for a running cluster (joins its Ray cluster)"
     )
     router.add_argument("--ray-address", required=True, help="the cluster's Ray address")
-    router.add_argument("--host", default=None, help="address the servers bind [127.0.0.1]")
-    router.add_argument("--grpc-port", type=port, default=None, help="public gRPC port [50051]")
-    router.add_argument("--http-port", type=port, default=None, help="HTTP port [8000]")
-    router.add_argument("--api-key", default=None, help="require this key (or TANDEM_API_KEY)")
+    # Left out, each takes `tandem serve`'s value (the cluster's router config).
+    router.add_argument("--host", default=None, help="address the servers bind [tandem serve's]")
+    router.add_argument(
+        "--grpc-port", type=port, default=None, help="public gRPC port [tandem serve's]"
+    )
+    router.add_argument("--http-port", type=port, default=None, help="HTTP port [tandem serve's]")
+    router.add_argument(
+        "--api-key", default=None,
+        help="require this key instead (or TANDEM_API_KEY) [tandem serve's key, if it has one]",
+    )  # fmt: skip
     router.set_defaults(handler=_run_router)
 
 

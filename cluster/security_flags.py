@@ -2,8 +2,8 @@
 mutual TLS for internal gRPC.
 
 `tandem serve` generates a token when none is given (the workers it starts get it
-through their config); a command that joins a running cluster (a second router) must
-be given the same token (`$TANDEM_CLUSTER_TOKEN` or a file).
+through their config); a command that joins a running cluster (a second router) takes
+it from the pool controller.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class PlannerGauges(Collector):
 
         tandem:planner_recommended_workers{role}   the split it recommends
         tandem:planner_predicted_goodput           requests/s within SLO it predicts there
-        tandem:planner_observed_goodput            requests/s within SLO last interval
+        tandem:planner_observed_goodput            requests/s within SLO over its input window
     """
 
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -111,6 +111,6 @@ class PlannerGauges(Collector):
         if self.observed_rps is not None:
             yield GaugeMetricFamily(
                 "tandem:planner_observed_goodput",
-                "Requests/s within SLO over the planner's last interval.",
+                "Requests/s within SLO over the planner's input window (its last 3 intervals).",
                 value=self.observed_rps,
             )

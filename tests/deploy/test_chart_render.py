@@ -167,12 +167,8 @@ def test_head_runs_tandem_serve_with_the_pool_targets(case):
     )
 
 
-def test_large_engine_numbers_reach_tandem_serve_as_integers():
-    """Values files give numbers as floats; from a million on, Helm's toString writes
-    them as 1e+06, which `tandem serve` refuses (the head would crash-loop)."""
-    engine = {"maxModelLen": 1048576, "maxNumBatchedTokens": 1000000,
-              "maxLocalPrefillTokens": 2000000}  # fmt: skip
-    values = {"prefill": {"engineArgs": engine}, "decode": {"engineArgs": engine}}
+def head_serve_args(values: dict[str, Any]) -> Any:
+    """The head's `tandem serve` command line for `values`, parsed by the real parser."""
     [cluster] = by_kind(manifests(render(values)), "RayCluster")
     [head] = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
     [serve_line] = [
@@ -180,10 +176,28 @@ def test_large_engine_numbers_reach_tandem_serve_as_integers():
     ]
     from tandem.cluster.cli import build_parser
 
-    args = build_parser().parse_args(shlex.split(serve_line.removesuffix("&"))[1:])
+    return build_parser().parse_args(shlex.split(serve_line.removesuffix("&"))[1:])
+
+
+def test_large_engine_numbers_reach_tandem_serve_as_integers():
+    """Values files give numbers as floats; from a million on, Helm's toString writes
+    them as 1e+06, which `tandem serve` refuses (the head would crash-loop)."""
+    engine = {"maxModelLen": 1048576, "maxNumBatchedTokens": 1000000,
+              "maxLocalPrefillTokens": 2000000}  # fmt: skip
+    values = {"prefill": {"engineArgs": engine}, "decode": {"engineArgs": engine}}
+    args = head_serve_args(values)
     assert (args.max_model_len, args.max_num_batched_tokens, args.max_local_prefill_tokens) == (
         1048576, 1000000, 2000000,
     )  # fmt: skip
+
+
+def test_engine_args_reach_tandem_serve():
+    engine = {"dtype": "bfloat16", "attentionBackend": "torch", "cudaGraphs": "off",
+              "stepWatchdogSeconds": 900, "threads": 3}  # fmt: skip
+    values = {"prefill": {"engineArgs": engine}, "decode": {"engineArgs": engine}}
+    args = head_serve_args(values)
+    assert (args.dtype, args.attention_backend, args.cuda_graphs, args.step_watchdog,
+            args.threads) == ("bfloat16", "torch", "off", 900.0, 3)  # fmt: skip
 
 
 def test_an_idle_timeout_of_zero_is_kept():

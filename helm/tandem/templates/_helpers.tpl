@@ -253,6 +253,10 @@ writes as 1e+06 from a million on. */}}
 {{- if $e.kvCacheMemory }}{{ $args = concat $args (list "--kv-cache-memory" $e.kvCacheMemory) }}{{ end -}}
 {{- if $e.threads }}{{ $args = concat $args (list "--threads" (include "tandem.int" $e.threads)) }}{{ end -}}
 {{- if and (hasKey $e "chunkedPrefill") (not $e.chunkedPrefill) }}{{ $args = append $args "--no-chunked-prefill" }}{{ end -}}
+{{- if $e.dtype }}{{ $args = concat $args (list "--dtype" $e.dtype) }}{{ end -}}
+{{- if $e.attentionBackend }}{{ $args = concat $args (list "--attention-backend" $e.attentionBackend) }}{{ end -}}
+{{- if $e.cudaGraphs }}{{ $args = concat $args (list "--cuda-graphs" $e.cudaGraphs) }}{{ end -}}
+{{- if $e.stepWatchdogSeconds }}{{ $args = concat $args (list "--step-watchdog" (toString $e.stepWatchdogSeconds)) }}{{ end -}}
 {{- if hasKey $e "maxLocalPrefillTokens" }}{{ $args = concat $args (list "--max-local-prefill-tokens" (include "tandem.int" $e.maxLocalPrefillTokens)) }}{{ end -}}
 {{- with .Values.router.slo -}}
 {{- if .admission }}{{ $args = concat $args (list "--admission" .admission) }}{{ end -}}
