@@ -17,6 +17,7 @@ from tandem.engine.cuda_graphs import DecodeGraphs
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.model.llama import LlamaForCausalLM
 from tandem.engine.prompt_logprobs import record_prompt_logprobs
+from tandem.engine.request import Request
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from tandem.engine.structured.masking import apply_grammar_masks
@@ -90,13 +91,13 @@ class ModelRunner:
         # Every row samples in an all-decode step: no row copy then.
         selected = hidden if len(rows) == hidden.shape[0] else hidden[rows]
         logits = self.model.compute_logits(selected)
-        self._mask_early_stops(logits, sampling)
         apply_grammar_masks(logits, [c.request.grammar for c in sampling])
         result = self.sampler.sample(
             logits,
             [c.request.params for c in sampling],
             [c.request.draw_seed for c in sampling],
             [c.request for c in sampling],
+            banned=[self._early_stops(c.request) for c in sampling],
         )
         return {
             c.request.req_id: SampledToken(tok, lp, top)
@@ -126,17 +127,15 @@ class ModelRunner:
     def _on_device(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
 
-    def _mask_early_stops(self, logits: torch.Tensor, sampling: list[ScheduledChunk]) -> None:
-        """Forbid EOS and stop token ids while a request is below its `min_tokens`."""
-        for row, chunk in enumerate(sampling):
-            req = chunk.request
-            if len(req.output_token_ids) >= req.params.min_tokens:
-                continue
-            banned = list(req.params.stop_token_ids)
-            if not req.params.ignore_eos:
-                banned += self.eos_token_ids
-            if banned:
-                logits[row, banned] = float("-inf")
+    def _early_stops(self, req: Request) -> list[int]:
+        """The tokens that would stop `req` below its `min_tokens` (EOS, its stop token
+        ids), which it may not draw yet; none once it has min_tokens output tokens."""
+        if len(req.output_token_ids) >= req.params.min_tokens:
+            return []
+        banned = list(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            banned += self.eos_token_ids
+        return banned
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[list[int], list[int], BatchLayout]:
         """The step's token ids, positions and layout, as host lists."""

@@ -62,6 +62,15 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
     return logits.index_put(index, bias, accumulate=True)
 
 
+def apply_banned_tokens(logits: torch.Tensor, banned: Sequence[list[int]]) -> torch.Tensor:
+    """`logits` with each row's `banned` tokens at -inf (a new tensor)."""
+    rows = [row for row, tokens in enumerate(banned) for _ in tokens]
+    cols = [token for tokens in banned for token in tokens]
+    device = logits.device
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+
+
 def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """`logits` with every token outside each row's allowed_token_ids at -inf (a new
     tensor when any row restricts its tokens; else `logits`)."""

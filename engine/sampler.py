@@ -29,6 +29,7 @@ from tandem.engine.penalties import (
     TokenHistory,
     apply_allowed_tokens,
     apply_bad_words,
+    apply_banned_tokens,
     apply_logit_bias,
     apply_penalties,
 )
@@ -99,12 +100,15 @@ class Sampler:
         params: list[SamplingParams],
         draw_seeds: list[int | None],
         histories: Sequence[TokenHistory] | None = None,
+        banned: Sequence[list[int]] | None = None,
     ) -> SamplerOutput:
         """Choose one token per row of `logits` ([num_seqs, vocab], any float dtype).
 
         `draw_seeds`: per row, the seed of its draw (`token_draw_seed`), or None to draw
         from torch's global RNG. `histories` (the tokens each row's sequence has seen) is
-        needed only when a row has penalties."""
+        needed only when a row has penalties. `banned`: per row, tokens it may not draw
+        now (EOS and stop tokens below `min_tokens`); like the logit bias and the
+        penalties they do not change the logprobs, which are the model's own (vLLM)."""
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_seqs, vocab], got shape {tuple(logits.shape)}")
         num_seqs = logits.shape[0]
@@ -119,6 +123,8 @@ class Sampler:
                            and not p.has_penalties for p in params)  # fmt: skip
         raw = logits if plain_greedy else logits.float()
         logits = apply_allowed_tokens(apply_logit_bias(raw, params), params)
+        if banned is not None and any(banned):
+            logits = apply_banned_tokens(logits, banned)
         penalised = [i for i, p in enumerate(params) if p.has_penalties]
         if penalised or any(p.bad_words_token_ids for p in params):
             if histories is None or len(histories) != num_seqs:

@@ -216,9 +216,18 @@ def test_stop_token_ids_and_min_tokens(tiny_model_dir):
     [stopped] = generate(engine, prompt, stop_at_first, "a")
     assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
     assert stopped.stop_reason == first
-    held_off = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first], min_tokens=3)
+    held_off = SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=[first], min_tokens=3,
+                              logprobs=True, top_logprobs=2)  # fmt: skip
     [later] = generate(engine, prompt, held_off, "b")
     assert len(later.token_ids) >= 3 and first not in later.token_ids[:3]
+    # The logprobs are the model's, as if nothing were held off (vLLM): the token it may
+    # not draw yet is still the most likely, with its logprob from the free run.
+    ranked = dataclasses.replace(held_off, min_tokens=0, stop_token_ids=[])
+    [free_ranked] = generate(engine, prompt, ranked, "c")
+    top = later.top_logprobs[0]
+    assert top.token_ids == free_ranked.top_logprobs[0].token_ids and top.token_ids[0] == first
+    assert top.logprobs == pytest.approx(free_ranked.top_logprobs[0].logprobs, abs=1e-5)
+    assert later.logprobs[0] == pytest.approx(top.logprobs[1], abs=1e-5)
     assert engine.is_idle()
 
 

@@ -67,6 +67,34 @@ def test_logprob_is_log_softmax_of_raw_logits() -> None:
         assert logprob == pytest.approx(expected[row, token_id].item(), abs=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_banned_tokens_are_never_drawn_and_leave_the_logprobs_raw(dtype: torch.dtype) -> None:
+    """Tokens a row may not draw yet (EOS and stop tokens below min_tokens) are skipped,
+    but its logprobs stay the model's, the banned tokens ranked among them (vLLM)."""
+    logits = random_logits(4, seed=9).to(dtype)
+    top = torch.argmax(logits, dim=-1).tolist()
+    params = [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, logprobs=True),
+              SamplingParams(temperature=0.0, logprobs=True)]  # fmt: skip
+    banned = [[top[0]], [top[1]], [top[2]], []]
+    out = Sampler().sample(logits, params, [0, 1, 2, 3], banned=banned)
+    for row in range(3):
+        assert out.token_ids[row] != top[row]
+    second = logits[0].float().clone()
+    second[top[0]] = float("-inf")
+    assert out.token_ids[0] == int(torch.argmax(second))
+    assert out.token_ids[3] == top[3]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for row in (0, 2, 3):
+        assert out.logprobs[row] == pytest.approx(
+            expected[row, out.token_ids[row]].item(), abs=1e-5
+        )
+    ranked = out.top_logprobs[0]
+    assert ranked is not None and ranked.token_ids[0] == top[0]
+    assert ranked.logprobs[0] == pytest.approx(expected[0, top[0]].item(), abs=1e-5)
+
+
 @pytest.mark.parametrize("greedy", [True, False])
 def test_logprobs_only_for_rows_that_ask(greedy: bool) -> None:
     logits = random_logits(6, seed=4)
