@@ -11,6 +11,10 @@ settled:
   of one. When a stop string completes, the output is cut right before it (OpenAI style);
   as in vLLM, only in a token past the request's first `min_tokens`.
 
+A request that ends on a stop token (EOS, one of its `stop_token_ids`, its grammar's
+end) keeps the token id but not its text, as vLLM, unless `include_stop_str_in_output`
+(`hides_stop_token`).
+
 Exactness: for tokenizers whose decode is a concatenation over tokens (byte-level BPE:
 GPT-2, Llama 3, Qwen), the deltas plus `flush()` equal
 `tokenizer.decode(output_ids, skip_special_tokens=...)`, cut at the stop string. The
@@ -24,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 
 # Prompt tokens placed in the decode window before the first output token (as vLLM).
@@ -52,6 +57,18 @@ def ids_to_text(tokenizer: Any) -> Callable[[list[int], bool], str]:
         backend_decode = tokenizer.backend_tokenizer.decode
         return lambda ids, skip: backend_decode(ids, skip_special_tokens=skip)
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def hides_stop_token(
+    finish_reason: FinishReason | None, stop_reason: int | str | None, include_stop: bool
+) -> bool:
+    """Whether a request's last token is a stop token its text leaves out: it ended with
+    `stop` on a token (EOS, a stop token id, its grammar's end), not on a stop string,
+    and `include_stop` (`include_stop_str_in_output`) is off (vLLM's detokenizer does
+    the same)."""
+    return (
+        finish_reason is FinishReason.STOP and not isinstance(stop_reason, str) and not include_stop
+    )
 
 
 @dataclass
@@ -101,6 +118,11 @@ class IncrementalDetokenizer:
     def output_token_ids(self) -> list[int]:
         """Every token id passed to `add_token`, in order."""
         return self._ids[self._num_context_ids :]
+
+    @property
+    def include_stop(self) -> bool:
+        """Whether the output keeps a stop string or stop token (include_stop_str_in_output)."""
+        return self._include_stop
 
     @property
     def stop_string(self) -> str | None:

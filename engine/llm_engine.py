@@ -28,7 +28,7 @@ import torch
 
 from tandem.engine.block_pool import BlockPool
 from tandem.engine.config import EngineConfig, EngineMode
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer, hides_stop_token
 from tandem.engine.host_memory import keep_freed_memory
 from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_pins import KvPins, PinnedBlocks
@@ -217,7 +217,10 @@ class Engine:
     def _emit(self, request: Request) -> RequestOutput:
         req_id = request.req_id
         detok = self._detokenizers[req_id]
-        update = detok.add_token(request.output_token_ids[-1])
+        if hides_stop_token(request.finish_reason, request.stop_reason, detok.include_stop):
+            update = DetokenizerUpdate(delta_text="", stop_string=None)
+        else:
+            update = detok.add_token(request.output_token_ids[-1])
         delta = update.delta_text
         if update.stop_string is not None:
             request.stop_reason = update.stop_string

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.detokenizer import IncrementalDetokenizer, hides_stop_token
 from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.chunk_stream import GenerationChunk
@@ -54,9 +54,13 @@ def replay_detokenizer(
 
 
 def redetokenize(chunk: GenerationChunk, detok: IncrementalDetokenizer) -> GenerationChunk:
-    """The chunk with the router's text; cut (and finished) at a completed stop string."""
+    """The chunk with the router's text; cut (and finished) at a completed stop string.
+    A last token that ended the sequence as a stop token adds no text (`hides_stop_token`)."""
     text = ""
-    for i, token_id in enumerate(chunk.token_ids):
+    token_ids = chunk.token_ids
+    if token_ids and hides_stop_token(chunk.finish_reason, chunk.stop_reason, detok.include_stop):
+        token_ids = token_ids[:-1]
+    for i, token_id in enumerate(token_ids):
         update = detok.add_token(token_id)
         text += update.delta_text
         if update.stop_string is not None:

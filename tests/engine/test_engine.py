@@ -231,6 +231,35 @@ def test_stop_token_ids_and_min_tokens(tiny_model_dir):
     assert engine.is_idle()
 
 
+def test_a_stop_token_ends_the_ids_not_the_text(tiny_model_dir):
+    """vLLM: the stop token that ends a request (a stop token id, EOS) is the last token
+    id, but its text is left out unless include_stop_str_in_output."""
+    engine = make_engine(tiny_model_dir)
+    prompt = make_prompts(2048, (20,), seed=5)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    [free_run] = generate(engine, prompt, greedy)
+    cut = next(i for i, t in enumerate(free_run.token_ids) if t not in free_run.token_ids[:i] and i)
+    stop = free_run.token_ids[cut]
+    prefix = {}
+    for n in (cut, cut + 1):
+        [prefix[n]] = generate(engine, prompt, dataclasses.replace(greedy, max_tokens=n), f"p{n}")
+    assert prefix[cut + 1].text != prefix[cut].text  # the stop token has text of its own
+    for include, expected in ((False, prefix[cut].text), (True, prefix[cut + 1].text)):
+        params = dataclasses.replace(
+            greedy, stop_token_ids=[stop], include_stop_str_in_output=include
+        )
+        [stopped] = generate(engine, prompt, params, f"s{include}")
+        assert stopped.token_ids == free_run.token_ids[: cut + 1]
+        assert (stopped.finish_reason, stopped.text) == ("stop", expected)
+    # EOS shown as text (skip_special_tokens off) is left out the same way.
+    eos = engine.config.model_config.eos_token_ids[0]
+    forced = SamplingParams(max_tokens=4, temperature=0.0, skip_special_tokens=False,
+                            allowed_token_ids=[eos])  # fmt: skip
+    [ended] = generate(engine, prompt, forced, "eos")
+    assert (ended.token_ids, ended.finish_reason, ended.text) == ([eos], "stop", "")
+    assert engine.is_idle()
+
+
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny_model_dir):
     engine = make_engine(tiny_model_dir)
     prompts = make_prompts(2048, (10, 50, 90), seed=6)
