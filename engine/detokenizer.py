@@ -30,6 +30,7 @@ from typing import Any
 
 from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.stop_matcher import StopMatcher
 
 # Prompt tokens placed in the decode window before the first output token (as vLLM).
 NUM_PROMPT_CONTEXT_TOKENS = 5
@@ -88,9 +89,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._ids_to_text = ids_to_text(tokenizer)
         self._skip_special_tokens = params.skip_special_tokens
-        self._stops = list(params.stop)
+        self._stops = StopMatcher(params.stop) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
         # Stop strings end the output only in a token past the first min_tokens (vLLM).
         self._min_tokens = params.min_tokens
 
@@ -174,17 +174,19 @@ class IncrementalDetokenizer:
 
     def _append_text(self, new_text: str) -> DetokenizerUpdate:
         """Add settled text, cut at a completed stop string, release what is safe."""
-        old_len = len(self._text)
         self._text += new_text
-        stop = self._find_stop(old_len) if self._stops_allowed() else None
-        if stop is not None:
-            stop_start, self._stop_string = stop
-            stop_end = stop_start + len(self._stop_string) if self._include_stop else stop_start
-            self._text = self._text[:stop_end]
+        if self._stops is None:
+            match = None
+        else:
+            match = self._stops.feed(new_text, report=self._stops_allowed())
+        if match is not None:
+            self._stop_string = match.stop
+            self._text = self._text[: match.end if self._include_stop else match.start]
             delta = self._text[self._num_released :]
             self._num_released = len(self._text)
             return DetokenizerUpdate(delta_text=delta, stop_string=self._stop_string)
-        release_to = max(self._num_released, len(self._text) - self._stop_prefix_len())
+        held = 0 if self._stops is None else self._stops.partial_length()
+        release_to = max(self._num_released, len(self._text) - held)
         delta = self._text[self._num_released : release_to]
         self._num_released = release_to
         return DetokenizerUpdate(delta_text=delta, stop_string=None)
@@ -194,28 +196,3 @@ class IncrementalDetokenizer:
         an earlier token does not end the output (nor is it found later: the search covers
         only text that ends after the previous call's)."""
         return len(self._ids) - self._num_context_ids > self._min_tokens
-
-    def _find_stop(self, old_len: int) -> tuple[int, str] | None:
-        """The stop string occurrence that completes first, ending after old_len.
-
-        Ranking by end (then by earliest start) makes the cut independent of how the text
-        was split into tokens: it is where char-by-char generation would have stopped.
-        """
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stops:
-            start = self._text.find(stop, max(0, old_len - len(stop) + 1))
-            if start < 0:
-                continue
-            candidate = (start + len(stop), start, stop)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-        return None if best is None else (best[1], best[2])
-
-    def _stop_prefix_len(self) -> int:
-        """Length of the longest tail of _text that is a proper prefix of a stop string."""
-        text = self._text
-        for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
-            tail = text[-length:]
-            if any(len(s) > length and s.startswith(tail) for s in self._stops):
-                return length
-        return 0
