@@ -4,7 +4,9 @@ One channel per prefill worker (keyed by worker id and endpoint), opened on the 
 pull (in a task of the client's, which a cancelled pull leaves running) and reused; pulls
 to one prefill worker are serialised on its channel (each one already saturates the
 link). Blocking socket work runs in a small executor the client owns. A channel that
-breaks is dropped and the next pull opens a new one.
+breaks is dropped and the next pull opens a new one; so is one no pull has used for
+`idle_close_s`: its prefill worker may be gone for good (replaced, drained, scaled
+away), and nothing else would ever close its socket.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -44,6 +47,8 @@ BACKENDS = {
     "auto": worker_pb2.KV_BACKEND_AUTO,
 }
 Channel = TcpChannel | LocalChannel | NcclClientChannel | CudaIpcClientChannel
+# A channel no pull used for this long is closed (reopened by the next pull, in ms).
+DEFAULT_IDLE_CLOSE_S = 60.0
 _ChannelKey = tuple[str, str]  # (prefill worker id, endpoint)
 
 
@@ -62,22 +67,27 @@ class KvTransferClient:
         max_num_threads: int = 4,
         max_pooled_bytes: int = 1 << 30,
         auth: ClusterAuth | None = None,
+        idle_close_s: float = DEFAULT_IDLE_CLOSE_S,
     ) -> None:
         """`local_registry`: required by the local backend. `device`: CUDA device of NCCL
         receive buffers (default the current one). `max_pooled_bytes`: idle receive
         memory kept for reuse (see `kv_transfer.buffers`; 0 = none). Every socket and
         RPC wait is bounded by `timeout_s`. `auth`: the cluster token (and TLS) of every
-        call and data connection to prefill workers (default: none)."""
+        call and data connection to prefill workers (default: none). `idle_close_s`: a
+        channel unused this long is closed."""
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
         if backend == "local" and local_registry is None:
             raise ValueError("the local backend needs a local_registry")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if idle_close_s <= 0:
+            raise ValueError(f"idle_close_s must be > 0, got {idle_close_s}")
         self.layout = layout
         self.worker_id = worker_id
         self.backend = backend
         self.timeout_s = timeout_s
+        self.idle_close_s = idle_close_s
         self._registry = local_registry
         self._auth = auth or ClusterAuth()
         self._device = device
@@ -89,6 +99,10 @@ class KvTransferClient:
         # Channels being opened: the client owns each opening until its channel is stored.
         self._opening: dict[_ChannelKey, asyncio.Task[Channel]] = {}
         self._locks: dict[_ChannelKey, asyncio.Lock] = {}
+        # When each channel's last pull ended (time.monotonic()).
+        self._last_used: dict[_ChannelKey, float] = {}
+        # Closes idle channels; started by the first pull.
+        self._idle_closer: asyncio.Task[None] | None = None
         self._grpc: dict[str, grpc.aio.Channel] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self._buffers = BufferPool(max_pooled_bytes)
@@ -132,11 +146,14 @@ class KvTransferClient:
             await writer.run(self._executor, writer.blocks.scatter, await self._pull(handle, None))
             return writer.blocks.kv_cache
         key = (handle.worker_id, handle.endpoint)
+        if self._idle_closer is None:
+            self._idle_closer = asyncio.create_task(self._close_idle_channels())
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             if self._closed:  # closed while this pull waited for the channel
                 raise KvTransferError("KV transfer client is closed")
             channel = await self._channel_to(key, handle)
+            self._last_used[key] = time.monotonic()
             try:
                 if writer is not None and isinstance(channel, TcpChannel):
                     return await writer.run(
@@ -151,6 +168,8 @@ class KvTransferClient:
                 channel.abort()  # the transfer thread then fails and closes the socket
                 self._drop(key)
                 raise
+            finally:
+                self._last_used[key] = time.monotonic()
 
     async def _channel_to(self, key: _ChannelKey, handle: KvHandle) -> Channel:
         """The open channel to the handle's prefill worker, opened first if needed (under
@@ -173,9 +192,45 @@ class KvTransferClient:
         if not opening.cancelled() and opening.exception() is None:
             self._channels[key] = opening.result()
 
+    def close_idle(self, unused_since: float) -> int:
+        """Close the channels no pull has used since `unused_since` (time.monotonic());
+        how many. Their CloseChannel calls run in tasks `close` waits for."""
+        idle = [
+            key
+            for key, channel in self._channels.items()
+            if self._last_used.get(key, 0.0) < unused_since and not self._locks[key].locked()
+        ]
+        for key in idle:
+            channel = self._channels.pop(key)
+            del self._locks[key]
+            self._last_used.pop(key, None)
+            task = asyncio.create_task(self._close_channel(key[1], channel))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        return len(idle)
+
+    async def _close_idle_channels(self) -> None:
+        while True:
+            await asyncio.sleep(self.idle_close_s / 4)
+            if num_closed := self.close_idle(time.monotonic() - self.idle_close_s):
+                logger.info("closed %d KV channel(s) idle for %g s", num_closed, self.idle_close_s)
+
+    async def _close_channel(self, endpoint: str, channel: Channel) -> None:
+        """Close one channel at both ends; the endpoint's gRPC channel too when no other
+        channel uses it (a prefill worker gone for good leaves nothing behind)."""
+        try:
+            await self._close_remote(endpoint, channel)
+        finally:
+            channel.close()
+            if all(key[1] != endpoint for key in (*self._channels, *self._opening)):
+                await self._forget_grpc(endpoint)
+
     async def close(self) -> None:
         """Close every channel (CloseChannel RPC, sockets, gRPC channels) and threads."""
         self._closed = True
+        if self._idle_closer is not None:
+            self._idle_closer.cancel()
+            await asyncio.gather(self._idle_closer, return_exceptions=True)
         # Channels still opening join the others (each opening is bounded by timeout_s).
         await asyncio.gather(*self._opening.values(), return_exceptions=True)
         channels = list(self._channels.items())

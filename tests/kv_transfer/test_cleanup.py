@@ -144,3 +144,31 @@ def test_a_channel_whose_socket_never_comes_is_dropped_after_the_timeout() -> No
             await server.stop()
 
     asyncio.run(run())
+
+
+def test_channels_to_prefill_workers_gone_for_good_are_closed_once_idle() -> None:
+    """A decode worker kept a channel (a socket in CLOSE-WAIT) to every prefill worker it
+    ever pulled from: each replaced or removed one left one more. An idle channel is
+    closed at both ends; a live worker's next pull opens a new one."""
+    engine = FakeEngine(random_cache(TINY, 16), {"r1": [1, 2]})
+
+    async def run() -> None:
+        client = KvTransferClient(TINY, "decode-0", timeout_s=5.0, idle_close_s=0.4)
+        try:
+            async with prefill_server(TINY, engine.read_blocks) as live:
+                async with prefill_server(TINY, engine.read_blocks) as going:
+                    going.worker_id = "prefill-gone"
+                    for prefill in (live, going):
+                        await client.pull(prefill.handle(TINY, "r1", [1, 2]))
+                    assert client.stats().num_open_channels == 2
+                # `going` stopped: nothing will pull from it again.
+                await wait_until(lambda: client.stats().num_open_channels == 0, 10, "closed")
+                await wait_until(lambda: live.service.stats().num_open_channels == 0, 10,
+                                 "closed at the prefill end too")  # fmt: skip
+                got = await client.pull(live.handle(TINY, "r1", [1, 2]))
+                assert bits(got).equal(bits(engine.expected("r1")))
+                assert client.stats().num_open_channels == 1
+        finally:
+            await client.close()
+
+    asyncio.run(run())
