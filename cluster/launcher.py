@@ -3,13 +3,17 @@
 `LocalCluster` starts a local Ray instance (or joins `ray_address`), starts the named
 `PoolController` actor on this process's node with the starting targets, waits until
 they serve, then runs a router in this process that follows the controller's
-membership. `stop()` drains and releases everything it created, Ray included if it
-started it.
+membership. A controller that dies (its process killed, out of memory) takes its workers
+with it (Ray ends the actors an actor created); the cluster then starts a new one with
+the targets the old one last had, which starts new workers, and every router follows it
+by name, so streams migrate to the new workers once they serve. `stop()` drains and
+releases everything it created, Ray included if it started it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -57,6 +61,12 @@ class LocalCluster:
         self.controller_metrics_url = ""
         self._attached: AttachedRouter | None = None
         self._started_ray = False
+        # Starts a new controller when the running one dies (see the module doc).
+        self._keeper: asyncio.Task[None] | None = None
+        # Pool controllers started after the first one died.
+        self.num_controller_restarts = 0
+        self._threads = 1
+        self._env: dict[Any, dict[str, str]] = {}
 
     async def start(self) -> Router:
         """Start the workers, then the router; returns the running router."""
@@ -75,19 +85,9 @@ class LocalCluster:
             for role in set(roles)
         }
         logger.info("torch threads per worker: %d (%s); worker env %s", threads, source, env)
-        # Not detached: the controller (and the workers it owns) go with this process.
-        # On this process's node: Ray would place an actor that asks for no CPU on any
-        # node, and the controller's workers die with it when that node goes (a worker
-        # pod stopping); the head pod also serves the controller's metrics port.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        self.controller = RemotePoolController.options(
-            name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE, scheduling_strategy=here
-        ).remote(config, threads, env)
+        self._threads, self._env = threads, env
+        await self._start_controller(config)
         timeout_s = config.ray.worker_start_timeout_s
-        # The first call also waits for the controller's process to start.
-        self.controller_metrics_url = await asyncio.wait_for(
-            self.controller.start.remote(), timeout_s + CONTROLLER_REPLY_S
-        )
         membership: Membership = await asyncio.wait_for(
             self.controller.wait_at_target.remote(timeout_s), timeout_s + CONTROLLER_REPLY_S
         )
@@ -95,7 +95,62 @@ class LocalCluster:
         self._attached = AttachedRouter(config.router, self.controller)
         # The router learns block size and max model length from the workers' Stats.
         self.router = router = await self._attached.start(timeout_s)
+        self._keeper = asyncio.create_task(self._keep_controller(membership))
         return router
+
+    async def _start_controller(self, config: ClusterConfig) -> None:
+        """Start the named pool controller, which starts the workers of `config`'s pools."""
+        # Not detached: the controller (and the workers it owns) go with this process.
+        # On this process's node: Ray would place an actor that asks for no CPU on any
+        # node, and the controller's workers die with it when that node goes (a worker
+        # pod stopping); the head pod also serves the controller's metrics port.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.controller = RemotePoolController.options(
+            name=CONTROLLER_NAME, namespace=CONTROLLER_NAMESPACE, scheduling_strategy=here
+        ).remote(config, self._threads, self._env)
+        # The first call also waits for the controller's process to start.
+        self.controller_metrics_url = await asyncio.wait_for(
+            self.controller.start.remote(),
+            config.ray.worker_start_timeout_s + CONTROLLER_REPLY_S,
+        )
+
+    async def _keep_controller(self, membership: Membership, check_s: float = 1.0) -> None:
+        """Check the controller every `check_s`; when it is dead, start a new one with the
+        pool targets it last reported (its workers died with it)."""
+        while True:
+            await asyncio.sleep(check_s)
+            try:
+                membership = await asyncio.wait_for(
+                    self.controller.get_membership.remote(), CONTROLLER_REPLY_S
+                )
+                continue
+            except ray.exceptions.RayActorError as exc:
+                reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            except (TimeoutError, ray.exceptions.RayError) as exc:
+                logger.warning("pool controller did not answer its check (%s)", exc)
+                continue
+            logger.error(
+                "the pool controller died (%s) and its workers with it; starting a new one "
+                "with targets %s", reason, membership.targets or self.config.pools.roles,
+            )  # fmt: skip
+            try:
+                await self._start_controller(self._config_at(membership))
+            except (TimeoutError, ValueError, ray.exceptions.RayError) as exc:
+                # ValueError: the dead one's name is not free yet. Tried again next check.
+                logger.error("could not start a new pool controller (%s); retrying", exc)
+                continue
+            self.num_controller_restarts += 1
+
+    def _config_at(self, membership: Membership) -> ClusterConfig:
+        """The cluster config with the pool targets `membership` reports (the starting
+        ones for colocated pools, whose targets it does not carry)."""
+        targets = membership.targets
+        if targets is None:
+            return self.config
+        pools = dataclasses.replace(
+            self.config.pools, num_prefill=targets.prefill, num_decode=targets.decode
+        )
+        return dataclasses.replace(self.config, pools=pools)
 
     @property
     def controller_link(self) -> ControllerLink:
@@ -131,6 +186,10 @@ class LocalCluster:
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stop the router, then the controller (it drains and stops the workers), then Ray."""
+        if self._keeper is not None:
+            self._keeper.cancel()
+            await asyncio.gather(self._keeper, return_exceptions=True)
+            self._keeper = None
         if self._attached is not None:
             await self._attached.stop()
             self._attached = None

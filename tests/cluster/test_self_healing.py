@@ -144,6 +144,41 @@ def test_kill_9_decode_worker_with_streams_in_flight(ray_session, tiny_model_dir
     asyncio.run(scenario())
 
 
+def test_a_dead_pool_controller_is_replaced_with_its_workers(ray_session, tiny_model_dir,
+                                                             prompts, expected):  # fmt: skip
+    """The controller's process killed: its workers die with it (Ray ends the actors an
+    actor created). The cluster starts a new controller with the targets the old one had
+    (2 decode workers here, scaled up from 1), the router follows it by name, and the
+    streams in flight migrate to the new workers. Before, nothing answered again."""
+
+    async def scenario() -> None:
+        cluster = LocalCluster(config_for(tiny_model_dir, 1, 1))
+        try:
+            await cluster.start()
+            await cluster.controller.scale.remote(PoolTargets(prefill=1, decode=2))
+            await cluster.controller.wait_at_target.remote(120.0)
+            await asyncio.sleep(1.5)  # the keeper's check reads the new targets
+            streams = Streams(cluster.router.grpc_endpoint, prompts, MAX_TOKENS)
+            running = asyncio.create_task(streams.run())
+            await until(streams.all_started, 60.0, "every stream's first tokens")
+            old = cluster.controller
+            ray.kill(old, no_restart=True)
+            got = await asyncio.wait_for(running, 180.0)
+            for i, (tokens, want) in enumerate(zip(got, expected, strict=True)):
+                assert tokens == want, f"stream {i} differs from an uninterrupted run"
+            assert cluster.num_controller_restarts == 1 and cluster.controller != old
+            healed = await cluster.controller.wait_at_target.remote(120.0)
+            assert healed.targets == PoolTargets(prefill=1, decode=2)
+            await assert_idle(healed, auth=cluster.config.worker.cluster_auth)
+            # New requests are served too.
+            again = Streams(cluster.router.grpc_endpoint, prompts[:2], MAX_TOKENS)
+            assert await asyncio.wait_for(again.run(), 120.0) == expected[:2]
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
 def test_kill_9_prefill_worker_with_queued_prompts(ray_session, tiny_model_dir):
     long_prompts = make_prompts(2048, (300, 280, 260, 240, 220, 200, 180, 160), seed=4)
     want = hf_greedy(tiny_model_dir, long_prompts, 8)
@@ -348,8 +383,8 @@ def test_scale_down_under_load_then_up(ray_session, tiny_model_dir, prompts, exp
                 took = sum(v for k, v in metrics.items() if k.startswith(name))
                 assert took > 0, f"{worker.worker_id} took no traffic"
             # A decode worker keeps its transfer channel to a prefill worker that was
-            # drained away (closed when the decode worker stops): one per prefill
-            # worker it ever pulled from, here 3, never one per request.
+            # drained away until it has been idle for 60 s: one per prefill worker it
+            # pulled from, here 3, never one per request.
             await assert_idle(up, max_channels=3, auth=cluster.config.worker.cluster_auth)
         finally:
             await cluster.stop()
