@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -33,7 +34,7 @@ from tandem.planner.live_plan import (
     LivePlanInput,
     LivePlanResult,
     compute_plan,
-    ignore_interrupts,
+    init_planning_process,
     warm_up,
 )
 from tandem.planner.observe import Counters, ObservedLoad, read_router_counters
@@ -140,7 +141,10 @@ class LivePlanner:
 
     async def start(self) -> None:
         self._executor = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1, mp_context=mp.get_context("spawn"), initializer=ignore_interrupts
+            max_workers=1,
+            mp_context=mp.get_context("spawn"),
+            initializer=init_planning_process,
+            initargs=(os.getpid(),),
         )
         self._executor.submit(warm_up)
         if self.budget is None:

@@ -3,7 +3,10 @@ separate process so the search never stalls the router's event loop)."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
+import sys
 from dataclasses import dataclass
 
 from tandem.planner.hysteresis import Split
@@ -14,6 +17,8 @@ from tandem.planner.search import max_goodput, plan
 from tandem.planner.simulator import ClusterSimulation, Layout, SimSettings, SloTargets
 from tandem.planner.workload import synthetic_workload
 
+# prctl(2): the signal this process gets when its parent exits.
+_PR_SET_PDEATHSIG = 1
 # Spread of the synthetic lengths around the observed means (the router counts means only).
 _LENGTH_SPREAD = 0.25
 
@@ -86,10 +91,18 @@ def compute_plan(given: LivePlanInput) -> LivePlanResult:
     return LivePlanResult(recommended, why, goodput, predicted)
 
 
-def ignore_interrupts() -> None:
-    """The planner process's initializer: Ctrl-C in a terminal reaches the whole process
-    group, and the serving process that owns this one shuts it down (no traceback)."""
+def init_planning_process(parent_pid: int) -> None:
+    """The planner process's initializer. It ignores Ctrl-C: a terminal sends it to the
+    whole process group, and the serving process that owns this one shuts it down (no
+    traceback). On Linux it dies with that process (SIGKILL'd by the kernel when its
+    parent goes): a `tandem serve` killed outright (-9, out of memory) left it running,
+    240 MB, forever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent_pid:  # the parent went before the request took
+            os._exit(0)
 
 
 def warm_up() -> None:
