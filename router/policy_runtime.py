@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -234,10 +235,24 @@ class PolicyRuntime:
             self.policy.set_available(worker_id, available)
 
     async def _poll(self, policy: GoodputPolicy) -> None:
-        while True:
-            await asyncio.sleep(self.config.stats_interval_s)
-            for worker in self.pool.workers:  # a copy: membership may change meanwhile
-                await self._poll_one(policy, worker)
+        """Every `stats_interval_s`, poll each worker whose last poll has returned: one
+        slow to answer (frozen, overloaded: up to the probe timeout) holds up no other
+        worker's stats, nor its return from unreachable."""
+        in_flight: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(self.config.stats_interval_s)
+                for worker in self.pool.workers:  # a copy: membership may change meanwhile
+                    if worker.worker_id in in_flight:
+                        continue
+                    task = asyncio.create_task(self._poll_one(policy, worker))
+                    in_flight[worker.worker_id] = task
+                    task.add_done_callback(functools.partial(_forget, in_flight, worker.worker_id))
+        finally:
+            polls = list(in_flight.values())
+            for task in polls:
+                task.cancel()
+            await asyncio.gather(*polls, return_exceptions=True)
 
     async def _poll_one(self, policy: GoodputPolicy, worker: WorkerEndpoint) -> None:
         taken_at = time.monotonic()
@@ -261,3 +276,9 @@ class PolicyRuntime:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
+
+
+def _forget(
+    in_flight: dict[str, asyncio.Task[None]], worker_id: str, _: asyncio.Task[None]
+) -> None:
+    in_flight.pop(worker_id, None)

@@ -359,3 +359,36 @@ def test_a_replacement_joins_before_the_worker_it_replaces_stops_taking_requests
     assert len(placeable) > 20 and all(placeable), placeable.count(False)
     assert pools.serving(WorkerRole.DECODE) != [old]
     assert_pools_idle(pools)
+
+
+def test_a_worker_slow_to_answer_stats_holds_up_no_other_workers_stats(pools):
+    """The router polled its workers' Stats one after the other: a frozen worker (no
+    answer until the 5 s probe timeout) held up every other worker's stats that long,
+    every cycle. Now they are polled at once."""
+    [frozen] = pools.serving(WorkerRole.DECODE)
+    [other] = pools.serving(WorkerRole.PREFILL)
+    policy = pools.router.policy_runtime.policy
+    original_stats, original_update = pools.router.pool.worker_stats, policy.update_stats
+    updates: list[str] = []
+
+    async def frozen_stats(worker, timeout_s):
+        if worker.worker_id == frozen:
+            await asyncio.sleep(3.0)
+        return await original_stats(worker, timeout_s)
+
+    def counted_update(worker_id, stats, taken_at_s):
+        updates.append(worker_id)
+        original_update(worker_id, stats, taken_at_s)
+
+    async def scenario() -> None:
+        pools.router.pool.worker_stats = frozen_stats
+        policy.update_stats = counted_update
+        try:
+            await asyncio.sleep(2.0)  # 8 poll intervals
+        finally:
+            pools.router.pool.worker_stats = original_stats
+            policy.update_stats = original_update
+        await asyncio.sleep(3.5)  # the frozen call in flight returns
+
+    pools.run(scenario())
+    assert updates.count(other) >= 4, updates  # one after the other: at most 1
