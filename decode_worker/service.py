@@ -60,6 +60,10 @@ async def pull_into_pinned(
     await client.pull(handle, out=into)
 
 
+class NoKvBlocks(Exception):
+    """The KV pool had no room for a request within the admission timeout."""
+
+
 class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(
         self,
@@ -124,11 +128,15 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineLoopClosed as exc:
             await abort_engine_loop_closed(context, exc)
-        except TimeoutError:
+        except NoKvBlocks:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"no KV blocks free within {self.config.admission_timeout_s:.1f} s",
             )
+        except TimeoutError as exc:
+            # An engine command unanswered past its step's watchdog: the engine is stuck
+            # (and its worker about to be replaced); UNAVAILABLE moves the request on.
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the engine did not answer: {exc}")
 
     def _response(
         self, out: RequestOutput, recomputed: bool, started: float, transfer_s: float
@@ -211,7 +219,7 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             if block_ids is not None:
                 return
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"no KV blocks for {req_id}")
+                raise NoKvBlocks(f"no KV blocks for {req_id}")
             await asyncio.sleep(_ADMISSION_POLL_S)
 
     async def _recompute(
