@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,7 +46,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except BrokenPipeError:
+        # The reader of our output left (`tandem pools | head`): end quietly, as a
+        # command killed by SIGPIPE does. Python would print a traceback flushing stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:

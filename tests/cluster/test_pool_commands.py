@@ -109,3 +109,35 @@ def test_a_malformed_admin_address_is_one_line(capsys):
     assert capsys.readouterr().err == (
         "tandem pools: http://[::1: not a usable address: Invalid IPv6 URL\n"
     )
+
+
+_LONG_OUTPUT = """
+import argparse, sys
+from tandem.cluster import cli
+
+def handler(args):
+    for i in range(100_000):
+        print("worker", i)
+    return 0
+
+parser = argparse.ArgumentParser()
+parser.add_argument("-v", "--verbose", action="store_true")
+parser.set_defaults(handler=handler)
+cli.build_parser = lambda: parser
+sys.exit(cli.main([]))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_output_piped_into_a_reader_that_leaves_ends_quietly():
+    """`tandem pools | head`: the reader leaves early; a traceback (BrokenPipeError) was
+    printed. Now the command ends as one killed by SIGPIPE does: no output on stderr."""
+    import subprocess
+    import sys
+
+    command = subprocess.Popen([sys.executable, "-c", _LONG_OUTPUT], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)  # fmt: skip
+    assert command.stdout is not None and command.stdout.readline() == b"worker 0\n"
+    command.stdout.close()
+    _, stderr = command.communicate(timeout=30)
+    assert (command.returncode, stderr) == (141, b"")
