@@ -231,6 +231,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     from tandem.engine.dtype import DTYPE_CHOICES
     from tandem.router.config import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT, RouterConfig
     from tandem.router.policy import AdmissionPolicy
+    from tandem.router.sampling_defaults import GenerationConfigUse
     from tandem.telemetry.tracing import TraceExporter
     from tandem.worker.config import DEFAULT_HOST, KvBackend, WorkerSettings
 
@@ -316,6 +317,13 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--max-n", type=positive_int, default=None,
         help=f"most choices (n) one OpenAI request may ask for [{router['max_n'].default}]",
+    )  # fmt: skip
+    serve.add_argument(
+        "--generation-config", choices=[u.value for u in GenerationConfigUse], default=None,
+        help="auto: the sampling defaults the model's generation_config.json names "
+        "(temperature, top_p, top_k, min_p, repetition_penalty) apply to requests that "
+        "leave them out, as vLLM; off: OpenAI's defaults "
+        f"[{router['generation_config'].default.value}]",
     )  # fmt: skip
     serve.add_argument(
         "--trace-exporter", choices=[e.value for e in TraceExporter], default=None,
@@ -407,6 +415,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     from tandem.engine.config import DeviceKind, EngineConfig, default_device
     from tandem.planner.live_config import PlannerConfig, PlannerMode
     from tandem.router.config import RouterConfig
+    from tandem.router.sampling_defaults import SamplingDefaults
     from tandem.worker.config import WorkerSettings
 
     if args.colocated is not None and (args.prefill is not None or args.decode is not None):
@@ -476,7 +485,10 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
                 args.max_local_prefill_tokens, RouterConfig.max_local_prefill_tokens
             ),
             max_n=_flag(args.max_n, RouterConfig.max_n),
+            generation_config=_flag(args.generation_config, RouterConfig.generation_config),
         )
+        # Its generation_config.json read now: a bad one is refused before any worker starts.
+        SamplingDefaults.of_model(router.model_dir, router.generation_config)
         return ClusterConfig(
             model_dir=args.model,
             pools=pools,

@@ -42,6 +42,9 @@ async def serve(config: ClusterConfig, announce=print) -> None:
             f"Tandem serving {config.model_dir}, {dtype_banner(config.engine)}, "
             f"attention {config.engine.resolved_attention_backend}"
         )
+        if sampling := router.sampling_defaults.from_model():
+            values = ", ".join(f"{name} {value:g}" for name, value in sampling.items())
+            announce(f"  sampling defaults (the model's generation_config.json): {values}")
         for worker in cluster.workers:
             announce(f"  {worker.role:<9} {worker.worker_id:<12} {worker.endpoint}")
         announce(f"  gRPC  tandem.v1.Generation  {router.grpc_endpoint}")

@@ -17,6 +17,7 @@ from tandem.router.policy import (
     DEFAULT_MAX_LOCAL_PREFILL_TOKENS,
     AdmissionPolicy,
 )
+from tandem.router.sampling_defaults import GenerationConfigUse
 from tandem.telemetry.tracing import DEFAULT_TRACE_EXPORTER, TraceExporter
 from tandem.worker.config import DEFAULT_HOST
 
@@ -73,6 +74,9 @@ class RouterConfig:
     migration_wait_s: float = 60.0
     # Most choices (`n`) one OpenAI request may ask for (each decodes on its own).
     max_n: int = DEFAULT_MAX_N
+    # Whether the model's generation_config.json sets the sampling defaults of requests
+    # that leave them out (router/sampling_defaults.py), as vLLM's default does.
+    generation_config: GenerationConfigUse = GenerationConfigUse.AUTO
 
     def __post_init__(self) -> None:
         if not isinstance(self.cluster_auth, ClusterAuth):
@@ -81,6 +85,9 @@ class RouterConfig:
             AdmissionPolicy, self.admission_policy, "admission_policy"
         )
         self.trace_exporter = parse_enum(TraceExporter, self.trace_exporter, "trace_exporter")
+        self.generation_config = parse_enum(
+            GenerationConfigUse, self.generation_config, "generation_config"
+        )
         for name in ("ttft_slo_s", "itl_slo_s"):
             value = getattr(self, name)
             if value is not None and value <= 0:

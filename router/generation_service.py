@@ -23,6 +23,7 @@ from tandem.router.errors import (
 )
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.request_flow import RequestFlow
+from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.sequence import sequence_id
 from tandem.router.structured_outputs import field_ruling_out_grammar_tokens, guided_from_generate
 from tandem.router.tokenization import PromptTokenizer
@@ -49,11 +50,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         tokenizer: PromptTokenizer,
         model_name: str,
         max_n: int = DEFAULT_MAX_N,
+        defaults: SamplingDefaults = OPENAI_DEFAULTS,
     ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_n = max_n
+        # Sampling values of requests that leave them out (the model's, or OpenAI's).
+        self.defaults = defaults
         # Router ids of the requests (and their sequences) in flight here.
         self._in_flight: set[str] = set()
 
@@ -169,6 +173,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequest(str(exc)) from exc
 
     def _parse(self, request: gen_pb.GenerateRequest) -> tuple[list[int], SamplingParams]:
+        defaults = self.defaults
         if request.prompt_token_ids:
             prompt_ids = self.tokenizer.check_ids(list(request.prompt_token_ids))
         else:
@@ -181,10 +186,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         params = SamplingParams(
             max_tokens=request.max_tokens or 16,
-            temperature=request.temperature if request.HasField("temperature") else 1.0,
-            top_k=request.top_k,
-            top_p=request.top_p if request.HasField("top_p") else 1.0,
-            min_p=request.min_p,
+            temperature=(
+                request.temperature if request.HasField("temperature") else defaults.temperature
+            ),
+            # 0 is "unset" in proto3 (-1 turns top_k off).
+            top_k=request.top_k or defaults.top_k,
+            top_p=request.top_p if request.HasField("top_p") else defaults.top_p,
+            min_p=request.min_p or defaults.min_p,
             seed=request.seed if request.HasField("seed") else None,
             stop=list(request.stop),
             include_stop_str_in_output=request.include_stop_str_in_output,
@@ -197,7 +205,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty
             if request.HasField("repetition_penalty")
-            else 1.0,
+            else defaults.repetition_penalty,
             logit_bias=dict(request.logit_bias),
             allowed_token_ids=list(request.allowed_token_ids),
             bad_words_token_ids=self._bad_words(request),

@@ -14,6 +14,7 @@ from tandem.router.openai.auth import make_auth_middleware
 from tandem.router.openai.errors import MAX_BODY_BYTES, error_middleware
 from tandem.router.openai.handlers import OpenAIHandlers
 from tandem.router.request_flow import RequestFlow
+from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
 from tandem.router.worker_pool import WorkerPool
 
@@ -24,8 +25,10 @@ def make_http_app(
     tokenizer: PromptTokenizer,
     config: RouterConfig,
     dtype: str = "",
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
 ) -> web.Application:
-    """`dtype`: the workers' dtype, shown on `/v1/models`."""
+    """`dtype`: the workers' dtype, shown on `/v1/models`. `defaults`: the sampling values
+    of requests that leave them out."""
 
     async def health(request: web.Request) -> web.Response:
         if await pool.is_ready(config.probe_timeout_s):
@@ -40,6 +43,6 @@ def make_http_app(
     app.router.add_get("/health", health)
     OpenAIHandlers(
         flow, tokenizer, config.model_name, config.model_dir, config.max_body_bytes, dtype,
-        max_n=config.max_n,
+        max_n=config.max_n, defaults=defaults,
     ).add_routes(app)  # fmt: skip
     return app

@@ -10,13 +10,14 @@ does), `exclude_input_in_output` (BOOL), plus Triton's TensorRT-LLM-style scalar
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.router.errors import InvalidRequest
 from tandem.router.kserve_tensors import decode_input, num_elements
+from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.structured_outputs import (
     GUIDED_FIELDS,
     field_ruling_out_grammar_tokens,
@@ -98,9 +99,12 @@ class KserveRequest:
 
 
 def parse_request(
-    request: kserve_pb.ModelInferRequest, tokenizer: PromptTokenizer
+    request: kserve_pb.ModelInferRequest,
+    tokenizer: PromptTokenizer,
+    defaults: SamplingDefaults = OPENAI_DEFAULTS,
 ) -> KserveRequest:
-    """Validate and convert; raises `InvalidRequest` naming the offending input or key."""
+    """Validate and convert; raises `InvalidRequest` naming the offending input or key.
+    A sampling value the request leaves out is the model's default (`defaults`)."""
     values, shapes = _decode_inputs(request)
     if "text_input" not in values:
         raise InvalidRequest("missing required input 'text_input' (BYTES)", param="text_input")
@@ -125,7 +129,7 @@ def parse_request(
         except ValueError as exc:
             raise InvalidRequest(f"'bad_words' {exc}", param="bad_words") from exc
     try:
-        params = SamplingParams(**settings)
+        params = SamplingParams(**{**asdict(defaults), **settings})
     except ValueError as exc:
         raise InvalidRequest(f"invalid sampling parameters: {exc}", "sampling_parameters") from exc
     if (conflict := field_ruling_out_grammar_tokens(params)) is not None:

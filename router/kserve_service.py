@@ -28,6 +28,7 @@ from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError, abo
 from tandem.router.kserve_request import MODEL_INPUTS, MODEL_OUTPUTS, KserveRequest, parse_request
 from tandem.router.kserve_tensors import encode_bytes
 from tandem.router.request_flow import RequestFlow, Usage
+from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
 from tandem.router.worker_pool import WorkerPool
 
@@ -56,12 +57,15 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         pool: WorkerPool,
         model_name: str,
         probe_timeout_s: float,
+        defaults: SamplingDefaults = OPENAI_DEFAULTS,
     ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
         self.pool = pool
         self.model_name = model_name
         self.probe_timeout_s = probe_timeout_s
+        # Sampling values of requests that leave them out (the model's, or OpenAI's).
+        self.defaults = defaults
 
     async def ServerLive(self, request, context) -> kserve_pb.ServerLiveResponse:
         return kserve_pb.ServerLiveResponse(live=True)
@@ -184,7 +188,7 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
     async def _parse(self, request: kserve_pb.ModelInferRequest) -> KserveRequest:
         """The request checked and tokenized (on the tokenizer's thread, off the loop)."""
         self._check_model(request.model_name, request.model_version)
-        return await self.tokenizer.off_loop(parse_request, request, self.tokenizer)
+        return await self.tokenizer.off_loop(parse_request, request, self.tokenizer, self.defaults)
 
     def _check_model(self, name: str, version: str) -> None:
         if name != self.model_name:

@@ -44,6 +44,7 @@ from tandem.router.membership import (
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy_runtime import PolicyRuntime
 from tandem.router.request_flow import RequestFlow
+from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
 from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
 from tandem.telemetry.tracing import Tracing
@@ -96,11 +97,18 @@ class Router:
         self._http: web.AppRunner | None = None
         self.policy_runtime: PolicyRuntime | None = None
         self.tokenizer: PromptTokenizer | None = None
+        # Set by `start` from the model directory (router/sampling_defaults.py).
+        self.sampling_defaults = OPENAI_DEFAULTS
         # The live planner's view for `/admin/pools` (set by whoever runs one).
         self.planner_view: Callable[[], dict[str, Any] | None] | None = None
 
     async def start(self) -> None:
         config = self.config
+        self.sampling_defaults = defaults = SamplingDefaults.of_model(
+            config.model_dir, config.generation_config
+        )
+        if from_model := defaults.from_model():
+            logger.info("sampling defaults from the model's generation_config.json: %s", from_model)
         self.metrics = RouterMetrics(config.model_name)
         self.policy_runtime = PolicyRuntime(config, self.pool)
         policy = await self.policy_runtime.start()
@@ -131,12 +139,12 @@ class Router:
         ]
         self._server = server = grpc.aio.server(options=public_options, interceptors=interceptors)
         generation_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationService(flow, tokenizer, config.model_name, config.max_n), server
+            GenerationService(flow, tokenizer, config.model_name, config.max_n, defaults), server
         )
-        add_GRPCInferenceServiceServicer_to_server(
-            KserveService(flow, tokenizer, self.pool, config.model_name, config.probe_timeout_s),
-            server,
+        kserve = KserveService(
+            flow, tokenizer, self.pool, config.model_name, config.probe_timeout_s, defaults
         )
+        add_GRPCInferenceServiceServicer_to_server(kserve, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(admin), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -158,7 +166,7 @@ class Router:
             self._publish_readiness(health_servicer)
         )
         app = make_http_app(
-            self.pool, flow, tokenizer, config, dtype=self.policy_runtime.limits.dtype
+            self.pool, flow, tokenizer, config, self.policy_runtime.limits.dtype, defaults
         )
         app.router.add_get("/metrics", self._metrics_handler)
         add_admin_routes(app, admin)

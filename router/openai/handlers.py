@@ -35,6 +35,7 @@ from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.openai.streaming import stream_sse
 from tandem.router.openai.tool_responses import ToolChatResponses
 from tandem.router.request_flow import RequestFlow
+from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
 
 _JSON_TYPE_NAMES = {list: "an array", str: "a string", int: "a number", float: "a number"}
@@ -52,10 +53,11 @@ class OpenAIHandlers:
         max_body_bytes: int,
         dtype: str = "",
         max_n: int = DEFAULT_MAX_N,
+        defaults: SamplingDefaults = OPENAI_DEFAULTS,
     ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
-        self.parser = RequestParser(tokenizer, model_name, flow.slo, max_n)
+        self.parser = RequestParser(tokenizer, model_name, flow.slo, max_n, defaults)
         self.model_name = model_name
         self.model_dir = model_dir
         self.max_body_bytes = max_body_bytes

@@ -39,6 +39,7 @@ from tandem.router.openai.guided import guided_from_body
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N, SamplingExtras, parse_extras
 from tandem.router.openai.tools import ToolPlan, parse_tools
 from tandem.router.policy import RequestSlo, SloConfig
+from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.structured_outputs import field_ruling_out_grammar_tokens
 from tandem.router.tokenization import PromptTokenizer
 
@@ -143,11 +144,14 @@ class RequestParser:
         model_name: str,
         slo: SloConfig,
         max_n: int = DEFAULT_MAX_N,
+        defaults: SamplingDefaults = OPENAI_DEFAULTS,
     ) -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.slo = slo
         self.max_n = max_n
+        # Sampling values of requests that leave them out (the model's, or OpenAI's).
+        self.defaults = defaults
 
     def completion(self, body: dict[str, Any]) -> list[GenerationRequest]:
         """One request per prompt (`prompt` may hold a batch of them), in order; every
@@ -468,14 +472,15 @@ class RequestParser:
                 "cache_salt",
                 f"must hold 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(cache_salt)}",
             )
+        defaults = self.defaults
         # Every field is checked above; this only catches combinations the engine refuses.
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if temperature is None else temperature,
-                top_k=top_k or 0,
-                top_p=1.0 if top_p is None else top_p,
-                min_p=min_p or 0.0,
+                temperature=defaults.temperature if temperature is None else temperature,
+                top_k=defaults.top_k if top_k is None else top_k,
+                top_p=defaults.top_p if top_p is None else top_p,
+                min_p=defaults.min_p if min_p is None else min_p,
                 seed=seed,
                 stop=stop,
                 include_stop_str_in_output=include_stop,
@@ -488,7 +493,7 @@ class RequestParser:
                 top_logprobs=num_top_logprobs,
                 skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
                 cache_salt=cache_salt,
-                **extras.params_kwargs(),
+                **extras.params_kwargs(defaults.repetition_penalty),
             )
         except ValueError as exc:  # its message names the fields
             raise InvalidRequest(str(exc)) from exc

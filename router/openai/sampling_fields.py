@@ -27,19 +27,21 @@ class SamplingExtras:
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    # None: the request left it out.
+    repetition_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Choices to return (completions and chat).
     n: int = 1
     # Completions: prepend the prompt (and, with logprobs, its logprobs) to the choice.
     echo: bool = False
 
-    def params_kwargs(self) -> dict[str, Any]:
+    def params_kwargs(self, default_repetition_penalty: float) -> dict[str, Any]:
         """What goes into the engine's `SamplingParams`."""
+        repetition = self.repetition_penalty
         return {
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
+            "repetition_penalty": default_repetition_penalty if repetition is None else repetition,
             "logit_bias": dict(self.logit_bias),
         }
 
