@@ -186,6 +186,12 @@ def _decode_inputs(request: kserve_pb.ModelInferRequest) -> tuple[dict[str, Any]
                 f"call), got shape {list(tensor.shape)}",
                 param=tensor.name,
             )
+        if list(tensor.shape) not in ([1], [1, 1]):
+            # ModelMetadata says [1] (Triton's vLLM backend too); [1, 1] with a batch dim.
+            raise InvalidRequest(
+                f"input {tensor.name!r} must have shape [1] (or [1, 1]), got {list(tensor.shape)}",
+                param=tensor.name,
+            )
         elements = decode_input(tensor, raw_contents[index] if raw_contents else None)
         values[tensor.name] = elements[0]
         shapes[tensor.name] = list(tensor.shape)
@@ -196,11 +202,13 @@ def _output_names(request: kserve_pb.ModelInferRequest) -> tuple[str, ...]:
     if not request.outputs:
         return _OUTPUT_NAMES
     names = tuple(output.name for output in request.outputs)
-    for name in names:
+    for index, name in enumerate(names):
         if name not in _OUTPUT_NAMES:
             raise InvalidRequest(
                 f"unknown output {name!r}; this model produces {list(_OUTPUT_NAMES)}", param=name
             )
+        if name in names[:index]:
+            raise InvalidRequest(f"output {name!r} is requested twice", param=name)
     return names
 
 

@@ -251,6 +251,15 @@ def test_infer_batch_shape_and_scalar_inputs(client, model_name, expected):
 
 
 @pytest.mark.timeout(120)
+def test_an_output_requested_twice_is_refused(client, model_name):
+    outputs = [grpcclient.InferRequestedOutput("text_output")] * 2
+    with pytest.raises(InferenceServerException) as info:
+        client.infer(model_name, _inputs("x", GREEDY), outputs=outputs)
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert "'text_output' is requested twice" in info.value.message()
+
+
+@pytest.mark.timeout(120)
 def test_infer_typed_contents_matches_generate(cluster, model_name, expected):
     """A KServe client that sends typed `contents` instead of raw bytes."""
     prompt = PROMPTS[0]
@@ -341,6 +350,10 @@ BAD_REQUESTS = [
      ["guided_json"]),
     ("guided_regex false-ish 0", lambda: _inputs("x", {"guided_regex": 0}), None,
      "INVALID_ARGUMENT", ["guided_regex"]),
+    ("scalar prompt of shape []", lambda: _inputs("x", shape=()), None, "INVALID_ARGUMENT",
+     ["text_input", "shape [1]", "[]"]),
+    ("prompt of shape [1, 1, 1]", lambda: _inputs("x", shape=(1, 1, 1)), None,
+     "INVALID_ARGUMENT", ["text_input", "shape [1]", "[1, 1, 1]"]),
 ]  # fmt: skip
 
 
