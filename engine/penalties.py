@@ -63,12 +63,18 @@ def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> 
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned: Sequence[list[int]]) -> torch.Tensor:
-    """`logits` with each row's `banned` tokens at -inf (a new tensor)."""
+    """`logits` with each row's `banned` tokens at -inf (a new tensor), except in a row
+    the ban would leave with no token (its grammar, or `allowed_token_ids`, allow only
+    banned ones): that row keeps its logits, since what the constraint allows wins."""
     rows = [row for row, tokens in enumerate(banned) for _ in tokens]
     cols = [token for tokens in banned for token in tokens]
     device = logits.device
     index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    return logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+    result = logits.index_put(index, torch.tensor(float("-inf"), dtype=logits.dtype, device=device))
+    emptied = torch.isneginf(result).all(dim=-1)
+    if bool(emptied.any()):
+        result[emptied] = logits[emptied]
+    return result
 
 
 def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

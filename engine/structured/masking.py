@@ -19,9 +19,10 @@ if TYPE_CHECKING:
 def apply_grammar_masks(logits: torch.Tensor, grammars: Sequence[RequestGrammar | None]) -> None:
     """Mask `logits` [num_rows, vocab] in place; `grammars[i]` constrains row i (or None).
 
-    A row left with no finite logit (another mask, e.g. `min_tokens`, banned the only
-    tokens the grammar allows) keeps the grammar's tokens, at equal logits: the grammar
-    wins, since an output outside it is never acceptable.
+    A row left with no finite logit (another mask, e.g. `allowed_token_ids`, removed
+    the only tokens the grammar allows) keeps the grammar's tokens, at equal logits: the
+    grammar wins, since an output outside it is never acceptable. (The `min_tokens` ban
+    comes later, in the sampler, and never empties a row either.)
     """
     rows = [i for i, g in enumerate(grammars) if g is not None]
     if not rows:

@@ -130,3 +130,16 @@ def test_bad_grammar_is_refused_and_the_engine_keeps_serving(engine):
     engine.add_request("ok", "the", SamplingParams(max_tokens=4, temperature=0.0))
     assert run(engine)["ok"][-1].finished
     assert engine.is_idle()
+
+
+def test_a_grammar_that_ends_before_min_tokens_ends_the_output_there(engine):
+    """min_tokens bans EOS, but a finished grammar allows nothing else: the grammar wins
+    (the output ends with `stop`, valid). The ban emptied the row: the engine drew token
+    0, the grammar refused it, and the request aborted with '<unk>' appended."""
+    params = SamplingParams(max_tokens=64, min_tokens=20, temperature=0.0,
+                            structured=GuidedDecoding.choice(["yes", "no"]))  # fmt: skip
+    engine.add_request("early", "the quick", params)
+    outs = run(engine)["early"]
+    assert text_of(outs) in ("yes", "no")
+    assert outs[-1].finish_reason is FinishReason.STOP
+    assert engine.is_idle()
