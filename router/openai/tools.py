@@ -71,24 +71,70 @@ class ToolPlan:
         if self.choice is ToolChoice.NAMED and self.named is not None:
             return GuidedDecoding.json_schema(self.named.parameters)
         if self.choice is ToolChoice.REQUIRED:
-            return GuidedDecoding.json_schema(required_calls_schema(self.functions, self.parallel))
+            schema = required_calls_schema(self.functions, self.parallel)
+            # Each tool's schema builds alone (checked when parsed); so should their list.
+            return checked("tool_choice", GuidedDecoding.json_schema(schema))
         return None
 
 
 def required_calls_schema(functions: tuple[ToolFunction, ...], parallel: bool) -> dict[str, Any]:
-    """A non-empty JSON list of calls, each `{"name": <a tool>, "arguments": <its args>}`."""
-    calls = [
-        {
+    """A non-empty JSON list of calls, each `{"name": <a tool>, "arguments": <its args>}`.
+
+    Each tool's parameters schema goes under the list's `$defs` (as `<name>`, its own
+    definitions as `<name>.<definition>`, its `$ref`s renamed to match): nested as they
+    are, their `#/$defs/...` and `#` references would point into the list's schema."""
+    definitions: dict[str, Any] = {}
+    calls = []
+    for f in functions:
+        definitions.update(_lifted(f.name, f.parameters))
+        calls.append({
             "type": "object",
-            "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+            "properties": {"name": {"const": f.name}, "arguments": {"$ref": f"#/$defs/{f.name}"}},
             "required": ["name", "arguments"],
-        }
-        for f in functions
-    ]
-    schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        })  # fmt: skip
+    schema: dict[str, Any] = {
+        "$defs": definitions,
+        "type": "array",
+        "items": {"anyOf": calls},
+        "minItems": 1,
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+def _lifted(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    """`parameters` and its local definitions as entries of another schema's `$defs`."""
+    local = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    renamed = {f"{name}.{key}": _with_refs_renamed(value, name) for key, value in local.items()}
+    root = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    return {name: _with_refs_renamed(root, name), **renamed}
+
+
+def _with_refs_renamed(node: Any, name: str) -> Any:
+    """`node` with each local `$ref` pointing where `_lifted` moved its target."""
+    if isinstance(node, list):
+        return [_with_refs_renamed(item, name) for item in node]
+    if not isinstance(node, dict):
+        return node
+    renamed = {key: _with_refs_renamed(value, name) for key, value in node.items()}
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        parts = ref[2:].split("/") if ref != "#" else []
+        if len(parts) >= 2 and parts[0] in ("$defs", "definitions"):
+            target = [f"{name}.{_unescaped(parts[1])}", *parts[2:]]
+        else:
+            target = [name, *parts]
+        renamed["$ref"] = "#/$defs/" + "/".join([_escaped(target[0]), *target[1:]])
+    return renamed
+
+
+def _unescaped(token: str) -> str:  # JSON pointer (RFC 6901)
+    return token.replace("~1", "/").replace("~0", "~")
+
+
+def _escaped(token: str) -> str:
+    return token.replace("~", "~0").replace("/", "~1")
 
 
 def parse_tools(body: dict[str, Any]) -> ToolPlan | None:

@@ -226,6 +226,37 @@ def test_required_tool_choice_calls_declared_tools(client, cluster):
         )
 
 
+# Parameters with local definitions and a recursive reference (`#`).
+ROUTE = {
+    "type": "function",
+    "function": {
+        "name": "plan_route",
+        "parameters": {
+            "$defs": {"stop": {"type": "object", "properties": {"city": {"enum": ["a", "b"]}},
+                               "required": ["city"], "additionalProperties": False}},
+            "type": "object",
+            "properties": {"via": {"$ref": "#/$defs/stop"},
+                           "then": {"type": "array", "maxItems": 1, "items": {"$ref": "#"}}},
+            "required": ["via"],
+            "additionalProperties": False,
+        },
+    },
+}  # fmt: skip
+
+
+def test_required_tool_choice_keeps_each_tools_definitions(client, cluster):
+    """Nested in the list of calls, a tool's `#/$defs/...` and `#` references pointed into
+    the list's schema: the grammar failed on the worker (200, empty, `abort`)."""
+    choice = client.chat.completions.create(
+        model=_model(cluster), messages=MESSAGES, tools=[ROUTE, CLOCK], tool_choice="required",
+        max_tokens=MAX_TOKENS, seed=5,
+    ).choices[0]  # fmt: skip
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (ROUTE, CLOCK)}
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
 def test_tool_choice_none_and_tool_messages_are_plain_chat(client, cluster):
     messages = [
         *MESSAGES,
