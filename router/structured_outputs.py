@@ -12,10 +12,12 @@ worker sees it.
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.structured.grammar_builder import GrammarSpecError, build_grammar
+from tandem.engine.structured.schema_keywords import unenforced_keyword
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.router.errors import InvalidRequest
@@ -78,9 +80,10 @@ def guided_from_generate(msg: gen_pb.GuidedDecoding) -> GuidedDecoding | None:
     return checked(name, _spec(kind, value, name))
 
 
-def checked(field_name: str, guided: GuidedDecoding) -> GuidedDecoding:
-    """`guided` if its grammar builds; otherwise InvalidRequest naming `field_name`."""
-    error = _grammar_error(guided.kind, guided.spec)
+def checked(field_name: str, guided: GuidedDecoding, enforced: bool = True) -> GuidedDecoding:
+    """`guided` if its grammar builds and (with `enforced`: it will constrain an output)
+    holds every keyword of a JSON schema; otherwise InvalidRequest naming `field_name`."""
+    error = _grammar_error(guided.kind, guided.spec, enforced)
     if error is not None:
         raise invalid(field_name, error)
     return guided
@@ -113,11 +116,13 @@ def _spec(kind: GuidedKind, value: Any, name: str) -> GuidedDecoding:
 
 
 @functools.lru_cache(maxsize=_MAX_CHECKED_SPECS)
-def _grammar_error(kind: GuidedKind, spec: str) -> str | None:
+def _grammar_error(kind: GuidedKind, spec: str, enforced: bool) -> str | None:
     try:
         build_grammar(GuidedDecoding(kind, spec))
     except GrammarSpecError as exc:
         return f"is not a valid {_KIND_NAMES[kind]}: {exc}"
+    if enforced and kind is GuidedKind.JSON_SCHEMA:
+        return unenforced_keyword(json.loads(spec))
     return None
 
 

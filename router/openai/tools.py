@@ -69,7 +69,7 @@ class ToolPlan:
     def guided(self) -> GuidedDecoding | None:
         """The grammar that forces the output to be the call(s); None for none/auto."""
         if self.choice is ToolChoice.NAMED and self.named is not None:
-            return GuidedDecoding.json_schema(self.named.parameters)
+            return checked("tool_choice", GuidedDecoding.json_schema(self.named.parameters))
         if self.choice is ToolChoice.REQUIRED:
             schema = required_calls_schema(self.functions, self.parallel)
             # Each tool's schema builds alone (checked when parsed); so should their list.
@@ -185,8 +185,9 @@ def _function(index: int, tool: Any) -> ToolFunction:
     field = f"{label}.function.parameters"
     if not isinstance(parameters, dict):
         raise invalid(field, f"must be a JSON schema object, got {show(parameters)}")
-    # A schema the grammar cannot enforce is refused now, whatever the tool_choice.
-    checked(field, GuidedDecoding.json_schema(parameters))
+    # A schema the grammar cannot build is refused now, whatever the tool_choice; one
+    # with keywords a grammar cannot hold only when the call is forced (guided()).
+    checked(field, GuidedDecoding.json_schema(parameters), enforced=False)
     return ToolFunction(name, description, parameters)
 
 

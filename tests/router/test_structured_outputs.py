@@ -56,6 +56,11 @@ CLOCK = {
     },
 }
 MESSAGES = [{"role": "user", "content": "the cache block decode worker"}]
+UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+UNIQUE_TOOL = {
+    "type": "function",
+    "function": {"name": "tag", "parameters": {"type": "object", "properties": {"ids": UNIQUE}}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +311,24 @@ def test_tool_choice_none_and_tool_messages_are_plain_chat(client, cluster):
             "tool_choice.function.name",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        # Keywords a grammar cannot hold (the output broke them: `[2, 2, 3]` for unique
+        # items) are refused where the output is constrained ...
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": UNIQUE}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"extra_body": {"guided_json": {"properties": {"a": {"not": {"type": "string"}}}}}},
+            "guided_json",
+        ),
+        ({"tools": [UNIQUE_TOOL], "tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [UNIQUE_TOOL],
+                "tool_choice": {"type": "function", "function": {"name": "tag"}},
+            },
+            "tool_choice",
+        ),
     ],
 )
 def test_bad_specs_are_400s_naming_the_field(client, cluster, kwargs, param):
@@ -317,6 +340,14 @@ def test_bad_specs_are_400s_naming_the_field(client, cluster, kwargs, param):
     # The server keeps serving.
     reply = client.chat.completions.create(model=_model(cluster), messages=MESSAGES, max_tokens=2)
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_tool_the_model_may_call_freely_may_use_any_keyword(client, cluster):
+    """... but not in a tool under `auto`, whose arguments no grammar constrains."""
+    reply = client.chat.completions.create(
+        model=_model(cluster), messages=MESSAGES, max_tokens=4, tools=[UNIQUE_TOOL]
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_guided_through_generate_and_kserve(cluster):
