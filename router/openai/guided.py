@@ -38,14 +38,15 @@ _STRUCTURED_OUTPUTS_UNSUPPORTED = {
 _STRUCTURED_OUTPUTS_IGNORED = frozenset({"backend", "disable_fallback"})
 
 
-def guided_from_body(body: dict[str, Any], chat: bool) -> tuple[str, GuidedDecoding] | None:
-    """(field that set it, constraint), or None; raises InvalidRequest naming the field."""
+def guided_from_body(body: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
+    """(field that set it, constraint), or None; raises InvalidRequest naming the field.
+    `response_format` counts on completions too, as vLLM takes it there."""
     given = [
         found
         for found in (
             guided_from_fields(body),
             _structured_outputs(body),
-            _response_format(body) if chat else None,
+            _response_format(body),
         )
         if found is not None
     ]

@@ -182,7 +182,7 @@ class RequestParser:
                     ids, skip_special_tokens=False
                 )
             generation = _scoring_prompt(generation, echo_top, prompt_logprobs)
-            generations.append(_constrained(generation, body, chat=False, tools=None))
+            generations.append(_constrained(generation, body, tools=None))
         return generations
 
     def chat(self, body: dict[str, Any]) -> GenerationRequest:
@@ -204,7 +204,7 @@ class RequestParser:
             extras=extras,
         )
         generation = _scoring_prompt(generation, None, _prompt_logprobs(body))
-        return _constrained(generation, body, chat=True, tools=tools)
+        return _constrained(generation, body, tools=tools)
 
     def tokenize(self, body: dict[str, Any]) -> list[int]:
         """Token ids of `prompt` or `messages` (no context-length check: this is for counting)."""
@@ -523,11 +523,11 @@ def _scoring_prompt(
 
 
 def _constrained(
-    generation: GenerationRequest, body: dict[str, Any], chat: bool, tools: ToolPlan | None
+    generation: GenerationRequest, body: dict[str, Any], tools: ToolPlan | None
 ) -> GenerationRequest:
     """The request with its structured-output grammar (response_format / guided_* / a
     forced tool call) and tool plan attached."""
-    given = guided_from_body(body, chat)
+    given = guided_from_body(body)
     forced = tools.guided() if tools is not None else None
     if given is not None and forced is not None:
         raise invalid(given[0], "cannot be combined with a forced 'tool_choice'")

@@ -117,6 +117,29 @@ def test_guided_json_and_json_object_on_completions(client, cluster):
     assert reply.choices[0].message.content.startswith("{")
 
 
+def test_response_format_on_completions_constrains_as_guided_json(client, cluster):
+    """vLLM takes `response_format` on completions; it was ignored there (200, free text,
+    even for a bogus type)."""
+    schema = SCHEMAS[7]
+    response_format = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+    texts = [
+        client.completions.create(
+            model=_model(cluster), prompt="router latency is the", max_tokens=MAX_TOKENS,
+            temperature=0, extra_body=extra,
+        ).choices[0].text
+        for extra in (
+            {"guided_json": schema},
+            {"response_format": response_format},
+        )
+    ]  # fmt: skip
+    assert texts[0] == texts[1]
+    jsonschema.validate(json.loads(texts[1]), schema)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=_model(cluster), prompt="x", max_tokens=2,
+                                  extra_body={"response_format": {"type": "bogus"}})  # fmt: skip
+    assert info.value.body["param"] == "response_format.type"
+
+
 def test_vllm_structured_outputs_object_constrains_like_the_guided_fields(client, cluster):
     """vLLM's newer `structured_outputs` ({"choice": ...}, {"regex": ...}, ...): the same
     constraint as the guided_* field, token for token; `backend` is ignored."""
