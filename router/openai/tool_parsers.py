@@ -56,19 +56,37 @@ def parse_output(plan: ToolPlan, text: str) -> ParsedOutput:
 
 
 def _parse_auto(plan: ToolPlan, text: str) -> ParsedOutput:
-    if HERMES_OPEN in text:
-        calls = []
-        for body in _HERMES_CALL.findall(text):
-            calls += _calls_from_json(_loads(body), plan.names)
-        if calls:
-            rest = _HERMES_CALL.sub("", text).strip()
-            return ParsedOutput(rest or None, calls)
+    hermes = parse_hermes(plan, text)
+    if hermes.calls:
+        return hermes
     stripped = text.strip()
     if stripped.startswith(("{", "[")):
         calls = _calls_from_json(_loads(stripped), plan.names)
         if calls:
             return ParsedOutput(None, calls)
     return ParsedOutput(text, [])
+
+
+def parse_hermes(plan: ToolPlan, text: str) -> ParsedOutput:
+    """The Hermes `<tool_call>` blocks of `text` that call a declared tool, and the rest
+    (other blocks included) as content."""
+    calls: list[ToolCall] = []
+
+    def take(block: re.Match[str]) -> str:
+        found = _calls_from_json(_loads(block[1]), plan.names)
+        calls.extend(found)
+        return "" if found else block[0]
+
+    rest = _HERMES_CALL.sub(take, text).strip() if HERMES_OPEN in text else text
+    return ParsedOutput(rest or None, calls) if calls else ParsedOutput(text, [])
+
+
+def may_open_hermes_call(text: str) -> bool:
+    """Whether `text` holds `<tool_call>` or ends with the start of one (streamed content
+    is held back from there)."""
+    if HERMES_OPEN in text:
+        return True
+    return any(text.endswith(HERMES_OPEN[:n]) for n in range(1, len(HERMES_OPEN)))
 
 
 def may_be_tool_call(text: str) -> bool:

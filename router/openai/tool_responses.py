@@ -6,7 +6,9 @@ function `name`; later deltas carry pieces of `arguments`; the last chunk says
 generated; `required` output is a JSON list whose calls are known only once it is
 complete, and `auto` output is held back while it may still be a call, so those calls
 are sent whole when the reply ends (content that turns out not to be a call is
-released as soon as that is clear).
+released as soon as that is clear). `auto` content streams until a Hermes `<tool_call>`
+(or a tail that may start one) appears; from there it is held, and sent as calls at the
+end or released as content once it is not one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from tandem.router.openai.responses import (
     ResponseOptions,
     add_stop_reason,
 )
-from tandem.router.openai.tool_parsers import ToolCall, may_be_tool_call, parse_output
+from tandem.router.openai.tool_parsers import (
+    ToolCall,
+    may_be_tool_call,
+    may_open_hermes_call,
+    parse_hermes,
+    parse_output,
+)
 from tandem.router.openai.tools import ToolChoice, ToolPlan
 from tandem.router.request_flow import GenerationChunk
 
@@ -56,18 +64,23 @@ class ToolChatResponses(ChatResponses):
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         index = chunk.index
-        if self.plan.choice is ToolChoice.NONE or index in self._content:
+        if self.plan.choice is ToolChoice.NONE:
             return super().chunk(chunk)
         if self.plan.choice is ToolChoice.NAMED:
             return self._named_delta(chunk)
         held = self._held.setdefault(index, Collected())
         held.add(chunk)
-        if self.plan.choice is ToolChoice.AUTO and not may_be_tool_call(held.text):
-            self._content.add(index)  # not a call: release what was held, then stream
-            return super().chunk(self._released(index))
+        if self.plan.choice is ToolChoice.AUTO:
+            if index not in self._content and not may_be_tool_call(held.text):
+                self._content.add(index)  # not a call from the start: content ...
+            if index in self._content and not may_open_hermes_call(held.text):
+                return super().chunk(self._released(index))  # ... unless a call opens
         if chunk.finish_reason is None:
             return None
-        parsed = parse_output(self.plan, held.text)
+        if index in self._content:  # what was held since a `<tool_call>` began
+            parsed = parse_hermes(self.plan, held.text)
+        else:
+            parsed = parse_output(self.plan, held.text)
         if not parsed.calls:
             return super().chunk(self._released(index))
         delta: dict[str, Any] = {"tool_calls": [c.json(i) for i, c in enumerate(parsed.calls)]}

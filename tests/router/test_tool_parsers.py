@@ -53,3 +53,36 @@ def test_auto_stream_releases_content_and_sends_whole_calls_at_the_end(tiny_mode
     assert choice["finish_reason"] == "tool_calls"
     (call,) = choice["delta"]["tool_calls"]
     assert call["index"] == 0 and call["function"] == {"name": "add", "arguments": "{}"}
+
+
+def test_a_hermes_call_naming_no_tool_stays_content_beside_one_that_does():
+    text = ('keep me <tool_call>{"name": "oops", "arguments": {}}</tool_call> '
+            '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')  # fmt: skip
+    parsed = parse_output(_plan(), text)
+    assert [c.name for c in parsed.calls] == ["add"]
+    assert parsed.content == 'keep me <tool_call>{"name": "oops", "arguments": {}}</tool_call>'
+
+
+def test_auto_stream_sends_content_then_the_calls_that_follow_it(tiny_model_dir):
+    """Content streams until a `<tool_call>` begins; the calls come whole at the end, as
+    the whole response has them (the stream sent the call's text as content)."""
+    formatter = LogprobsFormatter(PromptTokenizer(str(tiny_model_dir)))
+    pieces = ["Sure! ", "<tool", '_call>{"name": "add", ', '"arguments": {"a": 1}}', "</tool_call>"]
+    builder = ToolChatResponses(_plan(), "id", "m", 0, formatter, ResponseOptions([[1]]))
+    chunks = [
+        builder.chunk(GenerationChunk([i], text, [], FinishReason.STOP if i == 4 else None))
+        for i, text in enumerate(pieces)
+    ]
+    assert chunks[0]["choices"][0]["delta"] == {"content": "Sure! "}
+    assert chunks[1:4] == [None, None, None]  # held from the possible `<tool_call>` on
+    last = chunks[4]["choices"][0]
+    assert last["finish_reason"] == "tool_calls" and "content" not in last["delta"]
+    (call,) = last["delta"]["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    # A `<` that opens no call is released as content.
+    builder = ToolChatResponses(_plan(), "id", "m", 0, formatter, ResponseOptions([[1]]))
+    assert builder.chunk(GenerationChunk([1], "a < b")) is not None
+    assert builder.chunk(GenerationChunk([2], " <")) is None
+    released = builder.chunk(GenerationChunk([3], "= c", [], FinishReason.STOP))
+    assert released["choices"][0]["delta"]["content"] == " <= c"
+    assert released["choices"][0]["finish_reason"] == "stop"
