@@ -263,15 +263,20 @@ class ResponseBuilder:
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         """The stream chunk for `chunk`; None when it carries nothing to show yet."""
-        wants_ids = (self.options.logprobs or self.options.return_token_ids) and bool(
-            chunk.token_ids
-        )
-        if not chunk.text and chunk.finish_reason is None and not wants_ids:
+        if self._shows_nothing(chunk):
             return None
         choice = self._choice_delta(chunk)
         add_stop_reason(choice, chunk)
         self._add_token_ids(choice, chunk.token_ids, chunk.index)
         return self._chunk(choice, chunk.index)
+
+    def _shows_nothing(self, chunk: GenerationChunk) -> bool:
+        """Whether `chunk` has no text, no finish, and no tokens the client asked to see
+        (logprobs, token ids: a token ending inside a UTF-8 character has no text yet)."""
+        wants_ids = (self.options.logprobs or self.options.return_token_ids) and bool(
+            chunk.token_ids
+        )
+        return not chunk.text and chunk.finish_reason is None and not wants_ids
 
     def _prompt_of(self, index: int) -> list[int]:
         """The ids of choice `index`'s prompt."""

@@ -2,13 +2,13 @@
 
 Streaming follows OpenAI: a call's first delta carries `index`, `id`, `type` and the
 function `name`; later deltas carry pieces of `arguments`; the last chunk says
-`finish_reason: "tool_calls"`. A named choice streams its arguments as they are
-generated; `required` output is a JSON list whose calls are known only once it is
-complete, and `auto` output is held back while it may still be a call, so those calls
-are sent whole when the reply ends (content that turns out not to be a call is
-released as soon as that is clear). `auto` content streams until a Hermes `<tool_call>`
-(or a tail that may start one) appears; from there it is held, and sent as calls at the
-end or released as content once it is not one.
+`finish_reason: "tool_calls"` (`"stop"` for a named function, as OpenAI). A named
+choice streams its arguments as they are generated; `required` output is a JSON list
+whose calls are known only once it is complete, and `auto` output is held back while it
+may still be a call, so those calls are sent whole when the reply ends (content that
+turns out not to be a call is released as soon as that is clear). `auto` content
+streams until a Hermes `<tool_call>` (or a tail that may start one) appears; from there
+it is held, and sent as calls at the end or released as content once it is not one.
 """
 
 from __future__ import annotations
@@ -36,8 +36,10 @@ from tandem.router.openai.tools import ToolChoice, ToolPlan
 from tandem.router.request_flow import GenerationChunk
 
 
-def _finish(reason: FinishReason | None, has_calls: bool) -> str | None:
-    if has_calls and reason is FinishReason.STOP:
+def _finish(reason: FinishReason | None, plan: ToolPlan) -> str | None:
+    """A choice with tool calls that ended by itself: `tool_calls` for `auto` and
+    `required`, `stop` for a named function (OpenAI's, and vLLM's, rule)."""
+    if reason is FinishReason.STOP and plan.choice is not ToolChoice.NAMED:
         return "tool_calls"
     return public_finish_reason(reason)
 
@@ -89,7 +91,7 @@ class ToolChatResponses(ChatResponses):
         return self._delta(delta, held.token_ids, held.logprobs, held.top_logprobs, chunk)
 
     def _named_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
-        if not chunk.text and chunk.finish_reason is None:
+        if self._shows_nothing(chunk):
             return None
         delta: dict[str, Any] = {}
         if chunk.text:
@@ -114,7 +116,7 @@ class ToolChatResponses(ChatResponses):
         body = {
             "delta": delta,
             "logprobs": self._logprobs_of(token_ids, logprobs, tops, chunk.index),
-            "finish_reason": _finish(chunk.finish_reason, True),
+            "finish_reason": _finish(chunk.finish_reason, self.plan),
         }
         add_stop_reason(body, chunk)
         self._add_token_ids(body, token_ids, chunk.index)
@@ -146,5 +148,5 @@ class ToolChatResponses(ChatResponses):
             "logprobs": self._logprobs_of(
                 collected.token_ids, collected.logprobs, collected.top_logprobs, index
             ),
-            "finish_reason": _finish(collected.finish_reason, True),
+            "finish_reason": _finish(collected.finish_reason, self.plan),
         }

@@ -86,3 +86,18 @@ def test_auto_stream_sends_content_then_the_calls_that_follow_it(tiny_model_dir)
     released = builder.chunk(GenerationChunk([3], "= c", [], FinishReason.STOP))
     assert released["choices"][0]["delta"]["content"] == " <= c"
     assert released["choices"][0]["finish_reason"] == "stop"
+
+
+def test_named_stream_keeps_the_tokens_of_a_chunk_without_text(tiny_model_dir):
+    """A token that ends inside a UTF-8 character has no text yet; its logprob and id
+    were dropped from a named call's stream (the whole response had them)."""
+    formatter = LogprobsFormatter(PromptTokenizer(str(tiny_model_dir)))
+    plan = _plan({"type": "function", "function": {"name": "add"}})
+    options = ResponseOptions([[1]], logprobs=True, return_token_ids=True)
+    builder = ToolChatResponses(plan, "id", "m", 0, formatter, options)
+    first = builder.chunk(GenerationChunk([7], "", [-0.5]))
+    assert first is not None
+    assert first["choices"][0]["token_ids"] == [7]
+    assert [e["logprob"] for e in first["choices"][0]["logprobs"]["content"]] == [-0.5]
+    last = builder.chunk(GenerationChunk([8], "{}", [-0.25], FinishReason.STOP))
+    assert last["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "add"
