@@ -17,12 +17,9 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.router.errors import InvalidRequest
 from tandem.router.kserve_tensors import decode_input, num_elements
+from tandem.router.openai.guided import vllm_guided
 from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
-from tandem.router.structured_outputs import (
-    GUIDED_FIELDS,
-    field_ruling_out_grammar_tokens,
-    guided_from_fields,
-)
+from tandem.router.structured_outputs import GUIDED_FIELDS, field_ruling_out_grammar_tokens
 from tandem.router.tokenization import PromptTokenizer
 
 _INT_TYPES = ("INT32", "INT64", "INT8", "INT16", "UINT8", "UINT16", "UINT32", "UINT64")
@@ -233,11 +230,11 @@ def _sampling_settings(text: str) -> dict[str, Any]:
             param="sampling_parameters",
         )
     settings: dict[str, Any] = {}
-    guided = guided_from_fields(obj)
+    guided = vllm_guided(obj)
     if guided is not None:
         settings["structured"] = guided[1]
     for key, value in obj.items():
-        if value is None or key in GUIDED_FIELDS:
+        if value is None or key in GUIDED_FIELDS or key == "structured_outputs":
             continue
         if key in _NEUTRAL_KEYS:
             if _convert(key, value, float) != _NEUTRAL_KEYS[key]:

@@ -41,15 +41,19 @@ _STRUCTURED_OUTPUTS_IGNORED = frozenset({"backend", "disable_fallback"})
 def guided_from_body(body: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
     """(field that set it, constraint), or None; raises InvalidRequest naming the field.
     `response_format` counts on completions too, as vLLM takes it there."""
-    given = [
-        found
-        for found in (
-            guided_from_fields(body),
-            _structured_outputs(body),
-            _response_format(body),
-        )
-        if found is not None
-    ]
+    return _one_of(vllm_guided(body), _response_format(body))
+
+
+def vllm_guided(fields: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
+    """vLLM's constraint fields (`guided_*`, or the `structured_outputs` object), as
+    every API takes them (KServe's `sampling_parameters` too)."""
+    return _one_of(guided_from_fields(fields), _structured_outputs(fields))
+
+
+def _one_of(
+    *found: tuple[str, GuidedDecoding] | None,
+) -> tuple[str, GuidedDecoding] | None:
+    given = [item for item in found if item is not None]
     if len(given) > 1:
         raise invalid(given[1][0], f"cannot be combined with '{given[0][0]}'; send one of them")
     return given[0] if given else None

@@ -52,7 +52,11 @@ def parse_output(plan: ToolPlan, text: str) -> ParsedOutput:
     if plan.choice is ToolChoice.REQUIRED:
         calls = _calls_from_json(_loads(text), plan.names, args_keys=("arguments",))
         return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
-    return _parse_auto(plan, text)
+    parsed = _parse_auto(plan, text)
+    if not plan.parallel and len(parsed.calls) > 1:
+        # parallel_tool_calls false: at most one call, as OpenAI (the first one made).
+        parsed.calls = parsed.calls[:1]
+    return parsed
 
 
 def _parse_auto(plan: ToolPlan, text: str) -> ParsedOutput:

@@ -334,6 +334,18 @@ def test_tool_choice_none_and_tool_messages_are_plain_chat(client, cluster):
             "tool_choice.function.name",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        # Arguments are an object: a tool whose parameters describe a string is refused.
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "string"}},
+                    }
+                ]
+            },
+            "tools[0].function.parameters",
+        ),
         # Keywords a grammar cannot hold (the output broke them: `[2, 2, 3]` for unique
         # items) are refused where the output is constrained ...
         (
@@ -391,15 +403,19 @@ def test_guided_through_generate_and_kserve(cluster):
         assert "guided.regex" in info.value.details()
 
         infer = kserve_grpc.GRPCInferenceServiceStub(channel)
-        request = kserve_pb.ModelInferRequest(model_name=_model(cluster))
-        sampling = {"max_tokens": 32, "guided_choice": ["yes", "no"]}
-        for name, value in [("text_input", "the"), ("sampling_parameters", json.dumps(sampling))]:
-            tensor = request.inputs.add(name=name, datatype="BYTES", shape=[1])
-            tensor.contents.bytes_contents.append(value.encode())
-        response = infer.ModelInfer(request, timeout=60)
-        names = [o.name for o in response.outputs]
-        text = response.raw_output_contents[names.index("text_output")][4:].decode()
-        assert text in ("yes", "no")
+        # vLLM's newer `structured_outputs` object too (it was refused as unknown).
+        for constraint in ({"guided_choice": ["yes", "no"]},
+                           {"structured_outputs": {"choice": ["yes", "no"]}}):  # fmt: skip
+            request = kserve_pb.ModelInferRequest(model_name=_model(cluster))
+            sampling = {"max_tokens": 32, **constraint}
+            inputs = [("text_input", "the"), ("sampling_parameters", json.dumps(sampling))]
+            for name, value in inputs:
+                tensor = request.inputs.add(name=name, datatype="BYTES", shape=[1])
+                tensor.contents.bytes_contents.append(value.encode())
+            response = infer.ModelInfer(request, timeout=60)
+            names = [o.name for o in response.outputs]
+            text = response.raw_output_contents[names.index("text_output")][4:].decode()
+            assert text in ("yes", "no")
 
 
 def test_every_choice_of_n_follows_the_grammar(client, cluster):

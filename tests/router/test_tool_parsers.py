@@ -101,3 +101,12 @@ def test_named_stream_keeps_the_tokens_of_a_chunk_without_text(tiny_model_dir):
     assert [e["logprob"] for e in first["choices"][0]["logprobs"]["content"]] == [-0.5]
     last = builder.chunk(GenerationChunk([8], "{}", [-0.25], FinishReason.STOP))
     assert last["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "add"
+
+
+def test_auto_with_parallel_tool_calls_false_returns_one_call():
+    plan = parse_tools({"tools": TOOLS, "tool_choice": "auto", "parallel_tool_calls": False})
+    assert plan is not None
+    two = ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+           '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')  # fmt: skip
+    assert [c.name for c in parse_output(plan, two).calls] == ["add"]
+    assert [c.name for c in parse_output(_plan(), two).calls] == ["add", "get_time"]
