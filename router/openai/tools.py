@@ -185,12 +185,12 @@ def _function(index: int, tool: Any) -> ToolFunction:
     field = f"{label}.function.parameters"
     if not isinstance(parameters, dict):
         raise invalid(field, f"must be a JSON schema object, got {show(parameters)}")
-    if parameters.get("type", "object") != "object":
-        # The arguments are a JSON object (OpenAI refuses other root types too).
-        raise invalid(field, f"must describe an object ('type': 'object'), got {show(parameters)}")
     # A schema the grammar cannot build is refused now, whatever the tool_choice; one
     # with keywords a grammar cannot hold only when the call is forced (guided()).
     checked(field, GuidedDecoding.json_schema(parameters), enforced=False)
+    if parameters.get("type", "object") != "object":
+        # The arguments are a JSON object (OpenAI refuses other root types too).
+        raise invalid(field, f"must describe an object ('type': 'object'), got {show(parameters)}")
     return ToolFunction(name, description, parameters)
 
 
