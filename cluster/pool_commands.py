@@ -172,16 +172,31 @@ def planner_line(planner: dict) -> str:
 
 
 def _run_scale(args: argparse.Namespace) -> int:
-    from tandem.cluster.admin_client import shortfall
-
     def change(client) -> PoolsView:
         return client.scale(args.prefill, args.decode)
 
-    code, view = _change_then_wait("scale", args, change, shortfall)
+    def pending(view: PoolsView) -> str:
+        return scale_pending(view, args.prefill, args.decode)
+
+    code, view = _change_then_wait("scale", args, change, pending)
     if code == 0:
         targets = view["targets"]
         print(f"pools at target: prefill {targets['prefill']}, decode {targets['decode']}")
     return code
+
+
+def scale_pending(view: PoolsView, prefill: int, decode: int) -> str:
+    """What keeps `view` from the targets a scale asked for ("" when there); RuntimeError
+    when other targets replaced them (another scale, the planner): they never land."""
+    from tandem.cluster.admin_client import shortfall
+
+    targets = view.get("targets") or {}
+    if (targets.get("prefill"), targets.get("decode")) != (prefill, decode):
+        raise RuntimeError(
+            f"the targets changed to prefill {targets.get('prefill')}, decode "
+            f"{targets.get('decode')} (another scale or the planner) before these were reached"
+        )
+    return shortfall(view)
 
 
 def _run_drain(args: argparse.Namespace) -> int:

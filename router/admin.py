@@ -10,6 +10,7 @@ Each worker's load (`running`, `waiting`, `kv_usage`) is this router's last view
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ import grpc
 
 from tandem.router.errors import InvalidRequest, RouterError
 from tandem.router.membership import AdminBackend, Membership, PoolTargets, WorkerInfo
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode")
 # Longer than any worker id the pool controller gives ("<role>-<n>").
@@ -122,6 +125,8 @@ class PoolsAdmin:
                 "(see GET /admin/pools)",
                 param="worker_id",
             )
+        # Checked first, and quoted: a client's newline must not forge a log line.
+        logger.info("admin: drain %r", worker_id)
         owner = self._owner()
         try:
             return await owner.drain(worker_id)

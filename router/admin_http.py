@@ -43,7 +43,6 @@ def add_admin_routes(app: web.Application, admin: PoolsAdmin) -> None:
         body = await _json_body(request)
         if not isinstance(body, dict):
             raise InvalidRequest('the body must be a JSON object {"worker_id": "..."}')
-        logger.info("admin: drain %s", body.get("worker_id"))
         return web.json_response(admin.to_json(await admin.drain(body.get("worker_id"))),
                                  dumps=dumps)  # fmt: skip
 

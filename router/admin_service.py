@@ -47,7 +47,6 @@ class AdminService(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb.DrainWorkerRequest, context
     ) -> admin_pb.PoolsResponse:
         try:
-            logger.info("admin: drain %s", request.worker_id)
             return self._response(await self.admin.drain(request.worker_id))
         except RouterError as exc:
             await abort_with(context, exc)

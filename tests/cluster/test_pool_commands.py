@@ -141,3 +141,18 @@ def test_output_piped_into_a_reader_that_leaves_ends_quietly():
     command.stdout.close()
     _, stderr = command.communicate(timeout=30)
     assert (command.returncode, stderr) == (141, b"")
+
+
+def test_a_scale_replaced_by_another_before_it_landed_is_not_reported_as_done():
+    """`tandem scale 2 2` overlapped by `tandem scale 1 1` (or the planner) printed "pools
+    at target: prefill 1, decode 1" and exited 0; now it says what replaced it."""
+    from tandem.cluster.pool_commands import scale_pending
+
+    worker = {"role": "decode", "state": "serving"}
+    view = {"targets": {"prefill": 1, "decode": 1},
+            "workers": [worker, {"role": "prefill", "state": "serving"}]}  # fmt: skip
+    assert scale_pending(view, 1, 1) == ""
+    with pytest.raises(RuntimeError, match=r"changed to prefill 1, decode 1 .* before these"):
+        scale_pending(view, 2, 2)
+    growing = {**view, "targets": {"prefill": 1, "decode": 2}}
+    assert scale_pending(growing, 1, 2) == "decode 1/2 serving"

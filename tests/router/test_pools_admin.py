@@ -109,6 +109,17 @@ def test_bad_scale_is_refused_and_changes_nothing(pools, body, param):
     assert (pools.version, pools.targets) == before
 
 
+def test_a_worker_id_cannot_forge_a_log_line(pools, caplog):
+    """The id a client names was logged raw before it was checked: a newline in it wrote
+    a line of the client's own into the router log."""
+    with caplog.at_level(logging.INFO):
+        for worker_id in ("nobody\n2026-12-06 INFO forged", "x" * 300):
+            status, _ = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": worker_id}))
+            assert status in (400, 404, 409)
+    lines = [r.getMessage() for r in caplog.records if "admin: drain" in r.getMessage()]
+    assert lines == ["admin: drain 'nobody\\n2026-12-06 INFO forged'"], lines
+
+
 def test_admin_errors_over_grpc_and_auth(pools):
     async def scenario() -> dict[str, grpc.StatusCode]:
         codes = {}
