@@ -97,7 +97,11 @@ class RouterMetrics:
             "tandem:goodput_requests", "Finished requests that met their SLO.", labels, registry=r
         )
         self.rejected = Counter(
-            "tandem:requests_rejected", "Requests shed or refused.", [*labels, "reason"], registry=r
+            "tandem:requests_rejected",
+            "Requests refused before placement: shed by admission (overloaded), or no worker "
+            "to place them on (unavailable).",
+            [*labels, "reason"],
+            registry=r,
         )
         self.migrations = Counter(
             "tandem:request_migrations",
@@ -150,7 +154,8 @@ class RouterMetrics:
         )
         for series in (self.running, self.waiting, self.goodput):
             series.labels(model_name)
-        self.rejected.labels(model_name, "overloaded")
+        for reason in ("overloaded", "unavailable"):
+            self.rejected.labels(model_name, reason)
         for decision in DISAGG_DECISIONS:
             self.disagg_decisions.labels(model_name, decision)
         for reason in MIGRATION_REASONS:

@@ -28,7 +28,7 @@ from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.attempts import AttemptRegistry, MigrationReason
 from tandem.router.chunk_stream import ChunkStream, GenerationChunk, Usage
-from tandem.router.errors import Overloaded, RouterError, from_worker_error
+from tandem.router.errors import Overloaded, RouterError, WorkerUnavailable, from_worker_error
 from tandem.router.forked_flow import generate_forked
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy import GoodputPolicy, Placement, PlacementRequest, RequestSlo, SloConfig
@@ -198,8 +198,10 @@ class RequestFlow:
                     req_id, prompt_ids, params.max_tokens, slo, cache_salt=params.cache_salt
                 )
             )
-        except Overloaded:
-            self.metrics.rejected.labels(self.metrics.model_name, "overloaded").inc()
+        except (Overloaded, WorkerUnavailable) as exc:
+            # Shed by admission, or no worker pair to place it on (a whole role down).
+            reason = "overloaded" if isinstance(exc, Overloaded) else "unavailable"
+            self.metrics.rejected.labels(self.metrics.model_name, reason).inc()
             span.set_attribute("tandem.rejected", True)
             span.end()
             raise

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router.errors import Overloaded
+from tandem.router.errors import Overloaded, WorkerUnavailable
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy import SloConfig
 from tandem.router.request_flow import RequestFlow
@@ -207,5 +207,32 @@ def test_requests_waiting_for_admission_are_counted_while_they_wait():
         assert waiting() == 0
         rejected = {"model_name": "m", "reason": "overloaded"}
         assert metrics.registry.get_sample_value("tandem:requests_rejected_total", rejected) == 2
+
+    asyncio.run(scenario())
+
+
+def test_a_request_with_no_worker_to_place_it_on_counts_as_rejected():
+    """A 503 "no decode worker is available" (a whole role down) was in no series:
+    clients got 39 of them while requests_rejected_total read 0."""
+
+    class NoDecodeWorker:
+        async def place(self, request):
+            raise WorkerUnavailable("no decode worker is available", retry_after_s=2.0)
+
+    async def scenario() -> None:
+        metrics = RouterMetrics("m")
+        flow = RequestFlow(None, NoDecodeWorker(), SloConfig(), metrics, Tracing("test", "none"),  # type: ignore[arg-type]
+                           30.0, 30.0, migration_wait_s=1.0)  # fmt: skip
+        with pytest.raises(WorkerUnavailable):
+            await anext(flow.generate("r", [1, 2, 3], SamplingParams(max_tokens=2)))
+        value = metrics.registry.get_sample_value
+        assert (
+            value("tandem:requests_rejected_total", {"model_name": "m", "reason": "unavailable"})
+            == 1
+        )
+        assert (
+            value("tandem:requests_rejected_total", {"model_name": "m", "reason": "overloaded"})
+            == 0
+        )
 
     asyncio.run(scenario())
