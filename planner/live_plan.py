@@ -75,7 +75,8 @@ def compute_plan(given: LivePlanInput) -> LivePlanResult:
         goodput[given.current] = now.goodput_rps
     best = result.recommended.layout
     recommended, why = (best.num_prefill, best.num_decode), result.reason
-    if given.current is not None and recommended != given.current:
+    if _allowed(given.current, given) and recommended != given.current:
+        assert given.current is not None
         kept = goodput[given.current]
         if goodput[recommended] <= kept * (1 + given.min_gain):
             why = (
@@ -89,6 +90,14 @@ def compute_plan(given: LivePlanInput) -> LivePlanResult:
         sim = ClusterSimulation(given.laws, settings, Layout(*recommended), given.slo)
         predicted = sim.run(workload, load.arrival_rate_rps).goodput_rps
     return LivePlanResult(recommended, why, goodput, predicted)
+
+
+def _allowed(split: Split | None, given: LivePlanInput) -> bool:
+    """Whether the pools may stay at `split`: within the budget and the per-role limit
+    (pools scaled past them by hand are brought back, not kept)."""
+    if split is None or sum(split) > given.budget:
+        return False
+    return given.max_per_role is None or max(split) <= given.max_per_role
 
 
 def init_planning_process(parent_pid: int) -> None:

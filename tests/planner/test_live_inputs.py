@@ -121,3 +121,18 @@ def test_the_current_split_stays_unless_another_gains_more_than_the_margin():
     kept = compute_plan(dataclasses.replace(base, min_gain=1.0))
     assert kept.recommended == (1, 2) and kept.reason.startswith("keeps 1P+2D")
     assert kept.goodput == free.goodput
+
+
+def test_pools_past_the_budget_are_not_kept_by_the_margin():
+    """Pools scaled by hand past --max-workers (3P+3D against a budget of 3) were kept:
+    no split of 3 beat 6 workers by the margin, so the planner recommended 3P+3D 'of 3
+    workers' and auto never came back to the budget."""
+    load = InputWindow(1, 0.0, Counters()).observe(
+        2.0, Counters(first_tokens=10, finished=10, prompt_tokens=80, generation_tokens=10)
+    )
+    over = LivePlanInput(LAWS, LIMITS, 3, SLO, load, (3, 3), 512, 20, min_gain=0.1)
+    result = compute_plan(over)
+    assert sum(result.recommended) == 3 and result.recommended != (3, 3)
+    # Over the per-role limit too.
+    tall = dataclasses.replace(over, budget=6, current=(5, 1), max_per_role=4)
+    assert max(compute_plan(tall).recommended) <= 4
