@@ -211,6 +211,11 @@ class LivePlanner:
         if split is None:
             self.last_action = "colocated pools: resize by hand"
             return
+        # The plan took seconds: an operator's scale meanwhile is not undone by a step
+        # from the split the plan began with (targets are set whole).
+        if current_split(await self._pools())[0] != split:
+            self.last_action = "the pools were resized while planning; the next plan decides"
+            return
         target, why = self.gate.decide(now, split, result.recommended, at_target)
         self.last_action = why
         if target is not None:

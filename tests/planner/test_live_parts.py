@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from tandem.cluster.cli import CliError, build_parser, cluster_config_from_args
 from tandem.planner.live import laws_from_router
 from tandem.planner.live_config import PlannerMode
-from tandem.planner.observe import load_between, read_counters
+from tandem.planner.observe import Counters, load_between, read_counters
 from tandem.router.policy import DecodeLatencyModel, PrefillLatencyModel, WorkerState
 
 
@@ -70,3 +70,63 @@ def test_serve_planner_flags(tiny_model_dir):
         serve_config(tiny_model_dir, "--max-workers", "1")
     with pytest.raises(SystemExit):
         serve_config(tiny_model_dir, "--planner", "sometimes")
+
+
+def test_an_operators_scale_during_a_plan_is_not_undone():
+    """The planner read the split, planned for seconds, then set one step from that split
+    as whole targets: a `tandem scale` landing meanwhile (3P+3D here) was replaced by
+    2P+1D, three workers at once."""
+    import asyncio
+    import types
+
+    from prometheus_client import CollectorRegistry
+
+    from tandem.planner.live import LivePlanner
+    from tandem.planner.live_config import PlannerConfig, PlannerMode
+    from tandem.planner.live_inputs import InputWindow
+    from tandem.planner.live_plan import LivePlanResult
+    from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
+    from tandem.router.pool_gauges import PlannerGauges
+    from tandem.worker.config import WorkerRole
+
+    class Pools:
+        """The pools' owner (admin backend) at some targets, every worker serving."""
+
+        def __init__(self) -> None:
+            self.targets, self.scales = (1, 2), []
+
+        async def get_pools(self) -> Membership:
+            (p, d), state = self.targets, WorkerLifecycle.SERVING
+            workers = [WorkerInfo(f"prefill-{i}", WorkerRole.PREFILL, state) for i in range(p)]
+            workers += [WorkerInfo(f"decode-{i}", WorkerRole.DECODE, state) for i in range(d)]
+            return Membership(1, workers, PoolTargets(prefill=p, decode=d), {}, "owner")
+
+        async def scale(self, targets: PoolTargets) -> Membership:
+            self.scales.append((targets.prefill, targets.decode))
+            self.targets = (targets.prefill, targets.decode)
+            return await self.get_pools()
+
+    pools = Pools()
+    gauges = types.SimpleNamespace(planner=PlannerGauges(CollectorRegistry()))
+    router = types.SimpleNamespace(admin_backend=pools, metrics=gauges)
+    config = PlannerConfig(mode=PlannerMode.AUTO, interval_s=10, max_workers=3,
+                           min_change_interval_s=0, confirmations=1)  # fmt: skip
+    planner = LivePlanner(config, router, limits=None)  # type: ignore[arg-type]
+    planner.budget = 3
+    reads = iter(range(100, 10_000, 100))
+
+    async def counters() -> Counters:
+        n = next(reads)
+        return Counters(first_tokens=n, prompt_tokens=n * 1800, generation_tokens=n * 2,
+                        finished=n, goodput=n)  # fmt: skip
+
+    async def plan(load, split) -> LivePlanResult:
+        await pools.scale(PoolTargets(prefill=3, decode=3))  # the operator, meanwhile
+        return LivePlanResult((2, 1), "2P+1D", {(1, 2): 1.0, (2, 1): 2.0}, 2.0)
+
+    planner._read_counters = counters  # type: ignore[method-assign]
+    planner._plan = plan  # type: ignore[method-assign]
+    planner._inputs = InputWindow(3, 0.0, Counters())
+    asyncio.run(planner.run_once())
+    assert pools.scales == [(3, 3)], pools.scales
+    assert "resized while planning" in planner.last_action
