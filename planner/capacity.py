@@ -47,15 +47,40 @@ def decode_rps(
 
 
 def throughput_bound(
-    laws: LatencyLaws, limits: EngineLimits, layout: Layout, workload: PlanWorkload
+    laws: LatencyLaws,
+    limits: EngineLimits,
+    layout: Layout,
+    workload: PlanWorkload,
+    max_local_prefill_tokens: int = 0,
 ) -> tuple[float, str]:
-    """The layout's steady-state requests/s and the pool that limits it."""
+    """The layout's steady-state requests/s and the pool that limits it.
+
+    Requests whose uncached prompt is at most `max_local_prefill_tokens` may be prefilled
+    on a decode worker instead (conditional disaggregation; the router decides per
+    request), which moves work from the prefill pool to the decode pool. The bound is the
+    best that moving can do (an upper bound, as a cap on the search must be)."""
     isl, osl = workload.mean_prompt_tokens, workload.mean_output_tokens
     shared = sum(r.shared_prefix_tokens for r in workload.requests) / len(workload.requests)
     p = prefill_rps(laws, limits, isl - shared)
     d = decode_rps(laws, limits, isl, osl)
     if layout.num_colocated:
         return layout.num_colocated / (1 / p + 1 / d), "colocated workers'"
-    if layout.num_prefill * p <= layout.num_decode * d:
-        return layout.num_prefill * p, "prefill pool's"
-    return layout.num_decode * d, "decode pool's"
+    local = sum(
+        r.prompt_tokens - r.shared_prefix_tokens <= max_local_prefill_tokens
+        for r in workload.requests
+    ) / len(workload.requests)
+    prefill_pool, decode_pool = layout.num_prefill * p, layout.num_decode * d
+    if prefill_pool >= decode_pool or local == 0 or math.isinf(p):
+        # Moving prefill onto the decode pool cannot help.
+        if prefill_pool <= decode_pool:
+            return prefill_pool, "prefill pool's"
+        return decode_pool, "decode pool's"
+    # A share f of requests prefilled on decode workers: the prefill pool takes
+    # prefill_pool / (1 - f) requests/s, the decode pool num_decode / (1/d + f/p). The
+    # first grows with f, the second falls: the best f is where they meet, or `local`.
+    meet = (layout.num_decode - prefill_pool / d) / (prefill_pool / p + layout.num_decode)
+    share = min(local, max(0.0, meet))
+    if share >= 1.0:
+        return layout.num_decode / (1 / d + 1 / p), "decode pool's"
+    with_share = prefill_pool / (1 - share)
+    return with_share, "prefill pool's" if share < local else "decode pool's"

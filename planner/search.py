@@ -133,7 +133,9 @@ def max_goodput(
 
     # Past the pools' steady-state throughput no rate is sustained, whatever a finite run
     # shows (see `capacity`).
-    bound, pool = throughput_bound(laws, settings.limits, layout, workload)
+    bound, pool = throughput_bound(
+        laws, settings.limits, layout, workload, settings.max_local_prefill_tokens
+    )
     rate = min(first_guess_rps(laws, workload, layout.num_workers), bound)
     good: SimReport | None = None
     bad: SimReport | None = None

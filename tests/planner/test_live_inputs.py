@@ -113,8 +113,9 @@ def test_models_and_traffic_are_read_over_the_window():
 def test_the_current_split_stays_unless_another_gains_more_than_the_margin():
     load = InputWindow(1, 0.0, Counters()).observe(
         2.0, Counters(first_tokens=10, finished=10, prompt_tokens=80, generation_tokens=10)
-    )  # 8-token prompts, 1-token outputs: 2P+1D sustains about twice 1P+2D's rate
-    base = LivePlanInput(LAWS, LIMITS, 3, SLO, load, (1, 2), 512, 20)
+    )  # 8-token prompts, 1-token outputs, every prompt through a prefill worker (no local
+    # prefill): 2P+1D sustains about twice 1P+2D's rate
+    base = LivePlanInput(LAWS, LIMITS, 3, SLO, load, (1, 2), 0, 20)
     free = compute_plan(base)
     assert free.recommended == (2, 1)
     assert free.goodput[(2, 1)] > 1.5 * free.goodput[(1, 2)]
@@ -136,3 +137,24 @@ def test_pools_past_the_budget_are_not_kept_by_the_margin():
     # Over the per-role limit too.
     tall = dataclasses.replace(over, budget=6, current=(5, 1), max_per_role=4)
     assert max(compute_plan(tall).recommended) <= 4
+
+
+def test_short_prompts_prefilled_on_decode_workers_are_not_charged_to_the_prefill_pool():
+    """With conditional disaggregation, prompts up to max_local_prefill_tokens may be
+    prefilled by the decode workers. The throughput cap charged every prompt to the
+    prefill pool, so 1P+2D was capped at one prefill worker's rate however idle its
+    decode workers (and a live 2P+1D pool kept 2P+1D for decode-heavy work)."""
+    from tandem.planner.capacity import decode_rps, prefill_rps, throughput_bound
+    from tandem.planner.simulator import Layout
+    from tandem.planner.workload import synthetic_workload
+
+    # 400-token prompts, 16-token outputs: one prefill worker limits 1P+2D.
+    workload = synthetic_workload(400, 16, isl_std=40, osl_std=1, num_requests=100,
+                                  max_model_len=2048)  # fmt: skip
+    isl, osl = workload.mean_prompt_tokens, workload.mean_output_tokens
+    p, d = prefill_rps(LAWS, LIMITS, isl), decode_rps(LAWS, LIMITS, isl, osl)
+    assert p < 2 * d
+    disaggregated, pool = throughput_bound(LAWS, LIMITS, Layout(1, 2), workload, 0)
+    assert (disaggregated, pool) == (pytest.approx(p), "prefill pool's")
+    local, _ = throughput_bound(LAWS, LIMITS, Layout(1, 2), workload, 512)
+    assert 2.5 * p < local <= 3 * p  # nearly all three workers prefilling
