@@ -43,6 +43,10 @@ def add_admin_routes(app: web.Application, admin: PoolsAdmin) -> None:
         body = await _json_body(request)
         if not isinstance(body, dict):
             raise InvalidRequest('the body must be a JSON object {"worker_id": "..."}')
+        for key in body:
+            if key != "worker_id":  # as /admin/scale: a misspelt field is not ignored
+                raise InvalidRequest(f"unknown field {str(key)[:64]!r}: the body is "
+                                     '{"worker_id": "..."}', param=str(key)[:64])  # fmt: skip
         return web.json_response(admin.to_json(await admin.drain(body.get("worker_id"))),
                                  dumps=dumps)  # fmt: skip
 

@@ -121,6 +121,8 @@ def test_a_worker_id_cannot_forge_a_log_line(pools, caplog):
 
 
 def test_admin_errors_over_grpc_and_auth(pools):
+    version = pools.version
+
     async def scenario() -> dict[str, grpc.StatusCode]:
         codes = {}
         async with grpc.aio.insecure_channel(pools.router.grpc_endpoint) as channel:
@@ -163,6 +165,11 @@ def test_admin_errors_over_grpc_and_auth(pools):
     # A lone UTF-16 surrogate is not text: 400 naming the field, in JSON.
     status, reply = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": "d\ud800"}))
     assert status == 400 and reply["error"]["param"] == "worker_id", reply
+    # A misspelt field is refused, as /admin/scale refuses one (it drained prefill-0).
+    body = {"worker_id": "prefill-0", "timeout": 5}
+    status, reply = pools.run(http(pools, "POST", "/admin/drain", body))
+    assert status == 400 and reply["error"]["param"] == "timeout", reply
+    assert pools.version == version, "nothing was drained"
 
 
 def test_scale_up_then_down_under_load_fails_nothing(pools):
