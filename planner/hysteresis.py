@@ -45,9 +45,13 @@ class ResizeGate:
         target = one_step(current, recommended)
         if min(target) < 1:
             return None, "would leave a role without workers"
+        return target, f"moving one worker toward {recommended[0]}P+{recommended[1]}D"
+
+    def changed(self, now_s: float) -> None:
+        """The pools were resized as `decide` said (a refused resize is no change: the
+        next plan may try again at once)."""
         self.last_change_s = now_s
         self._recent = []
-        return target, f"moving one worker toward {recommended[0]}P+{recommended[1]}D"
 
 
 def one_step(current: Split, recommended: Split) -> Split:

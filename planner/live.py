@@ -218,8 +218,8 @@ class LivePlanner:
             return
         target, why = self.gate.decide(now, split, result.recommended, at_target)
         self.last_action = why
-        if target is not None:
-            await self._scale(target)
+        if target is not None and await self._scale(target):
+            self.gate.changed(now)
 
     def _policy(self) -> GoodputPolicy:
         runtime = self.router.policy_runtime
@@ -247,7 +247,8 @@ class LivePlanner:
         future = loop.run_in_executor(self._executor, compute_plan, given)
         return await asyncio.wait_for(future, max(60.0, 2 * self.config.interval_s))
 
-    async def _scale(self, target: Split) -> None:
+    async def _scale(self, target: Split) -> bool:
+        """Resize the pools to `target`; whether the pools' owner took it."""
         backend = self.router.admin_backend
         assert backend is not None
         try:
@@ -255,10 +256,11 @@ class LivePlanner:
         except (ValueError, RuntimeError) as exc:
             self.last_action = f"scale to {target[0]}P+{target[1]}D refused: {exc}"
             logger.warning("planner: %s", self.last_action)
-            return
+            return False
         self.num_changes += 1
         self.last_action = f"scaled to {target[0]}P+{target[1]}D"
         logger.info("planner: %s", self.last_action)
+        return True
 
     # ----- reading the router ----------------------------------------------------------
 

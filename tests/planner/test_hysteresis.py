@@ -25,9 +25,19 @@ def test_waits_between_changes_and_while_a_change_is_in_progress():
     g = gate()
     g.decide(0.0, (1, 3), (3, 1), True)
     assert g.decide(1.0, (1, 3), (3, 1), True)[0] == (2, 2)
+    g.changed(1.0)
     assert g.decide(2.0, (2, 2), (3, 1), False)[1].startswith("waiting for the last change")
     assert g.decide(5.0, (2, 2), (3, 1), True)[1] == "too soon after the last change"
     assert g.decide(11.0, (2, 2), (3, 1), True)[0] == (3, 1)
+
+
+def test_a_refused_resize_does_not_hold_back_the_next():
+    """The change time was taken when `decide` proposed a resize, so a resize the pools'
+    owner refused still blocked the next for min_change_interval_s."""
+    g = gate()
+    g.decide(0.0, (1, 3), (3, 1), True)
+    assert g.decide(1.0, (1, 3), (3, 1), True)[0] == (2, 2)  # refused: no `changed`
+    assert g.decide(2.0, (1, 3), (3, 1), True)[0] == (2, 2)
 
 
 def test_no_change_for_a_flapping_recommendation():
