@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import enum
 import json
-import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from tandem.engine.sampling_params import SamplingParams
 
 
 class GenerationConfigUse(enum.StrEnum):
@@ -67,25 +68,15 @@ OPENAI_DEFAULTS = SamplingDefaults()
 
 
 def _checked(path: Path, name: str, value: Any) -> Any:
-    """`value` if a request could give it for `name`, else ValueError."""
-    if name == "top_k":
-        valid = isinstance(value, int) and not isinstance(value, bool) and value >= -1
-    else:
-        valid = isinstance(value, int | float) and not isinstance(value, bool)
-        valid = valid and math.isfinite(value) and _in_range(name, float(value))
-    if not valid:
+    """`value` if a request could give it for `name` (SamplingParams decides), else
+    ValueError naming the file and field."""
+    try:
+        if isinstance(value, bool):  # JSON true/false is no sampling value
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        SamplingParams(max_tokens=1, **{name: value})
+    except (TypeError, ValueError) as exc:
         raise ValueError(
-            f"{path}: {name} = {value!r} is not a valid sampling default (run with "
+            f"{path}: {name} = {value!r} is not a valid sampling default ({exc}; run with "
             "--generation-config off to ignore the file)"
-        )
+        ) from None
     return value if name == "top_k" else float(value)
-
-
-def _in_range(name: str, value: float) -> bool:
-    if name == "temperature":
-        return value >= 0
-    if name == "top_p":
-        return 0 < value <= 1
-    if name == "min_p":
-        return 0 <= value <= 1
-    return value > 0  # repetition_penalty
