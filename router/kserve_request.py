@@ -17,9 +17,12 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.router.errors import InvalidRequest
 from tandem.router.kserve_tensors import decode_input, num_elements
-from tandem.router.openai.guided import vllm_guided
 from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
-from tandem.router.structured_outputs import GUIDED_FIELDS, field_ruling_out_grammar_tokens
+from tandem.router.structured_outputs import (
+    GUIDED_FIELDS,
+    field_ruling_out_grammar_tokens,
+    vllm_guided,
+)
 from tandem.router.tokenization import PromptTokenizer
 
 _INT_TYPES = ("INT32", "INT64", "INT8", "INT16", "UINT8", "UINT16", "UINT32", "UINT64")

@@ -1,8 +1,9 @@
 """Structured-output fields of the public APIs → a validated `GuidedDecoding`.
 
 vLLM's extras `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` (EBNF)
-and Tandem's `guided_json_object` come in the same shape on every API (OpenAI bodies,
-KServe `sampling_parameters`), so one parser serves all of them; OpenAI's
+and Tandem's `guided_json_object`, or vLLM's newer `structured_outputs` object, come in
+the same shape on every API (OpenAI bodies, KServe `sampling_parameters`), so one parser
+serves all of them (`vllm_guided`); OpenAI's
 `response_format` maps onto it (router/openai/guided.py). Every spec is checked here
 by building its grammar (no tokenizer needed), so a bad schema, an unsupported regex
 feature or a broken grammar is a 400 / INVALID_ARGUMENT naming the field, before any
@@ -21,7 +22,7 @@ from tandem.engine.structured.schema_keywords import unenforced_keyword
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.router.errors import InvalidRequest
-from tandem.router.openai.fields import invalid, show
+from tandem.router.openai.fields import get_object, invalid, show
 
 # The vLLM-style request keys and the kind each asks for.
 GUIDED_FIELDS: dict[str, GuidedKind] = {
@@ -31,6 +32,26 @@ GUIDED_FIELDS: dict[str, GuidedKind] = {
     "guided_grammar": GuidedKind.GRAMMAR,
     "guided_json_object": GuidedKind.JSON_OBJECT,
 }
+# vLLM's `structured_outputs` object (what its newer releases take instead of the
+# guided_* fields): its constraint keys, and the other keys that would change the output
+# but are not built, refused unless at their no-op value. Its `backend` and
+# `disable_fallback` choose how, not what, and are ignored.
+_STRUCTURED_OUTPUTS_KEYS = {
+    "json": GuidedKind.JSON_SCHEMA,
+    "regex": GuidedKind.REGEX,
+    "choice": GuidedKind.CHOICE,
+    "grammar": GuidedKind.GRAMMAR,
+    "json_object": GuidedKind.JSON_OBJECT,
+}
+_STRUCTURED_OUTPUTS_UNSUPPORTED = {
+    "structural_tag": (None,),
+    "whitespace_pattern": (None,),
+    "disable_any_whitespace": (None, False),
+    "disable_additional_properties": (None, False),
+}
+_STRUCTURED_OUTPUTS_IGNORED = frozenset({"backend", "disable_fallback"})
+
+
 # Distinct specs whose check is remembered (a client repeats its schema).
 _MAX_CHECKED_SPECS = 512
 
@@ -50,6 +71,36 @@ def guided_from_fields(
     if len(given) > 1:
         raise invalid(prefix + given[1], f"cannot be combined with '{name}'; send one constraint")
     return name, checked(name, _spec(keys[first], fields[first], name))
+
+
+def vllm_guided(fields: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
+    """vLLM's constraint fields (`guided_*`, or the `structured_outputs` object), as
+    every API takes them (KServe's `sampling_parameters` too)."""
+    return one_of(guided_from_fields(fields), _structured_outputs(fields))
+
+
+def one_of(
+    *found: tuple[str, GuidedDecoding] | None,
+) -> tuple[str, GuidedDecoding] | None:
+    given = [item for item in found if item is not None]
+    if len(given) > 1:
+        raise invalid(given[1][0], f"cannot be combined with '{given[0][0]}'; send one of them")
+    return given[0] if given else None
+
+
+def _structured_outputs(body: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
+    value = get_object(body, "structured_outputs")
+    if value is None:
+        return None
+    for key, item in value.items():
+        name = f"structured_outputs.{key}"
+        if key in _STRUCTURED_OUTPUTS_UNSUPPORTED:
+            if item not in _STRUCTURED_OUTPUTS_UNSUPPORTED[key]:
+                raise invalid(name, f"is not supported by this server (got {show(item)})")
+        elif key not in _STRUCTURED_OUTPUTS_KEYS and key not in _STRUCTURED_OUTPUTS_IGNORED:
+            known = ", ".join(sorted(_STRUCTURED_OUTPUTS_KEYS))
+            raise invalid(name, f"is not a structured-output key (constraints: {known})")
+    return guided_from_fields(value, _STRUCTURED_OUTPUTS_KEYS, prefix="structured_outputs.")
 
 
 def field_ruling_out_grammar_tokens(params: SamplingParams) -> str | None:
