@@ -119,20 +119,24 @@ class LocalCluster:
             config.ray.worker_start_timeout_s + CONTROLLER_REPLY_S,
         )
 
-    async def _keep_controller(self, membership: Membership, check_s: float = 1.0) -> None:
-        """Check the controller every `check_s`; when it is dead, start a new one with the
-        pool targets it last reported (its workers died with it)."""
+    async def _keep_controller(
+        self, membership: Membership, watch_s: float = 10.0, retry_s: float = 1.0
+    ) -> None:
+        """Follow the controller's membership (a long poll: its death fails the pending
+        call at once); when it is dead, start a new one with the pool targets it last
+        reported (its workers died with it)."""
         while True:
-            await asyncio.sleep(check_s)
             try:
                 membership = await asyncio.wait_for(
-                    self.controller.get_membership.remote(), CONTROLLER_REPLY_S
+                    self.controller.watch.remote(membership.version, watch_s),
+                    watch_s + CONTROLLER_REPLY_S,
                 )
                 continue
             except ray.exceptions.RayActorError as exc:
                 reason = (str(exc).splitlines() or [type(exc).__name__])[0]
             except (TimeoutError, ray.exceptions.RayError) as exc:
                 logger.warning("pool controller did not answer its check (%s)", exc)
+                await asyncio.sleep(retry_s)
                 continue
             logger.error(
                 "the pool controller died (%s) and its workers with it; starting a new one "
@@ -143,8 +147,10 @@ class LocalCluster:
             except (TimeoutError, ValueError, ray.exceptions.RayError) as exc:
                 # ValueError: the dead one's name is not free yet. Tried again next check.
                 logger.error("could not start a new pool controller (%s); retrying", exc)
+                await asyncio.sleep(retry_s)
                 continue
             self.num_controller_restarts += 1
+            membership = dataclasses.replace(membership, version=0)  # the new one's count
 
     def _config_at(self, membership: Membership) -> ClusterConfig:
         """The cluster config with the pool targets `membership` reports (the starting
