@@ -59,6 +59,10 @@ def test_kill_9_decode_worker_is_replaced_and_watchers_see_it(ray_session, tiny_
             assert decode.pid and decode.node and decode.metrics_url.endswith("/metrics")
             prompts = make_prompts(2048, (5, 40), seed=3)
             assert len(await generate_tokens(cluster.router.grpc_endpoint, prompts, 4)) == 2
+            # The decode worker has told the prefill worker it is done with the prompts'
+            # KV (a best-effort Release after the last token may still be on its way;
+            # killed before it lands, the prefill side's lease frees the blocks, in 30 s).
+            await assert_idle(before, auth=cluster.config.worker.cluster_auth)
 
             killed_at = time.monotonic()
             os.kill(decode.pid, signal.SIGKILL)

@@ -10,7 +10,10 @@ import os
 import re
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
+
+import ray
 
 from tandem.cluster.config import ClusterConfig, PoolsConfig
 from tandem.cluster.ray_start import start_local_ray
@@ -69,8 +72,31 @@ async def wait_membership(cluster, condition, timeout_s: float, what: str) -> Me
         if condition(m):
             return m
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}: {m}")
+            log = await controller_log(cluster)
+            raise AssertionError(
+                f"timed out after {timeout_s:g} s waiting for {what}: {m}\n"
+                f"the pool controller's last log lines:\n{log}"
+            )
         await asyncio.sleep(0.2)
+
+
+async def controller_log(cluster, num_lines: int = 60) -> str:
+    """The pool controller's last `tandem` log lines (from its Ray log file), to show
+    what the pools went through when a wait on them fails."""
+    try:
+        pid = await asyncio.wait_for(
+            cluster.controller.__ray_call__.remote(lambda _: os.getpid()), 10.0
+        )
+        session = Path(ray._private.worker._global_node.get_session_dir_path())
+        lines = [
+            line
+            for path in sorted((session / "logs").glob(f"worker-*-{pid}.err"))
+            for line in path.read_text(errors="replace").splitlines()
+            if " tandem." in line
+        ]
+    except Exception as exc:  # a diagnostic only: never hide the failure it explains
+        return f"(not readable: {exc!r})"
+    return "\n".join(lines[-num_lines:])
 
 
 def scrape(url: str) -> dict[str, float]:
