@@ -32,6 +32,7 @@ from tests.helpers.helm_chart import ROOT
 from tests.helpers.prometheus_server import PrometheusServer
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import assert_idle, cluster_config, init_ray_with_role_slots
+from tests.helpers.waiting import run_bounded
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -166,7 +167,8 @@ def test_every_panel_and_recording_rule_has_data_under_load(
                 await planner.stop()
             await cluster.stop()
 
-    asyncio.run(scenario())
+    # Under the test's timeout: a hang fails showing where each task waits.
+    run_bounded(scenario(), 200.0)
 
 
 def check_panels_and_rules(prometheus: PrometheusServer, model: str) -> None:

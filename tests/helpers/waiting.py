@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> None:
@@ -14,3 +17,37 @@ async def wait_until(condition: Callable[[], bool], timeout_s: float = 5.0, what
         if loop.time() > deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what or condition}")
         await asyncio.sleep(0.001)
+
+
+def run_bounded(scenario: Coroutine[Any, Any, T], timeout_s: float) -> T:
+    """`asyncio.run(scenario)`, failed after `timeout_s` with where every task of the loop
+    was waiting (a hang then shows its awaits, not pytest-timeout's idle event loop)."""
+
+    async def bounded() -> T:
+        task = asyncio.ensure_future(scenario)
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if task in done:
+            return task.result()
+        where = "\n".join(
+            f"{other.get_name()}:\n{awaiting(other.get_coro())}"
+            for other in asyncio.all_tasks()
+            if other is not asyncio.current_task()
+        )
+        task.cancel()  # its own clean-up runs, bounded too
+        await asyncio.wait({task}, timeout=30.0)
+        raise AssertionError(f"still running after {timeout_s:g} s; its tasks:\n{where}")
+
+    return asyncio.run(bounded())
+
+
+def awaiting(coro: Any) -> str:
+    """Where a coroutine waits: each frame down its chain of awaits, then what it awaits."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:  # not a coroutine: the future (or other awaitable) at the end
+            lines.append(f"  waits on {coro!r}"[:300])
+            break
+        lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return "\n".join(lines)
