@@ -34,8 +34,10 @@ class RayAdminBackend:
     async def get_pools(self) -> Membership:
         return await self._call(lambda controller: controller.get_membership.remote())
 
-    async def scale(self, targets: PoolTargets) -> Membership:
-        return await self._call(lambda controller: controller.scale.remote(targets))
+    async def scale(
+        self, targets: PoolTargets, if_targets: PoolTargets | None = None
+    ) -> Membership:
+        return await self._call(lambda controller: controller.scale.remote(targets, if_targets))
 
     async def drain(self, worker_id: str) -> Membership:
         return await self._call(lambda controller: controller.drain.remote(worker_id))

@@ -37,7 +37,13 @@ from tandem.cluster.ray_nodes import check_drainable, keep_new_actors_off
 from tandem.cluster.traffic_totals import TrafficTotals
 from tandem.cluster.worker_actor import RemoteWorkerActor, WorkerPlacement, node_host
 from tandem.planner.observe import Counters
-from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
+from tandem.router.membership import (
+    Membership,
+    PoolTargets,
+    TargetsChanged,
+    WorkerInfo,
+    WorkerLifecycle,
+)
 from tandem.router.pool_gauges import PlannerGauges, PoolGauges
 from tandem.worker.config import WorkerConfig, WorkerRole
 
@@ -146,8 +152,17 @@ class PoolController:
                 )
         return self.state.membership()
 
-    async def scale(self, targets: PoolTargets) -> Membership:
-        """Set new targets (checked whole first; nothing changes on a refusal)."""
+    async def scale(
+        self, targets: PoolTargets, if_targets: PoolTargets | None = None
+    ) -> Membership:
+        """Set new targets (checked whole first; nothing changes on a refusal); with
+        `if_targets`, only while the targets are still those (`TargetsChanged`)."""
+        current = self.state.membership().targets
+        if if_targets is not None and current != if_targets:
+            raise TargetsChanged(
+                f"targets: {current} now, not {if_targets}; they changed meanwhile, nothing "
+                "was resized"
+            )
         wanted = self.state.check_targets(targets)
         self._check_capacity(wanted)
         self.state.set_targets(wanted)

@@ -41,7 +41,7 @@ from tandem.planner.observe import Counters, ObservedLoad, read_router_counters
 from tandem.planner.profile_format import EngineLimits
 from tandem.planner.profile_model import LatencyLaws
 from tandem.planner.simulator import SloTargets
-from tandem.router.membership import Membership, PoolTargets, WorkerLifecycle
+from tandem.router.membership import Membership, PoolTargets, TargetsChanged, WorkerLifecycle
 from tandem.router.policy import INTERACTIVE, GoodputPolicy, WorkerState
 from tandem.router.server import Router
 from tandem.worker.config import WorkerRole
@@ -211,14 +211,9 @@ class LivePlanner:
         if split is None:
             self.last_action = "colocated pools: resize by hand"
             return
-        # The plan took seconds: an operator's scale meanwhile is not undone by a step
-        # from the split the plan began with (targets are set whole).
-        if current_split(await self._pools())[0] != split:
-            self.last_action = "the pools were resized while planning; the next plan decides"
-            return
         target, why = self.gate.decide(now, split, result.recommended, at_target)
         self.last_action = why
-        if target is not None and await self._scale(target):
+        if target is not None and await self._scale(target, split):
             self.gate.changed(now)
 
     def _policy(self) -> GoodputPolicy:
@@ -247,12 +242,21 @@ class LivePlanner:
         future = loop.run_in_executor(self._executor, compute_plan, given)
         return await asyncio.wait_for(future, max(60.0, 2 * self.config.interval_s))
 
-    async def _scale(self, target: Split) -> bool:
-        """Resize the pools to `target`; whether the pools' owner took it."""
+    async def _scale(self, target: Split, planned_from: Split) -> bool:
+        """Resize the pools to `target`, only while they are still at the split the plan
+        began with (the plan took seconds: an operator's scale meanwhile is not undone by
+        a step from the old split, targets being set whole); whether the owner took it."""
         backend = self.router.admin_backend
         assert backend is not None
         try:
-            await backend.scale(PoolTargets(prefill=target[0], decode=target[1]))
+            await backend.scale(
+                PoolTargets(prefill=target[0], decode=target[1]),
+                if_targets=PoolTargets(prefill=planned_from[0], decode=planned_from[1]),
+            )
+        except TargetsChanged:
+            self.last_action = "the pools were resized while planning; the next plan decides"
+            logger.info("planner: %s", self.last_action)
+            return False
         except (ValueError, RuntimeError) as exc:
             self.last_action = f"scale to {target[0]}P+{target[1]}D refused: {exc}"
             logger.warning("planner: %s", self.last_action)

@@ -85,6 +85,10 @@ class Membership:
     owner: str = ""
 
 
+class TargetsChanged(RuntimeError):
+    """A scale made only if the targets were still some value found them changed."""
+
+
 class AdminBackend(Protocol):
     """What the admin API (gRPC `tandem.admin.v1.Admin`, HTTP `/admin/*`) calls.
 
@@ -94,6 +98,11 @@ class AdminBackend(Protocol):
 
     async def get_pools(self) -> Membership: ...
 
-    async def scale(self, targets: PoolTargets) -> Membership: ...
+    async def scale(
+        self, targets: PoolTargets, if_targets: PoolTargets | None = None
+    ) -> Membership:
+        """Set `targets`; with `if_targets`, only while the targets are still those (else
+        `TargetsChanged`, nothing changed): a compare-and-set for automatic resizers."""
+        ...
 
     async def drain(self, worker_id: str) -> Membership: ...

@@ -23,7 +23,13 @@ from tandem.decode_worker.server import DecodeWorker
 from tandem.engine.config import EngineConfig
 from tandem.prefill_worker.server import PrefillWorker
 from tandem.router.config import RouterConfig
-from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
+from tandem.router.membership import (
+    Membership,
+    PoolTargets,
+    TargetsChanged,
+    WorkerInfo,
+    WorkerLifecycle,
+)
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 from tandem.worker.config import WorkerConfig, WorkerRole
@@ -110,7 +116,11 @@ class InprocPools:
     async def get_pools(self) -> Membership:
         return self.snapshot()
 
-    async def scale(self, targets: PoolTargets) -> Membership:
+    async def scale(
+        self, targets: PoolTargets, if_targets: PoolTargets | None = None
+    ) -> Membership:
+        if if_targets is not None and self.targets != if_targets:
+            raise TargetsChanged(f"targets: {self.targets} now, not {if_targets}")
         for role in ("prefill", "decode"):
             if getattr(targets, role) > BUDGET_PER_ROLE:
                 raise ValueError(

@@ -75,7 +75,8 @@ def test_serve_planner_flags(tiny_model_dir):
 def test_an_operators_scale_during_a_plan_is_not_undone():
     """The planner read the split, planned for seconds, then set one step from that split
     as whole targets: a `tandem scale` landing meanwhile (3P+3D here) was replaced by
-    2P+1D, three workers at once."""
+    2P+1D, three workers at once. Its scale is now made only if the targets are still the
+    split it planned from (compare-and-set at the pools' owner)."""
     import asyncio
     import types
 
@@ -85,7 +86,13 @@ def test_an_operators_scale_during_a_plan_is_not_undone():
     from tandem.planner.live_config import PlannerConfig, PlannerMode
     from tandem.planner.live_inputs import InputWindow
     from tandem.planner.live_plan import LivePlanResult
-    from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
+    from tandem.router.membership import (
+        Membership,
+        PoolTargets,
+        TargetsChanged,
+        WorkerInfo,
+        WorkerLifecycle,
+    )
     from tandem.router.pool_gauges import PlannerGauges
     from tandem.worker.config import WorkerRole
 
@@ -101,7 +108,11 @@ def test_an_operators_scale_during_a_plan_is_not_undone():
             workers += [WorkerInfo(f"decode-{i}", WorkerRole.DECODE, state) for i in range(d)]
             return Membership(1, workers, PoolTargets(prefill=p, decode=d), {}, "owner")
 
-        async def scale(self, targets: PoolTargets) -> Membership:
+        async def scale(
+            self, targets: PoolTargets, if_targets: PoolTargets | None = None
+        ) -> Membership:
+            if if_targets is not None and (if_targets.prefill, if_targets.decode) != self.targets:
+                raise TargetsChanged(f"targets: {self.targets} now")
             self.scales.append((targets.prefill, targets.decode))
             self.targets = (targets.prefill, targets.decode)
             return await self.get_pools()
