@@ -432,7 +432,10 @@ class PoolController:
     async def _stop_actor(self, record: WorkerRecord, timeout_s: float) -> None:
         if record.actor is None:
             return
-        if record.state is not WorkerLifecycle.DEAD:
+        # A worker still starting has served nothing: killed at once, it gives its Ray
+        # resources back at once (a graceful stop waited for its start, up to
+        # `timeout_s`, and meanwhile Ray had no room for a replacement elsewhere).
+        if record.state not in (WorkerLifecycle.DEAD, WorkerLifecycle.STARTING):
             try:
                 await asyncio.wait_for(record.actor.stop.remote(), timeout_s)
             except (TimeoutError, ray.exceptions.RayError) as exc:

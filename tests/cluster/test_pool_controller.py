@@ -147,7 +147,13 @@ def test_scale_drain_and_bad_input(ray_session, tiny_model_dir):
             assert len({w.pid for w in up.workers}) == 3
 
             # Drain one worker by name: it serves on while a replacement starts (Ray has
-            # room for one more), then drains and stops idle.
+            # room for one more, once its view counts the slot of the decode worker the
+            # scale-down stopped: it lags the stop, and the controller asks Ray), then
+            # drains and stops idle.
+            await until(
+                lambda: ray.available_resources().get("tandem_decode", 0) >= 1,
+                30.0, "Ray's view to free the stopped decode worker's slot",
+            )  # fmt: skip
             [first, second] = serving(up, "decode")
             drained = await admin.drain(first.worker_id)
             [named] = [w for w in drained.workers if w.worker_id == first.worker_id]
