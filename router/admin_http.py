@@ -14,8 +14,8 @@ from aiohttp import web
 
 from tandem.router.admin import PoolsAdmin, parse_targets
 from tandem.router.errors import InvalidRequest
+from tandem.router.json_fields import check_text
 from tandem.router.openai.errors import dumps
-from tandem.router.openai.fields import check_text
 
 logger = logging.getLogger(__name__)
 

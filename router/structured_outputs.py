@@ -22,7 +22,7 @@ from tandem.engine.structured.schema_keywords import unenforced_keyword
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.router.errors import InvalidRequest
-from tandem.router.openai.fields import get_object, invalid, show
+from tandem.router.json_fields import get_object, invalid, show
 
 # The vLLM-style request keys and the kind each asks for.
 GUIDED_FIELDS: dict[str, GuidedKind] = {

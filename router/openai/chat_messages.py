@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tandem.router.openai.fields import invalid, show
+from tandem.router.json_fields import invalid, show
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
-from tandem.router.openai.fields import get_object, invalid, show
+from tandem.router.json_fields import get_object, invalid, show
 from tandem.router.structured_outputs import checked, one_of, vllm_guided
 
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")

@@ -19,8 +19,8 @@ from typing import Any
 from aiohttp import web
 
 from tandem.router.errors import InvalidRequest, ModelNotFound
+from tandem.router.json_fields import check_text, get_bool, show
 from tandem.router.openai.errors import dumps
-from tandem.router.openai.fields import check_text, get_bool, show
 from tandem.router.openai.prompt_batch import generate_prompts
 from tandem.router.openai.protocol import GenerationRequest, RequestParser
 from tandem.router.openai.responses import (

@@ -22,9 +22,7 @@ from tandem.engine.sampling_params import (
     SamplingParams,
 )
 from tandem.router.errors import InvalidRequest, ModelNotFound
-from tandem.router.openai.chat_messages import chat_message
-from tandem.router.openai.errors import ContextLengthExceeded
-from tandem.router.openai.fields import (
+from tandem.router.json_fields import (
     get_bool,
     get_float,
     get_int,
@@ -35,6 +33,8 @@ from tandem.router.openai.fields import (
     invalid,
     show,
 )
+from tandem.router.openai.chat_messages import chat_message
+from tandem.router.openai.errors import ContextLengthExceeded
 from tandem.router.openai.guided import guided_from_body
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N, SamplingExtras, parse_extras
 from tandem.router.openai.tools import ToolPlan, parse_tools

@@ -15,7 +15,7 @@ from tandem.engine.sampling_params import (
     MAX_ABS_PENALTY,
     MAX_NUM_LOGIT_BIAS,
 )
-from tandem.router.openai.fields import get_bool, get_float, get_int, get_object, invalid, show
+from tandem.router.json_fields import get_bool, get_float, get_int, get_object, invalid, show
 
 # Most choices (`n`) one request may ask for, unless the router is configured otherwise.
 DEFAULT_MAX_N = 16

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.engine.structured.spec import GuidedDecoding
-from tandem.router.openai.fields import invalid, show
+from tandem.router.json_fields import invalid, show
 from tandem.router.structured_outputs import checked
 
 # OpenAI's rule for function names.
