@@ -211,6 +211,12 @@ class LivePlanner:
         if split is None:
             self.last_action = "colocated pools: resize by hand"
             return
+        # The plan took seconds: one from a split the pools left meanwhile (an operator's
+        # scale) neither counts toward the gate's confirmations nor resizes; the scale
+        # itself is a compare-and-set for a change landing after this read.
+        if current_split(await self._pools())[0] != split:
+            self.last_action = "the pools were resized while planning; the next plan decides"
+            return
         target, why = self.gate.decide(now, split, result.recommended, at_target)
         self.last_action = why
         if target is not None and await self._scale(target, split):

@@ -86,7 +86,7 @@ class Membership:
 
 
 class TargetsChanged(RuntimeError):
-    """A scale made only if the targets were still some value found them changed."""
+    """A compare-and-set scale refused: the targets are no longer its `if_targets`."""
 
 
 class AdminBackend(Protocol):

@@ -72,11 +72,13 @@ def test_serve_planner_flags(tiny_model_dir):
         serve_config(tiny_model_dir, "--planner", "sometimes")
 
 
-def test_an_operators_scale_during_a_plan_is_not_undone():
+@pytest.mark.parametrize("operator_lands", ["while planning", "after the re-read"])
+def test_an_operators_scale_during_a_plan_is_not_undone(operator_lands):
     """The planner read the split, planned for seconds, then set one step from that split
     as whole targets: a `tandem scale` landing meanwhile (3P+3D here) was replaced by
-    2P+1D, three workers at once. Its scale is now made only if the targets are still the
-    split it planned from (compare-and-set at the pools' owner)."""
+    2P+1D, three workers at once. It now reads the pools again after planning, and its
+    scale is made only if the targets are still the split it planned from (a
+    compare-and-set at the pools' owner: an operator's scale can land after that read)."""
     import asyncio
     import types
 
@@ -100,12 +102,15 @@ def test_an_operators_scale_during_a_plan_is_not_undone():
         """The pools' owner (admin backend) at some targets, every worker serving."""
 
         def __init__(self) -> None:
-            self.targets, self.scales = (1, 2), []
+            self.targets, self.scales, self.num_reads = (1, 2), [], 0
 
         async def get_pools(self) -> Membership:
             (p, d), state = self.targets, WorkerLifecycle.SERVING
             workers = [WorkerInfo(f"prefill-{i}", WorkerRole.PREFILL, state) for i in range(p)]
             workers += [WorkerInfo(f"decode-{i}", WorkerRole.DECODE, state) for i in range(d)]
+            self.num_reads += 1
+            if operator_lands == "after the re-read" and self.num_reads == 2:
+                await self.scale(PoolTargets(prefill=3, decode=3))  # the operator
             return Membership(1, workers, PoolTargets(prefill=p, decode=d), {}, "owner")
 
         async def scale(
@@ -132,7 +137,8 @@ def test_an_operators_scale_during_a_plan_is_not_undone():
                         finished=n, goodput=n)  # fmt: skip
 
     async def plan(load, split) -> LivePlanResult:
-        await pools.scale(PoolTargets(prefill=3, decode=3))  # the operator, meanwhile
+        if operator_lands == "while planning":
+            await pools.scale(PoolTargets(prefill=3, decode=3))  # the operator
         return LivePlanResult((2, 1), "2P+1D", {(1, 2): 1.0, (2, 1): 2.0}, 2.0)
 
     planner._read_counters = counters  # type: ignore[method-assign]
