@@ -65,6 +65,9 @@ class LocalCluster:
         self._keeper: asyncio.Task[None] | None = None
         # Pool controllers started after the first one died.
         self.num_controller_restarts = 0
+        # The pools as the controller keeper last read them (a new controller gets their
+        # targets).
+        self.kept_membership: Membership | None = None
         self._threads = 1
         self._env: dict[Any, dict[str, str]] = {}
 
@@ -125,12 +128,20 @@ class LocalCluster:
         """Follow the controller's membership (a long poll: its death fails the pending
         call at once); when it is dead, start a new one with the pool targets it last
         reported (its workers died with it)."""
+        following = self.controller
         while True:
+            if self.controller is not following:  # a new one counts its versions anew
+                following, membership = self.controller, dataclasses.replace(membership, version=0)
+            self.kept_membership = membership
             try:
                 membership = await asyncio.wait_for(
                     self.controller.watch.remote(membership.version, watch_s),
                     watch_s + CONTROLLER_REPLY_S,
                 )
+                continue
+            except ray.exceptions.ActorUnavailableError as exc:  # (a RayActorError too)
+                logger.warning("pool controller unreachable for now (%s)", exc)
+                await asyncio.sleep(retry_s)
                 continue
             except ray.exceptions.RayActorError as exc:
                 reason = (str(exc).splitlines() or [type(exc).__name__])[0]
@@ -150,7 +161,6 @@ class LocalCluster:
                 await asyncio.sleep(retry_s)
                 continue
             self.num_controller_restarts += 1
-            membership = dataclasses.replace(membership, version=0)  # the new one's count
 
     def _config_at(self, membership: Membership) -> ClusterConfig:
         """The cluster config with the pool targets `membership` reports (the starting

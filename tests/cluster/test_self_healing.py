@@ -157,7 +157,10 @@ def test_a_dead_pool_controller_is_replaced_with_its_workers(ray_session, tiny_m
             await cluster.start()
             await cluster.controller.scale.remote(PoolTargets(prefill=1, decode=2))
             await cluster.controller.wait_at_target.remote(120.0)
-            await asyncio.sleep(1.5)  # the keeper's check reads the new targets
+            await until(
+                lambda: getattr(cluster.kept_membership, "targets", None) == PoolTargets(1, 2),
+                30.0, "the controller keeper to read the new targets",
+            )  # fmt: skip
             streams = Streams(cluster.router.grpc_endpoint, prompts, MAX_TOKENS)
             running = asyncio.create_task(streams.run())
             await until(streams.all_started, 60.0, "every stream's first tokens")
