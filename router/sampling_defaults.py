@@ -74,7 +74,7 @@ def _checked(path: Path, name: str, value: Any) -> Any:
         if isinstance(value, bool):  # JSON true/false is no sampling value
             raise ValueError(f"{name} must be a number, got {value!r}")
         SamplingParams(max_tokens=1, **{name: value})
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:  # (Overflow: 10**400)
         raise ValueError(
             f"{path}: {name} = {value!r} is not a valid sampling default ({exc}; run with "
             "--generation-config off to ignore the file)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -29,18 +30,23 @@ def run_bounded(scenario: Coroutine[Any, Any, T], timeout_s: float) -> T:
         if task in done:
             return task.result()
         where = "\n".join(
-            f"{other.get_name()}:\n{awaiting(other.get_coro())}"
+            f"{other.get_name()}:\n{await_chain(other.get_coro())}"
             for other in asyncio.all_tasks()
             if other is not asyncio.current_task()
         )
-        task.cancel()  # its own clean-up runs, bounded too
+        # Shown now as well: should the clean-up below hang too, pytest-timeout ends it.
+        print(f"still running after {timeout_s:g} s; its tasks:\n{where}", file=sys.stderr)
+        task.cancel()  # its own clean-up runs (30 s at most here)
         await asyncio.wait({task}, timeout=30.0)
-        raise AssertionError(f"still running after {timeout_s:g} s; its tasks:\n{where}")
+        cleanup = ""
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            cleanup = f"\n(its clean-up then failed: {task.exception()!r})"
+        raise AssertionError(f"still running after {timeout_s:g} s; its tasks:\n{where}{cleanup}")
 
     return asyncio.run(bounded())
 
 
-def awaiting(coro: Any) -> str:
+def await_chain(coro: Any) -> str:
     """Where a coroutine waits: each frame down its chain of awaits, then what it awaits."""
     lines = []
     while coro is not None:

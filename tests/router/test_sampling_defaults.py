@@ -59,7 +59,7 @@ def test_the_file_sets_what_it_names(tiny_model_dir, tmp_path):
     [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 2.5}, "top_k"),
      ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": "high"}, "min_p"),
      ({"temperature": True}, "temperature"), ({"temperature": float("inf")}, "temperature"),
-     ({"top_k": -2}, "top_k")],
+     ({"top_k": -2}, "top_k"), ({"temperature": 10**400}, "temperature")],
 )  # fmt: skip
 def test_a_value_no_request_could_give_is_refused_naming_the_file(
     tiny_model_dir, tmp_path, generation, field
