@@ -309,8 +309,9 @@ class SequenceFlow:
         (the prefill's token, if this sequence has it)."""
         span = self._decode_span(pair, seq)
         # The decode worker answers only once it has pulled the KV (or, when the pull
-        # failed, released it and recomputed), so after its first chunk nothing is left
-        # to unpin, also when the consumer closes this stream after the last chunk.
+        # failed, released it and recomputed), then tells the prefill worker to unpin it;
+        # after its first chunk only a decode worker that failed may not have (killed
+        # right after answering: the prefill side would hold the KV for its lease).
         taken = False
         try:
             if first is not None:
@@ -321,8 +322,9 @@ class SequenceFlow:
                 async for chunk in chunks:
                     taken = True
                     yield chunk
-        except BaseException:
-            if not taken:  # the decode side may never have pulled: unpin
+        except BaseException as exc:
+            # Unpin (a no-op where nothing is held) before the request moves on.
+            if not taken or not isinstance(exc, asyncio.CancelledError | GeneratorExit):
                 await self.calls.release(pair, request.kv_handle.request_id)
             raise
         finally:
