@@ -46,7 +46,11 @@ def ray_session():
 
 def test_kill_9_decode_worker_is_replaced_and_watchers_see_it(ray_session, tiny_model_dir):
     async def scenario() -> None:
-        cluster = LocalCluster(cluster_config(tiny_model_dir))
+        config = cluster_config(tiny_model_dir)
+        # Every watcher must see the dead entry before it expires (a loaded machine may
+        # answer a long poll late: 2 s was tight).
+        config.pools = dataclasses.replace(config.pools, dead_retention_s=10.0)
+        cluster = LocalCluster(config)
         seen: list[Membership] = []
         try:
             await cluster.start()
@@ -86,7 +90,7 @@ def test_kill_9_decode_worker_is_replaced_and_watchers_see_it(ray_session, tiny_
             final = await wait_membership(
                 cluster,
                 lambda m: all(w.state is WorkerLifecycle.SERVING for w in m.workers),
-                timeout_s=10.0,
+                timeout_s=30.0,
                 what="the dead entry to expire",
             )
             metrics = scrape(cluster.controller_metrics_url)

@@ -228,7 +228,9 @@ def _post_completion(http_endpoint: str, model: str) -> tuple[int, dict, float]:
     )
     started = time.monotonic()
     try:
-        with urllib.request.urlopen(request, timeout=30) as reply:
+        # Placed on the dead worker, it waits for a replacement up to the router's 60 s
+        # migration wait.
+        with urllib.request.urlopen(request, timeout=90) as reply:
             return reply.status, dict(reply.headers), time.monotonic() - started
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), time.monotonic() - started
