@@ -167,7 +167,7 @@ class PoolController:
         self._check_capacity(wanted)
         self.state.set_targets(wanted)
         logger.info("pools: targets now %s", {r.value: n for r, n in wanted.items()})
-        self._reconcile_now()
+        self._apply_plan()  # now: the reply shows the workers it starts, cancels or drains
         return self.state.membership()
 
     async def drain(self, worker_id: str) -> Membership:
