@@ -8,6 +8,8 @@ the pool controller would.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import aiohttp
@@ -177,10 +179,18 @@ def test_kill_prefill_worker_with_queued_prompts(tiny_model_dir):
 
             deadline = time.monotonic() + 60
             # Kill a prefill worker while at least two prompts wait for (or are in) prefill
-            # there (prefix affinity may have sent most of them to either).
-            while (victim := next((w for w in PREFILLS if queued_on(w) >= 2), None)) is None:
-                assert time.monotonic() < deadline, "no prompts queued on a prefill worker"
-                await asyncio.sleep(0.001)
+            # there (prefix affinity may have sent most of them to either). Frozen first:
+            # the prompts hit its prefix cache, and it could answer them before the kill
+            # lands; once frozen, what the router still waits for is lost to the kill.
+            while True:
+                while (victim := next((w for w in PREFILLS if queued_on(w) >= 2), None)) is None:
+                    assert time.monotonic() < deadline, "no prompts queued on a prefill worker"
+                    await asyncio.sleep(0.001)
+                os.kill(cluster.procs[victim].pid, signal.SIGSTOP)
+                await asyncio.sleep(0.3)  # answers sent before the freeze arrive
+                if queued_on(victim) >= 1:
+                    break
+                os.kill(cluster.procs[victim].pid, signal.SIGCONT)
             await asyncio.get_running_loop().run_in_executor(None, cluster.kill, victim)
             return victim, list(await asyncio.gather(*tasks))
 
