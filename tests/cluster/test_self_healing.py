@@ -450,7 +450,9 @@ def test_chaos_random_kills_under_steady_load(ray_session, tiny_model_dir, promp
             for _ in range(3):
                 await load.until_done(load.done + 3, 60.0, "requests between kills")
                 membership = await cluster.controller.wait_at_target.remote(60.0)
-                victim = rng.choice(membership.workers)
+                # (A dead entry may still be listed for its retention: serving ones only.)
+                live = [w for w in membership.workers if w.state is WorkerLifecycle.SERVING]
+                victim = rng.choice(live)
                 os.kill(victim.pid, signal.SIGKILL)
                 await wait_membership(
                     cluster,
