@@ -92,9 +92,14 @@ class ProcessCluster:
 
     def add(self, worker_id: str, role: WorkerRole) -> None:
         """Start a new worker process and publish it as serving."""
+        self.prepare(worker_id, role)
+        self.set_state(worker_id, WorkerLifecycle.SERVING)
+
+    def prepare(self, worker_id: str, role: WorkerRole) -> None:
+        """Start a new worker process, serving but not yet published (a replacement the
+        controller has up before it tells the routers: `set_state` publishes it)."""
         proc = self.procs[worker_id] = WorkerProcess(role, worker_id, self.model_dir)
         self._start_procs([proc])
-        self.set_state(worker_id, WorkerLifecycle.SERVING)
 
     def kill(self, worker_id: str) -> None:
         """kill -9 (the router is told nothing: it finds out as the controller would)."""

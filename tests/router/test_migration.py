@@ -392,6 +392,10 @@ def test_streams_on_the_only_decode_worker_wait_for_its_replacement(tiny_model_d
         reference = cluster.run(run_all(cluster, "ref", prompts))
         cluster.assert_idle()
 
+        # The replacement's process is up before the kill (published only after it): its
+        # start on a loaded machine must not eat into the streams' 60 s migration wait.
+        cluster.prepare("decode-1", WorkerRole.DECODE)
+
         async def scenario() -> tuple[list[tuple[list[int], str]], bool]:
             ids = [f"req-{i}" for i in range(len(prompts))]
             tasks = await start_streams(cluster.grpc_endpoint, ids, prompts)
@@ -402,7 +406,7 @@ def test_streams_on_the_only_decode_worker_wait_for_its_replacement(tiny_model_d
             await asyncio.sleep(1.0)
             waited = not any(task.done() for task in tasks)
             await loop.run_in_executor(None, cluster.set_state, "decode-0", WorkerLifecycle.DEAD)
-            await loop.run_in_executor(None, cluster.add, "decode-1", WorkerRole.DECODE)
+            await loop.run_in_executor(None, cluster.set_state, "decode-1", WorkerLifecycle.SERVING)
             return list(await asyncio.gather(*tasks)), waited
 
         results, waited = cluster.run(scenario(), timeout_s=300)
@@ -445,6 +449,7 @@ def test_a_stream_waits_for_a_replacement_once(tiny_model_dir):
     cluster = ProcessCluster(str(tiny_model_dir), roles).start()
     try:
         prompt = make_prompts(2048, (30,), seed=81)[0]
+        cluster.prepare("decode-1", WorkerRole.DECODE)  # published after the kill
 
         async def scenario() -> tuple[BaseException | tuple, float]:
             loop = asyncio.get_running_loop()
@@ -455,7 +460,7 @@ def test_a_stream_waits_for_a_replacement_once(tiny_model_dir):
             await wait_streaming(progress, ["req-0"])
             await loop.run_in_executor(None, cluster.kill, "decode-0")
             await loop.run_in_executor(None, cluster.set_state, "decode-0", WorkerLifecycle.DEAD)
-            await loop.run_in_executor(None, cluster.add, "decode-1", WorkerRole.DECODE)
+            await loop.run_in_executor(None, cluster.set_state, "decode-1", WorkerLifecycle.SERVING)
             # Going on on the replacement.
             await wait_streaming(progress, ["req-0"], min_tokens=progress["req-0"] + 8)
             return await outcome_of_kill(cluster, "decode-1", task)
