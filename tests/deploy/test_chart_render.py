@@ -200,6 +200,13 @@ def test_engine_args_reach_tandem_serve():
             args.threads) == ("bfloat16", "torch", "off", 900.0, 3)  # fmt: skip
 
 
+def test_the_generation_config_choice_reaches_tandem_serve():
+    assert head_serve_args({}).generation_config == "auto"
+    assert head_serve_args({"router": {"generationConfig": "off"}}).generation_config == "off"
+    with pytest.raises(Exception, match="generationConfig"):
+        render({"router": {"generationConfig": "model"}})
+
+
 def test_an_idle_timeout_of_zero_is_kept():
     """0 (scale idle pods down at once) is a value; `default` would make it 60."""
     values = {"ray": {"autoscaling": {"enabled": True, "idleTimeoutSeconds": 0}}}

@@ -258,6 +258,7 @@ writes as 1e+06 from a million on. */}}
 {{- if $e.cudaGraphs }}{{ $args = concat $args (list "--cuda-graphs" $e.cudaGraphs) }}{{ end -}}
 {{- if $e.stepWatchdogSeconds }}{{ $args = concat $args (list "--step-watchdog" (toString $e.stepWatchdogSeconds)) }}{{ end -}}
 {{- if hasKey $e "maxLocalPrefillTokens" }}{{ $args = concat $args (list "--max-local-prefill-tokens" (include "tandem.int" $e.maxLocalPrefillTokens)) }}{{ end -}}
+{{- $args = concat $args (list "--generation-config" .Values.router.generationConfig) -}}
 {{- with .Values.router.slo -}}
 {{- if .admission }}{{ $args = concat $args (list "--admission" .admission) }}{{ end -}}
 {{- if .ttftSeconds }}{{ $args = concat $args (list "--ttft-slo" (toString .ttftSeconds)) }}{{ end -}}
