@@ -175,7 +175,10 @@ class PairSelector:
         need = -(-(n + max_tokens) // self.block_size)
         decode = self._pick_decode(n, need, slo)
         itl = decode.predicted_step_s(1, n)
-        fits = decode.num_free_blocks >= need
+        # A forked request (n > 1, charged n outputs) may need more than the whole pool
+        # at its longest; its sequences then take turns by preemption, as they do under
+        # admission `none`: it fits once the pool is all free (never, uncapped).
+        fits = decode.num_free_blocks >= min(need, decode.num_blocks)
         remote, overridden = self._pick_prefill(hashes, n)
 
         local_ttft = math.inf

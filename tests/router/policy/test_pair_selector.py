@@ -235,9 +235,11 @@ def test_decode_choice_by_free_blocks_and_step_time():
     placement = PairSelector(prefill, [small2, big]).select(unique(0, 100), 10, INTERACTIVE)
     assert placement.decode_worker_id == "d1"
     assert placement.predicted_itl_s == pytest.approx(big.predicted_step_s(1, 100))
-    # Nothing fits: the emptiest, flagged so admission can hold it back.
-    full = PairSelector(prefill, [small]).select(unique(0, 5000), 10, INTERACTIVE)
+    # Nothing fits now: the emptiest, flagged so admission can hold it back.
+    small.on_send("busy", num_prefill_tokens=0, num_blocks=60, decoding=True, now_s=0)
+    full = PairSelector(prefill, [small]).select(unique(0, 100), 10, INTERACTIVE)
     assert not full.fits and full.decode_worker_id == "d0"
+    small.on_complete("busy", now_s=0)
     small.available = False
     with pytest.raises(WorkerUnavailable, match="no decode worker"):
         PairSelector(prefill, [small]).select(unique(0, 10), 10, INTERACTIVE)
@@ -268,3 +270,16 @@ def test_colocated_workers_are_chosen_by_their_prefill_queue():
     placement = PairSelector([], [busy, idle]).select(unique(0, 64), 32, INTERACTIVE)
     assert placement.decode_worker_id == idle.worker_id
     assert placement.predicted_ttft_s < busy.predicted_queue_s()
+
+
+def test_a_request_needing_more_than_the_whole_pool_fits_once_it_is_all_free():
+    """A forked request (n outputs charged) may need more blocks than the decode pool
+    has: its sequences take turns by preemption. It fits once the pool is all free;
+    before, it never fit, and admission refused it as retriable for ever."""
+    prefill, _ = cluster()
+    decode = WorkerState("d0", "decode", block_size=BS, num_blocks=16)
+    selector = PairSelector(prefill, [decode])
+    placement = selector.select(unique(0, 150), 2 * 100, INTERACTIVE)  # 22 blocks
+    assert placement.num_decode_blocks == 22 and placement.fits
+    decode.on_send("other", num_prefill_tokens=0, num_blocks=1, decoding=True, now_s=0)
+    assert not selector.select(unique(0, 150), 2 * 100, INTERACTIVE).fits
