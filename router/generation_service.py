@@ -185,7 +185,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 "prompt_logprobs",
             )
         params = SamplingParams(
-            max_tokens=request.max_tokens or 16,
+            max_tokens=request.max_tokens or self.tokenizer.default_max_tokens(len(prompt_ids)),
             temperature=(
                 request.temperature if request.HasField("temperature") else defaults.temperature
             ),

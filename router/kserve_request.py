@@ -129,6 +129,12 @@ def parse_request(
         except ValueError as exc:
             raise InvalidRequest(f"'bad_words' {exc}", param="bad_words") from exc
     try:
+        prompt_ids = tokenizer.encode(prompt)
+    except ValueError as exc:
+        raise InvalidRequest(f"input 'text_input': {exc}", param="text_input") from exc
+    if "max_tokens" not in settings:
+        settings["max_tokens"] = tokenizer.default_max_tokens(len(prompt_ids))
+    try:
         params = SamplingParams(**{**asdict(defaults), **settings})
     except ValueError as exc:
         raise InvalidRequest(f"invalid sampling parameters: {exc}", "sampling_parameters") from exc
@@ -140,10 +146,11 @@ def parse_request(
         except ValueError as exc:
             raise InvalidRequest(f"sampling parameter {exc}", param=key) from exc
     try:
-        prompt_ids = tokenizer.encode(prompt)
         tokenizer.check_length(len(prompt_ids), params.max_tokens)
     except ValueError as exc:
-        raise InvalidRequest(f"input 'text_input': {exc}", param="text_input") from exc
+        # The prompt alone leaves no room, or the output limit asks for too much.
+        blame = "text_input" if len(prompt_ids) >= tokenizer.max_model_len else "max_tokens"
+        raise InvalidRequest(f"'{blame}': {exc}", param=blame) from exc
     return KserveRequest(
         prompt=prompt,
         prompt_ids=prompt_ids,

@@ -129,6 +129,12 @@ class PromptTokenizer:
                     f"[0, {self.vocab_size})"
                 )
 
+    def default_max_tokens(self, num_prompt_tokens: int, default: int = 16) -> int:
+        """The output limit of a request that sets none: `default` (OpenAI's 16 for
+        completions), capped to the room the prompt leaves, as /v1/completions does (at
+        least 1: a prompt with no room left is then refused by `check_length`)."""
+        return max(1, min(default, self.max_model_len - num_prompt_tokens))
+
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         if num_prompt_tokens + max_tokens > self.max_model_len:
             raise ValueError(

@@ -442,6 +442,17 @@ def test_parse_request_conversions_and_conflicts(tiny_model_dir):
     assert params.stop == ["x"] and params.max_tokens == 16
     assert not parsed.stream and parsed.exclude_input_in_output
     assert parse_request(request(max_tokens=7), tokenizer).params.max_tokens == 7
+    # Near the context limit: the default output limit is capped to the room left, and
+    # an explicit one that overflows is blamed (not the prompt).
+    num_prompt = len(tokenizer.encode("the cache"))
+    near = PromptTokenizer(str(tiny_model_dir), max_model_len=num_prompt + 3)
+    assert parse_request(request(), near).params.max_tokens == 3
+    with pytest.raises(InvalidRequest, match="'max_tokens': this model's maximum") as refused:
+        parse_request(request(max_tokens=4), near)
+    assert refused.value.param == "max_tokens"
+    with pytest.raises(InvalidRequest, match="'text_input'") as refused:
+        parse_request(request(), PromptTokenizer(str(tiny_model_dir), max_model_len=num_prompt))
+    assert refused.value.param == "text_input"
     # vLLM's allowed_token_ids and bad_words (tokenized as on the OpenAI endpoints).
     restricted = request({"allowed_token_ids": [5, "9"], "bad_words": ["cache hit", "x"]})
     params = parse_request(restricted, tokenizer).params

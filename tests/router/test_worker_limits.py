@@ -131,6 +131,10 @@ def test_router_checks_prompts_against_the_workers_max_model_len(tiny_model_dir)
         assert runtime.limits == WorkerLimits(block_size=16, max_model_len=256, dtype="float32")
         assert cluster.run(generate(250, 6)) == grpc.StatusCode.OK
         assert cluster.run(generate(250, 7)) == grpc.StatusCode.INVALID_ARGUMENT
+        # max_tokens left out (0): the default 16, capped to the room the prompt leaves
+        # (as /v1/completions does); a prompt with no room is still refused.
+        assert cluster.run(generate(254, 0)) == grpc.StatusCode.OK
+        assert cluster.run(generate(256, 0)) == grpc.StatusCode.INVALID_ARGUMENT
         cluster.assert_idle()
     finally:
         cluster.stop()
