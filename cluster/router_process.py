@@ -54,6 +54,8 @@ class AttachedRouter:
         self.router: Router | None = None
         self.watcher: MembershipWatcher | None = None
         self.reporter: TrafficReporter | None = None
+        # The pool controller (its start's id) whose cluster token the router holds.
+        self._owner = ""
 
     async def start(self, timeout_s: float = 60.0) -> Router:
         # The controller gives up after timeout_s; the margin bounds a reply that never comes.
@@ -68,11 +70,35 @@ class AttachedRouter:
         # snapshot (its pool gauges and `membership` start from it, not empty).
         await router.update_membership(membership)
         self.router = router
-        self.watcher = MembershipWatcher(self.link, router.update_membership, membership.version)
+        self._owner = membership.owner
+        self.watcher = MembershipWatcher(self.link, self._follow, membership.version)
         self.watcher.start()
         self.reporter = TrafficReporter(self.link, router)
         self.reporter.start()
         return router
+
+    async def _follow(self, membership: Membership) -> None:
+        """Apply a membership; from a new pool controller (`tandem serve` restarted),
+        first take its cluster token: one restarted without a token file made a new
+        one, which its workers require (the router kept the old one, and every worker
+        refused it for ever)."""
+        assert self.router is not None
+        if membership.owner != self._owner:
+            try:
+                config = await asyncio.wait_for(
+                    self.link.handle.get_config.remote(), CONTROLLER_REPLY_S
+                )
+            except (TimeoutError, ray.exceptions.RayError) as exc:
+                logger.warning("the new pool controller's config is unreadable (%s); "
+                               "asking again with its next membership", exc)  # fmt: skip
+            else:
+                if config.router.cluster_auth != self.router.pool.auth:
+                    logger.warning("the new pool controller's cluster has another cluster "
+                                   "token (tandem serve restarted without a token file): "
+                                   "using it")  # fmt: skip
+                    self.router.pool.auth = config.router.cluster_auth
+                self._owner = membership.owner
+        await self.router.update_membership(membership)
 
     async def stop(self) -> None:
         if self.watcher is not None:

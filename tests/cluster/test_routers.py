@@ -19,6 +19,7 @@ import pytest
 import ray
 
 from tandem.cluster.cli import main
+from tandem.cluster.config import ClusterConfig
 from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.router_process import serving_endpoints
 from tandem.planner.observe import Counters, read_router_counters
@@ -154,13 +155,26 @@ def test_second_router_command_serves_and_follows_a_scale_event(tiny_model_dir, 
     run_on_ray(scenario)
 
 
+def with_new_token(config: ClusterConfig) -> ClusterConfig:
+    """`config` with a cluster token of its own (what `tandem serve` run without a token
+    file generates at each start)."""
+    auth = ClusterAuth(token=generate_token())
+    return dataclasses.replace(
+        config,
+        worker=dataclasses.replace(config.worker, cluster_auth=auth),
+        router=dataclasses.replace(config.router, cluster_auth=auth),
+    )
+
+
 def test_a_router_follows_a_restarted_pool_controller(tiny_model_dir, tmp_path):
     """`tandem serve` restarted on the same Ray cluster starts a new pool controller
-    under the same name: a `tandem router` started before keeps serving, on the new
-    workers, and its admin API answers from the new controller, with no restart."""
+    under the same name, and (without a token file) a new cluster token: a `tandem
+    router` started before keeps serving, on the new workers with the new token, and
+    its admin API answers from the new controller, with no restart. (With the old token
+    every new worker refused it, for ever.)"""
     prompts = make_prompts(2048, (9, 40, 75), seed=32)
     expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
-    config = cluster_config(tiny_model_dir)
+    config = with_new_token(cluster_config(tiny_model_dir))
 
     def serves_two_workers(http_endpoint: str) -> bool:
         try:
@@ -180,7 +194,8 @@ def test_a_router_follows_a_restarted_pool_controller(tiny_model_dir, tmp_path):
             first_owner = (await asyncio.to_thread(admin_view, router.http_endpoint))["owner"]
             await cluster.stop()
 
-            cluster = LocalCluster(config)
+            restarted = with_new_token(config)
+            cluster = LocalCluster(restarted)
             await cluster.start()
             new_pids = {w.pid for w in (await cluster.membership()).workers}
             # Its admin API answers from the new controller (another owner), its own view
@@ -193,7 +208,7 @@ def test_a_router_follows_a_restarted_pool_controller(tiny_model_dir, tmp_path):
                 "the router to serve the new controller's workers",
             )  # fmt: skip
             assert await generate_tokens(router.grpc_endpoint, prompts, MAX_TOKENS) == expected
-            await assert_idle(await cluster.membership())
+            await assert_idle(await cluster.membership(), auth=restarted.worker.cluster_auth)
         finally:
             await stop_both(router, cluster)
 
