@@ -19,7 +19,7 @@ import ray
 
 from tandem.cluster.controller_link import ControllerLink
 from tandem.cluster.pool_controller import CONTROLLER_REPLY_S
-from tandem.router.membership import Membership, PoolTargets
+from tandem.router.membership import Membership, PoolsOwnerUnreachable, PoolTargets
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,11 @@ class RayAdminBackend:
                 raise type(cause)(str(cause)) from None
             raise RuntimeError(f"pool controller failed: {cause!r}") from exc
         except TimeoutError:
-            raise RuntimeError(
+            raise PoolsOwnerUnreachable(
                 f"the pool controller did not answer within {self.timeout_s:g} s"
             ) from None
         except ray.exceptions.RayActorError as exc:
-            raise RuntimeError(f"the pool controller is gone: {exc}") from None
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise PoolsOwnerUnreachable(
+                f"the pool controller is gone ({reason}); is `tandem serve` running?"
+            ) from None

@@ -7,7 +7,8 @@ Two ways in, one answer shape (the JSON of `GET /admin/pools`):
   with Ray access, or a node's own stop hook; no router needed). Only it drains a Ray
   node (`drain_node`).
 Both raise `AdminRefused` (a 4xx/5xx or a controller refusal, with its reason) or
-`AdminUnreachable` (nothing answered).
+`AdminUnreachable` (nothing answered, or a 503: the router answered, its pool controller
+did not).
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ class HttpAdminClient:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
                 return json.loads(reply.read())
         except urllib.error.HTTPError as exc:
-            raise AdminRefused(f"{exc.code}: {_error_message(exc.read())}") from None
+            message = f"{exc.code}: {_error_message(exc.read())}"
+            if exc.code == 503:  # the router is up, its pool controller is not
+                raise AdminUnreachable(message) from None
+            raise AdminRefused(message) from None
         except (urllib.error.URLError, OSError) as exc:
             raise AdminUnreachable(f"{self.base}: {exc}") from None
         except (ValueError, http.client.InvalidURL) as exc:  # a malformed --address

@@ -18,7 +18,13 @@ from typing import Any
 import grpc
 
 from tandem.router.errors import InvalidRequest, RouterError
-from tandem.router.membership import AdminBackend, Membership, PoolTargets, WorkerInfo
+from tandem.router.membership import (
+    AdminBackend,
+    Membership,
+    PoolsOwnerUnreachable,
+    PoolTargets,
+    WorkerInfo,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,14 @@ class AdminUnavailable(RouterError):
 
     grpc_code = grpc.StatusCode.UNIMPLEMENTED
     http_status = 501
+    openai_type = "server_error"
+
+
+class AdminOwnerUnavailable(RouterError):
+    """The pools' owner (the pool controller) did not answer; retry once it is back."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503
     openai_type = "server_error"
 
 
@@ -76,6 +90,8 @@ def _owner_error(exc: Exception) -> RouterError:
     if isinstance(exc, ValueError):
         param = next((f for f in (*ROLES, "worker_id") if message.startswith(f)), None)
         return InvalidRequest(message, param=param)
+    if isinstance(exc, PoolsOwnerUnreachable):
+        return AdminOwnerUnavailable(message)
     return AdminRefused(message)
 
 

@@ -89,11 +89,16 @@ class TargetsChanged(RuntimeError):
     """A compare-and-set scale refused: the targets are no longer its `if_targets`."""
 
 
+class PoolsOwnerUnreachable(RuntimeError):
+    """The pools' owner did not answer: gone (`tandem serve` stopped) or not in time."""
+
+
 class AdminBackend(Protocol):
     """What the admin API (gRPC `tandem.admin.v1.Admin`, HTTP `/admin/*`) calls.
 
     Implementations raise `ValueError` for bad input (unknown role or worker, a target
-    out of range) and `RuntimeError` when the change cannot be made now.
+    out of range), `PoolsOwnerUnreachable` when the owner does not answer, and
+    `RuntimeError` when the change cannot be made now.
     """
 
     async def get_pools(self) -> Membership: ...

@@ -16,7 +16,13 @@ from tandem.decode_worker.server import DecodeWorker
 from tandem.engine.config import EngineConfig
 from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
 from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
-from tandem.router.membership import PoolTargets, WorkerInfo, WorkerLifecycle
+from tandem.router.membership import (
+    Membership,
+    PoolsOwnerUnreachable,
+    PoolTargets,
+    WorkerInfo,
+    WorkerLifecycle,
+)
 from tandem.worker.config import WorkerConfig, WorkerRole
 from tests.helpers.grpc_calls import (
     TEST_API_KEY,
@@ -270,6 +276,34 @@ def test_drain_worker_finishes_its_streams_then_it_is_replaced(pools):
 
 def migrations_total(pools: InprocPools) -> float:
     return sum(migration_counts(pools.router).values())
+
+
+def test_a_pools_owner_that_does_not_answer_is_unavailable_not_a_refusal(pools):
+    """The pool controller gone (`tandem serve` killed): admin calls answer 503 /
+    UNAVAILABLE, retriable, not 409 / FAILED_PRECONDITION as a refused change."""
+    original = pools.get_pools
+
+    async def gone() -> Membership:
+        raise PoolsOwnerUnreachable("the pool controller is gone (its process died)")
+
+    async def grpc_code() -> grpc.StatusCode:
+        async with grpc.aio.insecure_channel(pools.router.grpc_endpoint) as channel:
+            stub = admin_pb2_grpc.AdminStub(channel)
+            try:
+                await stub.GetPools(admin_pb.GetPoolsRequest(), metadata=GRPC_AUTH, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+    pools.get_pools = gone
+    try:
+        status, reply = pools.run(http(pools, "GET", "/admin/pools"))
+        code = pools.run(grpc_code())
+    finally:
+        pools.get_pools = original
+    assert status == 503 and "is gone" in reply["error"]["message"], reply
+    assert reply["error"]["type"] == "server_error"
+    assert code is grpc.StatusCode.UNAVAILABLE
 
 
 def test_router_without_pool_controller_answers_unimplemented(cluster):
