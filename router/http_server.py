@@ -1,13 +1,16 @@
 """The router's HTTP side (aiohttp): `/health` and the OpenAI-compatible API.
 
-Middlewares, outermost first: OpenAI error JSON for every failure, then the optional
-API key check. The body size limit is aiohttp's `client_max_size`.
+Middlewares, outermost first: the handler task tracking a stopping router cancels at
+the end of its grace, OpenAI error JSON for every failure, then the optional API key
+check. The body size limit is aiohttp's `client_max_size`.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
-from aiohttp.typedefs import Middleware
+from aiohttp.typedefs import Handler, Middleware
 
 from tandem.router.config import RouterConfig
 from tandem.router.openai.auth import make_auth_middleware
@@ -17,6 +20,34 @@ from tandem.router.request_flow import RequestFlow
 from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
 from tandem.router.worker_pool import WorkerPool
+
+
+class HandlerTasks:
+    """The tasks of the HTTP requests in flight. aiohttp's shutdown waits its timeout for
+    them, then waits it again for a handler that ignores the request's cancellation (a
+    stream): a stopping router cancels them itself once its grace is over."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            return await handler(request)
+        finally:
+            self._tasks.discard(task)
+
+    def cancel_all(self) -> int:
+        """Cancel every request in flight; how many."""
+        for task in self._tasks:
+            task.cancel()
+        return len(self._tasks)
+
+
+HANDLER_TASKS = web.AppKey("handler_tasks", HandlerTasks)
 
 
 def make_http_app(
@@ -35,10 +66,12 @@ def make_http_app(
             return web.json_response({"status": "ok", "workers": len(pool.workers)})
         return web.json_response({"status": "starting"}, status=503)
 
-    middlewares: list[Middleware] = [error_middleware]
+    handler_tasks = HandlerTasks()
+    middlewares: list[Middleware] = [handler_tasks.middleware, error_middleware]
     if config.api_key is not None:
         middlewares.append(make_auth_middleware(config.api_key))
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
+    app[HANDLER_TASKS] = handler_tasks
     app[MAX_BODY_BYTES] = config.max_body_bytes
     app.router.add_get("/health", health)
     OpenAIHandlers(

@@ -32,7 +32,7 @@ from tandem.router.admin_service import AdminService
 from tandem.router.api_key import ApiKeyInterceptor
 from tandem.router.config import RouterConfig
 from tandem.router.generation_service import GenerationService
-from tandem.router.http_server import make_http_app
+from tandem.router.http_server import HANDLER_TASKS, make_http_app
 from tandem.router.kserve_service import SERVICE_NAME as KSERVE_SERVICE_NAME
 from tandem.router.kserve_service import KserveService
 from tandem.router.membership import (
@@ -314,6 +314,18 @@ class Router:
                 logger.exception("router: readiness check failed")
             await asyncio.sleep(READINESS_INTERVAL_S)
 
+    @staticmethod
+    async def _stop_http(runner: web.AppRunner) -> None:
+        """Stop the HTTP side: requests in flight get STOP_GRACE_S (the runner's shutdown
+        timeout), then are cancelled (aiohttp would give a stream that long again)."""
+        cleanup = asyncio.ensure_future(runner.cleanup())
+        await asyncio.wait({cleanup}, timeout=STOP_GRACE_S)
+        if not cleanup.done():
+            num_cut = runner.app[HANDLER_TASKS].cancel_all()
+            logger.warning("router: %d HTTP requests still running after the %g s grace; "
+                           "ending them", num_cut, STOP_GRACE_S)  # fmt: skip
+        await cleanup
+
     async def stop(self) -> None:
         """Stop taking requests on every API at once, give those in flight up to
         STOP_GRACE_S to finish (HTTP and gRPC alike), then close the worker channels."""
@@ -327,7 +339,7 @@ class Router:
                 await self._join_retry
         drains = []
         if self._http is not None:
-            drains.append(self._http.cleanup())  # its runner's shutdown_timeout: the grace
+            drains.append(self._stop_http(self._http))
         if self._server is not None:
             drains.append(self._server.stop(STOP_GRACE_S))
         await asyncio.gather(*drains)

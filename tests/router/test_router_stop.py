@@ -1,0 +1,57 @@
+"""A stopping router gives the HTTP requests in flight its grace, then ends them.
+
+aiohttp's shutdown waits its timeout for a handler, then cancels the request and waits
+the timeout again for a handler that does not notice (a stream): a router with a long
+stream took twice its grace to stop (32.8 s for a 20 s grace, past Kubernetes' default
+30 s before SIGKILL). Here the grace is shortened to keep the test short.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import aiohttp
+import pytest
+
+import tandem.router.server as router_server
+from tests.helpers.inproc_cluster import InprocCluster
+
+pytestmark = pytest.mark.timeout(120)
+
+GRACE_S = 1.0
+
+
+def test_a_stream_running_past_the_grace_is_ended_when_it_runs_out(
+    tiny_model_dir, monkeypatch, caplog
+):
+    monkeypatch.setattr(router_server, "STOP_GRACE_S", GRACE_S)
+    cluster = InprocCluster(str(tiny_model_dir)).start()
+    body = {"model": cluster.router.config.model_name, "prompt": "the", "max_tokens": 1000,
+            "ignore_eos": True, "temperature": 0, "stream": True, "n": 16}  # fmt: skip
+
+    async def scenario() -> tuple[float, int]:
+        events = 0
+        async with aiohttp.ClientSession() as session:
+            url = f"{cluster.http_endpoint}/v1/completions"
+            async with session.post(url, json=body) as response:
+                assert response.status == 200
+                async for line in response.content:
+                    if line.startswith(b"data: "):
+                        events += 1
+                    if events == 32:  # streaming: stop the router under it
+                        break
+                started = time.monotonic()
+                await cluster.router.stop()
+                took_s = time.monotonic() - started
+        return took_s, events
+
+    caplog.set_level(logging.WARNING, logger="tandem.router.server")
+    try:
+        took_s, _ = cluster.run(scenario(), timeout_s=90)
+    finally:
+        cluster.router = None  # stopped above
+        cluster.stop()
+    assert "1 HTTP requests still running after the 1 s grace; ending them" in caplog.text
+    # The grace, plus the rest of the stop (bounded; twice the grace before).
+    assert took_s < GRACE_S + 5.0, took_s
