@@ -10,10 +10,11 @@ running cluster.
 `--address` is a router's HTTP address (its admin API, with TANDEM_API_KEY / --api-key
 when the router wants one); `--ray-address` goes straight to the cluster's pool
 controller. `tandem scale` returns 0 once the serving workers match the targets, 1
-on timeout (saying which role is short) and 2 when the change is refused (with the
-reason). `tandem drain` returns 0 once the workers it drains have stopped (their
-requests finished, replacements started elsewhere), 1 on timeout (naming those still
-running), 2 when refused; `--this-node` is what a Ray node's own stop hook runs (the
+on timeout (saying which role is short) or when the router or its pool controller does
+not answer, and 2 when the change is refused (with the reason). `tandem drain` returns
+0 once the workers it drains have stopped (their requests finished, replacements
+started elsewhere), 1 on timeout (naming those still running) or no answer, 2 when
+refused; `--this-node` is what a Ray node's own stop hook runs (the
 Helm chart's worker pods on SIGTERM). Heavy imports stay inside the handlers.
 """
 

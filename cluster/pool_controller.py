@@ -167,7 +167,10 @@ class PoolController:
         self._check_capacity(wanted)
         self.state.set_targets(wanted)
         logger.info("pools: targets now %s", {r.value: n for r, n in wanted.items()})
-        self._apply_plan()  # now: the reply shows the workers it starts, cancels or drains
+        try:  # now: the reply shows the workers it starts, cancels or drains
+            self._apply_plan()
+        except Exception:  # the targets stand; the reconcile loop applies them again
+            logger.exception("pools: applying the new targets failed; retrying next round")
         return self.state.membership()
 
     async def drain(self, worker_id: str) -> Membership:

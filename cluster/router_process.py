@@ -89,8 +89,14 @@ class AttachedRouter:
                     self.link.handle.get_config.remote(), CONTROLLER_REPLY_S
                 )
             except (TimeoutError, ray.exceptions.RayError) as exc:
+                # Not applied with a token the new workers may refuse: the watcher
+                # delivers this membership again (its version forgotten) a moment later.
                 logger.warning("the new pool controller's config is unreadable (%s); "
-                               "asking again with its next membership", exc)  # fmt: skip
+                               "trying again", exc)  # fmt: skip
+                await asyncio.sleep(1.0)
+                if self.watcher is not None:
+                    self.watcher.version = 0
+                return
             else:
                 if config.router.cluster_auth != self.router.pool.auth:
                     logger.warning("the new pool controller's cluster has another cluster "

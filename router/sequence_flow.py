@@ -4,7 +4,8 @@ An attempt is a prefill on the placement's prefill worker (or none: the decode w
 prefills locally), then the decode stream. The first token is yielded as soon as the
 prefill worker returns it (TTFT never waits for the KV transfer). Cancelling the
 consumer cancels the worker calls, and the workers free what they hold; a prefill whose
-handle is never used is released here (its lease is the backstop if even that fails).
+handle is never used, or whose decode stream failed, is released here (its lease is the
+backstop if even that fails).
 
 Migration: when a worker call fails because the worker (or the connection to it) did,
 or the membership owner declares the worker lost (`worker_lost`), the sequence is
@@ -326,6 +327,11 @@ class SequenceFlow:
             # Unpin (a no-op where nothing is held) before the request moves on.
             if not taken or not isinstance(exc, asyncio.CancelledError | GeneratorExit):
                 await self.calls.release(pair, request.kv_handle.request_id)
+                # A cancel that came during the release (the client left, the router is
+                # stopping; `release` absorbs it) ends the request rather than migrate it.
+                task = asyncio.current_task()
+                if isinstance(exc, Exception) and task is not None and task.cancelling():
+                    raise asyncio.CancelledError from exc
             raise
         finally:
             span.end()

@@ -319,12 +319,16 @@ class Router:
         """Stop the HTTP side: requests in flight get STOP_GRACE_S (the runner's shutdown
         timeout), then are cancelled (aiohttp would give a stream that long again)."""
         cleanup = asyncio.ensure_future(runner.cleanup())
-        await asyncio.wait({cleanup}, timeout=STOP_GRACE_S)
-        if not cleanup.done():
-            num_cut = runner.app[HANDLER_TASKS].cancel_all()
-            logger.warning("router: %d HTTP requests still running after the %g s grace; "
-                           "ending them", num_cut, STOP_GRACE_S)  # fmt: skip
-        await cleanup
+        try:
+            await asyncio.wait({cleanup}, timeout=STOP_GRACE_S)
+            if not cleanup.done():
+                num_cut = runner.app[HANDLER_TASKS].cancel_all()
+                logger.warning("router: %d HTTP requests still running after the %g s "
+                               "grace; ending them", num_cut, STOP_GRACE_S)  # fmt: skip
+            await cleanup
+        except BaseException:
+            cleanup.cancel()
+            raise
 
     async def stop(self) -> None:
         """Stop taking requests on every API at once, give those in flight up to

@@ -175,10 +175,7 @@ class PairSelector:
         need = -(-(n + max_tokens) // self.block_size)
         decode = self._pick_decode(n, need, slo)
         itl = decode.predicted_step_s(1, n)
-        # A forked request (n > 1, charged n outputs) may need more than the whole pool
-        # at its longest; its sequences then take turns by preemption, as they do under
-        # admission `none`: it fits once the pool is all free (never, uncapped).
-        fits = decode.num_free_blocks >= min(need, decode.num_blocks)
+        fits = _fits(decode, need)
         remote, overridden = self._pick_prefill(hashes, n)
 
         local_ttft = math.inf
@@ -230,7 +227,7 @@ class PairSelector:
                 "no decode worker is available (all are down or unreachable); retry later",
                 retry_after_s=NO_WORKER_RETRY_AFTER_S,
             )
-        fitting = [w for w in workers if w.num_free_blocks >= need]
+        fitting = [w for w in workers if _fits(w, need)]
         if not fitting:
             return max(workers, key=lambda w: w.num_free_blocks)
         # Without a prefill pool the chosen worker also prefills: its prefill queue (a
@@ -309,3 +306,11 @@ class PairSelector:
         ties = [o for o in eligible if o.ttft_s <= top + cfg.score_tie_s]
         chosen = min(ties, key=lambda o: (len(o.worker.prefix), o.wait_s))
         return chosen, chosen.ttft_s > best_score + cfg.score_tie_s
+
+
+def _fits(decode: WorkerState, need: int) -> bool:
+    """Whether `decode` has the blocks a request needs free now. A forked request (n > 1,
+    charged n outputs) may need more than the whole pool at its longest; its sequences
+    then take turns by preemption, as they do under admission `none`: it fits once the
+    pool is all free (uncapped, it never did)."""
+    return decode.num_free_blocks >= min(need, decode.num_blocks)

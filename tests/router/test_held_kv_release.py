@@ -11,6 +11,7 @@ for: the decision is the flow's (router/sequence_flow.py `decode_held`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import types
 
 import pytest
@@ -25,8 +26,9 @@ from tandem.telemetry.tracing import Tracing
 class RecordingCalls:
     """The decode stream yields `num_chunks` chunks, then ends or fails as told."""
 
-    def __init__(self, num_chunks: int, fails: bool) -> None:
+    def __init__(self, num_chunks: int, fails: bool, cancelled_meanwhile: bool = False) -> None:
         self.num_chunks, self.fails = num_chunks, fails
+        self.cancelled_meanwhile = cancelled_meanwhile
         self.tracing = Tracing("test")
         self.released: list[str] = []
 
@@ -40,6 +42,14 @@ class RecordingCalls:
 
     async def release(self, pair, held_id: str) -> None:
         self.released.append(held_id)
+        if self.cancelled_meanwhile:  # the client leaves while the release runs
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            # As `WorkerCalls.release` does: the shielded call goes on, the cancel is
+            # absorbed here.
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(1.0)
 
 
 def held_flow(calls: RecordingCalls):
@@ -86,3 +96,17 @@ def test_the_router_unpins_the_prompt_kv_when_the_decode_stream_fails(
 
     asyncio.run(run())
     assert calls.released == released
+
+
+def test_a_cancel_during_the_release_ends_the_request_instead_of_migrating_it():
+    """The decode stream failed, and the client left while the router unpinned the KV:
+    the request ends (CancelledError), rather than move on to a new attempt (which
+    could even re-prefill the same request id while the unpin is still on its way)."""
+    calls = RecordingCalls(3, fails=True, cancelled_meanwhile=True)
+
+    async def run() -> None:
+        with pytest.raises(asyncio.CancelledError):
+            await drain(held_flow(calls))
+
+    asyncio.run(run())
+    assert calls.released == ["r"]
