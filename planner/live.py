@@ -220,7 +220,7 @@ class LivePlanner:
         target, why = self.gate.decide(now, split, result.recommended, at_target)
         self.last_action = why
         if target is not None and await self._scale(target, split):
-            self.gate.changed(now)
+            self.gate.changed(now, target)
 
     def _policy(self) -> GoodputPolicy:
         runtime = self.router.policy_runtime

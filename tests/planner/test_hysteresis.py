@@ -25,7 +25,7 @@ def test_waits_between_changes_and_while_a_change_is_in_progress():
     g = gate()
     g.decide(0.0, (1, 3), (3, 1), True)
     assert g.decide(1.0, (1, 3), (3, 1), True)[0] == (2, 2)
-    g.changed(1.0)
+    g.changed(1.0, (2, 2))
     assert g.decide(2.0, (2, 2), (3, 1), False)[1].startswith("waiting for the last change")
     assert g.decide(5.0, (2, 2), (3, 1), True)[1] == "too soon after the last change"
     assert g.decide(11.0, (2, 2), (3, 1), True)[0] == (3, 1)
@@ -38,6 +38,22 @@ def test_a_refused_resize_does_not_hold_back_the_next():
     g.decide(0.0, (1, 3), (3, 1), True)
     assert g.decide(1.0, (1, 3), (3, 1), True)[0] == (2, 2)  # refused: no `changed`
     assert g.decide(2.0, (1, 3), (3, 1), True)[0] == (2, 2)
+
+
+def test_an_operators_scale_counts_as_a_change_and_resets_the_confirmations():
+    """The first plan made after a `tandem scale` acted on it, confirmed by a plan made
+    from the split before (probe: scaled to 2P+1D by hand, undone 3.5 s later)."""
+    g = gate()
+    assert g.decide(0.0, (2, 1), (1, 2), True)[0] is None  # waiting for a second plan
+    # The operator scales to 2P+2D; the next plan, from that split:
+    assert g.decide(1.0, (2, 2), (1, 2), True) == (None, "too soon after the last change")
+    # Past the interval, with two plans made from (2, 2): it may act.
+    assert g.decide(12.0, (2, 2), (1, 2), True)[0] == (1, 2)
+    # Before, the plan from (2, 1) counted: a second plan acted at once, undoing the scale.
+    h = gate()
+    h.decide(0.0, (2, 1), (1, 2), True)
+    h.decide(11.0, (2, 2), (1, 1), True)  # the operator's scale, then another plan
+    assert h.decide(22.0, (2, 2), (1, 2), True)[0] is None  # (1, 1) and (1, 2) disagree
 
 
 def test_no_change_for_a_flapping_recommendation():

@@ -61,7 +61,7 @@ class Steps:
         target, _ = self.gate.decide(self.now_s, self.split, result.recommended, at_target=True)
         if target is not None:
             self.split = target
-            self.gate.changed(self.now_s)
+            self.gate.changed(self.now_s, target)
 
 
 def noisy(laws: LatencyLaws, rng: random.Random) -> LatencyLaws:
