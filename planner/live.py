@@ -197,6 +197,11 @@ class LivePlanner:
         waiting = waiting_for_traffic(load, self.config.min_requests)
         if waiting is not None:
             self.last_action = waiting
+            gauges = self.router.metrics.planner
+            if gauges.recommended is not None:
+                # Its prediction is for the observed load, which is (next to) none now;
+                # the last plan's figure would stand for hours after the traffic went.
+                gauges.recommend(gauges.recommended, 0.0)
             return
         membership = await self._pools()
         split, at_target = current_split(membership)

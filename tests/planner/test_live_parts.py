@@ -147,3 +147,49 @@ def test_an_operators_scale_during_a_plan_is_not_undone(operator_lands):
     asyncio.run(planner.run_once())
     assert pools.scales == [(3, 3)], pools.scales
     assert "resized while planning" in planner.last_action
+
+
+def test_the_predicted_goodput_falls_to_zero_once_the_traffic_stops():
+    """The prediction is for the observed load: once the planner waits for traffic, the
+    last plan's figure no longer stands (it stayed for as long as no request came)."""
+    import asyncio
+    import types
+
+    from prometheus_client import CollectorRegistry
+
+    from tandem.planner.live import LivePlanner
+    from tandem.planner.live_config import PlannerConfig, PlannerMode
+    from tandem.planner.live_inputs import InputWindow
+    from tandem.planner.live_plan import LivePlanResult
+    from tandem.router.membership import Membership, PoolTargets
+    from tandem.router.pool_gauges import PlannerGauges
+
+    class Pools:
+        async def get_pools(self) -> Membership:
+            return Membership(1, [], PoolTargets(prefill=1, decode=2), {}, "owner")
+
+    gauges = PlannerGauges(CollectorRegistry())
+    router = types.SimpleNamespace(admin_backend=Pools(),
+                                   metrics=types.SimpleNamespace(planner=gauges))  # fmt: skip
+    config = PlannerConfig(mode=PlannerMode.OBSERVE, interval_s=10, max_workers=3)
+    planner = LivePlanner(config, router, limits=None)  # type: ignore[arg-type]
+    planner.budget = 3
+    reads = iter([100, 200, 200, 200, 200, 200])  # traffic, then none
+
+    async def counters() -> Counters:
+        n = next(reads)
+        return Counters(first_tokens=n, prompt_tokens=n * 100, generation_tokens=n * 20,
+                        finished=n, goodput=n)  # fmt: skip
+
+    async def plan(load, split) -> LivePlanResult:
+        return LivePlanResult((2, 1), "2P+1D", {(1, 2): 1.0, (2, 1): 2.0}, 2.0)
+
+    planner._read_counters = counters  # type: ignore[method-assign]
+    planner._plan = plan  # type: ignore[method-assign]
+    planner._inputs = InputWindow(3, 0.0, Counters())
+    asyncio.run(planner.run_once())
+    assert (gauges.recommended, gauges.predicted_rps) == ((2, 1), 2.0)
+    for _ in range(4):
+        asyncio.run(planner.run_once())
+    assert planner.last_action.startswith("waiting for traffic"), planner.last_action
+    assert (gauges.recommended, gauges.predicted_rps) == ((2, 1), 0.0)
