@@ -78,10 +78,8 @@ def test_second_router_command_serves_and_follows_a_scale_event(tiny_model_dir, 
                                                               capsys):  # fmt: skip
     prompts = make_prompts(2048, (9, 40, 75), seed=31)
     expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
-    config = cluster_config(tiny_model_dir)
-    auth = ClusterAuth(token=generate_token())
-    config.worker = dataclasses.replace(config.worker, cluster_auth=auth)
-    config.router = dataclasses.replace(config.router, cluster_auth=auth)
+    config = with_new_token(cluster_config(tiny_model_dir))
+    auth = config.worker.cluster_auth
 
     async def scenario() -> None:
         cluster = LocalCluster(config)

@@ -9,7 +9,6 @@ stream took twice its grace to stop (32.8 s for a 20 s grace, past Kubernetes' d
 from __future__ import annotations
 
 import logging
-import time
 
 import aiohttp
 import pytest
@@ -30,7 +29,10 @@ def test_a_stream_running_past_the_grace_is_ended_when_it_runs_out(
     body = {"model": cluster.router.config.model_name, "prompt": "the", "max_tokens": 1000,
             "ignore_eos": True, "temperature": 0, "stream": True, "n": 16}  # fmt: skip
 
-    async def scenario() -> tuple[float, int]:
+    stopped = False
+
+    async def scenario() -> None:
+        nonlocal stopped
         events = 0
         async with aiohttp.ClientSession() as session:
             url = f"{cluster.http_endpoint}/v1/completions"
@@ -41,18 +43,16 @@ def test_a_stream_running_past_the_grace_is_ended_when_it_runs_out(
                         events += 1
                     if events == 32:  # streaming: stop the router under it
                         break
-                started = time.monotonic()
+                stopped = True
                 await cluster.router.stop()
-                took_s = time.monotonic() - started
-        return took_s, events
 
     caplog.set_level(logging.WARNING, logger="tandem.router.server")
     try:
-        took_s, _ = cluster.run(scenario(), timeout_s=90)
+        cluster.run(scenario(), timeout_s=90)
     finally:
-        cluster.router = None  # stopped above
+        if stopped:  # (a router stops once)
+            cluster.router = None
         cluster.stop()
+    # Ended by the router when its grace ran out (the 16 x 1000-token stream runs for
+    # seconds); before, aiohttp waited twice the grace, then left it running.
     assert "1 HTTP requests still running after the 0.5 s grace; ending them" in caplog.text
-    # The grace, plus the rest of the stop (bounded: the 16 x 1000-token stream runs for
-    # seconds; before, the stop waited twice the grace, then left it running).
-    assert took_s < GRACE_S + 3.0, took_s
