@@ -56,6 +56,13 @@ class PoolsConfig:
     replace_wait_s: float = 120.0
     # How long a dead worker stays listed (state `dead`) after it was found dead.
     dead_retention_s: float = 30.0
+    # Restart backoff (cluster.restart_backoff): after a role's second worker in a row
+    # dies young (while starting, or serving under `restart_stable_s`), its next start
+    # waits `restart_backoff_s`, doubling for each further one up to
+    # `restart_backoff_max_s`.
+    restart_backoff_s: float = 2.0
+    restart_backoff_max_s: float = 60.0
+    restart_stable_s: float = 60.0
     # Port of the pool controller's Prometheus /metrics endpoint; 0 picks a free one.
     metrics_port: int = 0
 
@@ -84,6 +91,9 @@ class PoolsConfig:
             raise ValueError(f"pools.replace_wait_s must be >= 0, got {self.replace_wait_s}")
         if self.dead_retention_s < 0:
             raise ValueError(f"pools.dead_retention_s must be >= 0, got {self.dead_retention_s}")
+        for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_stable_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"pools.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_health_failures < 1:
             raise ValueError(
                 f"pools.max_health_failures must be >= 1, got {self.max_health_failures}"

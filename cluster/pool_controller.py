@@ -14,7 +14,9 @@ drain`. Bookkeeping and decisions live in `PoolState`.
 
 Worker lifecycle: starting -> serving (-> being replaced) -> draining -> (stopped,
 gone); any of them -> dead (process exited, node lost, probes failed) -> listed for
-`dead_retention_s`, then gone; a dead starting or serving worker is replaced at once.
+`dead_retention_s`, then gone; a dead starting or serving worker is replaced at once,
+unless its role's workers keep dying young (then after a growing pause,
+`cluster.restart_backoff`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from tandem.cluster.config import ClusterConfig, role_resource
 from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
 from tandem.cluster.ray_nodes import check_drainable, keep_new_actors_off
+from tandem.cluster.restart_backoff import BackoffPolicy
 from tandem.cluster.traffic_totals import TrafficTotals
 from tandem.cluster.worker_actor import RemoteWorkerActor, WorkerPlacement, node_host
 from tandem.planner.observe import Counters
@@ -80,7 +83,10 @@ class PoolController:
         targets: dict[WorkerRole, int] = {}
         for role in pools.roles:
             targets[role] = targets.get(role, 0) + 1
-        self.state = PoolState(targets, pools.max_workers_per_role)
+        backoff = BackoffPolicy(
+            pools.restart_backoff_s, pools.restart_backoff_max_s, pools.restart_stable_s
+        )
+        self.state = PoolState(targets, pools.max_workers_per_role, backoff)
         # The pool gauges routers re-export, served on the controller's own /metrics.
         self.metrics_registry = CollectorRegistry()
         self.gauges = PoolGauges(self.metrics_registry)
@@ -339,7 +345,7 @@ class PoolController:
             logger.warning("pools: %s did not start: %s", worker_id, exc)
             self._starts.pop(worker_id, None)
             if worker_id in self.state.records:
-                self.state.mark_dead(worker_id, time.monotonic())
+                self._mark_dead(worker_id, time.monotonic())
                 ray.kill(actor)
                 self._reconcile_now()
             return
@@ -373,13 +379,22 @@ class PoolController:
             failures = record.health_failures + 1
             if load == "exited" or failures >= self.config.pools.max_health_failures:
                 logger.warning("pools: %s is dead (%s)", record.worker_id, load)
-                self.state.mark_dead(record.worker_id, now_s)
+                self._mark_dead(record.worker_id, now_s)
                 ray.kill(record.actor)
             else:
                 record.health_failures = failures
                 logger.warning("pools: %s missed a health probe (%d in a row)",
                                record.worker_id, record.health_failures)  # fmt: skip
         self._publish()
+
+    def _mark_dead(self, worker_id: str, now_s: float) -> None:
+        role = self.state.records[worker_id].role
+        if self.state.mark_dead(worker_id, now_s):
+            held_s = self.state.backoff.held_s(role, now_s)
+            if held_s > 0:
+                logger.warning("pools: %d %s workers in a row died young; the next starts "
+                               "in %.0f s (restart backoff)", self.state.backoff.failures[role],
+                               role.value, held_s)  # fmt: skip
 
     async def _probe(self, record: WorkerRecord) -> WorkerLoad | str:
         try:

@@ -14,6 +14,8 @@ Rules:
   serves on but no longer counts, so a replacement starts; it drains once new workers
   fill the target without it, or when its wait runs out.
 - a target change replaces the previous one whole (the last scale call wins).
+- a role whose workers keep dying young starts its next one only after a growing pause
+  (`cluster.restart_backoff`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tandem.cluster.restart_backoff import BackoffPolicy, RestartBackoff
 from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
 from tandem.worker.config import WorkerRole
 
@@ -82,7 +85,8 @@ class WorkerRecord:
 class Plan:
     """What the controller should do now."""
 
-    # Roles to start one new worker of each, in order.
+    # Roles to start one new worker of each, in order (none of a role held back by its
+    # restart backoff).
     start: list[WorkerRole] = field(default_factory=list)
     # Starting workers to stop at once (a target went down before they served).
     cancel: list[str] = field(default_factory=list)
@@ -96,7 +100,12 @@ class Plan:
 class PoolState:
     """Workers, targets and the membership version of one cluster."""
 
-    def __init__(self, targets: dict[WorkerRole, int], max_workers_per_role: int) -> None:
+    def __init__(
+        self,
+        targets: dict[WorkerRole, int],
+        max_workers_per_role: int,
+        backoff: BackoffPolicy | None = None,
+    ) -> None:
         self.targets = dict(targets)
         self.max_workers_per_role = max_workers_per_role
         self.version = 1
@@ -104,6 +113,7 @@ class PoolState:
         self.owner = uuid.uuid4().hex
         self.records: dict[str, WorkerRecord] = {}
         self.restarts = dict.fromkeys(targets, 0)
+        self.backoff = RestartBackoff(backoff or BackoffPolicy())
         # Ray nodes being drained: a worker that comes up on one drains at once.
         self.draining_nodes: set[str] = set()
         self._ids = {role: itertools.count() for role in WorkerRole}
@@ -241,7 +251,8 @@ class PoolState:
 
     def mark_dead(self, worker_id: str, now_s: float) -> bool:
         """A worker found dead; True when it was serving or starting (so it counts as
-        a restart of its role: a draining worker that dies was on its way out)."""
+        a restart of its role, and towards its backoff: a draining worker that dies was
+        on its way out)."""
         record = self.records[worker_id]
         if record.state is WorkerLifecycle.DEAD:
             return False
@@ -250,9 +261,11 @@ class PoolState:
             record.state in (WorkerLifecycle.STARTING, WorkerLifecycle.SERVING)
             and record.replace_by_s is None
         )
+        served_s = now_s - record.since_s if record.state is WorkerLifecycle.SERVING else None
         self.update(worker_id, now_s, state=WorkerLifecycle.DEAD)
         if replaced:
             self.restarts[record.role] = self.restarts.get(record.role, 0) + 1
+            self.backoff.died(record.role, now_s, served_s)
         return replaced
 
     def remove(self, worker_id: str) -> WorkerRecord:
@@ -294,7 +307,8 @@ class PoolState:
             live = self.live(role)
             plan.replaced.extend(self._replacements_done(role, target, live, now_s))
             if len(live) < target:
-                plan.start.extend([role] * (target - len(live)))
+                if self.backoff.held_s(role, now_s) == 0.0:
+                    plan.start.extend([role] * (target - len(live)))
                 continue
             surplus = len(live) - target
             starting = [r for r in live if r.state is WorkerLifecycle.STARTING]

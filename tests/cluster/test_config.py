@@ -108,6 +108,8 @@ def test_router_config_validation(tiny_model_dir):
         (dict(health_timeout_s=-1), "pools.health_timeout_s must be > 0"),
         (dict(drain_timeout_s=0), "pools.drain_timeout_s must be > 0"),
         (dict(dead_retention_s=-1), "pools.dead_retention_s must be >= 0"),
+        (dict(restart_backoff_s=-1), "pools.restart_backoff_s must be >= 0"),
+        (dict(restart_stable_s=-0.5), "pools.restart_stable_s must be >= 0"),
         (dict(max_health_failures=0), "pools.max_health_failures must be >= 1"),
         (dict(metrics_port=70000), "pools.metrics_port must be in"),
     ],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tandem.cluster.pool_state import Plan, PoolState, WorkerLoad, WorkerRecord
+from tandem.cluster.restart_backoff import BackoffPolicy
 from tandem.router.membership import PoolTargets, WorkerInfo, WorkerLifecycle
 from tandem.worker.config import WorkerRole
 
@@ -181,3 +182,52 @@ def test_a_worker_being_replaced_that_dies_is_not_a_restart():
     assert not state.mark_dead("decode-0", now_s=1.0)
     assert state.restarts[D] == 0
     assert state.plan(2.0).start == [D]  # still one replacement, not two
+
+
+def start_and_fail(state: PoolState, role: WorkerRole, now_s: float, served_s: float | None):
+    """A new worker of `role` that dies at now_s, having served `served_s` (None: while
+    starting)."""
+    worker_id = state.new_worker_id(role)
+    info = WorkerInfo(worker_id=worker_id, role=role, state=S.STARTING)
+    state.add(WorkerRecord(info=info, since_s=now_s - 1.0))
+    if served_s is not None:
+        state.update(worker_id, now_s - served_s, state=S.SERVING)
+    assert state.mark_dead(worker_id, now_s)
+
+
+def test_a_role_whose_workers_keep_dying_young_starts_the_next_after_a_growing_pause():
+    """A crash loop (a worker that cannot live) is held back, as CrashLoopBackOff does:
+    the first death restarts at once, then 2, 4, 8 s ... up to the cap; the other role
+    is not held back."""
+    state = PoolState({P: 1, D: 1}, 4, BackoffPolicy(base_s=2.0, max_s=5.0, stable_s=60.0))
+    start_and_fail(state, D, 100.0, served_s=None)
+    assert state.plan(100.0).start == [P, D]  # one death: at once
+    held = []
+    for now_s in (101.0, 110.0, 130.0, 160.0):
+        start_and_fail(state, D, now_s, served_s=5.0)  # served, but not for 60 s
+        held.append(state.backoff.held_s(D, now_s))
+        assert state.plan(now_s).start == [P]
+        assert state.plan(now_s + held[-1]).start == [P, D]
+    assert held == [2.0, 4.0, 5.0, 5.0]
+    assert state.backoff.failures == {D: 5}
+
+
+def test_a_worker_that_served_long_before_it_died_is_replaced_at_once_and_ends_the_series():
+    state = PoolState({P: 1, D: 1}, 4, BackoffPolicy(base_s=2.0, max_s=60.0, stable_s=60.0))
+    for now_s in (10.0, 11.0, 12.0):
+        start_and_fail(state, D, now_s, served_s=None)
+    assert state.backoff.held_s(D, 12.0) == 4.0
+    start_and_fail(state, D, 200.0, served_s=120.0)
+    assert state.backoff.held_s(D, 200.0) == 0.0
+    assert D in state.plan(200.0).start
+    start_and_fail(state, D, 201.0, served_s=None)  # the series begins again at 2 s
+    assert state.backoff.held_s(D, 201.0) == 2.0
+
+
+def test_a_worker_that_drains_or_is_being_replaced_adds_nothing_to_the_backoff():
+    state = state_with([(D, S.DRAINING), (D, S.SERVING), (P, S.SERVING)], decode=1)
+    state.replace("decode-1", 5.0, 60.0)
+    for worker_id in ("decode-0", "decode-1", "decode-0"):
+        state.mark_dead(worker_id, 6.0)
+    assert state.backoff.failures == {}
+    assert state.backoff.held_s(D, 6.0) == 0.0

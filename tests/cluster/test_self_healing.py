@@ -475,3 +475,53 @@ def test_chaos_random_kills_under_steady_load(ray_session, tiny_model_dir, promp
             await cluster.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_decode_worker_killed_young_twice_in_a_row_is_restarted_after_the_backoff(
+    ray_session, tiny_model_dir
+):
+    """Restart backoff through the real controller: the first kill -9 of a young decode
+    worker is replaced at once, the second in a row only after `restart_backoff_s`
+    (a crash loop is not restarted in a tight loop); the pools heal and end idle."""
+    backoff_s = 4.0
+    config = config_for(tiny_model_dir, 1, 1)
+    config.pools = dataclasses.replace(config.pools, restart_backoff_s=backoff_s,
+                                       restart_stable_s=600.0)  # fmt: skip
+
+    async def kill_and_time_replacement(cluster: LocalCluster) -> float:
+        """kill -9 the serving decode worker; seconds from it being listed dead to a
+        new decode worker being listed."""
+        [victim] = serving(await cluster.controller.wait_at_target.remote(60.0), "decode")
+        os.kill(victim.pid, signal.SIGKILL)
+
+        def decode_ids(m: Membership) -> set[str]:
+            return {w.worker_id for w in m.workers if w.role.value == "decode"}
+
+        def dead(m: Membership) -> bool:
+            states = {w.worker_id: w.state for w in m.workers}
+            return states.get(victim.worker_id) is WorkerLifecycle.DEAD
+
+        listed = await wait_membership(cluster, dead, 30.0, f"{victim.worker_id} found dead")
+        found_dead_at = time.monotonic()
+        if decode_ids(listed) - {victim.worker_id}:
+            return 0.0  # its replacement was in the same membership
+        await wait_membership(cluster, lambda m: bool(decode_ids(m) - decode_ids(listed)),
+                              30.0, "a new decode worker")  # fmt: skip
+        return time.monotonic() - found_dead_at
+
+    async def scenario() -> None:
+        cluster = LocalCluster(config)
+        try:
+            await cluster.start()
+            first = await kill_and_time_replacement(cluster)
+            second = await kill_and_time_replacement(cluster)
+            assert first < backoff_s - 1.0, f"the first replacement waited {first:.1f} s"
+            # (Listed dead up to one 0.2 s poll after the hold began.)
+            assert second >= backoff_s - 0.5, f"the second replacement waited {second:.1f} s"
+            healed = await cluster.controller.wait_at_target.remote(60.0)
+            assert (await cluster.controller.restarts.remote()) == {"prefill": 0, "decode": 2}
+            await assert_idle(healed, auth=cluster.config.worker.cluster_auth)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
