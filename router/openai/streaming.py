@@ -2,7 +2,9 @@
 
 The first chunk is awaited before the response starts, so a request refused up front
 (overloaded, worker down) still gets a real HTTP status. After that, an error becomes an
-`{"error": ...}` event followed by `[DONE]` (what OpenAI clients raise on).
+`{"error": ...}` event followed by `[DONE]` (what OpenAI clients raise on); so does a
+stream the stopping router ends when its grace runs out (its handler cancelled): a
+503 `server_error` the client can retry, not a stream that stops short without a word.
 
 Whoever calls `stream_sse` owns the chunk iterator and closes it; a client that goes
 away surfaces here as a failed write (or the handler's cancellation), which ends the
@@ -11,13 +13,15 @@ stream so the owner's close cancels the worker calls.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
-from tandem.router.errors import RouterError
+from tandem.router.errors import RouterError, WorkerUnavailable
 from tandem.router.openai.errors import HttpApiError, dumps, error_body
 from tandem.router.openai.responses import ResponseBuilder
 from tandem.router.request_flow import GenerationChunk, Usage
@@ -29,6 +33,10 @@ SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
 }
+
+
+# Longest a stream ended by the router's stop waits to tell its client so.
+ENDING_WRITE_S = 1.0
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:
@@ -63,6 +71,13 @@ async def stream_sse(
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
         logger.info("client of %s went away mid-stream", builder.id)
         return response
+    except asyncio.CancelledError:
+        stopping = WorkerUnavailable("the router stopped before this stream finished; retry it")
+        ending = sse_event(error_body(stopping)) + sse_event("[DONE]")
+        # Bounded: a client that reads nothing must not hold up the stop.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(_write_quietly(response, ending, eof=True), ENDING_WRITE_S)
+        raise
     except RouterError as exc:
         logger.warning("stream %s failed: %s", builder.id, exc)
         if not await _write_quietly(response, sse_event(error_body(exc))):

@@ -8,6 +8,8 @@ stream took twice its grace to stop (32.8 s for a 20 s grace, past Kubernetes' d
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 
 import aiohttp
@@ -30,21 +32,23 @@ def test_a_stream_running_past_the_grace_is_ended_when_it_runs_out(
             "ignore_eos": True, "temperature": 0, "stream": True, "n": 16}  # fmt: skip
 
     stopped = False
+    data_lines: list[bytes] = []
 
     async def scenario() -> None:
         nonlocal stopped
-        events = 0
         async with aiohttp.ClientSession() as session:
             url = f"{cluster.http_endpoint}/v1/completions"
             async with session.post(url, json=body) as response:
                 assert response.status == 200
+                stopping = None
                 async for line in response.content:
                     if line.startswith(b"data: "):
-                        events += 1
-                    if events == 32:  # streaming: stop the router under it
-                        break
-                stopped = True
-                await cluster.router.stop()
+                        data_lines.append(line.strip())
+                    if len(data_lines) == 32:  # streaming: stop the router under it
+                        stopped = True
+                        stopping = asyncio.create_task(cluster.router.stop())
+                assert stopping is not None
+                await stopping
 
     caplog.set_level(logging.WARNING, logger="tandem.router.server")
     try:
@@ -56,3 +60,9 @@ def test_a_stream_running_past_the_grace_is_ended_when_it_runs_out(
     # Ended by the router when its grace ran out (the 16 x 1000-token stream runs for
     # seconds); before, aiohttp waited twice the grace, then left it running.
     assert "1 HTTP requests still running after the 0.5 s grace; ending them" in caplog.text
+    # The client is told: a retriable error event, then [DONE] (before, the stream just
+    # stopped, and an OpenAI client took the cut text for a whole one).
+    assert data_lines[-1] == b"data: [DONE]"
+    error = json.loads(data_lines[-2].removeprefix(b"data: "))["error"]
+    assert error["type"] == "server_error" and "router stopped" in error["message"], error
+    assert all(b'"error"' not in line for line in data_lines[:-2])
