@@ -13,6 +13,7 @@ works before (or without) the engine and cluster code it does not use.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import math
 import os
@@ -45,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # `kill -USR1 PID` writes every thread's stack to stderr (a stuck server, a slow stop).
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -238,6 +238,13 @@ class ClusterConfig:
                 f"pools.max_workers_per_role ({per_role}) per role; raise the one or lower "
                 "the other"
             )
+        started = self.pools.num_prefill + self.pools.num_decode
+        if self.planner.mode is not PlannerMode.OFF and budget is not None and budget < started:
+            # Its plans would split fewer workers than run (auto: shrink the pools at once).
+            raise ValueError(
+                f"planner.max_workers ({budget}) is below the {started} prefill + decode "
+                "workers the pools start with; raise it or start fewer"
+            )
         if self.router.cluster_auth != self.worker.cluster_auth:
             # The router calls the workers with its own; a different one is refused.
             raise ValueError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import ray
@@ -144,6 +145,9 @@ async def run_router(ray_address: str, overrides: dict[str, Any], announce=print
         announce(f"  HTTP  {router.http_endpoint}/health")
         await stop.wait()
     finally:
+        started = time.monotonic()
+        logger.info("router: stopping")
         await attached.stop()
+        logger.info("router: stopped in %.1f s", time.monotonic() - started)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

@@ -148,6 +148,10 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
             ("--planner", "auto", "--max-workers", "9", "--max-workers-per-role", "4"),
             "planner.max_workers (9) cannot be split with at most pools.max_workers_per_role (4)",
         ),
+        (
+            ("--planner", "observe", "--prefill", "2", "--decode", "2", "--max-workers", "3"),
+            "planner.max_workers (3) is below the 4 prefill + decode workers the pools start",
+        ),
         # An empty key (an unset shell variable) must not mean an open server.
         (("--api-key", ""), "--api-key is empty"),
         (("--api-key", "  "), "--api-key is empty"),

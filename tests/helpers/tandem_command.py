@@ -81,6 +81,9 @@ class TandemCommand:
             try:
                 self._proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                # Its threads' stacks into its log first (`tandem` dumps them on SIGUSR1).
+                self._proc.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
                 self.kill_session()
                 self._proc.wait(10)
         return self._proc.returncode
