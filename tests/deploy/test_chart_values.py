@@ -82,6 +82,8 @@ def test_schema_refuses_with_the_field(values: dict[str, Any], field: str, why: 
          "prefill.engineArgs.kvBackend nccl needs gpus: 1"),
         ({"planner": {"mode": "observe", "maxWorkers": 9}},
          "planner.maxWorkers (9) must be <= twice the larger maxReplicas (4)"),
+        ({"planner": {"mode": "observe", "maxWorkers": 3}, "decode": {"replicas": 3}},
+         "planner.maxWorkers (3) must be >= prefill.replicas + decode.replicas"),
         ({"router": {"service": {"grpcPort": 8000, "httpPort": 8000}}},
          "router.service.grpcPort and httpPort must differ (both 8000)"),
         ({"metrics": {"poolControllerPort": 6379}},

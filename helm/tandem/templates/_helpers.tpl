@@ -96,8 +96,8 @@ Checks the schema cannot express; each failure names the field.
 {{- if and (eq (default "tcp" .Values.prefill.engineArgs.kvBackend) "nccl") (eq (int .Values.prefill.gpus) 0) -}}
 {{- fail "prefill.engineArgs.kvBackend nccl needs gpus: 1 (use tcp on CPU)" -}}
 {{- end -}}
-{{- if and (ne .Values.planner.mode "off") (lt (int .Values.planner.maxWorkers) (add (int .Values.prefill.minReplicas) (int .Values.decode.minReplicas) | int)) -}}
-{{- fail (printf "planner.maxWorkers (%d) must be >= prefill.minReplicas + decode.minReplicas" (int .Values.planner.maxWorkers)) -}}
+{{- if and (ne .Values.planner.mode "off") (lt (int .Values.planner.maxWorkers) (add (int .Values.prefill.replicas) (int .Values.decode.replicas) | int)) -}}
+{{- fail (printf "planner.maxWorkers (%d) must be >= prefill.replicas + decode.replicas (the workers the pools start with)" (int .Values.planner.maxWorkers)) -}}
 {{- end -}}
 {{- $perRole := max (int .Values.prefill.maxReplicas) (int .Values.decode.maxReplicas) -}}
 {{- if and (ne .Values.planner.mode "off") (gt (int .Values.planner.maxWorkers) (mul 2 $perRole | int)) -}}
