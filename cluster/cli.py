@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # `kill -USR1 PID` writes every thread's stack to stderr (a stuck server, a slow stop).
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__ or sys.stderr, all_threads=True)
     handler: Handler = args.handler
     try:
         return handler(args)

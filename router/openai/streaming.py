@@ -6,9 +6,11 @@ The first chunk is awaited before the response starts, so a request refused up f
 stream the stopping router ends when its grace runs out (its handler cancelled): a
 503 `server_error` the client can retry, not a stream that stops short without a word.
 
-Whoever calls `stream_sse` owns the chunk iterator and closes it; a client that goes
-away surfaces here as a failed write (or the handler's cancellation), which ends the
-stream so the owner's close cancels the worker calls.
+While no event goes out, a `: keep-alive` comment does every KEEPALIVE_S, so proxies
+do not cut a stream that waits (for a migration, say). Whoever calls `stream_sse` owns
+the chunk iterator and closes it; a client that goes away surfaces here as a failed
+write (or the handler's cancellation), which ends the stream so the owner's close
+cancels the worker calls.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -37,6 +40,12 @@ SSE_HEADERS = {
 
 # Longest a stream ended by the router's stop waits to tell its client so.
 ENDING_WRITE_S = 1.0
+# A comment every this long while no event goes out: a stream can be silent for a
+# while (a migrating sequence waits up to `migration_wait_s`, 60 s, for a decode
+# worker), as long as many proxies' and load balancers' idle timeouts. SSE clients
+# skip comments.
+KEEPALIVE_S = 15.0
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:
@@ -54,50 +63,91 @@ async def stream_sse(
     first = await anext(chunks, None)
     response = web.StreamResponse(headers={**SSE_HEADERS, **extra_headers})
     await response.prepare(request)
+    writer = SseWriter(response)
+    keep_alive = asyncio.create_task(writer.keep_alive(), name=f"keep-alive {builder.id}")
+    try:
+        await _write_events(writer, first, chunks, builder)
+    finally:
+        keep_alive.cancel()
+        await asyncio.gather(keep_alive, return_exceptions=True)
+    return response
+
+
+async def _write_events(
+    writer: SseWriter,
+    first: GenerationChunk | None,
+    chunks: AsyncIterator[GenerationChunk],
+    builder: ResponseBuilder,
+) -> None:
     usage: Usage | None = None
     try:
         for opening in builder.opening_chunks():
-            await response.write(sse_event(opening))
+            await writer.write(sse_event(opening))
         chunk = first
         while chunk is not None:
             usage = chunk.usage or usage
             builder.count_tokens(chunk)
             body = builder.chunk(chunk)
             if body is not None:
-                await response.write(sse_event(body))
+                await writer.write(sse_event(body))
             chunk = await anext(chunks, None)
         if builder.options.include_usage and usage is not None:
-            await response.write(sse_event(builder.usage_chunk(usage)))
+            await writer.write(sse_event(builder.usage_chunk(usage)))
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
         logger.info("client of %s went away mid-stream", builder.id)
-        return response
+        return
     except asyncio.CancelledError:
         stopping = WorkerUnavailable("the router stopped before this stream finished; retry it")
         ending = sse_event(error_body(stopping)) + sse_event("[DONE]")
         # Bounded: a client that reads nothing must not hold up the stop.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(_write_quietly(response, ending, eof=True), ENDING_WRITE_S)
+            await asyncio.wait_for(writer.write_quietly(ending, eof=True), ENDING_WRITE_S)
         raise
     except RouterError as exc:
         logger.warning("stream %s failed: %s", builder.id, exc)
-        if not await _write_quietly(response, sse_event(error_body(exc))):
-            return response
+        if not await writer.write_quietly(sse_event(error_body(exc))):
+            return
     except Exception:
         logger.exception("stream %s: unexpected error", builder.id)
         error = HttpApiError(500, "internal server error; see the router log", "internal_error")
-        if not await _write_quietly(response, sse_event(error_body(error))):
-            return response
-    if await _write_quietly(response, sse_event("[DONE]"), eof=True):
+        if not await writer.write_quietly(sse_event(error_body(error))):
+            return
+    if await writer.write_quietly(sse_event("[DONE]"), eof=True):
         logger.debug("stream %s done", builder.id)
-    return response
 
 
-async def _write_quietly(response: web.StreamResponse, data: bytes, eof: bool = False) -> bool:
-    """Write (and end the response if `eof`) if the client is still there; False if gone."""
-    try:
-        await response.write(data)
-        if eof:
-            await response.write_eof()
-    except ConnectionResetError:
-        return False
-    return True
+class SseWriter:
+    """Writes one prepared SSE response, an event at a time, and a comment whenever
+    KEEPALIVE_S pass without a write (`keep_alive()`, a task its stream owns)."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        self.response = response
+        self._lock = asyncio.Lock()  # one write at a time: events stay whole
+        self._last_write_s = time.monotonic()
+        self._ended = False
+
+    async def write(self, data: bytes, eof: bool = False) -> None:
+        async with self._lock:
+            await self.response.write(data)
+            if eof:
+                await self.response.write_eof()
+                self._ended = True
+            self._last_write_s = time.monotonic()
+
+    async def write_quietly(self, data: bytes, eof: bool = False) -> bool:
+        """Write (and end the response if `eof`) if the client is still there; False if
+        gone."""
+        try:
+            await self.write(data, eof)
+        except ConnectionResetError:
+            return False
+        return True
+
+    async def keep_alive(self) -> None:
+        """Until cancelled, the response ends or its client is gone."""
+        while not self._ended:
+            idle_s = time.monotonic() - self._last_write_s
+            if idle_s < KEEPALIVE_S:
+                await asyncio.sleep(KEEPALIVE_S - idle_s)
+            elif not await self.write_quietly(KEEPALIVE_COMMENT):
+                return

@@ -19,6 +19,7 @@ import pytest
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.membership import WorkerLifecycle
+from tandem.router.openai import streaming
 from tandem.worker.config import WorkerRole
 from tests.helpers.grpc_calls import (
     assert_workers_idle,
@@ -434,6 +435,51 @@ def test_a_stream_with_nowhere_to_move_fails_after_migration_wait(tiny_model_dir
         result, took_s = cluster.run(scenario(), timeout_s=120)
         assert "waited 1 s" in unavailable_details(result)
         assert 1.0 <= took_s < 10.0, took_s
+        cluster.set_state("decode-0", WorkerLifecycle.DEAD)
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
+
+
+def test_an_sse_stream_waiting_for_a_decode_worker_sends_keep_alives(tiny_model_dir, monkeypatch):
+    """An OpenAI stream whose only decode worker dies waits `migration_wait_s` (60 s by
+    default: many proxies' idle timeout) with nothing to send: it sends `: keep-alive`
+    comments meanwhile (every 0.25 s here), then the error event and [DONE]."""
+    monkeypatch.setattr(streaming, "KEEPALIVE_S", 0.25)
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE}
+    cluster = ProcessCluster(str(tiny_model_dir), roles, migration_wait_s=2.0).start()
+    try:
+        prompt = make_prompts(2048, (60,), seed=80)[0]
+        body = {"model": cluster.router.config.model_name, "prompt": prompt, "max_tokens": 400,
+                "ignore_eos": True, "temperature": 0, "stream": True}  # fmt: skip
+
+        async def scenario() -> list[bytes]:
+            lines: list[bytes] = []
+            timeout = aiohttp.ClientTimeout(total=60)
+            async with (
+                aiohttp.ClientSession(timeout=timeout) as session,
+                session.post(f"{cluster.http_endpoint}/v1/completions", json=body) as response,
+            ):
+                assert response.status == 200
+                killing = None
+                async for line in response.content:
+                    if line.strip():
+                        lines.append(line.strip())
+                    if len(lines) == 4 and killing is None:  # streaming: kill its worker
+                        killing = asyncio.get_running_loop().run_in_executor(
+                            None, cluster.kill, "decode-0"
+                        )
+                assert killing is not None
+                await killing
+            return lines
+
+        lines = cluster.run(scenario(), timeout_s=120)
+        assert lines[-1] == b"data: [DONE]"
+        assert b'"server_error"' in lines[-2] and b"waited 2 s" in lines[-2], lines[-2]
+        # After the last token: only keep-alives while it waited (2 s: about 8).
+        last_token = max(i for i, line in enumerate(lines[:-2]) if b'"text"' in line)
+        waiting = lines[last_token + 1 : -2]
+        assert set(waiting) == {b": keep-alive"} and len(waiting) >= 4, waiting
         cluster.set_state("decode-0", WorkerLifecycle.DEAD)
         cluster.assert_idle()
     finally:
