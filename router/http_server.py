@@ -62,9 +62,13 @@ def make_http_app(
     of requests that leave them out."""
 
     async def health(request: web.Request) -> web.Response:
-        if await pool.is_ready(config.probe_timeout_s):
-            return web.json_response({"status": "ok", "workers": len(pool.workers)})
-        return web.json_response({"status": "starting"}, status=503)
+        """200 while a request can be served (`WorkerPool.is_ready`); `workers`: how many
+        answer, of `listed`."""
+        serving = await pool.serving(config.probe_timeout_s)
+        body = {"workers": len(serving), "listed": len(pool.workers)}
+        if pool.can_serve(serving):
+            return web.json_response({"status": "ok", **body})
+        return web.json_response({"status": "unavailable", **body}, status=503)
 
     handler_tasks = HandlerTasks()
     middlewares: list[Middleware] = [handler_tasks.middleware, error_middleware]

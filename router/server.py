@@ -294,7 +294,7 @@ class Router:
 
     async def _publish_readiness(self, health_servicer: health.aio.HealthServicer) -> None:
         """gRPC health per public service (`tandem.v1.Generation`, KServe's) follows
-        `/health`: SERVING while every worker answers and a decode-capable one exists,
+        `/health`: SERVING while a request can be served (`WorkerPool.is_ready`),
         checked every READINESS_INTERVAL_S, so a load balancer that health-checks a
         service stops sending there. The server's own status ("") stays SERVING while
         the process runs: liveness probes ask it, and a router must not be restarted

@@ -8,9 +8,12 @@ the pool controller would.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 
 import aiohttp
 import grpc
@@ -436,6 +439,38 @@ def test_a_stream_with_nowhere_to_move_fails_after_migration_wait(tiny_model_dir
         assert "waited 1 s" in unavailable_details(result)
         assert 1.0 <= took_s < 10.0, took_s
         cluster.set_state("decode-0", WorkerLifecycle.DEAD)
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
+
+
+def test_the_router_stays_ready_while_a_role_has_a_worker_that_answers(tiny_model_dir):
+    """Readiness (`/health`, what Kubernetes probes on every router) asks whether a
+    request can be served, not whether every worker answers: with one of two decode
+    workers dead (before the pool controller drops it) the router stays ready and
+    serves; with the only prefill worker dead too, it is not (503 "unavailable")."""
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE,
+             "decode-1": WorkerRole.DECODE}  # fmt: skip
+    cluster = ProcessCluster(str(tiny_model_dir), roles).start()
+
+    def health() -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"{cluster.http_endpoint}/health", timeout=30) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    try:
+        assert health() == (200, {"status": "ok", "workers": 3, "listed": 3})
+        cluster.kill("decode-1")
+        assert health() == (200, {"status": "ok", "workers": 2, "listed": 3})
+        prompt = make_prompts(2048, (30,), seed=81)[0]
+        tokens, _ = cluster.run(stream_tokens(cluster.grpc_endpoint, "one-down", prompt))
+        assert len(tokens) > 0
+        cluster.kill("prefill-0")
+        assert health() == (503, {"status": "unavailable", "workers": 1, "listed": 3})
+        for worker_id in ("decode-1", "prefill-0"):
+            cluster.set_state(worker_id, WorkerLifecycle.DEAD)
         cluster.assert_idle()
     finally:
         cluster.stop()
