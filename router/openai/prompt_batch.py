@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator, Iterable
 
+from tandem.engine.request import FinishReason
 from tandem.router.chunk_stream import ClosableChunks, GenerationChunk, MergedChunks, Usage
 from tandem.router.openai.protocol import GenerationRequest
 from tandem.router.request_flow import RequestFlow
@@ -28,8 +29,24 @@ def generate_prompts(
     n = generations[0].extras.n
     if len(generations) == 1:
         one = generations[0]
-        return flow.generate(req_id, one.prompt_ids, one.params, one.slo, n=n)
-    return _batch_chunks(flow, req_id, generations, n)
+        chunks: ClosableChunks = flow.generate(req_id, one.prompt_ids, one.params, one.slo, n=n)
+    else:
+        chunks = _batch_chunks(flow, req_id, generations, n)
+    return _prompts_only(chunks) if generations[0].echo_only else chunks
+
+
+async def _prompts_only(chunks: ClosableChunks) -> AsyncGenerator[GenerationChunk, None]:
+    """Echo without generation (`GenerationRequest.echo_only`): each sequence's one
+    generated token left out; it ends for `length` (0 tokens asked), its prompt scored
+    if asked (the response builder echoes the prompt)."""
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            usage = chunk.usage and dataclasses.replace(chunk.usage, completion_tokens=0)
+            ended = FinishReason.LENGTH if chunk.finish_reason is not None else None
+            yield dataclasses.replace(
+                chunk, token_ids=[], text="", logprobs=[], top_logprobs=[], usage=usage,
+                finish_reason=ended, stop_reason=None,
+            )  # fmt: skip
 
 
 async def _batch_chunks(

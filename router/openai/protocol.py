@@ -111,6 +111,10 @@ class GenerationRequest:
     extras: SamplingExtras
     # Completions with `echo`: the prompt's text, sent before the completion's.
     echo_text: str | None = None
+    # Completions with `echo` and `max_tokens` 0 (vLLM's echo without generation; how
+    # lm-evaluation-harness scores a text's loglikelihood): the prompt alone, its token
+    # generated (params.max_tokens is 1) and left out of the response.
+    echo_only: bool = False
     # stream_options.continuous_usage_stats (vLLM's), with include_usage: every chunk
     # carries the usage so far.
     continuous_usage: bool = False
@@ -162,6 +166,9 @@ class RequestParser:
         prompt_logprobs = _prompt_logprobs(body)
         # echo with logprobs: the echoed prompt tokens' logprobs and alternatives.
         echo_top = logprobs if extras.echo else None
+        echo_only = extras.echo and _asks_no_tokens(body)
+        if echo_only:
+            body = {**body, "max_tokens": 1}
         generations = []
         for prompt in self._prompts(body):
             ids = self._truncated(body, prompt.ids)
@@ -181,6 +188,7 @@ class RequestParser:
                 generation.echo_text = whole_text or self.tokenizer.decode(
                     ids, skip_special_tokens=False
                 )
+            generation.echo_only = echo_only
             generation = _scoring_prompt(generation, echo_top, prompt_logprobs)
             generations.append(_constrained(generation, body, tools=None))
         return generations
@@ -497,6 +505,11 @@ class RequestParser:
             )
         except ValueError as exc:  # its message names the fields
             raise InvalidRequest(str(exc)) from exc
+
+
+def _asks_no_tokens(body: dict[str, Any]) -> bool:
+    value = body.get("max_tokens")
+    return value == 0 and not isinstance(value, bool)
 
 
 def _prompt_logprobs(body: dict[str, Any]) -> int | None:

@@ -587,6 +587,37 @@ def test_echo_with_top_logprobs_ranks_every_prompt_position(
             assert list(top.values()) == pytest.approx(list(want.values()), **LOGPROB_TOLERANCE)
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, cluster, tokenizer, tiny_model_dir):
+    """vLLM's echo without generation (lm-eval's loglikelihood request: echo, logprobs,
+    max_tokens 0): the prompt's text and logprobs as transformers scores them, no
+    generated token, finish_reason length, 0 completion tokens; streamed alike, and for
+    a batch of prompts. max_tokens 0 without echo stays refused."""
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([PROMPT])).logits[0, :-1].float()
+    expected = logits.log_softmax(-1).gather(1, torch.tensor(PROMPT[1:]).unsqueeze(1))
+    prompt_text = tokenizer.decode(PROMPT, skip_special_tokens=False)
+    args = dict(model=cluster.router.config.model_name, prompt=PROMPT, max_tokens=0,
+                temperature=0.0, logprobs=1, echo=True)  # fmt: skip
+    whole = client.completions.create(**args)
+    streamed = list(client.completions.create(**args, stream=True))
+    (choice,) = whole.choices
+    assert choice.text == prompt_text and choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 0 and whole.usage.prompt_tokens == len(PROMPT)
+    assert "".join(c.choices[0].text for c in streamed) == prompt_text
+    assert [c.choices[0].finish_reason for c in streamed][-1] == "length"
+    for logprobs in (choice.logprobs, streamed[0].choices[0].logprobs):
+        assert logprobs.tokens == token_texts(tokenizer, PROMPT)  # the prompt's, no more
+        assert logprobs.token_logprobs[0] is None
+        got = logprobs.token_logprobs[1:]
+        assert got == pytest.approx(expected.squeeze(1).tolist(), **LOGPROB_TOLERANCE)
+    batch = client.completions.create(**{**args, "prompt": [PROMPT, PROMPT[:5]]})
+    assert [len(c.logprobs.tokens) for c in batch.choices] == [len(PROMPT), 5]
+    assert batch.usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(**{**args, "echo": False})
+
+
 def assert_prompt_scores(got: list, expected: list, tokenizer: PromptTokenizer) -> None:
     assert len(got) == len(expected) and got[0] is None is expected[0]
     for entries, want in zip(got[1:], expected[1:], strict=True):
