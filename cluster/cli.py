@@ -172,12 +172,20 @@ def port(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (seconds)."""
+    value = non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (seconds)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     if value == math.inf:
         raise argparse.ArgumentTypeError("must be finite, got inf")
     return value
@@ -354,6 +362,12 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
         help=f"the most workers `tandem scale` may ask of one role [{pools.max_workers_per_role}]",
     )  # fmt: skip
     serve.add_argument(
+        "--restart-backoff", type=non_negative_float, default=None,
+        help="seconds a role's next start waits after its second worker in a row died young, "
+        f"doubling up to {pools.restart_backoff_max_s:g} s (0: restart at once) "
+        f"[{pools.restart_backoff_s:g}]",
+    )  # fmt: skip
+    serve.add_argument(
         "--autoscaling", action="store_true",
         help="the Ray cluster adds nodes on demand: workers ask for tandem_<role> resources "
         "and targets are not checked against the nodes there now",
@@ -439,6 +453,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         limits = {
             "max_workers_per_role": limit,
             "metrics_port": _flag(args.pool_metrics_port, PoolsConfig.metrics_port),
+            "restart_backoff_s": _flag(args.restart_backoff, PoolsConfig.restart_backoff_s),
         }
         pools = (
             PoolsConfig(num_prefill=0, num_decode=0, num_colocated=args.colocated, **limits)

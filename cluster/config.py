@@ -58,8 +58,8 @@ class PoolsConfig:
     dead_retention_s: float = 30.0
     # Restart backoff (cluster.restart_backoff): after a role's second worker in a row
     # dies young (while starting, or serving under `restart_stable_s`), its next start
-    # waits `restart_backoff_s`, doubling for each further one up to
-    # `restart_backoff_max_s`.
+    # waits `restart_backoff_s` (`--restart-backoff`; 0: none), doubling for each further
+    # one up to `restart_backoff_max_s`.
     restart_backoff_s: float = 2.0
     restart_backoff_max_s: float = 60.0
     restart_stable_s: float = 60.0

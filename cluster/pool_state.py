@@ -62,6 +62,8 @@ class WorkerRecord:
     actor: Any = None
     # Monotonic time of the last state change (start asked, drain begun, found dead).
     since_s: float = 0.0
+    # Monotonic time its start was asked (set by `PoolState.add`).
+    started_s: float = 0.0
     health_failures: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     # Set while it is being replaced: the monotonic time it drains at even when no
@@ -204,6 +206,7 @@ class PoolState:
                 return worker_id
 
     def add(self, record: WorkerRecord) -> None:
+        record.started_s = record.since_s
         self.records[record.worker_id] = record
         self.bump()
 
@@ -265,7 +268,7 @@ class PoolState:
         self.update(worker_id, now_s, state=WorkerLifecycle.DEAD)
         if replaced:
             self.restarts[record.role] = self.restarts.get(record.role, 0) + 1
-            self.backoff.died(record.role, now_s, served_s)
+            self.backoff.died(record.role, now_s, record.started_s, served_s)
         return replaced
 
     def remove(self, worker_id: str) -> WorkerRecord:

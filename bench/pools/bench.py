@@ -1,12 +1,13 @@
 """Elastic pools under load: time to heal after kill -9, the stall of migrated streams,
 drain time (`tandem-bench pools`).
 
-Starts `tandem serve --prefill 1 --decode 2` on the CPU, sends steady greedy streams
-over fixed prompts, kills the busiest decode worker `--kills` times (timing detection
-and healing through `/admin/pools`), then scales decode down by one `--drains` times
-(timing until the drained worker stops). Migrated streams are found in the router's
-log ("migrating after N tokens"); each one's gap at the switch is compared with its
-own median inter-token time, and every text with an uninterrupted run of its prompt.
+Starts `tandem serve --prefill 1 --decode 2 --restart-backoff 0` on the CPU, sends
+steady greedy streams over fixed prompts, kills the busiest decode worker `--kills`
+times (timing detection and healing through `/admin/pools`), then scales decode down
+by one `--drains` times (timing until the drained worker stops). Migrated streams are
+found in the router's log ("migrating after N tokens"); each one's gap at the switch is
+compared with its own median inter-token time, and every text with an uninterrupted
+run of its prompt.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from tandem.bench.pools.scenario import PoolEvent
 
 SECTION_HEADING = "## Elastic pools: healing, migration, drain"
 FULL_COMMAND = ".venv/bin/tandem-bench pools --kills 5 --drains 3"
+# No restart backoff: the kills come every few seconds, of young workers, on purpose;
+# the heal time measured is the controller's and a worker start's, not a hold.
 SERVE_FLAGS = ("--prefill", "1", "--decode", "2", "--device", "cpu", "--kv-backend", "tcp",
-               "--max-model-len", "1024")  # fmt: skip
+               "--max-model-len", "1024", "--restart-backoff", "0")  # fmt: skip
 # What the router logs when it moves a request (router/sequence_flow.py).
 _MIGRATION = re.compile(r"request (\S+): worker \S+ failed \(.*; migrating after (\d+) tokens")
 MIN_MEASURED_KILLS = 5
@@ -119,7 +122,8 @@ def results_block(args, kills: list[PoolEvent], drains: list[PoolEvent], moved: 
     smoke = len(kills) < MIN_MEASURED_KILLS
     return (
         ("**Smoke run, loaded machine: not a measurement.** " if smoke else "")
-        + f"`tandem serve --prefill 1 --decode 2` (CPU, KV over TCP), `{args.model}`; "
+        + f"`tandem serve --prefill 1 --decode 2 --restart-backoff 0` (CPU, KV over TCP), "
+        f"`{args.model}`; "
         f"{args.concurrency} greedy streams of {args.max_tokens} tokens over {args.prompts} "
         f"prompts; kills of the busiest decode worker: {len(kills)}; drains: {len(drains)}."
         f"\n\n{table}\n\nRequests: {len(traces)}, failed {len(failed)} (during drains: "

@@ -231,3 +231,34 @@ def test_a_worker_that_drains_or_is_being_replaced_adds_nothing_to_the_backoff()
         state.mark_dead(worker_id, 6.0)
     assert state.backoff.failures == {}
     assert state.backoff.held_s(D, 6.0) == 0.0
+
+
+def test_workers_that_die_together_are_one_failure_not_a_loop():
+    """A node lost with three young decode workers on it: their replacements start at
+    once (none of them was a restart that failed); a replacement that dies young then
+    extends the series."""
+    state = PoolState({P: 1, D: 3}, 4, BackoffPolicy(base_s=2.0, max_s=60.0, stable_s=60.0))
+    ids = []
+    for _ in range(3):
+        ids.append(state.new_worker_id(D))
+        info = WorkerInfo(worker_id=ids[-1], role=D, state=S.STARTING)
+        state.add(WorkerRecord(info=info, since_s=1.0))
+        state.update(ids[-1], 5.0, state=S.SERVING)
+    for worker_id in ids:
+        state.mark_dead(worker_id, 30.0)
+    assert state.backoff.held_s(D, 30.0) == 0.0
+    assert state.plan(30.0).start.count(D) == 3
+    start_and_fail(state, D, 40.0, served_s=None)  # a replacement, started at 39
+    assert state.backoff.held_s(D, 40.0) == 2.0
+
+
+def test_the_series_ends_when_failures_stop_for_a_while_and_the_hold_never_overflows():
+    policy = BackoffPolicy(base_s=2.0, max_s=60.0, stable_s=60.0)
+    state = PoolState({P: 1, D: 1}, 4, policy)
+    for now_s in (10.0, 11.0, 12.0):
+        start_and_fail(state, D, now_s, served_s=None)
+    assert state.backoff.failures[D] == 3
+    start_and_fail(state, D, 12.0 + 121.0, served_s=None)  # over stable_s + max_s later
+    assert state.backoff.failures[D] == 1 and state.backoff.held_s(D, 133.0) == 0.0
+    assert policy.delay_s(5000) == 60.0  # (2.0 ** 4998 overflows a float)
+    assert BackoffPolicy(base_s=0.0).delay_s(7) == 0.0  # 0: no backoff

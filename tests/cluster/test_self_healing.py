@@ -483,7 +483,7 @@ def test_a_decode_worker_killed_young_twice_in_a_row_is_restarted_after_the_back
     """Restart backoff through the real controller: the first kill -9 of a young decode
     worker is replaced at once, the second in a row only after `restart_backoff_s`
     (a crash loop is not restarted in a tight loop); the pools heal and end idle."""
-    backoff_s = 4.0
+    backoff_s = 5.0
     config = config_for(tiny_model_dir, 1, 1)
     config.pools = dataclasses.replace(config.pools, restart_backoff_s=backoff_s,
                                        restart_stable_s=600.0)  # fmt: skip
@@ -515,9 +515,9 @@ def test_a_decode_worker_killed_young_twice_in_a_row_is_restarted_after_the_back
             await cluster.start()
             first = await kill_and_time_replacement(cluster)
             second = await kill_and_time_replacement(cluster)
-            assert first < backoff_s - 1.0, f"the first replacement waited {first:.1f} s"
-            # (Listed dead up to one 0.2 s poll after the hold began.)
-            assert second >= backoff_s - 0.5, f"the second replacement waited {second:.1f} s"
+            # (The test sees the death up to a poll and a Ray call after the hold began.)
+            assert first < backoff_s / 2, f"the first replacement waited {first:.1f} s"
+            assert second >= backoff_s - 1.0, f"the second replacement waited {second:.1f} s"
             healed = await cluster.controller.wait_at_target.remote(60.0)
             assert (await cluster.controller.restarts.remote()) == {"prefill": 0, "decode": 2}
             await assert_idle(healed, auth=cluster.config.worker.cluster_auth)

@@ -91,6 +91,8 @@ def test_pool_flags_are_the_starting_targets_and_budget(tiny_model_dir):
                           "--max-workers-per-role", "3")  # fmt: skip
     assert colocated.pools.num_colocated == 3 and colocated.pools.max_workers_per_role == 3
     assert colocated.ray.role_resources is None  # local: whatever Ray declares
+    no_backoff = config_of(tiny_model_dir, "--device", "cpu", "--restart-backoff", "0")
+    assert no_backoff.pools == PoolsConfig(restart_backoff_s=0.0)
 
 
 def test_colocated_pools(tiny_model_dir):
@@ -140,6 +142,7 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--gpus-per-worker", "1.5"), "ray.gpus_per_worker must be in (0, 1] or whole"),
         (("--gpus-per-worker", "nan"), "ray.gpus_per_worker must be in (0, 1] or whole"),
         (("--max-workers-per-role", "0"), "--max-workers-per-role: must be >= 1"),
+        (("--restart-backoff", "-1"), "--restart-backoff: must be >= 0, got -1.0"),
         (("--decode", "4", "--max-workers-per-role", "3"), "num_decode (4) is over max_workers"),
         (("--kv-cache-memory", "lots"), "--kv-cache-memory: expected bytes or a size like"),
         (("--kv-cache-memory", "0MiB"), "--kv-cache-memory: must be at least 1 byte"),

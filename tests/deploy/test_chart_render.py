@@ -207,6 +207,14 @@ def test_the_generation_config_choice_reaches_tandem_serve():
         render({"router": {"generationConfig": "model"}})
 
 
+def test_the_worker_restart_backoff_reaches_tandem_serve():
+    assert head_serve_args({}).restart_backoff == 2.0
+    values = {"ray": {"head": {"workerRestartBackoffSeconds": 0}}}
+    assert head_serve_args(values).restart_backoff == 0.0
+    with pytest.raises(Exception, match="workerRestartBackoffSeconds"):
+        render({"ray": {"head": {"workerRestartBackoffSeconds": -1}}})
+
+
 def test_an_idle_timeout_of_zero_is_kept():
     """0 (scale idle pods down at once) is a value; `default` would make it 60."""
     values = {"ray": {"autoscaling": {"enabled": True, "idleTimeoutSeconds": 0}}}

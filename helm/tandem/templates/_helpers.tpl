@@ -246,6 +246,7 @@ writes as 1e+06 from a million on. */}}
 {{- $args = concat $args (list "--prefill" (include "tandem.int" .Values.prefill.replicas) "--decode" (include "tandem.int" .Values.decode.replicas)) -}}
 {{- $args = concat $args (list "--max-workers-per-role" (include "tandem.int" (max (int64 .Values.prefill.maxReplicas) (int64 .Values.decode.maxReplicas)))) -}}
 {{- $args = concat $args (list "--autoscaling" "--pool-metrics-port" (include "tandem.int" .Values.metrics.poolControllerPort)) -}}
+{{- $args = concat $args (list "--restart-backoff" (toString .Values.ray.head.workerRestartBackoffSeconds)) -}}
 {{- $args = concat $args (list "--device" (ternary "cuda" "cpu" (eq (include "tandem.usesGpu" .) "true"))) -}}
 {{- if $e.kvBackend }}{{ $args = concat $args (list "--kv-backend" $e.kvBackend) }}{{ end -}}
 {{- if $e.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (include "tandem.int" $e.maxModelLen)) }}{{ end -}}
