@@ -16,10 +16,10 @@ from tandem.router.config import RouterConfig
 from tandem.router.openai.auth import make_auth_middleware
 from tandem.router.openai.errors import MAX_BODY_BYTES, error_middleware
 from tandem.router.openai.handlers import OpenAIHandlers
+from tandem.router.policy_runtime import PolicyRuntime
 from tandem.router.request_flow import RequestFlow
 from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
-from tandem.router.worker_pool import WorkerPool
 
 
 class HandlerTasks:
@@ -51,7 +51,7 @@ HANDLER_TASKS = web.AppKey("handler_tasks", HandlerTasks)
 
 
 def make_http_app(
-    pool: WorkerPool,
+    runtime: PolicyRuntime,
     flow: RequestFlow,
     tokenizer: PromptTokenizer,
     config: RouterConfig,
@@ -62,11 +62,10 @@ def make_http_app(
     of requests that leave them out."""
 
     async def health(request: web.Request) -> web.Response:
-        """200 while a request can be served (`WorkerPool.is_ready`); `workers`: how many
-        answer, of `listed`."""
-        serving = await pool.serving(config.probe_timeout_s)
-        body = {"workers": len(serving), "listed": len(pool.workers)}
-        if pool.can_serve(serving):
+        """200 while a request can be served (`PolicyRuntime.is_ready`); `workers`: those
+        in the pools."""
+        body = {"workers": len(runtime.pool.workers)}
+        if await runtime.is_ready():
             return web.json_response({"status": "ok", **body})
         return web.json_response({"status": "unavailable", **body}, status=503)
 

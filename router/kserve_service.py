@@ -27,10 +27,10 @@ from tandem.router.chunk_stream import public_finish_reason
 from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError, abort_with
 from tandem.router.kserve_request import MODEL_INPUTS, MODEL_OUTPUTS, KserveRequest, parse_request
 from tandem.router.kserve_tensors import encode_bytes
+from tandem.router.policy_runtime import PolicyRuntime
 from tandem.router.request_flow import RequestFlow, Usage
 from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
-from tandem.router.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +54,15 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         self,
         flow: RequestFlow,
         tokenizer: PromptTokenizer,
-        pool: WorkerPool,
+        runtime: PolicyRuntime,
         model_name: str,
-        probe_timeout_s: float,
         defaults: SamplingDefaults = OPENAI_DEFAULTS,
     ) -> None:
         self.flow = flow
         self.tokenizer = tokenizer
-        self.pool = pool
+        # Readiness (`PolicyRuntime.is_ready`).
+        self.runtime = runtime
         self.model_name = model_name
-        self.probe_timeout_s = probe_timeout_s
         # Sampling values of requests that leave them out (the model's, or OpenAI's).
         self.defaults = defaults
 
@@ -71,7 +70,7 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return kserve_pb.ServerLiveResponse(live=True)
 
     async def ServerReady(self, request, context) -> kserve_pb.ServerReadyResponse:
-        return kserve_pb.ServerReadyResponse(ready=await self.pool.is_ready(self.probe_timeout_s))
+        return kserve_pb.ServerReadyResponse(ready=await self.runtime.is_ready())
 
     async def ModelReady(self, request, context) -> kserve_pb.ModelReadyResponse:
         # An unknown model is "not ready" rather than an error, as in Triton.
@@ -79,7 +78,7 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             self._check_model(request.name, request.version)
         except ModelNotFound:
             return kserve_pb.ModelReadyResponse(ready=False)
-        return kserve_pb.ModelReadyResponse(ready=await self.pool.is_ready(self.probe_timeout_s))
+        return kserve_pb.ModelReadyResponse(ready=await self.runtime.is_ready())
 
     async def ServerMetadata(self, request, context) -> kserve_pb.ServerMetadataResponse:
         return kserve_pb.ServerMetadataResponse(name="tandem", version=_server_version())

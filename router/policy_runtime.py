@@ -114,6 +114,16 @@ class PolicyRuntime:
         # Workers whose last poll or call failed; cleared by the next answered poll.
         self._unreachable: set[str] = set()
 
+    async def is_ready(self) -> bool:
+        """True while a request can be served: a decode-capable worker that takes new
+        requests (serving, not draining) answers its health check. A prefill worker is
+        not needed (with none up, a decode worker prefills the prompt itself), nor every
+        worker: one dead or frozen among others is placed nothing meanwhile, and the
+        pool controller replaces it. (Readiness that needed every worker took every
+        router of a Kubernetes Service out of it at once, for one worker.)"""
+        placeable = [w for w in self.pool.decode if w.worker_id not in self._unplaceable]
+        return await self.pool.any_serving(placeable, self.config.probe_timeout_s)
+
     @property
     def limits(self) -> WorkerLimits:
         """The limits every worker reported; RuntimeError before `start` learned them."""

@@ -141,9 +141,7 @@ class Router:
         generation_pb2_grpc.add_GenerationServicer_to_server(
             GenerationService(flow, tokenizer, config.model_name, config.max_n, defaults), server
         )
-        kserve = KserveService(
-            flow, tokenizer, self.pool, config.model_name, config.probe_timeout_s, defaults
-        )
+        kserve = KserveService(flow, tokenizer, self.policy_runtime, config.model_name, defaults)
         add_GRPCInferenceServiceServicer_to_server(kserve, server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminService(admin), server)
         health_servicer = health.aio.HealthServicer()
@@ -163,10 +161,10 @@ class Router:
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         self._readiness = asyncio.get_running_loop().create_task(
-            self._publish_readiness(health_servicer)
+            self._publish_readiness(health_servicer, self.policy_runtime)
         )
         app = make_http_app(
-            self.pool, flow, tokenizer, config, self.policy_runtime.limits.dtype, defaults
+            self.policy_runtime, flow, tokenizer, config, self.policy_runtime.limits.dtype, defaults
         )
         app.router.add_get("/metrics", self._metrics_handler)
         add_admin_routes(app, admin)
@@ -292,9 +290,11 @@ class Router:
             body=self.metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
-    async def _publish_readiness(self, health_servicer: health.aio.HealthServicer) -> None:
+    async def _publish_readiness(
+        self, health_servicer: health.aio.HealthServicer, runtime: PolicyRuntime
+    ) -> None:
         """gRPC health per public service (`tandem.v1.Generation`, KServe's) follows
-        `/health`: SERVING while a request can be served (`WorkerPool.is_ready`),
+        `/health`: SERVING while a request can be served (`PolicyRuntime.is_ready`),
         checked every READINESS_INTERVAL_S, so a load balancer that health-checks a
         service stops sending there. The server's own status ("") stays SERVING while
         the process runs: liveness probes ask it, and a router must not be restarted
@@ -302,7 +302,7 @@ class Router:
         ready: bool | None = None
         while True:
             try:
-                now_ready = await self.pool.is_ready(self.config.probe_timeout_s)
+                now_ready = await runtime.is_ready()
                 if now_ready != ready:
                     status = health_pb2.HealthCheckResponse.SERVING if now_ready else (
                         health_pb2.HealthCheckResponse.NOT_SERVING

@@ -137,26 +137,20 @@ class WorkerPool:
     def decode_stub(self, worker: WorkerEndpoint) -> worker_pb2_grpc.DecodeWorkerStub:
         return worker_pb2_grpc.DecodeWorkerStub(self._channels[worker.worker_id])
 
-    async def serving(self, timeout_s: float) -> list[WorkerEndpoint]:
-        """The workers whose gRPC health check answers SERVING within `timeout_s`."""
-        workers = self.workers
-        answers = await asyncio.gather(*(self._serving(w, timeout_s) for w in workers))
-        return [w for w, serving in zip(workers, answers, strict=True) if serving]
-
-    async def is_ready(self, timeout_s: float) -> bool:
-        """True when a request can be served: a decode-capable worker answers SERVING
-        and, where the pools have prefill workers, so does one of them. One dead or
-        frozen worker among others does not make the router unready: nothing is placed
-        there meanwhile (the policy marks it unreachable) and the pool controller
-        replaces it; readiness that needed every worker took every router of a
-        Kubernetes Service out of it at once, for one worker."""
-        return self.can_serve(await self.serving(timeout_s))
-
-    def can_serve(self, serving: list[WorkerEndpoint]) -> bool:
-        roles = {w.role for w in serving}
-        if not roles - {WorkerRole.PREFILL}:
+    async def any_serving(self, workers: list[WorkerEndpoint], timeout_s: float) -> bool:
+        """True as soon as one of `workers` answers its gRPC health check SERVING (a
+        frozen one does not hold up the answer); False when none does within
+        `timeout_s`."""
+        checks = [asyncio.ensure_future(self._serving(w, timeout_s)) for w in workers]
+        try:
+            for check in asyncio.as_completed(checks):
+                if await check:
+                    return True
             return False
-        return WorkerRole.PREFILL in roles or not self.prefill
+        finally:
+            for check in checks:
+                check.cancel()
+            await asyncio.gather(*checks, return_exceptions=True)
 
     async def _serving(self, worker: WorkerEndpoint, timeout_s: float) -> bool:
         stub = health_pb2_grpc.HealthStub(self._channels[worker.worker_id])

@@ -69,7 +69,9 @@ async def stream_sse(
         await _write_events(writer, first, chunks, builder)
     finally:
         keep_alive.cancel()
-        await asyncio.gather(keep_alive, return_exceptions=True)
+        (ended,) = await asyncio.gather(keep_alive, return_exceptions=True)
+        if isinstance(ended, Exception):
+            logger.error("stream %s: its keep-alive failed", builder.id, exc_info=ended)
     return response
 
 
@@ -97,10 +99,11 @@ async def _write_events(
         logger.info("client of %s went away mid-stream", builder.id)
         return
     except asyncio.CancelledError:
+        # The router stopping (its grace over), or the client gone (then this write fails).
         stopping = WorkerUnavailable("the router stopped before this stream finished; retry it")
         ending = sse_event(error_body(stopping)) + sse_event("[DONE]")
         # Bounded: a client that reads nothing must not hold up the stop.
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(writer.write_quietly(ending, eof=True), ENDING_WRITE_S)
         raise
     except RouterError as exc:

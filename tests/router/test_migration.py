@@ -444,31 +444,43 @@ def test_a_stream_with_nowhere_to_move_fails_after_migration_wait(tiny_model_dir
         cluster.stop()
 
 
-def test_the_router_stays_ready_while_a_role_has_a_worker_that_answers(tiny_model_dir):
+def test_the_router_is_ready_while_a_request_can_be_served(tiny_model_dir):
     """Readiness (`/health`, what Kubernetes probes on every router) asks whether a
     request can be served, not whether every worker answers: with one of two decode
-    workers dead (before the pool controller drops it) the router stays ready and
-    serves; with the only prefill worker dead too, it is not (503 "unavailable")."""
+    workers frozen (SIGSTOP) /health answers 200 at once (not after the 5 s probe of the
+    frozen one), and with it killed and the only prefill worker too the router still
+    serves (the decode worker prefills itself), so it stays ready; with the last
+    decode worker draining (it takes no new requests) it is not."""
     roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE,
              "decode-1": WorkerRole.DECODE}  # fmt: skip
     cluster = ProcessCluster(str(tiny_model_dir), roles).start()
+    prompt = make_prompts(2048, (30,), seed=81)[0]
 
-    def health() -> tuple[int, dict]:
+    def health() -> tuple[int, dict, float]:
+        started = time.monotonic()
         try:
             with urllib.request.urlopen(f"{cluster.http_endpoint}/health", timeout=30) as reply:
-                return reply.status, json.loads(reply.read())
+                return reply.status, json.loads(reply.read()), time.monotonic() - started
         except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+            return exc.code, json.loads(exc.read()), time.monotonic() - started
 
     try:
-        assert health() == (200, {"status": "ok", "workers": 3, "listed": 3})
+        assert health()[:2] == (200, {"status": "ok", "workers": 3})
+        frozen = cluster.procs["decode-1"].pid
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            status, body, took_s = health()
+        finally:
+            os.kill(frozen, signal.SIGCONT)
+        assert (status, body["status"]) == (200, "ok") and took_s < 1.0, took_s
         cluster.kill("decode-1")
-        assert health() == (200, {"status": "ok", "workers": 2, "listed": 3})
-        prompt = make_prompts(2048, (30,), seed=81)[0]
-        tokens, _ = cluster.run(stream_tokens(cluster.grpc_endpoint, "one-down", prompt))
-        assert len(tokens) > 0
         cluster.kill("prefill-0")
-        assert health() == (503, {"status": "unavailable", "workers": 1, "listed": 3})
+        assert health()[:2] == (200, {"status": "ok", "workers": 3})
+        tokens, _ = cluster.run(stream_tokens(cluster.grpc_endpoint, "prefilled-locally", prompt))
+        assert len(tokens) > 0
+        cluster.set_state("decode-0", WorkerLifecycle.DRAINING)
+        assert health()[:2] == (503, {"status": "unavailable", "workers": 3})
+        cluster.set_state("decode-0", WorkerLifecycle.SERVING)
         for worker_id in ("decode-1", "prefill-0"):
             cluster.set_state(worker_id, WorkerLifecycle.DEAD)
         cluster.assert_idle()

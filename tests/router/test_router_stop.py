@@ -44,7 +44,7 @@ def test_a_stream_running_past_the_grace_is_ended_when_it_runs_out(
                 async for line in response.content:
                     if line.startswith(b"data: "):
                         data_lines.append(line.strip())
-                    if len(data_lines) == 32:  # streaming: stop the router under it
+                    if len(data_lines) == 32 and stopping is None:  # stop the router under it
                         stopped = True
                         stopping = asyncio.create_task(cluster.router.stop())
                 assert stopping is not None
