@@ -67,6 +67,10 @@ class WorkerCalls:
             attempt.start_call(worker.worker_id, call)
             return await call
         except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                # The worker may have answered as the deadline passed, its KV pinned for
+                # a pull that will never come: unpin it, a no-op if nothing is held.
+                await self.release(pair, request.request_id)
             raise call_failure(worker.worker_id, MigrationReason.PREFILL_FAILED, exc) from exc
         except asyncio.CancelledError:
             if (failure := attempt.failure_on_cancel(worker.worker_id)) is not None:
