@@ -220,6 +220,14 @@ def test_only_decode_worker_killed_gets_503_then_heals(tiny_model_dir):
         prompt = make_prompts(2048, (30,), seed=74)[0]
         before, _ = cluster.run(stream_tokens(cluster.grpc_endpoint, "before", prompt))
         cluster.kill("decode-0")
+        # Until the router's Stats poll (every 0.25 s) finds it gone: a request placed on
+        # it before then may get its first token from the prefill worker, and then waits
+        # for a decode worker (test_streams_on_the_only_decode_worker_wait_for_...).
+        decode = cluster.router.policy_runtime.policy.workers["decode-0"]
+        deadline = time.monotonic() + 10.0
+        while decode.available and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not decode.available, "the router did not find decode-0 gone in 10 s"
 
         async def http_completion() -> tuple[int, dict[str, str], float]:
             body = {"model": cluster.router.config.model_name, "prompt": prompt,
