@@ -1,10 +1,10 @@
 """What the live planner sees of the traffic: deltas of the router's own counters.
 
 Each interval it reads the router's Prometheus registry (requests that got a first
-token, prompt and generated tokens, finished requests, those within SLO) and the
-policy's reported prefix-cache hits, and turns the change since the last reading into
-an `ObservedLoad`: arrival rate, mean prompt and output lengths, prefix-hit share,
-goodput.
+token, prompt and generated tokens, finished requests, those within SLO, those
+admission shed) and the policy's reported prefix-cache hits, and turns the change since
+the last reading into an `ObservedLoad`: arrival rate (shed requests included),
+mean prompt and output lengths, prefix-hit share, goodput.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ class Counters:
     finished: float = 0.0
     goodput: float = 0.0
     cached_tokens: float = 0.0
+    # Requests admission shed (overloaded): demand the split did not serve.
+    shed: float = 0.0
 
     def __add__(self, other: Counters) -> Counters:
         return Counters(*(a + b for a, b in zip(astuple(self), astuple(other), strict=True)))
@@ -39,6 +41,7 @@ class ObservedLoad:
     num_requests: int
     # Requests that finished (the output length is measured over these).
     num_finished: int
+    # Requests that got a first token, and those shed, per second.
     arrival_rate_rps: float
     mean_prompt_tokens: float
     mean_output_tokens: float
@@ -47,12 +50,12 @@ class ObservedLoad:
     goodput_rps: float
 
 
-def _total(registry: CollectorRegistry, sample_name: str) -> float:
-    """Sum of one sample name over all label sets."""
+def _total(registry: CollectorRegistry, sample_name: str, **labels: str) -> float:
+    """Sum of one sample name over the label sets that have `labels`."""
     total = 0.0
     for metric in registry.collect():
         for sample in metric.samples:
-            if sample.name == sample_name:
+            if sample.name == sample_name and labels.items() <= sample.labels.items():
                 total += sample.value
     return total
 
@@ -73,6 +76,7 @@ def read_counters(registry: CollectorRegistry, cached_tokens: float) -> Counters
         finished=_total(registry, "tandem:request_success_total"),
         goodput=_total(registry, "tandem:goodput_requests_total"),
         cached_tokens=cached_tokens,
+        shed=_total(registry, "tandem:requests_rejected_total", reason="overloaded"),
     )
 
 
@@ -83,11 +87,14 @@ def load_between(before: Counters, after: Counters, interval_s: float) -> Observ
     prompt = after.prompt_tokens - before.prompt_tokens
     generated = after.generation_tokens - before.generation_tokens
     cached = after.cached_tokens - before.cached_tokens
+    shed = after.shed - before.shed
     return ObservedLoad(
         interval_s=interval_s,
         num_requests=int(started),
         num_finished=int(finished),
-        arrival_rate_rps=started / interval_s,
+        # Shed requests arrived too: a split that served them is what the plan is for
+        # (counting only those served, an overloaded cluster looked just busy enough).
+        arrival_rate_rps=(started + shed) / interval_s,
         mean_prompt_tokens=prompt / started if started > 0 else 0.0,
         mean_output_tokens=generated / finished if finished > 0 else 0.0,
         prefix_hit_share=min(0.95, max(0.0, cached / prompt)) if prompt > 0 else 0.0,

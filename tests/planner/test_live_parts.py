@@ -9,6 +9,7 @@ from tandem.cluster.cli import CliError, build_parser, cluster_config_from_args
 from tandem.planner.live import laws_from_router
 from tandem.planner.live_config import PlannerMode
 from tandem.planner.observe import Counters, load_between, read_counters
+from tandem.router.metrics import RouterMetrics
 from tandem.router.policy import DecodeLatencyModel, PrefillLatencyModel, WorkerState
 
 
@@ -34,6 +35,20 @@ def test_counter_deltas_become_the_observed_load():
     assert load.mean_output_tokens == 50.0  # 400 tokens over 8 finished requests
     assert load.prefix_hit_share == 0.25
     assert load.goodput_rps == 2.0
+
+
+def test_requests_shed_for_overload_count_as_arrivals():
+    """An overloaded cluster that sheds requests (admission shed) served only part of its
+    demand; the planner plans for all of it (counting only the served, it saw a cluster
+    just busy enough). Requests refused for want of any worker are not load."""
+    metrics = RouterMetrics("m")
+    before = read_counters(metrics.registry, cached_tokens=0)
+    for _ in range(10):
+        metrics.ttft.labels("m").observe(0.1)
+    metrics.rejected.labels("m", "overloaded").inc(6)
+    metrics.rejected.labels("m", "unavailable").inc(3)
+    load = load_between(before, read_counters(metrics.registry, cached_tokens=0), 2.0)
+    assert load.num_requests == 10 and load.arrival_rate_rps == 8.0
 
 
 def test_models_are_averaged_per_role():
