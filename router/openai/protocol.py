@@ -168,6 +168,8 @@ class RequestParser:
         echo_top = logprobs if extras.echo else None
         echo_only = extras.echo and _asks_no_tokens(body)
         if echo_only:
+            # (Checked against the 0 asked, not the 1 generated and left out.)
+            get_int(body, "min_tokens", min_value=0, max_value=0)
             body = {**body, "max_tokens": 1}
         generations = []
         for prompt in self._prompts(body):

@@ -4,7 +4,7 @@ The first chunk is awaited before the response starts, so a request refused up f
 (overloaded, worker down) still gets a real HTTP status. After that, an error becomes an
 `{"error": ...}` event followed by `[DONE]` (what OpenAI clients raise on); so does a
 stream the stopping router ends when its grace runs out (its handler cancelled): a
-503 `server_error` the client can retry, not a stream that stops short without a word.
+`server_error` the client can retry, not a stream that stops short without a word.
 
 While no event goes out, a `: keep-alive` comment does every KEEPALIVE_S, so proxies
 do not cut a stream that waits (for a migration, say). Whoever calls `stream_sse` owns

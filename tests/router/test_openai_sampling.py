@@ -616,6 +616,8 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, cluster, tokeniz
     assert batch.usage.completion_tokens == 0
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(**{**args, "echo": False})
+    with pytest.raises(openai.BadRequestError, match="'min_tokens' must be <= 0, got 1"):
+        client.completions.create(**args, extra_body={"min_tokens": 1})
 
 
 def assert_prompt_scores(got: list, expected: list, tokenizer: PromptTokenizer) -> None:
