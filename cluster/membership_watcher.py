@@ -1,7 +1,8 @@
 """Feeds a router the pool membership while it serves (no restart on a change).
 
 Runs in each router process: long-polls the pool controller's `watch()` and hands
-every newer `Membership` to a callback (`Router.update_membership`). A controller
+every newer `Membership` to a callback (`Router.update_membership`); one the callback
+fails on is handed over again (or a newer one) after a pause. A controller
 that does not answer is retried with a pause; the router keeps its last view. One that
 is gone is looked up again by name (`ControllerLink.renew`): a new controller (a
 restarted `tandem serve`) is followed from its first membership.
@@ -83,10 +84,14 @@ class MembershipWatcher:
             # Equal: nothing new (the poll timed out).
             if membership.version == self.version:
                 continue
-            self.version = membership.version
             try:
                 result = self.on_change(membership)
                 if inspect.isawaitable(result):
                     await result
-            except Exception:  # a bad update must not stop the router following changes
-                logger.exception("membership: update to version %d failed", membership.version)
+            except Exception:  # a failed update must not stop the router following changes
+                logger.exception("membership: update to version %d failed; trying again in "
+                                 "%g s", membership.version, self.retry_s)  # fmt: skip
+                # The version stays: the next poll hands over this one, or a newer one.
+                await asyncio.sleep(self.retry_s)
+                continue
+            self.version = membership.version

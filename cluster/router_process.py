@@ -85,26 +85,17 @@ class AttachedRouter:
         refused it for ever)."""
         assert self.router is not None
         if membership.owner != self._owner:
-            try:
-                config = await asyncio.wait_for(
-                    self.link.handle.get_config.remote(), CONTROLLER_REPLY_S
-                )
-            except (TimeoutError, ray.exceptions.RayError) as exc:
-                # Not applied with a token the new workers may refuse: the watcher
-                # delivers this membership again (its version forgotten) a moment later.
-                logger.warning("the new pool controller's config is unreadable (%s); "
-                               "trying again", exc)  # fmt: skip
-                await asyncio.sleep(1.0)
-                if self.watcher is not None:
-                    self.watcher.version = 0
-                return
-            else:
-                if config.router.cluster_auth != self.router.pool.auth:
-                    logger.warning("the new pool controller's cluster has another cluster "
-                                   "token (tandem serve restarted without a token file): "
-                                   "using it")  # fmt: skip
-                    self.router.pool.auth = config.router.cluster_auth
-                self._owner = membership.owner
+            # Unreadable (TimeoutError, RayError): the watcher hands this membership over
+            # again, rather than have it applied with a token the new workers refuse.
+            config = await asyncio.wait_for(
+                self.link.handle.get_config.remote(), CONTROLLER_REPLY_S
+            )
+            if config.router.cluster_auth != self.router.pool.auth:
+                logger.warning("the new pool controller's cluster has another cluster "
+                               "token (tandem serve restarted without a token file): "
+                               "using it")  # fmt: skip
+                self.router.pool.auth = config.router.cluster_auth
+            self._owner = membership.owner
         await self.router.update_membership(membership)
 
     async def stop(self) -> None:
