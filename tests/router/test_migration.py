@@ -455,8 +455,8 @@ def test_a_stream_with_nowhere_to_move_fails_after_migration_wait(tiny_model_dir
 def test_the_router_is_ready_while_a_request_can_be_served(tiny_model_dir):
     """Readiness (`/health`, what Kubernetes probes on every router) asks whether a
     request can be served, not whether every worker answers: with one of two decode
-    workers frozen (SIGSTOP) /health answers 200 at once (not after the 5 s probe of the
-    frozen one), and with it killed and the only prefill worker too the router still
+    workers frozen (SIGSTOP) /health answers 200 without waiting for the 5 s probe of
+    the frozen one, and with it killed and the only prefill worker too the router still
     serves (the decode worker prefills itself), so it stays ready; with the last
     decode worker draining (it takes no new requests) it is not."""
     roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE,
@@ -480,7 +480,8 @@ def test_the_router_is_ready_while_a_request_can_be_served(tiny_model_dir):
             status, body, took_s = health()
         finally:
             os.kill(frozen, signal.SIGCONT)
-        assert (status, body["status"]) == (200, "ok") and took_s < 1.0, took_s
+        # (Not the 5 s the frozen worker's health check may take: the first answer decides.)
+        assert (status, body["status"]) == (200, "ok") and took_s < 2.5, took_s
         cluster.kill("decode-1")
         cluster.kill("prefill-0")
         assert health()[:2] == (200, {"status": "ok", "workers": 3})
