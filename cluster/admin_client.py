@@ -19,6 +19,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Protocol
 
+from tandem.router.admin import restart_holds_json
 from tandem.router.membership import Membership, PoolTargets
 
 PoolsView = dict[str, Any]
@@ -52,7 +53,8 @@ def membership_json(membership: Membership) -> PoolsView:
     ]
     targets = membership.targets
     view: PoolsView = {"workers": workers, "targets": {}, "version": membership.version,
-                       "owner": membership.owner}  # fmt: skip
+                       "owner": membership.owner,
+                       "restart_holds": restart_holds_json(membership)}  # fmt: skip
     if targets is not None:
         view["targets"] = {"prefill": targets.prefill, "decode": targets.decode}
     return view
@@ -209,4 +211,7 @@ def format_table(view: PoolsView) -> str:
     targets = view.get("targets") or {}
     if targets:
         lines.append("targets: " + ", ".join(f"{role} {n}" for role, n in targets.items()))
+    for role, hold in sorted((view.get("restart_holds") or {}).items()):
+        lines.append(f"{role}: next start held {hold['seconds_left']:.0f} s more (restart "
+                     f"backoff: {hold['failures']} died young in a row)")  # fmt: skip
     return "\n".join(lines)

@@ -21,12 +21,19 @@ Rules:
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tandem.cluster.restart_backoff import BackoffPolicy, RestartBackoff
-from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
+from tandem.router.membership import (
+    Membership,
+    PoolTargets,
+    RestartHold,
+    WorkerInfo,
+    WorkerLifecycle,
+)
 from tandem.worker.config import WorkerRole
 
 ROLE_FIELDS = {"prefill": WorkerRole.PREFILL, "decode": WorkerRole.DECODE}
@@ -116,6 +123,8 @@ class PoolState:
         self.records: dict[str, WorkerRecord] = {}
         self.restarts = dict.fromkeys(targets, 0)
         self.backoff = RestartBackoff(backoff or BackoffPolicy())
+        # The last hold each role's backoff set, on the wall clock (for the membership).
+        self._holds: dict[WorkerRole, RestartHold] = {}
         # Ray nodes being drained: a worker that comes up on one drains at once.
         self.draining_nodes: set[str] = set()
         self._ids = {role: itertools.count() for role in WorkerRole}
@@ -134,7 +143,13 @@ class PoolState:
                 prefill=self.targets[WorkerRole.PREFILL], decode=self.targets[WorkerRole.DECODE]
             )
         restarts = {role.value: n for role, n in self.restarts.items()}
-        return Membership(self.version, workers, targets, restarts, self.owner)
+        now_unix_s = time.time()
+        holds = {
+            role.value: hold
+            for role, hold in self._holds.items()
+            if hold.seconds_left(now_unix_s) > 0
+        }
+        return Membership(self.version, workers, targets, restarts, self.owner, holds)
 
     @staticmethod
     def _with_load(record: WorkerRecord) -> WorkerInfo:
@@ -268,7 +283,10 @@ class PoolState:
         self.update(worker_id, now_s, state=WorkerLifecycle.DEAD)
         if replaced:
             self.restarts[record.role] = self.restarts.get(record.role, 0) + 1
-            self.backoff.died(record.role, now_s, record.started_s, served_s)
+            held_s = self.backoff.died(record.role, now_s, record.started_s, served_s)
+            if held_s > 0:
+                failures = self.backoff.failures[record.role]
+                self._holds[record.role] = RestartHold(failures, time.time() + held_s)
         return replaced
 
     def remove(self, worker_id: str) -> WorkerRecord:

@@ -11,6 +11,7 @@ Each worker's load (`running`, `waiting`, `kv_usage`) is this router's last view
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,17 @@ def parse_targets(body: Any) -> PoolTargets:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InvalidRequest(f"{role} must be an integer >= 1, got {value!r}", param=role)
     return PoolTargets(prefill=body["prefill"], decode=body["decode"])
+
+
+def restart_holds_json(membership: Membership) -> dict[str, dict[str, float]]:
+    """The roles whose next worker start is held back (restart backoff), by role (a
+    snapshot's hold that has passed since is left out)."""
+    now_unix_s = time.time()
+    return {
+        role: hold.as_json(now_unix_s)
+        for role, hold in membership.restart_holds.items()
+        if hold.seconds_left(now_unix_s) > 0
+    }
 
 
 def _owner_error(exc: Exception) -> RouterError:
@@ -175,6 +187,7 @@ class PoolsAdmin:
             "version": membership.version,
             # Whose versions they are: a restarted pool controller counts from 1 again.
             "owner": membership.owner,
+            "restart_holds": restart_holds_json(membership),
         } | self._planner_json()
 
     def _planner_json(self) -> dict[str, Any]:

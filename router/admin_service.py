@@ -63,4 +63,8 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     prefill=membership.targets.prefill, decode=membership.targets.decode
                 )
             )
+        for role, hold in membership.restart_holds.items():
+            reply.restart_holds[role].CopyFrom(
+                admin_pb.RestartHold(failures=hold.failures, until_unix_s=hold.until_unix_s)
+            )
         return reply

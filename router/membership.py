@@ -70,6 +70,29 @@ class PoolTargets:
 
 
 @dataclass(frozen=True)
+class RestartHold:
+    """A role whose next worker start is held back, its workers having died young in a
+    row (`cluster.restart_backoff`)."""
+
+    # Its workers that died young in a row.
+    failures: int
+    # When its next start may begin, on the wall clock (`time.time()`): a snapshot read
+    # later still says how long is left.
+    until_unix_s: float
+
+    def seconds_left(self, now_unix_s: float) -> float:
+        return max(0.0, self.until_unix_s - now_unix_s)
+
+    def as_json(self, now_unix_s: float) -> dict[str, float]:
+        """The admin API's view (`GET /admin/pools`'s `restart_holds`)."""
+        return {
+            "failures": self.failures,
+            "until_unix_s": self.until_unix_s,
+            "seconds_left": round(self.seconds_left(now_unix_s), 1),
+        }
+
+
+@dataclass(frozen=True)
 class Membership:
     """A snapshot of the pools; `version` grows with every change its owner makes."""
 
@@ -83,6 +106,8 @@ class Membership:
     # Which owner counted `version` (a pool controller, unique per start): a restarted
     # one counts from 1 again, and names its workers from 0 again.
     owner: str = ""
+    # Roles whose next start was held back when the snapshot was made, by role value.
+    restart_holds: dict[str, RestartHold] = field(default_factory=dict)
 
 
 class TargetsChanged(RuntimeError):

@@ -4,6 +4,9 @@ follows, and the live planner's (`PlannerGauges`, at the end).
     tandem:pool_workers{role,state}        workers per role and lifecycle state
     tandem:pool_target_workers{role}       the target size of each role
     tandem:worker_restarts_total{role}     workers replaced after they died
+    tandem:worker_restart_hold_seconds{role}  how much longer the role's next start is held
+                                           back, its workers having died young in a row
+                                           (cluster.restart_backoff; 0: none)
 
 SREs scrape routers, so each router answers them, read at scrape time from the last
 `Membership` it applied (the snapshot its placement follows). The pool controller
@@ -15,6 +18,7 @@ controller's /metrics only (its membership carries no prefill/decode targets).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 
 from prometheus_client import CollectorRegistry
@@ -55,6 +59,12 @@ class PoolGauges(Collector):
         restarts = CounterMetricFamily(
             "tandem:worker_restarts", "Workers replaced after they died.", labels=["role"]
         )
+        holds = GaugeMetricFamily(
+            "tandem:worker_restart_hold_seconds",
+            "How much longer the role's next worker start is held back (restart backoff).",
+            labels=["role"],
+        )
+        now_unix_s = time.time()
         roles = [r for r in WorkerRole if r.value in wanted]
         roles += sorted({w.role for w in membership.workers} - set(roles))
         for role in roles:
@@ -64,9 +74,12 @@ class PoolGauges(Collector):
             if role.value in wanted:
                 targets.add_metric([role.value], wanted[role.value])
             restarts.add_metric([role.value], membership.restarts.get(role.value, 0))
+            hold = membership.restart_holds.get(role.value)
+            holds.add_metric([role.value], hold.seconds_left(now_unix_s) if hold else 0.0)
         yield workers
         yield targets
         yield restarts
+        yield holds
 
 
 class PlannerGauges(Collector):

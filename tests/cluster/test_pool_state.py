@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tandem.cluster.pool_state import Plan, PoolState, WorkerLoad, WorkerRecord
@@ -210,6 +212,22 @@ def test_a_role_whose_workers_keep_dying_young_starts_the_next_after_a_growing_p
         assert state.plan(now_s + held[-1]).start == [P, D]
     assert held == [2.0, 4.0, 5.0, 5.0]
     assert state.backoff.failures == {D: 5}
+
+
+def test_the_membership_shows_a_held_role_until_its_hold_has_passed():
+    """What `/admin/pools`, `tandem pools` and the hold gauge read: the role held, its
+    failures in a row, and the end of the hold on the wall clock; nothing once it has
+    passed, and nothing for a role not held."""
+    state = PoolState({P: 1, D: 1}, 4, BackoffPolicy(base_s=0.3, max_s=5.0, stable_s=60.0))
+    start_and_fail(state, D, 100.0, served_s=None)
+    assert state.membership().restart_holds == {}  # one death: no hold
+    start_and_fail(state, D, 101.0, served_s=None)
+    hold = state.membership().restart_holds["decode"]
+    assert hold.failures == 2
+    assert 0.0 < hold.seconds_left(time.time()) <= 0.3
+    assert set(state.membership().restart_holds) == {"decode"}
+    time.sleep(0.35)
+    assert state.membership().restart_holds == {}
 
 
 def test_a_worker_that_served_long_before_it_died_is_replaced_at_once_and_ends_the_series():

@@ -488,9 +488,10 @@ def test_a_decode_worker_killed_young_twice_in_a_row_is_restarted_after_the_back
     config.pools = dataclasses.replace(config.pools, restart_backoff_s=backoff_s,
                                        restart_stable_s=600.0)  # fmt: skip
 
-    async def kill_and_time_replacement(cluster: LocalCluster) -> float:
+    async def kill_and_time_replacement(cluster: LocalCluster) -> tuple[float, Membership, float]:
         """kill -9 the serving decode worker; seconds from it being listed dead to a
-        new decode worker being listed."""
+        new decode worker being listed, the membership that first listed it dead, and
+        when that was (Unix time)."""
         [victim] = serving(await cluster.controller.wait_at_target.remote(60.0), "decode")
         os.kill(victim.pid, signal.SIGKILL)
 
@@ -502,23 +503,29 @@ def test_a_decode_worker_killed_young_twice_in_a_row_is_restarted_after_the_back
             return states.get(victim.worker_id) is WorkerLifecycle.DEAD
 
         listed = await wait_membership(cluster, dead, 30.0, f"{victim.worker_id} found dead")
-        found_dead_at = time.monotonic()
+        found_dead_at, found_dead_unix_s = time.monotonic(), time.time()
         if decode_ids(listed) - {victim.worker_id}:
-            return 0.0  # its replacement was in the same membership
+            return 0.0, listed, found_dead_unix_s  # its replacement was in the same membership
         await wait_membership(cluster, lambda m: bool(decode_ids(m) - decode_ids(listed)),
                               30.0, "a new decode worker")  # fmt: skip
-        return time.monotonic() - found_dead_at
+        return time.monotonic() - found_dead_at, listed, found_dead_unix_s
 
     async def scenario() -> None:
         cluster = LocalCluster(config)
         try:
             await cluster.start()
-            first = await kill_and_time_replacement(cluster)
-            second = await kill_and_time_replacement(cluster)
+            first, after_first, _ = await kill_and_time_replacement(cluster)
+            second, after_second, second_dead_unix_s = await kill_and_time_replacement(cluster)
             # (The test sees the death up to a poll and a Ray call after the hold began.)
             assert first < backoff_s / 2, f"the first replacement waited {first:.1f} s"
             assert second >= backoff_s - 1.0, f"the second replacement waited {second:.1f} s"
+            # The hold is in the membership (what /admin/pools and `tandem pools` show).
+            assert after_first.restart_holds == {}
+            hold = after_second.restart_holds["decode"]
+            assert hold.failures == 2
+            assert 0 < hold.until_unix_s - second_dead_unix_s <= backoff_s
             healed = await cluster.controller.wait_at_target.remote(60.0)
+            assert healed.restart_holds == {}
             assert (await cluster.controller.restarts.remote()) == {"prefill": 0, "decode": 2}
             await assert_idle(healed, auth=cluster.config.worker.cluster_auth)
         finally:

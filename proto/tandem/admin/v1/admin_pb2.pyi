@@ -58,14 +58,31 @@ class Worker(_message.Message):
     being_replaced: bool
     def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., metrics_url: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., being_replaced: _Optional[bool] = ...) -> None: ...
 
+class RestartHold(_message.Message):
+    __slots__ = ("failures", "until_unix_s")
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    failures: int
+    until_unix_s: float
+    def __init__(self, failures: _Optional[int] = ..., until_unix_s: _Optional[float] = ...) -> None: ...
+
 class PoolsResponse(_message.Message):
-    __slots__ = ("workers", "targets", "version", "owner")
+    __slots__ = ("workers", "targets", "version", "owner", "restart_holds")
+    class RestartHoldsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: RestartHold
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[RestartHold, _Mapping]] = ...) -> None: ...
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    RESTART_HOLDS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[Worker]
     targets: PoolTargets
     version: int
     owner: str
-    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., targets: _Optional[_Union[PoolTargets, _Mapping]] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ...) -> None: ...
+    restart_holds: _containers.MessageMap[str, RestartHold]
+    def __init__(self, workers: _Optional[_Iterable[_Union[Worker, _Mapping]]] = ..., targets: _Optional[_Union[PoolTargets, _Mapping]] = ..., version: _Optional[int] = ..., owner: _Optional[str] = ..., restart_holds: _Optional[_Mapping[str, RestartHold]] = ...) -> None: ...
