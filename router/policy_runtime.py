@@ -19,6 +19,7 @@ import copy
 import functools
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -26,6 +27,7 @@ import grpc
 from tandem.engine.config import ModelConfig
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.router.config import RouterConfig
+from tandem.router.membership import RestartHold
 from tandem.router.policy import (
     AdmissionConfig,
     GoodputPolicy,
@@ -225,6 +227,17 @@ class PolicyRuntime:
             self.policy.remove_worker(worker_id)
         self._unplaceable.discard(worker_id)
         self._unreachable.discard(worker_id)
+
+    def follow_restart_holds(self, holds: Mapping[str, RestartHold]) -> None:
+        """The membership's restart holds: while no decode-capable worker serves, a 503
+        asks the client to come back once the next one may start (its Retry-After)."""
+        if self.policy is None:
+            return
+        decode_capable = (WorkerRole.DECODE.value, WorkerRole.COLOCATED.value)
+        self.policy.selector.decode_start_held_until_unix_s = max(
+            (hold.until_unix_s for role, hold in holds.items() if role in decode_capable),
+            default=0.0,
+        )
 
     def set_placeable(self, worker_id: str, placeable: bool) -> None:
         """Membership says whether the worker takes new requests (SERVING) or not."""

@@ -201,6 +201,7 @@ class Router:
                 logger.info("a new pools owner: every worker is replaced")
             self.membership = membership
             self.metrics.pools.update(membership)
+            runtime.follow_restart_holds(membership.restart_holds)
             self._pending.clear()
             wanted = {
                 w.worker_id: w for w in membership.workers if w.state in _IN_POOL and w.endpoint

@@ -30,6 +30,7 @@ the placement (accounting, prefix index) is the caller's job (`GoodputPolicy`).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -46,7 +47,8 @@ LOCAL_PREFILL: Decision = "local_prefill"
 
 
 # Retry-After of the 503 a request gets at once while no decode worker serves (a
-# replacement takes seconds to start, so an earlier retry would fail the same way).
+# replacement takes seconds to start, so an earlier retry would fail the same way); plus
+# what is left of the decode role's restart backoff, when its next start is held back.
 NO_WORKER_RETRY_AFTER_S = 2.0
 
 # Conditional disaggregation's default bound on a decode worker's own prefills.
@@ -141,6 +143,9 @@ class PairSelector:
         self.decode = list(decode)
         self.config = config or SelectorConfig()
         self.block_size = sizes.pop()
+        # When the next decode-capable worker may start, on the wall clock (its role's
+        # restart backoff, from the membership; 0: not held).
+        self.decode_start_held_until_unix_s = 0.0
 
     def add_worker(self, worker: WorkerState) -> None:
         """A worker joined the pools (membership changed while serving)."""
@@ -223,9 +228,15 @@ class PairSelector:
     def _pick_decode(self, n: int, need: int, slo: RequestSlo) -> WorkerState:
         workers = [w for w in self.decode if w.available]
         if not workers:
+            held_s = max(0.0, self.decode_start_held_until_unix_s - time.time())
+            why = (
+                f"; new decode workers keep dying young, the next starts in {held_s:.0f} s"
+                if held_s > 0
+                else ""
+            )
             raise WorkerUnavailable(
-                "no decode worker is available (all are down or unreachable); retry later",
-                retry_after_s=NO_WORKER_RETRY_AFTER_S,
+                f"no decode worker is available (all are down or unreachable{why}); retry later",
+                retry_after_s=NO_WORKER_RETRY_AFTER_S + held_s,
             )
         fitting = [w for w in workers if _fits(w, need)]
         if not fitting:

@@ -26,6 +26,7 @@ from tandem.router.config import RouterConfig
 from tandem.router.membership import (
     Membership,
     PoolTargets,
+    RestartHold,
     TargetsChanged,
     WorkerInfo,
     WorkerLifecycle,
@@ -54,6 +55,8 @@ class InprocPools:
         self.servers: dict[str, PrefillWorker | DecodeWorker] = {}
         self.version = 0
         self.owner = uuid.uuid4().hex
+        # What a pool controller's restart backoff would put in the snapshots (by role).
+        self.restart_holds: dict[str, RestartHold] = {}
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -109,7 +112,13 @@ class InprocPools:
             await asyncio.sleep(0.05)
 
     def snapshot(self) -> Membership:
-        return Membership(self.version, list(self.infos.values()), self.targets, owner=self.owner)
+        return Membership(
+            self.version,
+            list(self.infos.values()),
+            self.targets,
+            owner=self.owner,
+            restart_holds=dict(self.restart_holds),
+        )
 
     # ----- AdminBackend -------------------------------------------------------------
 
@@ -235,6 +244,10 @@ class InprocPools:
 
     async def _set(self, worker_id: str, state: WorkerLifecycle) -> None:
         await self.set_states({worker_id: state})
+
+    async def set_restart_holds(self, holds: dict[str, RestartHold]) -> None:
+        self.restart_holds = dict(holds)
+        await self._publish()
 
     async def set_states(self, states: dict[str, WorkerLifecycle]) -> None:
         """Change several workers' states in one snapshot to the router."""

@@ -20,6 +20,7 @@ from tandem.router.membership import (
     Membership,
     PoolsOwnerUnreachable,
     PoolTargets,
+    RestartHold,
     WorkerInfo,
     WorkerLifecycle,
 )
@@ -92,6 +93,24 @@ def test_get_pools_lists_workers_and_targets(pools):
     assert {w.id for w in reply.workers} == {w["id"] for w in body["workers"]}
     assert (reply.version, reply.owner) == (body["version"], body["owner"])
     assert (reply.targets.prefill, reply.targets.decode) == (1, 1)
+
+
+def test_a_restart_hold_in_the_membership_reaches_the_admin_api_and_the_policy(pools):
+    """The router follows the owner's restart holds: `/admin/pools` shows one, and its
+    503s for want of a decode worker would ask clients to wait it out (Retry-After)."""
+    selector = pools.router.policy_runtime.policy.selector
+    until = time.time() + 30.0
+    pools.run(pools.set_restart_holds({"decode": RestartHold(3, until)}))
+    try:
+        assert selector.decode_start_held_until_unix_s == until
+        status, body = pools.run(http(pools, "GET", "/admin/pools"))
+        assert status == 200
+        assert body["restart_holds"]["decode"]["failures"] == 3
+        assert 25.0 < body["restart_holds"]["decode"]["seconds_left"] <= 30.0
+    finally:
+        pools.run(pools.set_restart_holds({}))
+    assert selector.decode_start_held_until_unix_s == 0.0
+    assert pools.run(http(pools, "GET", "/admin/pools"))[1]["restart_holds"] == {}
 
 
 @pytest.mark.parametrize(

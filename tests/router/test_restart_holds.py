@@ -1,7 +1,8 @@
-"""A role held back by the restart backoff, as SREs see it: `GET /admin/pools` and gRPC
-`GetPools`, `tandem pools`' table, and `tandem:worker_restart_hold_seconds` (the pool
+"""A role held back by the restart backoff, as SREs and clients see it: `GET
+/admin/pools` and gRPC `GetPools`, `tandem pools`' table,
+`tandem:worker_restart_hold_seconds`, and the router's 503s' Retry-After (the pool
 controller puts the hold in the membership: tests/cluster/test_pool_state.py, and end to
-end test_self_healing.py)."""
+end test_self_healing.py; the Retry-After itself: tests/router/policy/test_pair_selector.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry
 from tandem.cluster.admin_client import format_table, membership_json
 from tandem.router.admin import PoolsAdmin
 from tandem.router.admin_service import AdminService
+from tandem.router.config import RouterConfig
 from tandem.router.membership import (
     Membership,
     PoolTargets,
@@ -20,7 +22,10 @@ from tandem.router.membership import (
     WorkerInfo,
     WorkerLifecycle,
 )
+from tandem.router.policy import GoodputPolicy, WorkerState
+from tandem.router.policy_runtime import PolicyRuntime
 from tandem.router.pool_gauges import PoolGauges
+from tandem.router.worker_pool import WorkerPool
 from tandem.worker.config import WorkerRole
 
 
@@ -78,3 +83,20 @@ def test_the_hold_gauge_counts_down_and_is_zero_for_a_role_not_held():
     assert (
         registry2.get_sample_value("tandem:worker_restart_hold_seconds", {"role": "decode"}) == 0.0
     )
+
+
+def test_the_router_follows_the_decode_roles_hold_for_its_503s():
+    """What `Router.update_membership` hands the policy: the latest end of a hold of a
+    decode-capable role (decode or colocated); a prefill hold changes nothing."""
+    runtime = PolicyRuntime(RouterConfig(model_dir=""), WorkerPool([]))
+    decode = [WorkerState("decode-0", "decode", block_size=16, num_blocks=64)]
+    runtime.policy = GoodputPolicy([], decode)
+    now = time.time()
+    runtime.follow_restart_holds(
+        {"prefill": RestartHold(4, now + 50.0), "decode": RestartHold(2, now + 10.0)}
+    )
+    assert runtime.policy.selector.decode_start_held_until_unix_s == now + 10.0
+    runtime.follow_restart_holds({"colocated": RestartHold(3, now + 20.0)})
+    assert runtime.policy.selector.decode_start_held_until_unix_s == now + 20.0
+    runtime.follow_restart_holds({"prefill": RestartHold(4, now + 50.0)})
+    assert runtime.policy.selector.decode_start_held_until_unix_s == 0.0

@@ -1,6 +1,7 @@
 """Pair selection: prefix affinity, load balance, conditional disaggregation, decode fit."""
 
 import random
+import time
 
 import pytest
 
@@ -217,6 +218,27 @@ def test_without_prefill_workers_everything_is_local():
         w.available = False
     placement = PairSelector(prefill, decode).select(unique(0, 8000), 32, INTERACTIVE)
     assert placement.decision == LOCAL_PREFILL
+
+
+def test_with_no_decode_worker_the_503_asks_to_come_back_after_the_restart_hold():
+    """Retry-After: 2 s (a replacement's start) while no decode worker serves, plus what
+    is left of the decode role's restart backoff when its next start is held back."""
+    prefill, decode = cluster()
+    decode[0].available = False
+    selector = PairSelector(prefill, decode)
+    with pytest.raises(WorkerUnavailable) as plain:
+        selector.select(unique(0, 50), 8, INTERACTIVE)
+    assert plain.value.retry_after_s == 2.0
+    assert "dying young" not in str(plain.value)
+    selector.decode_start_held_until_unix_s = time.time() + 30.0
+    with pytest.raises(WorkerUnavailable) as held:
+        selector.select(unique(0, 50), 8, INTERACTIVE)
+    assert 31.0 <= held.value.retry_after_s <= 32.0
+    assert "new decode workers keep dying young, the next starts in 30 s" in str(held.value)
+    selector.decode_start_held_until_unix_s = time.time() - 1.0  # a hold that has passed
+    with pytest.raises(WorkerUnavailable) as passed:
+        selector.select(unique(0, 50), 8, INTERACTIVE)
+    assert passed.value.retry_after_s == 2.0
 
 
 def test_decode_choice_by_free_blocks_and_step_time():
