@@ -23,8 +23,9 @@ For a prompt of `n` tokens and `max_tokens` to generate:
   prefilled locally anyway: one slow step for the batch, instead of a missed SLO. Without
   available prefill workers, local prefill is the only option.
 
-The selector is pure: it reads `WorkerState`s and returns a `Placement`; committing
-the placement (accounting, prefix index) is the caller's job (`GoodputPolicy`).
+The selector is pure: it reads `WorkerState`s (and the clock, for a 503's Retry-After
+during a restart hold) and returns a `Placement`; committing the placement (accounting,
+prefix index) is the caller's job (`GoodputPolicy`).
 """
 
 from __future__ import annotations
