@@ -101,10 +101,13 @@ class Attempt:
     # Workers the membership owner declared lost while this attempt used them.
     lost: set[str] = dataclasses.field(default_factory=set)
 
-    def lose(self, worker_id: str) -> None:
+    def lose(self, worker_id: str) -> bool:
+        """Mark the worker lost; True when that ended this attempt's call on it."""
         self.lost.add(worker_id)
-        if self.call is not None and self.call_worker_id == worker_id:
-            self.call.cancel()
+        if self.call is None or self.call_worker_id != worker_id:
+            return False
+        self.call.cancel()
+        return True
 
     def start_call(self, worker_id: str, call: Any) -> None:
         """Track `call` to `worker_id`; refused (and cancelled) if that worker is lost."""
@@ -146,11 +149,10 @@ class AttemptRegistry:
                     del self._by_worker[worker_id]
 
     def lose_worker(self, worker_id: str) -> int:
-        """End the calls on a lost worker; returns how many attempts used it."""
+        """End the calls on a lost worker; returns how many were in flight (the attempts
+        that used it and moved on to another worker are marked, not counted)."""
         attempts = list(self._by_worker.get(worker_id, ()))
-        for attempt in attempts:
-            attempt.lose(worker_id)
-        return len(attempts)
+        return sum(attempt.lose(worker_id) for attempt in attempts)
 
     def num_on(self, worker_id: str) -> int:
         return len(self._by_worker.get(worker_id, ()))

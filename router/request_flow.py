@@ -86,7 +86,7 @@ class RequestFlow:
 
     def worker_lost(self, worker_id: str) -> int:
         """The membership owner says the worker is dead or gone: end its calls, so their
-        sequences migrate. Returns how many attempts used it."""
+        sequences migrate. Returns how many calls were in flight on it."""
         return self._attempts.lose_worker(worker_id)
 
     def num_attempts_on(self, worker_id: str) -> int:

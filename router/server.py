@@ -214,9 +214,9 @@ class Router:
                     or info.endpoint != current.endpoint
                     or info.role != current.role
                 ):
-                    num_lost = flow.worker_lost(current.worker_id)
-                    logger.info("worker %s left the pools (%d requests migrate)",
-                                current.worker_id, num_lost)  # fmt: skip
+                    num_ended = flow.worker_lost(current.worker_id)
+                    logger.info("worker %s left the pools (%d calls on it ended; their "
+                                "requests migrate)", current.worker_id, num_ended)  # fmt: skip
                     runtime.remove_worker(current.worker_id)
                     self.pool.remove(current.worker_id)
             # Serving workers first: a worker that drains because its replacement now
