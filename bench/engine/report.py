@@ -13,9 +13,11 @@ SECTION_HEADING = "## Engine"
 TRANSFORMERS_TARGET = 1.0
 # Rows measured while other processes used more cores than this are flagged as noisy.
 QUIET_MAX_CORES = 0.25
-# Profiler names of the GEMM kernels: the part of a step the matmul floor measures.
+# Profiler names of the GEMM kernels: the part of a step the matmul floor measures (the
+# MLP's gate/up product comes with its SiLU-and-multiply where the two are one call).
 MATMUL_OPS = (
     "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "tandem_cpu::packed_linear",
+    "tandem_cpu::packed_silu_and_mul",
 )  # fmt: skip
 
 
