@@ -40,16 +40,6 @@ void check_same_dtype(const at::Tensor& x, const at::Tensor& other, const char* 
               other.scalar_type());
 }
 
-// RMSNorm of one row: x / sqrt(mean(x^2) + eps) * weight.
-void rms_norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
-  const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * inv_rms) * w[i];
-}
-
 // Applies fn(offset, count) to [0, n) in whole vectors of 16, then the tail (count < 16).
 template <typename Fn>
 void by_vectors(int64_t n, Fn fn) {
@@ -73,14 +63,43 @@ inline void store_bf16_part(BFloat16* p, Vec16 v, int64_t count) {
   std::copy(part, part + count, p);
 }
 
+// The sum of squares of n floats, load(i, count) giving the `count` (<= 16) from i as a
+// vector (zeros past count): in four partial sums, as one chain of multiply-adds waits
+// for each (~4 cycles a vector). RMSNorm of 512 x 768 bfloat16 rows (AMX Xeon, 2
+// threads, medians of 300, two rounds): 81 / 98 -> 68 / 73 us; 32 rows, one thread:
+// 10.1 / 9.6 -> 8.1 / 8.7 us.
+template <typename Load>
+float sum_of_squares(int64_t n, const Load& load) {
+  constexpr int64_t kChains = 4;
+  Vec16 sums[kChains] = {};
+  int64_t i = 0;
+  for (; i + kChains * kLanes16 <= n; i += kChains * kLanes16) {
+    for (int64_t c = 0; c < kChains; ++c) {
+      const Vec16 v = load(i + c * kLanes16, kLanes16);
+      sums[c] += v * v;
+    }
+  }
+  for (; i < n; i += kLanes16) {
+    const Vec16 v = load(i, std::min<int64_t>(kLanes16, n - i));
+    sums[0] += v * v;
+  }
+  return tandem_cpu::horizontal_sum16((sums[0] + sums[1]) + (sums[2] + sums[3]));
+}
+
+// RMSNorm of one row: x / sqrt(mean(x^2) + eps) * weight.
+void rms_norm_row(const float* x, const float* w, float* out, int64_t n, float eps) {
+  const float sum = sum_of_squares(n, [&](int64_t i, int64_t count) {
+    return count == kLanes16 ? tandem_cpu::load16(x + i) : tandem_cpu::load_partial16(x + i, count, 0.f);
+  });
+  const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = (x[i] * inv_rms) * w[i];
+}
+
 // In bfloat16: the normalized row rounded, then times the weight rounded.
 void rms_norm_row(const BFloat16* x, const BFloat16* w, BFloat16* out, int64_t n, float eps) {
-  Vec16 squares{};
-  by_vectors(n, [&](int64_t i, int64_t count) {
-    const Vec16 v = load_bf16_part(x + i, count);
-    squares += v * v;
-  });
-  const float inv_rms = 1.f / std::sqrt(tandem_cpu::horizontal_sum16(squares) / static_cast<float>(n) + eps);
+  const float sum = sum_of_squares(n, [&](int64_t i, int64_t count) { return load_bf16_part(x + i, count); });
+  const float inv_rms = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
   by_vectors(n, [&](int64_t i, int64_t count) {
     const Vec16 normed = tandem_cpu::round_bf16_16(load_bf16_part(x + i, count) * inv_rms);
     store_bf16_part(out + i, normed * load_bf16_part(w + i, count), count);
