@@ -2,24 +2,29 @@
 
 `torch.utils.cpp_extension.load` compiles them with the host's compiler (g++, ninja) on
 first use and caches the library under `TORCH_EXTENSIONS_DIR` (default
-~/.cache/torch_extensions): later starts, and concurrent ones (a file lock), load the
-cached build in well under a second. They run on torch's own thread pool
-(`at::parallel_for`), so they add no second OpenMP runtime. Loaded, they are
-`torch.ops.tandem_cpu.paged_decode` and `paged_prefill` (decode and prefill attention
-over the paged cache, the `cpu` attention backend), `pack_linear_weight`, `packed_linear`
-and `packs_bfloat16` (float32 matmuls, and bfloat16 ones on CPUs with AMX or
-AVX512-BF16, over weights packed at load, see engine/model/linear.py), `rms_norm`,
-`silu_and_mul` and `rotary_embedding_` (fused float32/bfloat16 elementwise ops, see
-engine/model/cpu_kernels.py), `packed_silu_and_mul` and `fuses_silu_and_mul` (the MLP's
-gate/up product and SiLU-and-multiply in one pass, bfloat16 with AMX), `greedy_argmax`
-(the greedy sampler's choice, engine/sampler.py), `cache_kv` (the K/V writes by slot)
-and `decoder_stack` (a step's decoder stack, see engine/model/cpu_stack.py); cpu_ops.h
-declares them all, register_ops.cpp registers them.
+~/.cache/torch_extensions): later starts, and concurrent ones, load the cached build in
+well under a second. Concurrent starts take turns by a kernel file lock of our own
+(`flock`, freed when its holder exits however it exits): torch's own lock is a file that
+a process killed mid-build leaves behind, and every later load waited on it forever
+(`FileBaton.wait` has no timeout); under our lock such a file is stale and removed. They
+run on torch's own thread pool (`at::parallel_for`), so they add no second OpenMP
+runtime. Loaded, they are `torch.ops.tandem_cpu.paged_decode` and `paged_prefill`
+(decode and prefill attention over the paged cache, the `cpu` attention backend),
+`pack_linear_weight`, `packed_linear` and `packs_bfloat16` (float32 matmuls, and
+bfloat16 ones on CPUs with AMX or AVX512-BF16, over weights packed at load, see
+engine/model/linear.py), `rms_norm`, `silu_and_mul` and `rotary_embedding_` (fused
+float32/bfloat16 elementwise ops, see engine/model/cpu_kernels.py),
+`packed_silu_and_mul` and `fuses_silu_and_mul` (the MLP's gate/up product and
+SiLU-and-multiply in one pass, bfloat16 with AMX), `greedy_argmax` (the greedy sampler's
+choice, engine/sampler.py), `cache_kv` (the K/V writes by slot) and `decoder_stack` (a
+step's decoder stack, see engine/model/cpu_stack.py); cpu_ops.h declares them all,
+register_ops.cpp registers them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -27,6 +32,7 @@ import os
 import platform
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -69,6 +75,11 @@ CFLAGS = [
 ]
 
 
+# How long a start waits for another process's build of the ops to finish (a cold build
+# took ~45 s on 2 cores).
+BUILD_WAIT_S = 900.0
+
+
 @functools.cache
 def cpu_ops_error() -> str | None:
     """Why the ops cannot be built or loaded here, or None once they are loaded (built
@@ -79,20 +90,62 @@ def cpu_ops_error() -> str | None:
     if shutil.which(compiler) is None:
         return f"no C++ compiler: {compiler!r} is not on PATH"
     started = time.perf_counter()
+    name = f"{EXTENSION_BASE_NAME}_{cpu_fingerprint()}"
     try:
         _put_ninja_on_path()
-        cpp_extension.load(
-            name=f"{EXTENSION_BASE_NAME}_{cpu_fingerprint()}",
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=CFLAGS,
-            is_python_module=False,
-            verbose=False,
-        )
+        with build_lock(build_directory(name), BUILD_WAIT_S):
+            cpp_extension.load(
+                name=name,
+                sources=[str(source) for source in SOURCES],
+                extra_cflags=CFLAGS,
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # no compiler or ninja, a failed build: the reason is the answer
         lines = str(exc).strip().splitlines()
         return f"{type(exc).__name__}: {lines[-1] if lines else ''}"
     logger.info("cpu ops loaded in %.1fs", time.perf_counter() - started)
     return None
+
+
+def build_directory(name: str) -> Path:
+    """Where torch builds and caches the extension `name` (created if absent)."""
+    from torch.utils import cpp_extension
+
+    # torch's own rule (TORCH_EXTENSIONS_DIR, else its default root and a Python/CUDA
+    # folder); private, so a torch that renames it fails here, loudly, not silently.
+    return Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, timeout_s: float) -> Iterator[None]:
+    """Held while this process builds or loads the ops of `build_dir`: exclusive among
+    Tandem processes (a `flock` on a file beside it), waited for at most `timeout_s`
+    (TimeoutError). Held, it removes torch's lock file in `build_dir` if one is there:
+    every builder takes this lock first, so that file is a killed build's."""
+    lock_path = build_dir.with_name(build_dir.name + ".tandem-lock")
+    deadline = time.monotonic() + timeout_s
+    with open(lock_path, "a") as lock_file:
+        while True:
+            try:
+                fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"another process has held {lock_path} for over {timeout_s:g} s "
+                        "(building the cpu ops)"
+                    ) from None
+                time.sleep(0.1)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by a build of the cpu ops that was killed",
+                               stale)  # fmt: skip
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
 def cpu_fingerprint() -> str:
