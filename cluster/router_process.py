@@ -122,7 +122,13 @@ async def run_router(ray_address: str, overrides: dict[str, Any], announce=print
 
     join_ray(ray_address)
     controller = find_controller()
-    cluster_config = await controller.get_config.remote()
+    try:
+        cluster_config = await asyncio.wait_for(controller.get_config.remote(), CONTROLLER_REPLY_S)
+    except TimeoutError:
+        raise RuntimeError(
+            f"the pool controller did not send the cluster's configuration within "
+            f"{CONTROLLER_REPLY_S:g} s; is `tandem serve` running and responsive?"
+        ) from None
     config = dataclasses.replace(cluster_config.router, **overrides)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -278,6 +278,10 @@ class EngineLoop:
             self._built.set()
         try:
             self._serve(engine)
+        except Exception as exc:  # outside a step (an abort, lease expiry, stats): as a step's
+            logger.exception("engine thread failed; failing every open stream")
+            self._error = exc
+            self._fail_all(EngineLoopClosed(f"engine failed: {exc!r}"))
         finally:
             self._close_commands()
 
@@ -349,11 +353,16 @@ class EngineLoop:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
     def _fail_all(self, exc: BaseException) -> None:
+        """End every open stream with `exc`, and drop its request from the engine (an
+        abort that fails too is logged: the streams end all the same)."""
         with self._lock:
             streams = list(self._streams.items())
         for req_id, stream in streams:
-            self.engine.abort(req_id)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            try:
+                self.engine.abort(req_id)
+            except Exception:
+                logger.exception("abort of %s failed while failing every stream", req_id)
 
 
 class RequestStream:

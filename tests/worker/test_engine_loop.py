@@ -204,6 +204,43 @@ def test_an_engine_failure_fails_open_streams_and_closes_the_loop(engine):
     assert engine.is_idle()  # the failed request was aborted, its blocks freed
 
 
+def test_a_failure_between_steps_fails_open_streams_too(engine):
+    """The engine thread's own work between steps (here a client's abort) raising ends
+    every open stream with the error at once, as a failed step does; before, the thread
+    died and the streams waited out their callers' deadlines."""
+    real_abort = engine.abort
+
+    def failing_abort(req_id: str) -> None:
+        if req_id == "leaving":
+            raise RuntimeError("injected abort failure")
+        real_abort(req_id)
+
+    engine.abort = failing_abort
+    loop = EngineLoop(lambda: engine, name=THREAD)
+    loop.start()
+    try:
+
+        async def main():
+            staying = await loop.generate("staying", PROMPTS[0], LONG)
+            leaving = await loop.generate("leaving", PROMPTS[1], LONG)
+            await anext(aiter(staying))
+            await leaving.aclose()  # its abort raises on the engine thread
+            with pytest.raises(EngineLoopClosed, match="injected abort failure"):
+                async with asyncio.timeout(10):
+                    async for _ in staying:
+                        pass
+            await staying.aclose()
+            with pytest.raises(EngineLoopClosed, match="engine failed"):
+                await loop.call(lambda e: None)
+
+        run(main())
+    finally:
+        loop.stop()
+    assert not engine_threads()
+    real_abort("leaving")  # the one whose abort failed; the open one was aborted
+    assert engine.is_idle()
+
+
 def test_stop_fails_pending_waits_joins_the_thread_and_refuses_new_work(engine_loop, engine):
     async def main():
         first = asyncio.Event()
