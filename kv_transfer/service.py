@@ -92,6 +92,10 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         self._thread_prefix = f"kv-service-{id(self):x}"
         # NCCL init and GPU gathers only; created on the first NCCL channel.
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # Unpins cuda_ipc pulls whose FinishPull never came (a decode worker that died
+        # between its Pull and FinishPull pulls on that channel no more, so the expiry at
+        # the next Pull never ran); started with the first cuda_ipc channel.
+        self._pin_expiry: asyncio.Task | None = None
         self._stopped = False
 
     def start(self) -> str:
@@ -101,6 +105,10 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
     async def stop(self) -> None:
         """Close every channel, the data server, its sockets and threads."""
         self._stopped = True
+        if self._pin_expiry is not None:
+            self._pin_expiry.cancel()
+            await asyncio.gather(self._pin_expiry, return_exceptions=True)
+            self._pin_expiry = None
         for channel in self._nccl.values():
             channel.close(abort=True)
         self._nccl.clear()
@@ -165,6 +173,7 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         if chosen == "cuda_ipc":
             description = await self._cuda_ipc_export(context)
             self._ipc[channel_id] = CudaIpcServerChannel(channel_id, self.timeout_s)
+            self._start_pin_expiry()
             return worker_pb2.OpenChannelResponse(
                 channel_id=channel_id,
                 backend=worker_pb2.KV_BACKEND_CUDA_IPC,
@@ -174,6 +183,17 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         return worker_pb2.OpenChannelResponse(
             channel_id=channel_id, tcp_endpoint=endpoint, backend=worker_pb2.KV_BACKEND_TCP
         )
+
+    def _start_pin_expiry(self) -> None:
+        if self._pin_expiry is None:
+            self._pin_expiry = asyncio.get_running_loop().create_task(self._expire_pins())
+
+    async def _expire_pins(self) -> None:
+        """Every half timeout: unpin each cuda_ipc channel's pulls past their deadline."""
+        while True:
+            await asyncio.sleep(self.timeout_s / 2)
+            for channel in list(self._ipc.values()):
+                channel.expire()
 
     async def _cuda_ipc_export(self, context: grpc.aio.ServicerContext) -> bytes:
         if self._ipc_export is None:
@@ -234,6 +254,13 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
                 self._nccl.pop(request.channel_id, None)
                 channel.close(abort=True)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"NCCL send failed: {e!r}")
+            except asyncio.CancelledError:
+                # The decode side gave up mid-send (its pull timed out, its request was
+                # cancelled) and aborted its end: a send half done leaves the channel
+                # unusable, so it goes, communicator and gathered copy with it.
+                self._nccl.pop(request.channel_id, None)
+                channel.close(abort=True)
+                raise
         return worker_pb2.PullResponse(num_bytes=num_bytes)
 
     async def _pull_ipc(

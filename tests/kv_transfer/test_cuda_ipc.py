@@ -21,6 +21,7 @@ from tandem.kv_transfer.cuda_ipc import (
     local_device_index,
 )
 from tandem.kv_transfer.cuda_ipc_channel import CudaIpcServerChannel
+from tandem.kv_transfer.service import KvTransferService
 from tandem.worker.config import KvBackend, WorkerSettings, check_kv_backend, resolve_kv_backend
 from tests.helpers.clock import FakeClock
 from tests.helpers.kv_transfer_harness import TINY, FakeEngine, bits, prefill_server, random_cache
@@ -107,6 +108,28 @@ def test_pins_last_until_finish_expiry_or_close() -> None:
     assert unpinned[-1] == "d" and channel.num_pinned == 1
     channel.close()
     assert unpinned[-1] == "d2" and channel.num_pinned == 0
+
+
+def test_the_service_unpins_a_pull_whose_finish_never_comes() -> None:
+    """A decode worker killed between its Pull and FinishPull pulls on that channel no
+    more, so no later Pull expires its pin: the service's own expiry (every half
+    timeout, from the first cuda_ipc channel until stop) unpins it."""
+    service = KvTransferService(TINY, read_blocks=lambda request_id: None, timeout_s=0.2)
+    unpinned: list[str] = []
+
+    async def scenario() -> None:
+        channel = CudaIpcServerChannel("ch", timeout_s=0.2)
+        service._ipc["ch"] = channel  # what OpenChannel adds (it needs a CUDA cache)
+        service._start_pin_expiry()
+        channel.pin("r", CacheBlocks(torch.zeros(1), [3], on_done=lambda: unpinned.append("r")))
+        async with asyncio.timeout(5.0):
+            while channel.num_pinned:
+                await asyncio.sleep(0.05)
+        await service.stop()
+
+    asyncio.run(scenario())
+    assert unpinned == ["r"]
+    assert service._pin_expiry is None
 
 
 def test_start_up_errors_for_impossible_choices(tiny_model_dir: object) -> None:

@@ -9,6 +9,8 @@ import torch
 
 from tandem.kv_transfer import KvPullError, KvTransferClient, KvTransferError
 from tandem.kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, NcclUniqueId, load_nccl
+from tandem.kv_transfer.service import KvTransferService
+from tandem.proto.tandem.worker.v1 import worker_pb2
 from tests.helpers.kv_transfer_harness import (
     SMALL,
     TINY,
@@ -84,3 +86,46 @@ def test_nccl_pulls_between_two_gpus_are_bit_exact() -> None:
             )
 
     asyncio.run(run())
+
+
+class StalledSend:
+    """An NCCL channel whose send never ends (the decode side stopped receiving)."""
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.sending = asyncio.Event()
+        self.closed_with_abort: bool | None = None
+
+    async def send(self, blocks: torch.Tensor) -> int:
+        self.sending.set()
+        await asyncio.Event().wait()  # cancelled by the test, as gRPC cancels the handler
+        return 0
+
+    def close(self, abort: bool = False) -> None:
+        self.closed_with_abort = abort
+
+
+def test_a_pull_cancelled_mid_send_drops_its_nccl_channel() -> None:
+    """The decode side gives up during a send (its pull timed out, its request was
+    cancelled) and aborts its end: the prefill side's handler, cancelled by gRPC, drops
+    the channel (communicator, gathered copy) instead of keeping it until stop."""
+    engine = FakeEngine(random_cache(TINY, 4), {"r": [1, 2]})
+    service = KvTransferService(TINY, engine.read_blocks)
+    channel = StalledSend()
+    service._nccl["ch"] = channel  # what OpenChannel adds (it needs CUDA and NCCL)
+
+    async def scenario() -> None:
+        pull = asyncio.ensure_future(
+            service.Pull(worker_pb2.PullRequest(channel_id="ch", request_id="r"), None)
+        )
+        async with asyncio.timeout(10):
+            await channel.sending.wait()
+        pull.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await pull
+        # Dropped by the cancelled pull, not (only) by the service's stop.
+        assert channel.closed_with_abort is True
+        assert "ch" not in service._nccl
+        await service.stop()
+
+    asyncio.run(scenario())
