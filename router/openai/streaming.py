@@ -46,6 +46,10 @@ ENDING_WRITE_S = 1.0
 # skip comments.
 KEEPALIVE_S = 15.0
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
+# A client whose connection takes no write for this long (it reads nothing, its socket
+# buffers full) counts as gone: its stream ends, and with it the request's worker calls,
+# instead of the handler waiting on it for as long as the connection stays open.
+WRITE_TIMEOUT_S = 60.0
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:
@@ -130,16 +134,24 @@ class SseWriter:
         self._ended = False
 
     async def write(self, data: bytes, eof: bool = False) -> None:
+        """ConnectionResetError when the client is gone, or takes nothing for
+        WRITE_TIMEOUT_S."""
         async with self._lock:
-            await self.response.write(data)
-            if eof:
-                await self.response.write_eof()
-                self._ended = True
+            try:
+                async with asyncio.timeout(WRITE_TIMEOUT_S):
+                    await self.response.write(data)
+                    if eof:
+                        await self.response.write_eof()
+            except TimeoutError:
+                raise ConnectionResetError(
+                    f"the client took no data for {WRITE_TIMEOUT_S:g} s"
+                ) from None
+            self._ended = self._ended or eof
             self._last_write_s = time.monotonic()
 
     async def write_quietly(self, data: bytes, eof: bool = False) -> bool:
         """Write (and end the response if `eof`) if the client is still there; False if
-        gone."""
+        gone (or not reading)."""
         try:
             await self.write(data, eof)
         except ConnectionResetError:
