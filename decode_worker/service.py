@@ -255,6 +255,14 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             )
         except grpc.aio.AioRpcError as exc:
             logger.info("release of %s on %s failed: %s", handle.request_id, handle.endpoint, exc)
+            if (
+                exc.code() is grpc.StatusCode.UNAVAILABLE
+                and self._peers.get(handle.endpoint) is channel
+            ):
+                # Gone (prefill workers come and go, on new ports): its channel goes too,
+                # rather than one per prefill worker ever met staying open.
+                del self._peers[handle.endpoint]
+                await channel.close()
 
     @answers_engine_loop_closed
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
