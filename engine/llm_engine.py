@@ -407,6 +407,11 @@ class Engine:
             num_cached_blocks=self.pool.num_cached_blocks,
         )
 
+    def close(self) -> None:
+        """Stop the engine's helper threads (grammar compilation); the owner (the engine
+        loop's thread, as it leaves) calls it once no step will run again."""
+        self.structured.close()
+
     def is_idle(self) -> bool:
         """No request, hold or import left, and every block free."""
         return (

@@ -284,6 +284,7 @@ class EngineLoop:
             self._fail_all(EngineLoopClosed(f"engine failed: {exc!r}"))
         finally:
             self._close_commands()
+            engine.close()
 
     def _serve(self, engine: Engine) -> None:
         while not self._stopping.is_set():

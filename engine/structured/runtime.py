@@ -145,9 +145,11 @@ class StructuredRuntime:
         return refused
 
     def close(self) -> None:
+        """Stop the compile threads; a later grammar starts a new cache."""
         self._waiting.clear()
         if self._cache is not None:
             self._cache.close()
+            self._cache = None
 
 
 def _matcher(future: concurrent.futures.Future, replay: list[int]) -> RequestGrammar:

@@ -7,6 +7,7 @@ asyncio side (every wait bounded by a timeout).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -18,6 +19,7 @@ from tandem.engine.config import EngineConfig
 from tandem.engine.generate import generate
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
 from tandem.worker.engine_loop import EngineLoop, EngineLoopClosed, EngineStepFailed
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
 from tests.helpers.prompts import make_prompts
@@ -278,6 +280,34 @@ def test_start_and_stop_leave_no_thread_behind(engine):
         loop.stop()
         assert not engine_threads()
     assert {t.ident for t in threading.enumerate()} == before
+
+
+def compile_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("grammar-compile")]
+
+
+def test_stop_ends_the_grammar_compile_threads_too(engine):
+    """The engine's helper threads go with its loop: a guided request starts grammar
+    compilation; after stop no compile thread is left (a reused engine starts anew)."""
+    guided = dataclasses.replace(
+        GREEDY, structured=GuidedDecoding(GuidedKind.REGEX, "[a-z]{1,4}"), ignore_eos=False
+    )
+    for i in range(2):
+        loop = EngineLoop(lambda: engine, name=THREAD)
+        loop.start()
+        try:
+
+            async def generate_one(loop: EngineLoop, req_id: str) -> list:
+                return await collect(await loop.generate(req_id, PROMPTS[1], guided))
+
+            assert run(generate_one(loop, f"g{i}"))[-1].finished
+            assert compile_threads()
+        finally:
+            loop.stop()
+        deadline = time.monotonic() + 5.0
+        while compile_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not compile_threads(), "grammar compile threads outlived the loop's stop"
 
 
 async def collect_one(loop: EngineLoop, req_id: str) -> list:
