@@ -6,6 +6,7 @@ end test_self_healing.py; the Retry-After itself: tests/router/policy/test_pair_
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -25,7 +26,7 @@ from tandem.router.membership import (
 from tandem.router.policy import GoodputPolicy, WorkerState
 from tandem.router.policy_runtime import PolicyRuntime
 from tandem.router.pool_gauges import PoolGauges
-from tandem.router.worker_pool import WorkerPool
+from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
 from tandem.worker.config import WorkerRole
 
 
@@ -85,18 +86,27 @@ def test_the_hold_gauge_counts_down_and_is_zero_for_a_role_not_held():
     )
 
 
-def test_the_router_follows_the_decode_roles_hold_for_its_503s():
+def test_the_router_follows_the_decode_roles_hold_for_its_503s(tiny_model_dir):
     """What `Router.update_membership` hands the policy: the latest end of a hold of a
     decode-capable role (decode or colocated); a prefill hold changes nothing."""
-    runtime = PolicyRuntime(RouterConfig(model_dir=""), WorkerPool([]))
-    decode = [WorkerState("decode-0", "decode", block_size=16, num_blocks=64)]
-    runtime.policy = GoodputPolicy([], decode)
-    now = time.time()
-    runtime.follow_restart_holds(
-        {"prefill": RestartHold(4, now + 50.0), "decode": RestartHold(2, now + 10.0)}
-    )
-    assert runtime.policy.selector.decode_start_held_until_unix_s == now + 10.0
-    runtime.follow_restart_holds({"colocated": RestartHold(3, now + 20.0)})
-    assert runtime.policy.selector.decode_start_held_until_unix_s == now + 20.0
-    runtime.follow_restart_holds({"prefill": RestartHold(4, now + 50.0)})
-    assert runtime.policy.selector.decode_start_held_until_unix_s == 0.0
+
+    async def scenario() -> None:
+        pool = WorkerPool([WorkerEndpoint("decode-0", "decode", "127.0.0.1:1")])
+        try:
+            runtime = PolicyRuntime(RouterConfig(model_dir=str(tiny_model_dir)), pool)
+            decode = [WorkerState("decode-0", "decode", block_size=16, num_blocks=64)]
+            runtime.policy = GoodputPolicy([], decode)
+            selector = runtime.policy.selector
+            now = time.time()
+            runtime.follow_restart_holds(
+                {"prefill": RestartHold(4, now + 50.0), "decode": RestartHold(2, now + 10.0)}
+            )
+            assert selector.decode_start_held_until_unix_s == now + 10.0
+            runtime.follow_restart_holds({"colocated": RestartHold(3, now + 20.0)})
+            assert selector.decode_start_held_until_unix_s == now + 20.0
+            runtime.follow_restart_holds({"prefill": RestartHold(4, now + 50.0)})
+            assert selector.decode_start_held_until_unix_s == 0.0
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
