@@ -70,6 +70,8 @@ class TrafficReporter:
             )
         except (TimeoutError, RuntimeError, ray.exceptions.RayError) as exc:
             logger.debug("traffic: report to the pool controller failed: %s", exc)
+        except Exception:  # unexpected: logged; the next report goes out all the same
+            logger.exception("traffic: report to the pool controller failed")
 
 
 class ClusterTraffic:

@@ -244,7 +244,11 @@ class Router:
                 pending = list(self._pending.values())
                 self._pending.clear()
                 for info in pending:
-                    await self._join(info)
+                    try:
+                        await self._join(info)
+                    except Exception:  # unexpected: logged, tried again (the task goes on)
+                        logger.exception("worker %s: its join failed; retrying", info.worker_id)
+                        self._pending.setdefault(info.worker_id, info)
 
     async def _add_worker(self, info: WorkerInfo) -> None:
         runtime = self.policy_runtime

@@ -113,6 +113,32 @@ def test_a_restart_hold_in_the_membership_reaches_the_admin_api_and_the_policy(p
     assert pools.run(http(pools, "GET", "/admin/pools"))[1]["restart_holds"] == {}
 
 
+def test_a_join_retry_that_fails_unexpectedly_is_tried_again(pools, monkeypatch):
+    """The router's join retries go on past an error they do not expect (before, the
+    retry task ended with it, and no later join was retried until the next membership)."""
+    router = pools.router
+    real_join, calls = router._join, []
+
+    async def flaky_join(info: WorkerInfo) -> None:
+        calls.append(info.worker_id)
+        if len(calls) == 1:
+            raise RuntimeError("injected join failure")
+        await real_join(info)
+
+    monkeypatch.setattr(router, "_join", flaky_join)
+    info = next(i for i in pools.infos.values() if i.role is WorkerRole.DECODE)
+
+    async def scenario() -> None:
+        router._pending[info.worker_id] = info
+        async with asyncio.timeout(10):
+            while len(calls) < 2 or router._pending:
+                await asyncio.sleep(0.1)
+
+    pools.run(scenario())
+    assert calls == [info.worker_id, info.worker_id]
+    assert not router._join_retry.done()
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [
