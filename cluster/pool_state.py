@@ -33,6 +33,7 @@ from tandem.router.membership import (
     RestartHold,
     WorkerInfo,
     WorkerLifecycle,
+    holds_not_passed,
 )
 from tandem.worker.config import WorkerRole
 
@@ -143,12 +144,7 @@ class PoolState:
                 prefill=self.targets[WorkerRole.PREFILL], decode=self.targets[WorkerRole.DECODE]
             )
         restarts = {role.value: n for role, n in self.restarts.items()}
-        now_unix_s = time.time()
-        holds = {
-            role.value: hold
-            for role, hold in self._holds.items()
-            if hold.seconds_left(now_unix_s) > 0
-        }
+        holds = holds_not_passed({r.value: h for r, h in self._holds.items()}, time.time())
         return Membership(self.version, workers, targets, restarts, self.owner, holds)
 
     @staticmethod

@@ -25,6 +25,7 @@ from tandem.router.membership import (
     PoolsOwnerUnreachable,
     PoolTargets,
     WorkerInfo,
+    holds_not_passed,
 )
 
 logger = logging.getLogger(__name__)
@@ -90,11 +91,8 @@ def restart_holds_json(membership: Membership) -> dict[str, dict[str, float]]:
     """The roles whose next worker start is held back (restart backoff), by role (a
     snapshot's hold that has passed since is left out)."""
     now_unix_s = time.time()
-    return {
-        role: hold.as_json(now_unix_s)
-        for role, hold in membership.restart_holds.items()
-        if hold.seconds_left(now_unix_s) > 0
-    }
+    holds = holds_not_passed(membership.restart_holds, now_unix_s)
+    return {role: hold.as_json(now_unix_s) for role, hold in holds.items()}
 
 
 def _owner_error(exc: Exception) -> RouterError:

@@ -4,12 +4,13 @@ API key, when set, is checked for every public service by `router.api_key`)."""
 from __future__ import annotations
 
 import logging
+import time
 
 from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
 from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
 from tandem.router.admin import PoolsAdmin, parse_targets
 from tandem.router.errors import RouterError, abort_with
-from tandem.router.membership import Membership
+from tandem.router.membership import Membership, holds_not_passed
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                     prefill=membership.targets.prefill, decode=membership.targets.decode
                 )
             )
-        for role, hold in membership.restart_holds.items():
+        for role, hold in holds_not_passed(membership.restart_holds, time.time()).items():
             reply.restart_holds[role].CopyFrom(
                 admin_pb.RestartHold(failures=hold.failures, until_unix_s=hold.until_unix_s)
             )

@@ -11,6 +11,7 @@ or vanished workers. Admin calls (`GetPools`, `ScalePools`, `DrainWorker`) go to
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -90,6 +91,11 @@ class RestartHold:
             "until_unix_s": self.until_unix_s,
             "seconds_left": round(self.seconds_left(now_unix_s), 1),
         }
+
+
+def holds_not_passed(holds: Mapping[str, RestartHold], now_unix_s: float) -> dict[str, RestartHold]:
+    """Those of `holds` (by role) with time left at `now_unix_s`."""
+    return {role: hold for role, hold in holds.items() if hold.seconds_left(now_unix_s) > 0}
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,9 @@ def test_the_admin_api_shows_the_hold_over_http_and_grpc():
     assert set(reply.restart_holds) == {"decode"}
     assert reply.restart_holds["decode"].failures == 3
     assert reply.restart_holds["decode"].until_unix_s == pytest.approx(hold["until_unix_s"])
+    # A hold that has passed since the snapshot: in neither view.
+    assert admin.to_json(held_membership(-1.0))["restart_holds"] == {}
+    assert not AdminService(admin)._response(held_membership(-1.0)).restart_holds
 
 
 def test_tandem_pools_prints_the_hold_under_the_table():
