@@ -17,10 +17,7 @@ one worker at a time, behind the `ResizeGate` hysteresis.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
-import multiprocessing as mp
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -30,14 +27,9 @@ from tandem.engine.config import EngineConfig
 from tandem.planner.hysteresis import ResizeGate, Split
 from tandem.planner.live_config import PlannerConfig, PlannerMode
 from tandem.planner.live_inputs import InputWindow, waiting_for_traffic
-from tandem.planner.live_plan import (
-    LivePlanInput,
-    LivePlanResult,
-    compute_plan,
-    init_planning_process,
-    warm_up,
-)
+from tandem.planner.live_plan import LivePlanInput, LivePlanResult, compute_plan
 from tandem.planner.observe import Counters, ObservedLoad, read_router_counters
+from tandem.planner.planning_process import PlanningProcess
 from tandem.planner.profile_format import EngineLimits
 from tandem.planner.profile_model import LatencyLaws
 from tandem.planner.simulator import SloTargets
@@ -135,18 +127,12 @@ class LivePlanner:
         self.num_plans = 0
         self._inputs: InputWindow | None = None
         self._task: asyncio.Task | None = None
-        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._process = PlanningProcess()
 
     # ----- life ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._executor = concurrent.futures.ProcessPoolExecutor(
-            max_workers=1,
-            mp_context=mp.get_context("spawn"),
-            initializer=init_planning_process,
-            initargs=(os.getpid(),),
-        )
-        self._executor.submit(warm_up)
+        self._process.start()
         if self.budget is None:
             split, _ = current_split(await self._pools())
             self.budget = sum(split) if split else len(self._workers())
@@ -161,9 +147,7 @@ class LivePlanner:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        self._process.stop()
 
     async def _run_forever(self) -> None:
         while True:
@@ -235,7 +219,7 @@ class LivePlanner:
 
     async def _plan(self, load: ObservedLoad, split: Split | None) -> LivePlanResult:
         runtime = self.router.policy_runtime
-        assert runtime is not None and self._executor is not None and self.budget is not None
+        assert runtime is not None and self.budget is not None
         policy = self._policy()
         assert self._inputs is not None
         latest = laws_from_router(self._workers(), policy.selector.config.kv_transfer_s_per_token)
@@ -249,9 +233,7 @@ class LivePlanner:
             policy.selector.config.max_local_prefill_tokens, self.config.num_sim_requests,
             min_gain=self.config.min_gain, max_per_role=self.max_per_role,
         )  # fmt: skip
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, compute_plan, given)
-        return await asyncio.wait_for(future, max(60.0, 2 * self.config.interval_s))
+        return await self._process.run(compute_plan, given, max(60.0, 2 * self.config.interval_s))
 
     async def _scale(self, target: Split, planned_from: Split) -> bool:
         """Resize the pools to `target`, only while they are still at the split the plan

@@ -114,6 +114,7 @@ def init_planning_process(parent_pid: int) -> None:
             os._exit(0)
 
 
-def warm_up() -> None:
+def warm_up() -> int:
     """Run once in the planner's process at start, so its imports are done before the
-    first interval's plan."""
+    first interval's plan; returns the process's pid (for its owner to kill it by)."""
+    return os.getpid()

@@ -4,6 +4,7 @@ the spawned process imports this module to find `interrupt_myself`."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import multiprocessing as mp
 import os
@@ -12,10 +13,12 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures.process import BrokenProcessPool
 
 import pytest
 
 from tandem.planner.live_plan import init_planning_process
+from tandem.planner.planning_process import PlanningProcess
 
 
 def interrupt_myself() -> str:
@@ -91,3 +94,51 @@ def test_the_planner_process_dies_with_a_killed_server():
         assert not alive(planner_pid), "the planning process outlived its server"
     finally:
         server.kill()
+
+
+def sleep_then_pid(seconds: float) -> int:
+    """Runs in the planner's process: a search that takes `seconds`."""
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def exit_now(code: int) -> int:
+    """Runs in the planner's process: it dies mid-search (as the OOM killer would end it)."""
+    os._exit(code)
+
+
+@pytest.mark.timeout(120)
+def test_a_search_past_its_deadline_costs_its_process_not_the_next_search():
+    async def scenario() -> None:
+        process = PlanningProcess()
+        process.start()
+        try:
+            first = await process.run(sleep_then_pid, 0.0, timeout_s=60)
+            with pytest.raises(TimeoutError):
+                await process.run(sleep_then_pid, 300.0, timeout_s=1)
+            deadline = time.monotonic() + 20
+            while alive(first) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert not alive(first), "the overrunning search kept running"
+            # The next search neither waits behind the old one nor fails.
+            second = await process.run(sleep_then_pid, 0.0, timeout_s=60)
+            assert second != first
+        finally:
+            process.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(120)
+def test_a_planning_process_that_died_is_replaced_for_the_next_search():
+    async def scenario() -> None:
+        process = PlanningProcess()
+        try:
+            with pytest.raises(BrokenProcessPool):
+                await process.run(exit_now, 3, timeout_s=60)
+            assert await process.run(sleep_then_pid, 0.0, timeout_s=60) > 0
+        finally:
+            process.stop()
+        process.stop()  # stopping twice is harmless
+
+    asyncio.run(scenario())
