@@ -403,6 +403,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.ray_address:
         ray_auth_env()  # before Ray is imported: it reads the auth mode then
     from tandem.cluster.serve import serve
+    from tandem.router.ports import PortInUse
 
     try:
         config = cluster_config_from_args(args)
@@ -410,7 +411,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         args.serve_parser.error(str(exc))  # usage + message on stderr, exit status 2
     try:
         asyncio.run(serve(config))
-    except ConnectionError as exc:  # Ray's answer when it cannot join --ray-address
+    except (ConnectionError, PortInUse) as exc:  # ConnectionError: no Ray at --ray-address
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 1
     return 0

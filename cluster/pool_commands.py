@@ -268,6 +268,7 @@ def _run_router(args: argparse.Namespace) -> int:
     ray_auth_env()
     from tandem.cluster.router_process import run_router
     from tandem.cluster.security_flags import server_api_key
+    from tandem.router.ports import PortInUse
 
     try:
         api_key = server_api_key(args.api_key)
@@ -288,7 +289,7 @@ def _run_router(args: argparse.Namespace) -> int:
     }
     try:
         asyncio.run(run_router(args.ray_address, overrides))
-    except RuntimeError as exc:
+    except (RuntimeError, PortInUse) as exc:
         print(f"tandem router: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except ConnectionError as exc:  # no Ray cluster at --ray-address

@@ -65,12 +65,12 @@ class AttachedRouter:
         )
         admin = RayAdminBackend(self.link)
         workers = serving_endpoints(membership)
-        router = Router(self.config, workers, admin=admin)
+        # Owned from here: `stop` ends it whatever the rest of the start does.
+        self.router = router = Router(self.config, workers, admin=admin)
         await router.start()
         # Applied once more: the workers are the same, but the router now holds the
         # snapshot (its pool gauges and `membership` start from it, not empty).
         await router.update_membership(membership)
-        self.router = router
         self._owner = membership.owner
         self.watcher = MembershipWatcher(self.link, self._follow, membership.version)
         self.watcher.start()

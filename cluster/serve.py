@@ -11,6 +11,7 @@ from tandem.cluster.traffic import ClusterTraffic
 from tandem.engine.dtype import dtype_banner
 from tandem.planner.live import LivePlanner, limits_of
 from tandem.planner.live_config import PlannerMode
+from tandem.router.ports import Listen, check_free
 from tandem.router.server import Router
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,8 @@ async def serve(config: ClusterConfig, announce=print) -> None:
         for sig in STOP_SIGNALS:
             loop.add_signal_handler(sig, stop.set)
 
+    # Before Ray and the workers start (tens of seconds), not at the router's bind.
+    check_free(public_listens(config))
     on_stop_signals()
     cluster = LocalCluster(config)
     planner = None
@@ -67,6 +70,17 @@ async def serve(config: ClusterConfig, announce=print) -> None:
         await cluster.stop()
         for sig in STOP_SIGNALS:
             loop.remove_signal_handler(sig)
+
+
+def public_listens(config: ClusterConfig) -> list[Listen]:
+    """The ports `tandem serve` listens on (besides its workers', picked free)."""
+    router = config.router
+    return [
+        Listen("gRPC", "--grpc-port", router.host, router.grpc_port),
+        Listen("HTTP", "--http-port", router.host, router.http_port),
+        Listen("pool controller metrics", "--pool-metrics-port", config.worker.host,
+               config.pools.metrics_port),
+    ]  # fmt: skip
 
 
 async def start_planner(

@@ -43,6 +43,7 @@ from tandem.router.membership import (
 )
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy_runtime import PolicyRuntime
+from tandem.router.ports import Listen
 from tandem.router.request_flow import RequestFlow
 from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
@@ -101,8 +102,18 @@ class Router:
         self.sampling_defaults = OPENAI_DEFAULTS
         # The live planner's view for `/admin/pools` (set by whoever runs one).
         self.planner_view: Callable[[], dict[str, Any] | None] | None = None
+        self._stopped = False
 
     async def start(self) -> None:
+        """Start serving; on any failure what was started is stopped before the error
+        leaves (a port another process holds: PortInUse)."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         config = self.config
         self.sampling_defaults = defaults = SamplingDefaults.of_model(
             config.model_dir, config.generation_config
@@ -156,7 +167,12 @@ class Router:
             ),
             server,
         )
-        port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        try:
+            port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+        except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
+            raise Listen("gRPC", "--grpc-port", config.host, config.grpc_port).in_use(
+                "bind failed"
+            ) from exc
         self.grpc_endpoint = f"{config.host}:{port}"
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -172,7 +188,12 @@ class Router:
         self._http = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=STOP_GRACE_S)
         await self._http.setup()
         site = web.TCPSite(self._http, config.host, config.http_port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            raise Listen("HTTP", "--http-port", config.host, config.http_port).in_use(
+                exc.strerror or str(exc)
+            ) from exc
         http_port = self._http.addresses[0][1]
         self.http_endpoint = f"http://{config.host}:{http_port}"
         self._join_retry = asyncio.get_running_loop().create_task(self._retry_joins())
@@ -337,7 +358,11 @@ class Router:
 
     async def stop(self) -> None:
         """Stop taking requests on every API at once, give those in flight up to
-        STOP_GRACE_S to finish (HTTP and gRPC alike), then close the worker channels."""
+        STOP_GRACE_S to finish (HTTP and gRPC alike), then close the worker channels.
+        Once: a later call (a failed start stopped the router already) does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._readiness is not None:
             self._readiness.cancel()
             with contextlib.suppress(asyncio.CancelledError):
