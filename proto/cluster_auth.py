@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 
-from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.server_options import GRPC_OPTIONS, SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -364,7 +364,7 @@ def internal_channel(
 
 def internal_server(
     auth: ClusterAuth,
-    options: Sequence[tuple[str, Any]] = GRPC_OPTIONS,
+    options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
     on_refused: Callable[[], None] | None = None,
 ) -> grpc.aio.Server:
     """A worker's gRPC server: checks the token on every call but health probes

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tandem.proto.inference.grpc_service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
-from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.server_options import SERVER_OPTIONS
 from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
 from tandem.proto.tandem.v1 import generation_pb2, generation_pb2_grpc
 from tandem.router.admin import PoolsAdmin, WorkerLoad
@@ -145,7 +145,7 @@ class Router:
         # A public message may be as large as an HTTP body, no larger: what a prompt may
         # cost the tokenizer thread (8 MiB of text: ~6 s) is the same on every API.
         public_options = [
-            *(option for option in GRPC_OPTIONS if option[0] != RECEIVE_LIMIT),
+            *(option for option in SERVER_OPTIONS if option[0] != RECEIVE_LIMIT),
             (RECEIVE_LIMIT, config.max_body_bytes),
         ]
         self._server = server = grpc.aio.server(options=public_options, interceptors=interceptors)

@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tandem.engine.config import DEFAULT_BLOCK_SIZE
-from tandem.proto.server_options import GRPC_OPTIONS
+from tandem.proto.server_options import SERVER_OPTIONS
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.router.config import RouterConfig
@@ -85,7 +85,7 @@ class FakeDecodeService(worker_pb2_grpc.DecodeWorkerServicer):
 async def _start_server(
     add_service: Callable[[grpc.aio.Server], None], port: int
 ) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     add_service(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
