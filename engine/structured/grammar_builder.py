@@ -23,6 +23,14 @@ _JSON_STRING_CHAR = r"[^\0-\x1f\"\\\r\n]"
 _CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: .*? is false: )?")
 
 
+# The deepest nesting of objects and arrays a JSON schema document may have. xgrammar's
+# build time grows about with its cube (arrays nested 100 deep: 0.07 s, 200: 0.45 s, 400:
+# 3.5 s, 800: 30-56 s; AMX Xeon), on the router's one tokenizer thread that every request
+# shares, and a worker gives a grammar 30 s to compile. 128 document levels (64 nested
+# object schemas) build in ~0.04 s; OpenAI's structured outputs take 10 levels of nesting.
+MAX_SCHEMA_DEPTH = 128
+
+
 class GrammarSpecError(ValueError):
     """The spec is not a grammar we can enforce; the message says why."""
 
@@ -43,6 +51,11 @@ def _build(guided: GuidedDecoding) -> xgr.Grammar:
         schema = _json(spec, "a JSON schema")
         if not isinstance(schema, (dict, bool)):
             raise GrammarSpecError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        if (depth := _nesting_depth(schema)) > MAX_SCHEMA_DEPTH:
+            raise GrammarSpecError(
+                f"nests objects and arrays {depth} levels deep; at most {MAX_SCHEMA_DEPTH} "
+                "are accepted"
+            )
         return _json_safe(xgr.Grammar.from_json_schema(spec, any_whitespace=False))
     if kind is GuidedKind.JSON_OBJECT:
         # Not strict: any properties are allowed in a plain JSON object.
@@ -78,6 +91,19 @@ def _json(spec: str, what: str) -> object:
         return json.loads(spec)
     except ValueError as exc:
         raise GrammarSpecError(f"is not valid JSON ({what} expected): {exc}") from exc
+
+
+def _nesting_depth(value: object) -> int:
+    """How deep objects and arrays nest in a parsed JSON document (a scalar: 0)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in node)
+    return deepest
 
 
 def _choice_ebnf(options: object) -> str:

@@ -57,6 +57,8 @@ CLOCK = {
 }
 MESSAGES = [{"role": "user", "content": "the cache block decode worker"}]
 UNIQUE = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+# Arrays nested 800 deep: its grammar took the router's tokenizer thread 30-56 s to build.
+DEEP = json.loads('{"type": "array", "items": ' * 799 + '{"type": "string"}' + "}" * 799)
 UNIQUE_TOOL = {
     "type": "function",
     "function": {"name": "tag", "parameters": {"type": "object", "properties": {"ids": UNIQUE}}},
@@ -315,6 +317,7 @@ def test_tool_choice_none_and_tool_messages_are_plain_chat(client, cluster):
         ({"extra_body": {"guided_regex": r"(?<=a)b"}}, "guided_regex"),
         ({"extra_body": {"guided_grammar": 'root ::= "a" |'}}, "guided_grammar"),
         ({"extra_body": {"guided_choice": []}}, "guided_choice"),
+        ({"extra_body": {"guided_json": DEEP}}, "guided_json"),
         (
             {
                 "response_format": {
