@@ -151,3 +151,13 @@ def get_int_list(body: dict[str, Any], name: str) -> list[int]:
         if isinstance(item, bool) or not isinstance(item, int):
             raise invalid(name, f"must hold integers, got {show(item)} at index {i}")
     return list(value)
+
+
+_INTEGER_KEY = re.compile(r"-?[0-9]+")
+
+
+def integer_key(key: str) -> int | None:
+    """A JSON object key that spells an integer in ASCII digits ("5", "-1") as that int;
+    None for anything else that int() would take too (" 5", "+5", "5_0", other
+    scripts' digits such as "٥")."""
+    return int(key) if _INTEGER_KEY.fullmatch(key) else None

@@ -16,6 +16,7 @@ from typing import Any
 from tandem.engine.sampling_params import SamplingParams
 from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.router.errors import InvalidRequest
+from tandem.router.json_fields import integer_key
 from tandem.router.kserve_tensors import decode_input, num_elements
 from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.structured_outputs import (
@@ -282,7 +283,7 @@ def _logit_bias(value: Any) -> dict[int, float]:
         raise InvalidRequest(f"'logit_bias' must be an object, got {value!r}", "logit_bias")
     bias = {}
     for key, number in value.items():
-        token_id = _number(key) if isinstance(key, str) else key
+        token_id = integer_key(key) if isinstance(key, str) else key
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
             raise InvalidRequest(
                 f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias"

@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from tandem.router.errors import InvalidRequest, ModelNotFound
 from tandem.router.json_fields import check_text, get_bool, show
@@ -174,6 +174,12 @@ class OpenAIHandlers:
             raise web.HTTPRequestEntityTooLarge(max_size=self.max_body_bytes, actual_size=length)
         raw = await request.read()  # aiohttp raises 413 past `client_max_size`
         if not raw.strip():
+            encoding = request.headers.get(hdrs.CONTENT_ENCODING)
+            if encoding and length:  # bytes came, and decoding them gave none
+                raise InvalidRequest(
+                    f"the request body ({length} bytes, Content-Encoding: {show(encoding)}) "
+                    "decodes to nothing; send a JSON object, compressed as its header says"
+                )
             raise InvalidRequest("the request body is empty; send a JSON object")
         try:
             body = json.loads(raw)

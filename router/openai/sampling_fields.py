@@ -15,7 +15,15 @@ from tandem.engine.sampling_params import (
     MAX_ABS_PENALTY,
     MAX_NUM_LOGIT_BIAS,
 )
-from tandem.router.json_fields import get_bool, get_float, get_int, get_object, invalid, show
+from tandem.router.json_fields import (
+    get_bool,
+    get_float,
+    get_int,
+    get_object,
+    integer_key,
+    invalid,
+    show,
+)
 
 # Most choices (`n`) one request may ask for, unless the router is configured otherwise.
 DEFAULT_MAX_N = 16
@@ -87,12 +95,11 @@ def _logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, float]:
         )
     bias: dict[int, float] = {}
     for key, value in raw.items():
-        try:
-            token_id = int(key)
-        except ValueError:
+        token_id = integer_key(key)
+        if token_id is None:
             raise invalid(
                 "logit_bias", f"keys must be token ids (integers as strings), got {show(key)}"
-            ) from None
+            )
         if not 0 <= token_id < vocab_size:
             raise invalid(
                 "logit_bias",

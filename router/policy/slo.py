@@ -135,7 +135,8 @@ class SloConfig:
         """The request's SLO: its class's preset with any per-request override applied.
 
         An override of None keeps the class's value. Bad input is the client's fault,
-        so it raises `InvalidRequest` (a `ValueError`) naming the offending field.
+        so it raises `InvalidRequest` (a `ValueError`) naming the offending field as the
+        APIs name it (`ttft_slo_s`, `itl_slo_s`).
         """
         name = self.default_class if slo_class is None else slo_class
         preset = self.classes.get(name)
@@ -143,6 +144,9 @@ class SloConfig:
             known = ", ".join(sorted(self.classes))
             raise InvalidRequest(f"slo_class {name!r} is not one of: {known}", param="slo_class")
         try:
+            for field, override in (("ttft_slo_s", ttft_s), ("itl_slo_s", itl_s)):
+                if override is not None:
+                    _check_target(field, override)
             slo = Slo(
                 ttft_s=preset.slo.ttft_s if ttft_s is None else ttft_s,
                 itl_s=preset.slo.itl_s if itl_s is None else itl_s,

@@ -285,6 +285,16 @@ CASES = [
         ("'logit_bias'", '"hello"'),
         param="logit_bias",
     ),
+    *(
+        Bad(
+            f"logit_bias key {key!r}, which int() takes, not ASCII digits alone",
+            {"prompt": "hi", "logit_bias": {key: 1}},
+            400,
+            ("'logit_bias'", "keys must be token ids"),
+            param="logit_bias",
+        )
+        for key in (" 5", "+5", "5_0", "\u0665")
+    ),
     Bad("n above the maximum", {"prompt": "hi", "n": 17}, 400, ("'n'", "<= 16"), param="n"),
     Bad(
         "best_of other than n",
@@ -373,9 +383,9 @@ CASES = [
         "chat tool schema nested 400 deep",
         _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": _nested(400)}}]),
         400,
-        ("'tools'", "nest too deeply"),
+        ("'tools[0].function.parameters'", "802 levels deep", "at most 128"),
         path="/v1/chat/completions",
-        param="tools",
+        param="tools[0].function.parameters",
     ),
     Bad(
         "chat max_completion_tokens above the limit",
@@ -627,6 +637,21 @@ def test_compressed_bodies_are_read(cluster: InprocCluster):
     assert expected[0] == 200, expected
     for name, (status, _, answer) in answers.items():
         assert (status, answer["tokens"]) == (200, expected[2]["tokens"]), (name, answer)
+
+
+def test_a_compressed_body_that_decodes_to_nothing_says_so(cluster: InprocCluster):
+    """A gzip header and no stream after it: aiohttp reads no bytes; the answer names the
+    encoding rather than calling the body empty."""
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    status, _, answer = http(
+        cluster.http_endpoint,
+        "POST",
+        "/v1/completions",
+        b"\x1f\x8b\x08\x00garbage",
+        headers=headers,
+    )
+    assert status == 400, answer
+    assert 'Content-Encoding: "gzip"' in answer["error"]["message"], answer
 
 
 def test_escaped_surrogate_pairs_are_text(cluster: InprocCluster):

@@ -29,9 +29,10 @@ def test_resolve_defaults_and_overrides():
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"ttft_s": -1.0}, "ttft_s"),
-        ({"itl_s": 0.0}, "itl_s"),
-        ({"itl_s": float("nan")}, "itl_s"),
+        # Named as the APIs name the overrides (the request fields), not Slo's fields.
+        ({"ttft_s": -1.0}, "ttft_slo_s"),
+        ({"itl_s": 0.0}, "itl_slo_s"),
+        ({"itl_s": float("nan")}, "itl_slo_s"),
         ({"priority": -3}, "priority"),
         ({"slo_class": "gold"}, "slo_class"),
     ],
