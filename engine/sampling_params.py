@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from tandem.engine.structured.spec import GuidedDecoding
 
 MAX_NUM_STOP_STRINGS = 16
+# Longest stop string and bad word (characters). Unbounded, 16 stop strings of 400 KB with
+# n = 16 held a worker 27.5 s (each sequence's matcher tables), and 128 bad words of 60 KB
+# (~60k tokens each, carried to both workers) slowed every request 10-25x while they ran.
+MAX_STOP_STRING_CHARS = 1000
+MAX_BAD_WORD_CHARS = 1000
 # OpenAI's ranges: presence/frequency penalty in [-2, 2], a logit bias in [-100, 100].
 MAX_ABS_PENALTY = 2.0
 MAX_ABS_LOGIT_BIAS = 100.0
@@ -129,6 +134,11 @@ class SamplingParams:
         for stop_str in self.stop:
             if not isinstance(stop_str, str) or not stop_str:
                 raise ValueError(f"stop strings must be non-empty str, got {stop_str!r}")
+            if len(stop_str) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop strings may hold at most {MAX_STOP_STRING_CHARS} characters, "
+                    f"got one of {len(stop_str)}"
+                )
         if self.structured is not None and not isinstance(self.structured, GuidedDecoding):
             raise ValueError(f"structured must be a GuidedDecoding, got {self.structured!r}")
         for name in ("stop_token_ids", "allowed_token_ids"):

@@ -125,8 +125,9 @@ def get_object(body: dict[str, Any], name: str) -> dict[str, Any] | None:
     return value
 
 
-def get_str_list(body: dict[str, Any], name: str, max_len: int) -> list[str]:
-    """A string or a list of strings (like OpenAI's `stop`), as a list; [] when absent."""
+def get_str_list(body: dict[str, Any], name: str, max_len: int, max_chars: int) -> list[str]:
+    """A string or a list of strings (like OpenAI's `stop`), as a list; [] when absent.
+    At most `max_len` strings of at most `max_chars` characters each."""
     value = body.get(name)
     if value is None:
         return []
@@ -138,6 +139,11 @@ def get_str_list(body: dict[str, Any], name: str, max_len: int) -> list[str]:
     for i, item in enumerate(items):
         if not isinstance(item, str) or not item:
             raise invalid(name, f"must hold non-empty strings, got {show(item)} at index {i}")
+        if len(item) > max_chars:
+            raise invalid(
+                name,
+                f"strings may hold at most {max_chars} characters, got {len(item)} at index {i}",
+            )
     return list(items)
 
 

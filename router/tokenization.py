@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from tandem.engine.config import ModelConfig
-from tandem.engine.sampling_params import MAX_NUM_BAD_WORDS
+from tandem.engine.sampling_params import MAX_BAD_WORD_CHARS, MAX_NUM_BAD_WORDS
 from tandem.engine.tokenizer_loader import load_tokenizer
 
 _T = TypeVar("_T")
@@ -87,6 +87,10 @@ class PromptTokenizer:
         several, it would not ban the word after a space; Tandem bans both forms.)"""
         if len(words) > MAX_NUM_BAD_WORDS:
             raise ValueError(f"may hold at most {MAX_NUM_BAD_WORDS} words, got {len(words)}")
+        if (longest := max((len(word) for word in words), default=0)) > MAX_BAD_WORD_CHARS:
+            raise ValueError(
+                f"words may hold at most {MAX_BAD_WORD_CHARS} characters, got one of {longest}"
+            )
         sequences = []
         for word in words:
             bare = word.lstrip()

@@ -15,9 +15,11 @@ from typing import Any
 from jinja2 import TemplateError
 
 from tandem.engine.sampling_params import (
+    MAX_BAD_WORD_CHARS,
     MAX_CACHE_SALT_CHARS,
     MAX_NUM_BAD_WORDS,
     MAX_NUM_STOP_STRINGS,
+    MAX_STOP_STRING_CHARS,
     MAX_TOP_LOGPROBS,
     SamplingParams,
 )
@@ -463,7 +465,7 @@ class RequestParser:
         self._check_token_ids("stop_token_ids", stop_token_ids)
         allowed_token_ids = get_int_list(body, "allowed_token_ids")
         self._check_token_ids("allowed_token_ids", allowed_token_ids)
-        bad_words = get_str_list(body, "bad_words", MAX_NUM_BAD_WORDS)
+        bad_words = get_str_list(body, "bad_words", MAX_NUM_BAD_WORDS, MAX_BAD_WORD_CHARS)
         try:
             bad_words_token_ids = self.tokenizer.bad_words_token_ids(bad_words)
         except ValueError as exc:
@@ -473,7 +475,7 @@ class RequestParser:
         seed = get_int(body, "seed", min_value=MIN_SEED, max_value=MAX_SEED)
         if seed is not None:
             seed %= 2**64
-        stop = get_str_list(body, "stop", MAX_NUM_STOP_STRINGS)
+        stop = get_str_list(body, "stop", MAX_NUM_STOP_STRINGS, MAX_STOP_STRING_CHARS)
         ignore_eos = bool(get_bool(body, "ignore_eos"))
         include_stop = bool(get_bool(body, "include_stop_str_in_output"))
         cache_salt = get_str(body, "cache_salt")

@@ -226,6 +226,7 @@ BAD_REQUESTS = [
     (dict(prompt_token_ids=[1, 99999]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
     (dict(prompt="hi", stop=["x"] * 17), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
     (dict(prompt="hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+    (dict(prompt="hi", stop=["x" * 1001]), grpc.StatusCode.INVALID_ARGUMENT, "1000 characters"),
     (dict(prompt="hi", slo_class="gold"), grpc.StatusCode.INVALID_ARGUMENT, "slo_class"),
     (dict(prompt="hi", request_id="r" * 257), grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     (dict(prompt="hi", ttft_slo_s=-1.0), grpc.StatusCode.INVALID_ARGUMENT, "ttft"),

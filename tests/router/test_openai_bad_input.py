@@ -222,6 +222,20 @@ CASES = [
     ),
     Bad("empty stop string", {"prompt": "hi", "stop": ["ok", ""]}, 400, ("'stop'", "index 1")),
     Bad(
+        "stop string over 1,000 characters",
+        {"prompt": "hi", "stop": ["ok", "x" * 1001]},
+        400,
+        ("'stop'", "at most 1000 characters", "1001 at index 1"),
+        param="stop",
+    ),
+    Bad(
+        "bad word over 1,000 characters",
+        {"prompt": "hi", "bad_words": ["x" * 1001]},
+        400,
+        ("'bad_words'", "at most 1000 characters", "1001 at index 0"),
+        param="bad_words",
+    ),
+    Bad(
         "token id outside the vocabulary",
         {"prompt": [1, 5, 99999]},
         400,
