@@ -33,6 +33,7 @@ from typing import Any
 
 import grpc
 
+from tandem.proto.malformed_requests import MalformedRequestInterceptor
 from tandem.proto.server_options import GRPC_OPTIONS, SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -368,8 +369,10 @@ def internal_server(
     on_refused: Callable[[], None] | None = None,
 ) -> grpc.aio.Server:
     """A worker's gRPC server: checks the token on every call but health probes
-    (`on_refused` is called for each call it refuses)."""
-    interceptors = [ClusterTokenInterceptor(auth, on_refused)] if auth.requires_token else None
+    (`on_refused` is called for each call it refuses), then that the request parses."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+    if auth.requires_token:
+        interceptors.insert(0, ClusterTokenInterceptor(auth, on_refused))
     return grpc.aio.server(options=options, interceptors=interceptors)
 
 

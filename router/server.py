@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tandem.proto.inference.grpc_service_pb2_grpc import add_GRPCInferenceServiceServicer_to_server
+from tandem.proto.malformed_requests import MalformedRequestInterceptor
 from tandem.proto.server_options import SERVER_OPTIONS
 from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
 from tandem.proto.tandem.v1 import generation_pb2, generation_pb2_grpc
@@ -141,7 +142,10 @@ class Router:
             on_worker_failed=self.policy_runtime.mark_unreachable,
         )
         admin = PoolsAdmin(self.admin_backend, self._worker_load, self._planner_json)
-        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else None
+        # The key first: a refused call's request is not even parsed.
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if config.api_key:
+            interceptors.insert(0, ApiKeyInterceptor(config.api_key))
         # A public message may be as large as an HTTP body, no larger: what a prompt may
         # cost the tokenizer thread (8 MiB of text: ~6 s) is the same on every API.
         public_options = [

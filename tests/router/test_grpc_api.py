@@ -308,3 +308,32 @@ def test_a_message_over_the_body_limit_is_refused_as_http_does(channel):
             gen_pb.TokenizeRequest(prompt="a " * (SHARED_MAX_BODY_BYTES // 2)), timeout=30
         )
     assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_request_that_does_not_parse_is_invalid_argument_and_logs_no_traceback(channel, caplog):
+    """Corrupt wire format, or a string field that is not UTF-8, on unary and streaming
+    methods: INVALID_ARGUMENT naming the problem (it was UNKNOWN, with a traceback logged
+    at ERROR for every such call); the server goes on serving."""
+    corrupt = b"\xff\xff\xff"
+    prompt_not_utf8 = b"\x12\x02\xff\xfe"  # GenerateRequest.prompt (field 2) = ff fe
+    calls = [
+        ("unary_stream", "/tandem.v1.Generation/Generate", prompt_not_utf8),
+        ("unary_stream", "/tandem.v1.Generation/Generate", corrupt),
+        ("unary_unary", "/tandem.v1.Generation/Tokenize", corrupt),
+        ("unary_unary", "/inference.GRPCInferenceService/ModelInfer", corrupt),
+        ("stream_stream", "/inference.GRPCInferenceService/ModelStreamInfer", corrupt),
+    ]
+    caplog.set_level("DEBUG")
+    for kind, method, raw in calls:
+        call = getattr(channel, kind)(method)
+        with pytest.raises(grpc.RpcError) as info:
+            if kind == "unary_unary":
+                call(raw, timeout=10)
+            else:
+                list(call(iter([raw]) if kind == "stream_stream" else raw, timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value)
+        assert "malformed request" in info.value.details(), info.value.details()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    replies = list(stub.Generate(gen_pb.GenerateRequest(prompt="hi", max_tokens=2), timeout=60))
+    assert replies[-1].finish_reason
