@@ -1,7 +1,7 @@
 """The router's `AdminBackend` on a Ray cluster: admin calls go to the pool controller.
 
-Bad input comes back as the controller's `ValueError` (unknown worker, target over the
-budget) and a change that cannot be made now as its `RuntimeError` (a target the Ray
+Bad input comes back as the controller's `ValueError` (`UnknownWorker`, a target over
+the budget) and a change that cannot be made now as its `RuntimeError` (a target the Ray
 cluster can never place, a drain of a worker that is not serving), unwrapped from
 Ray's task error so the admin API maps them to INVALID_ARGUMENT / FAILED_PRECONDITION.
 A call that finds the controller gone is made once more on the one now answering to

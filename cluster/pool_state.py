@@ -31,6 +31,7 @@ from tandem.router.membership import (
     Membership,
     PoolTargets,
     RestartHold,
+    UnknownWorker,
     WorkerInfo,
     WorkerLifecycle,
     holds_not_passed,
@@ -301,7 +302,7 @@ class PoolState:
         """The worker a drain call names; ValueError when unknown or not serving."""
         record = self.records.get(worker_id)
         if record is None:
-            raise ValueError(f"worker_id: no worker {worker_id!r} in the pools")
+            raise UnknownWorker(f"worker_id: no worker {worker_id!r} in the pools")
         if record.state is not WorkerLifecycle.SERVING:
             raise RuntimeError(
                 f"worker_id: {worker_id} is {record.state.value}; only a serving worker drains"

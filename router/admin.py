@@ -3,8 +3,9 @@
 The router does not own the pools: every call goes to the `AdminBackend` the pools'
 owner gave the router (none: `AdminUnavailable`, 501 / UNIMPLEMENTED). Input is checked
 here first, so a bad request never reaches the owner; the owner's own refusals map to
-400 / INVALID_ARGUMENT (`ValueError`: bad input, e.g. a target beyond the budget or an
-unknown worker) and 409 / FAILED_PRECONDITION (`RuntimeError`: cannot be done now).
+404 / NOT_FOUND (`UnknownWorker`: a drain of a worker the pools do not hold), 400 /
+INVALID_ARGUMENT (another `ValueError`: bad input, e.g. a target beyond the budget) and
+409 / FAILED_PRECONDITION (`RuntimeError`: cannot be done now).
 Each worker's load (`running`, `waiting`, `kv_usage`) is this router's last view of it.
 """
 
@@ -24,6 +25,7 @@ from tandem.router.membership import (
     Membership,
     PoolsOwnerUnreachable,
     PoolTargets,
+    UnknownWorker,
     WorkerInfo,
     holds_not_passed,
 )
@@ -49,6 +51,13 @@ class AdminOwnerUnavailable(RouterError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
     openai_type = "server_error"
+
+
+class AdminWorkerNotFound(InvalidRequest):
+    """The call names a worker the pools do not hold."""
+
+    grpc_code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
 
 
 class AdminRefused(RouterError):
@@ -97,6 +106,8 @@ def restart_holds_json(membership: Membership) -> dict[str, dict[str, float]]:
 
 def _owner_error(exc: Exception) -> RouterError:
     message = str(exc) or type(exc).__name__
+    if isinstance(exc, UnknownWorker):
+        return AdminWorkerNotFound(message, param="worker_id")
     if isinstance(exc, ValueError):
         param = next((f for f in (*ROLES, "worker_id") if message.startswith(f)), None)
         return InvalidRequest(message, param=param)

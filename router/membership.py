@@ -124,11 +124,16 @@ class PoolsOwnerUnreachable(RuntimeError):
     """The pools' owner did not answer: gone (`tandem serve` stopped) or not in time."""
 
 
+class UnknownWorker(ValueError):
+    """An admin call names a worker the pools do not hold (404 / NOT_FOUND)."""
+
+
 class AdminBackend(Protocol):
     """What the admin API (gRPC `tandem.admin.v1.Admin`, HTTP `/admin/*`) calls.
 
-    Implementations raise `ValueError` for bad input (unknown role or worker, a target
-    out of range), `PoolsOwnerUnreachable` when the owner does not answer, and
+    Implementations raise `UnknownWorker` for a worker the pools do not hold,
+    `ValueError` for other bad input (unknown role, a target out of range),
+    `PoolsOwnerUnreachable` when the owner does not answer, and
     `RuntimeError` when the change cannot be made now.
     """
 

@@ -20,7 +20,13 @@ from tandem.cluster.admin_backend import RayAdminBackend
 from tandem.cluster.controller_link import ControllerLink
 from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.membership_watcher import MembershipWatcher
-from tandem.router.membership import Membership, PoolTargets, TargetsChanged, WorkerLifecycle
+from tandem.router.membership import (
+    Membership,
+    PoolTargets,
+    TargetsChanged,
+    UnknownWorker,
+    WorkerLifecycle,
+)
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import (
@@ -126,7 +132,7 @@ def test_scale_drain_and_bad_input(ray_session, tiny_model_dir):
                 await admin.scale(PoolTargets(prefill=1, decode=5))
             with pytest.raises(RuntimeError, match="decode: 4 workers, but the Ray cluster"):
                 await admin.scale(PoolTargets(prefill=1, decode=4))
-            with pytest.raises(ValueError, match="worker_id: no worker 'decode-9'"):
+            with pytest.raises(UnknownWorker, match="worker_id: no worker 'decode-9'"):
                 await admin.drain("decode-9")
             # A compare-and-set scale (the planner's) whose targets changed meanwhile.
             with pytest.raises(TargetsChanged, match="they changed meanwhile"):

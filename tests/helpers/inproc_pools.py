@@ -28,6 +28,7 @@ from tandem.router.membership import (
     PoolTargets,
     RestartHold,
     TargetsChanged,
+    UnknownWorker,
     WorkerInfo,
     WorkerLifecycle,
 )
@@ -144,7 +145,7 @@ class InprocPools:
     async def drain(self, worker_id: str) -> Membership:
         info = self.infos.get(worker_id)
         if info is None:
-            raise ValueError(f"worker_id {worker_id!r} is not in the pools")
+            raise UnknownWorker(f"worker_id {worker_id!r} is not in the pools")
         if info.state is not WorkerLifecycle.SERVING:
             raise RuntimeError(f"worker {worker_id} is {info.state.value}, not serving")
         await self._set(worker_id, WorkerLifecycle.DRAINING)

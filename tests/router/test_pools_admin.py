@@ -204,13 +204,13 @@ def test_admin_errors_over_grpc_and_auth(pools):
     assert pools.run(scenario()) == {
         "zero": grpc.StatusCode.INVALID_ARGUMENT,
         "missing": grpc.StatusCode.INVALID_ARGUMENT,
-        "unknown_worker": grpc.StatusCode.INVALID_ARGUMENT,
+        "unknown_worker": grpc.StatusCode.NOT_FOUND,
         "no_key": grpc.StatusCode.UNAUTHENTICATED,
     }
     status, _ = pools.run(http(pools, "GET", "/admin/pools", headers={}))
     assert status == 401
     status, reply = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": "nope"}))
-    assert status == 400 and reply["error"]["param"] == "worker_id"
+    assert status == 404 and reply["error"]["param"] == "worker_id"
     # A huge id is refused without being echoed back.
     status, reply = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": "x" * 10_000}))
     assert status == 400 and reply["error"]["param"] == "worker_id"
