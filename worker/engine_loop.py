@@ -23,6 +23,7 @@ watchdog does.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -106,7 +107,13 @@ class EngineLoop:
 
     def start(self, timeout_s: float = 600.0) -> None:
         """Start the thread and wait until it has built the engine (blocking: from asyncio,
-        run it in an executor). Re-raises the build's error; TimeoutError past `timeout_s`."""
+        run it in an executor). Re-raises the build's error; TimeoutError past `timeout_s`.
+
+        Until `stop`, the process stops the thread as it exits: on SIGTERM a Ray worker
+        raises SystemExit, and an engine thread still inside a step when the interpreter
+        finalized was unwound through torch's native frames (abort: "terminate called
+        without an active exception", in every busy worker sent SIGTERM)."""
+        atexit.register(self.stop)
         self._thread.start()
         if not self._built.wait(timeout_s):
             self.stop()
@@ -125,6 +132,7 @@ class EngineLoop:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Abort everything in flight and join the thread."""
+        atexit.unregister(self.stop)
         if not self._thread.is_alive():
             return
         self._stopping.set()
@@ -350,8 +358,10 @@ class EngineLoop:
         with self._lock:
             targets = [(self._streams.get(out.req_id), out) for out in outputs]
         for stream, out in targets:
-            if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            if stream is not None and not _deliver(stream, out) and not out.finished:
+                # Its reader's event loop has closed: nobody will read the rest.
+                self._close_stream(out.req_id)
+                self.engine.abort(out.req_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         """End every open stream with `exc`, and drop its request from the engine (an
@@ -359,7 +369,7 @@ class EngineLoop:
         with self._lock:
             streams = list(self._streams.items())
         for req_id, stream in streams:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+            _deliver(stream, exc)
             try:
                 self.engine.abort(req_id)
             except Exception:
@@ -402,6 +412,16 @@ class RequestStream:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _deliver(stream: _Stream, item: RequestOutput | BaseException) -> bool:
+    """Hand `item` to its stream's event loop; False when that loop has closed (a reader
+    gone with its loop: a process exiting, a test's loop ended)."""
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _nothing() -> None:
