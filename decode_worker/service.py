@@ -254,7 +254,9 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
                 pb.ReleaseRequest(request_id=handle.request_id), timeout=_RELEASE_TIMEOUT_S
             )
         except grpc.aio.AioRpcError as exc:
-            logger.info("release of %s on %s failed: %s", handle.request_id, handle.endpoint, exc)
+            # One line (the error's own text is a multi-line dump); its lease frees the KV.
+            logger.info("release of %s on %s failed: %s %s", handle.request_id, handle.endpoint,
+                        exc.code().name, exc.details())  # fmt: skip
             if (
                 exc.code() is grpc.StatusCode.UNAVAILABLE
                 and self._peers.get(handle.endpoint) is channel
