@@ -31,6 +31,7 @@ from tandem.proto.cluster_auth import internal_channel
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.telemetry.tracing import Tracing
+from tandem.worker.cannot_start import abort_cannot_start
 from tandem.worker.config import WorkerConfig
 from tandem.worker.convert import (
     FINISH_REASONS,
@@ -121,6 +122,8 @@ class DecodeService(worker_pb2_grpc.DecodeWorkerServicer):
             try:
                 async with stream:
                     async for out in stream:
+                        if out.cannot_start is not None:
+                            await abort_cannot_start(context, request.request_id, out.cannot_start)
                         yield self._response(out, recomputed, started, transfer_s)
             finally:
                 span.end()

@@ -164,10 +164,12 @@ class Engine:
         if not self.structured.num_waiting:
             return []
         outputs = []
-        for request, reason in self.structured.poll():
-            logger.warning("request %s cannot start: %s", request.req_id, reason)
+        for request, failure in self.structured.poll():
+            logger.warning("request %s cannot start: %s", request.req_id, failure.reason)
             self.scheduler.finish(request, FinishReason.ABORT)
-            outputs.append(self._emit_ended(request))
+            out = self._emit_ended(request)
+            out.cannot_start = failure
+            outputs.append(out)
         return outputs
 
     def _end_grammar(self, request: Request, refused: set[str]) -> None:

@@ -10,6 +10,16 @@ from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 
 
+@dataclass(frozen=True)
+class CannotStart:
+    """Why a constrained request ended before its first token: its grammar did not
+    compile in time (`timed_out`: the engine is busy compiling; another try may do), or
+    the grammar or the replay of its accepted tokens was refused."""
+
+    reason: str
+    timed_out: bool
+
+
 @dataclass
 class PromptLogprobs:
     """For each prompt position i: the logprob of prompt token i + 1 given tokens 0..i,
@@ -50,6 +60,8 @@ class RequestOutput:
     stop_reason: int | str | None = None
     # params.top_logprobs > 0: the most likely tokens at each new token's position.
     new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    # With ABORT before any token: why its grammar could not start.
+    cannot_start: CannotStart | None = None
 
 
 @dataclass

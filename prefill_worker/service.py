@@ -23,6 +23,7 @@ from tandem.kv_transfer.stats import TransferStats
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 from tandem.telemetry.tracing import Tracing
+from tandem.worker.cannot_start import abort_cannot_start
 from tandem.worker.config import WorkerConfig
 from tandem.worker.convert import (
     FINISH_REASONS,
@@ -86,7 +87,9 @@ class PrefillService(worker_pb2_grpc.PrefillWorkerServicer):
         if last is None or not last.finished:
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {req_id} did not finish")
         if not last.new_token_ids:
-            # Ended before its first token (its grammar could not start; see the log).
+            if last.cannot_start is not None:
+                await abort_cannot_start(context, req_id, last.cannot_start)
+            # Ended before its first token otherwise (aborted meanwhile).
             await context.abort(grpc.StatusCode.INTERNAL, f"prefill of {req_id} was aborted")
         response = pb.PrefillResponse(
             first_token_id=last.new_token_ids[0],

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tandem.engine.outputs import CannotStart
 from tandem.engine.request import Request
 from tandem.engine.scheduler import SampledToken, ScheduledChunk
 from tandem.engine.structured.matcher import GrammarRejected, RequestGrammar
@@ -91,7 +92,7 @@ class StructuredRuntime:
         deadline = self._clock() + self.compile_timeout_s
         self._waiting[request.req_id] = _Waiting(request, future, deadline, replay, on_ready)
 
-    def poll(self) -> list[tuple[Request, str]]:
+    def poll(self) -> list[tuple[Request, CannotStart]]:
         """Start the requests whose grammar is ready; returns those that cannot start
         (bad grammar, rejected replay, compile timeout) with the reason."""
         failed = []
@@ -101,13 +102,13 @@ class StructuredRuntime:
                 if now >= waiting.deadline:
                     del self._waiting[req_id]
                     reason = f"grammar not compiled within {self.compile_timeout_s:.1f} s"
-                    failed.append((waiting.request, reason))
+                    failed.append((waiting.request, CannotStart(reason, timed_out=True)))
                 continue
             del self._waiting[req_id]
             try:
                 waiting.request.grammar = _matcher(waiting.future, waiting.replay)
             except ValueError as exc:
-                failed.append((waiting.request, str(exc)))
+                failed.append((waiting.request, CannotStart(str(exc), timed_out=False)))
                 continue
             waiting.on_ready(waiting.request)
         return failed

@@ -124,6 +124,7 @@ def test_bad_grammar_is_refused_and_the_engine_keeps_serving(engine):
     else:
         (out,) = run(engine)["bad"]
         assert out.new_token_ids == [] and out.finish_reason is FinishReason.ABORT
+        assert out.cannot_start is not None and not out.cannot_start.timed_out
     # Cached as failed: the second request is refused at once.
     with pytest.raises(ValueError, match="Lookahead"):
         engine.add_request("bad2", "the", bad)
