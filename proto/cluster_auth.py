@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 
 from tandem.proto.malformed_requests import MalformedRequestInterceptor
+from tandem.proto.method_handlers import method_handler
 from tandem.proto.server_options import GRPC_OPTIONS, SERVER_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -269,16 +270,9 @@ def _refusal_handler(
     """A handler of the same kind as `handler` (one message or a stream, in and out)
     that runs `refuse` (which aborts) instead: raw bytes in, so the request is not even
     parsed."""
-    streaming = (
-        (handler.request_streaming, handler.response_streaming) if handler else (False, False)
-    )
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[streaming]
-    return make(refuse)
+    if handler is None:
+        return method_handler(refuse, False, False)
+    return method_handler(refuse, handler.request_streaming, handler.response_streaming)
 
 
 class _AddedMetadata:

@@ -19,6 +19,8 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from tandem.proto.method_handlers import method_handler
+
 logger = logging.getLogger(__name__)
 
 
@@ -78,14 +80,6 @@ def _stream_request(behavior: Callable[..., Any], streaming: bool) -> Callable[.
     return handle
 
 
-_MAKE = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Ends a call whose request message does not parse INVALID_ARGUMENT (see the module)."""
 
@@ -97,14 +91,15 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
-        streaming = (handler.request_streaming, handler.response_streaming)
         behaviors = (handler.unary_unary, handler.unary_stream, handler.stream_unary,
                      handler.stream_stream)  # fmt: skip
         behavior = next(b for b in behaviors if b is not None)
         wrap = _stream_request if handler.request_streaming else _unary_request
         wrapped = wrap(behavior, handler.response_streaming)
-        return _MAKE[streaming](
+        return method_handler(
             wrapped,
+            handler.request_streaming,
+            handler.response_streaming,
             request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
