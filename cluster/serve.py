@@ -11,7 +11,7 @@ from tandem.cluster.traffic import ClusterTraffic
 from tandem.engine.dtype import dtype_banner
 from tandem.planner.live import LivePlanner, limits_of
 from tandem.planner.live_config import PlannerMode
-from tandem.router.ports import Listen, check_free
+from tandem.router.ports import Listen, check_free, public_listens
 from tandem.router.server import Router
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ async def serve(config: ClusterConfig, announce=print) -> None:
             loop.add_signal_handler(sig, stop.set)
 
     # Before Ray and the workers start (tens of seconds), not at the router's bind.
-    check_free(public_listens(config))
+    check_free(serve_listens(config))
     on_stop_signals()
     cluster = LocalCluster(config)
     planner = None
@@ -72,12 +72,11 @@ async def serve(config: ClusterConfig, announce=print) -> None:
             loop.remove_signal_handler(sig)
 
 
-def public_listens(config: ClusterConfig) -> list[Listen]:
+def serve_listens(config: ClusterConfig) -> list[Listen]:
     """The ports `tandem serve` listens on (besides its workers', picked free)."""
     router = config.router
     return [
-        Listen("gRPC", "--grpc-port", router.host, router.grpc_port),
-        Listen("HTTP", "--http-port", router.host, router.http_port),
+        *public_listens(router.host, router.grpc_port, router.http_port),
         Listen("pool controller metrics", "--pool-metrics-port", config.worker.host,
                config.pools.metrics_port),
     ]  # fmt: skip

@@ -31,6 +31,13 @@ class Listen:
         )
 
 
+def public_listens(host: str, grpc_port: int, http_port: int) -> tuple[Listen, Listen]:
+    """A router's public gRPC and HTTP ports, as `tandem serve` and `tandem router` name
+    their flags."""
+    return (Listen("gRPC", "--grpc-port", host, grpc_port),
+            Listen("HTTP", "--http-port", host, http_port))  # fmt: skip
+
+
 def check_free(listens: Iterable[Listen]) -> None:
     """PortInUse for the first port that cannot be bound now (port 0 is skipped: the
     system picks a free one). Bound as the servers bind (address reuse on, so a port

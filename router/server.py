@@ -44,7 +44,7 @@ from tandem.router.membership import (
 )
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy_runtime import PolicyRuntime
-from tandem.router.ports import Listen
+from tandem.router.ports import public_listens
 from tandem.router.request_flow import RequestFlow
 from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
@@ -171,12 +171,11 @@ class Router:
             ),
             server,
         )
+        grpc_listen, http_listen = public_listens(config.host, config.grpc_port, config.http_port)
         try:
             port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
         except RuntimeError as exc:  # grpc's "Failed to bind to address ..."
-            raise Listen("gRPC", "--grpc-port", config.host, config.grpc_port).in_use(
-                "bind failed"
-            ) from exc
+            raise grpc_listen.in_use("bind failed") from exc
         self.grpc_endpoint = f"{config.host}:{port}"
         await server.start()
         await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -195,9 +194,7 @@ class Router:
         try:
             await site.start()
         except OSError as exc:
-            raise Listen("HTTP", "--http-port", config.host, config.http_port).in_use(
-                exc.strerror or str(exc)
-            ) from exc
+            raise http_listen.in_use(exc.strerror or str(exc)) from exc
         http_port = self._http.addresses[0][1]
         self.http_endpoint = f"http://{config.host}:{http_port}"
         self._join_retry = asyncio.get_running_loop().create_task(self._retry_joins())
