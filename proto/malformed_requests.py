@@ -46,38 +46,48 @@ async def _refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> N
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.error}")
 
 
-async def _respond(result: Any, context: grpc.aio.ServicerContext, streaming: bool) -> Any:
-    """What a servicer's method returned, answered: awaited (one response, or a stream it
-    writes itself), or its async generator's responses written one by one."""
-    if streaming and inspect.isasyncgen(result):
-        async with contextlib.aclosing(result):
-            async for response in result:
-                await context.write(response)
-        return None
-    return await result
-
-
-def _unary_request(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
-    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Undecodable):
-            await _refuse(request, context)
-        return await _respond(behavior(request, context), context, streaming)
-
-    return handle
+async def _admit_request(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    """The request for the servicer; a call whose request did not parse ends here."""
+    if isinstance(request, _Undecodable):
+        await _refuse(request, context)
+    return request
 
 
 async def _checked(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
     async for request in requests:
-        if isinstance(request, _Undecodable):
-            await _refuse(request, context)
-        yield request
+        yield await _admit_request(request, context)
 
 
-def _stream_request(behavior: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
-    async def handle(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> Any:
-        return await _respond(behavior(_checked(requests, context), context), context, streaming)
+async def _admit_requests(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> Any:
+    """A request stream for the servicer: the call ends at the first that did not parse."""
+    return _checked(requests, context)
 
-    return handle
+
+def _wrapped(behavior: Callable[..., Any], streaming: bool, admit: Callable[..., Any]):
+    """`behavior` run on what `admit` lets through, answered as grpc would answer it: an
+    async generator function's responses re-yielded (as cheap as grpc's own iteration;
+    writing them with `context.write` cost ~5 us a message more), anything else awaited,
+    and an async generator that another kind of function returns written one by one."""
+    if streaming and inspect.isasyncgenfunction(behavior):
+
+        async def stream(argument: Any, context: grpc.aio.ServicerContext) -> AsyncIterator:
+            responses = behavior(await admit(argument, context), context)
+            async with contextlib.aclosing(responses):
+                async for response in responses:
+                    yield response
+
+        return stream
+
+    async def respond(argument: Any, context: grpc.aio.ServicerContext) -> Any:
+        result = behavior(await admit(argument, context), context)
+        if not (streaming and inspect.isasyncgen(result)):
+            return await result
+        async with contextlib.aclosing(result):
+            async for response in result:
+                await context.write(response)
+        return None
+
+    return respond
 
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
@@ -94,8 +104,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         behaviors = (handler.unary_unary, handler.unary_stream, handler.stream_unary,
                      handler.stream_stream)  # fmt: skip
         behavior = next(b for b in behaviors if b is not None)
-        wrap = _stream_request if handler.request_streaming else _unary_request
-        wrapped = wrap(behavior, handler.response_streaming)
+        admit = _admit_requests if handler.request_streaming else _admit_request
+        wrapped = _wrapped(behavior, handler.response_streaming, admit)
         return method_handler(
             wrapped,
             handler.request_streaming,

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import sys
 import time
 import uuid
@@ -38,6 +39,7 @@ from tandem.bench.report import (
     write_json,
 )
 from tandem.engine.sampling_params import SamplingParams
+from tandem.proto.cluster_auth import TOKEN_ENV, ClusterAuth, internal_channel
 from tandem.proto.server_options import GRPC_OPTIONS
 from tandem.proto.tandem.v1 import generation_pb2 as gen_pb
 from tandem.proto.tandem.v1 import generation_pb2_grpc
@@ -119,14 +121,20 @@ async def direct_generate(
 
 
 async def measure_overhead(
-    target: str, workers: dict[str, str], num_requests: int, max_tokens: int, num_warmup: int
+    target: str,
+    workers: dict[str, str],
+    auth: ClusterAuth,
+    num_requests: int,
+    max_tokens: int,
+    num_warmup: int,
 ) -> OverheadResult:
+    """`auth`: the cluster token the workers require (the direct path calls them)."""
     router = GrpcClient(ClientConfig(target, prompt_format="text", request_timeout_s=_TIMEOUT_S))
     await router.start()
     async with (
         grpc.aio.insecure_channel(target.removeprefix("grpc://"), options=GRPC_OPTIONS) as r_ch,
-        grpc.aio.insecure_channel(workers["prefill"], options=GRPC_OPTIONS) as p_channel,
-        grpc.aio.insecure_channel(workers["decode"], options=GRPC_OPTIONS) as d_channel,
+        internal_channel(workers["prefill"], auth) as p_channel,
+        internal_channel(workers["decode"], auth) as d_channel,
     ):
         # The ids the router's tokenizer makes of the prompt: both paths prefill the same.
         tokenize = generation_pb2_grpc.GenerationStub(r_ch).Tokenize
@@ -230,10 +238,16 @@ def cores_split() -> tuple[tuple[int, ...], tuple[int, ...]]:
 def measure_added_latency(args: argparse.Namespace) -> OverheadResult:
     # Always disaggregate: the direct path is Prefill then Decode, so must the router be.
     spec = cpu_pair_spec("router-bench-cluster", args.model, ("--max-local-prefill-tokens", "0"))
+    # The workers require the cluster's token of every call: the direct path's calls too.
+    auth = ClusterAuth(token=secrets.token_hex(32))
+    assert auth.token is not None
+    spec.env[TOKEN_ENV] = auth.token
     with running([spec], args.json.parent / "logs") as (cluster,):
         workers = cluster.worker_endpoints()
         target = spec.grpc_target or ""
-        measure = measure_overhead(target, workers, args.requests, args.max_tokens, args.warmup)
+        measure = measure_overhead(
+            target, workers, auth, args.requests, args.max_tokens, args.warmup
+        )
         return asyncio.run(asyncio.wait_for(measure, timeout=600))
 
 
