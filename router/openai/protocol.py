@@ -163,6 +163,12 @@ class RequestParser:
         """One request per prompt (`prompt` may hold a batch of them), in order; every
         prompt is checked before any is returned."""
         self._check_common(body, _COMPLETION_UNSUPPORTED)
+        if body.get("top_logprobs") is not None:  # chat's field: ignored, it would ask nothing
+            raise invalid(
+                "top_logprobs",
+                "is a chat completions field; /v1/completions takes 'logprobs', an integer: "
+                "how many alternatives per token",
+            )
         extras = parse_extras(body, self.tokenizer.vocab_size, self.max_n, completion=True)
         logprobs = get_int(body, "logprobs", min_value=0, max_value=MAX_LOGPROBS)
         prompt_logprobs = _prompt_logprobs(body)

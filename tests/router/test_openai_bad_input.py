@@ -222,6 +222,13 @@ CASES = [
     ),
     Bad("empty stop string", {"prompt": "hi", "stop": ["ok", ""]}, 400, ("'stop'", "index 1")),
     Bad(
+        "chat's top_logprobs on completions",
+        {"prompt": "hi", "logprobs": 2, "top_logprobs": 2},
+        400,
+        ("'top_logprobs'", "takes 'logprobs'"),
+        param="top_logprobs",
+    ),
+    Bad(
         "stop string over 1,000 characters",
         {"prompt": "hi", "stop": ["ok", "x" * 1001]},
         400,
