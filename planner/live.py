@@ -119,6 +119,9 @@ class LivePlanner:
         self.max_per_role = max_per_role
         self.gate = ResizeGate(config.change_interval_s, config.confirmations)
         self.budget = config.max_workers
+        # No --max-workers: the budget is the pools' size, and follows an operator's scale
+        # (the planner's own moves keep the total). Else it is a cap the pools come back to.
+        self.budget_follows_pools = config.max_workers is None
         self.last: LivePlanResult | None = None
         self.last_load: ObservedLoad | None = None
         self.last_laws: LatencyLaws | None = None
@@ -189,6 +192,10 @@ class LivePlanner:
             return
         membership = await self._pools()
         split, at_target = current_split(membership)
+        if self.budget_follows_pools and split is not None and sum(split) != self.budget:
+            logger.info("planner: the pools were scaled to %d workers; planning for that many",
+                        sum(split))  # fmt: skip
+            self.budget = sum(split)
         result = await self._plan(load, split)
         self.last = result
         self.num_plans += 1

@@ -208,3 +208,54 @@ def test_the_predicted_goodput_falls_to_zero_once_the_traffic_stops():
         asyncio.run(planner.run_once())
     assert planner.last_action.startswith("waiting for traffic"), planner.last_action
     assert (gauges.recommended, gauges.predicted_rps) == ((2, 1), 0.0)
+
+
+@pytest.mark.parametrize(("max_workers", "planned_budget"), [(None, 4), (2, 2)])
+def test_an_implicit_budget_follows_an_operators_scale(max_workers, planned_budget):
+    """Without --max-workers the budget is the pools' size at start (2 here). An
+    operator's `tandem scale` to 2P+2D under `--planner auto` was taken back to 1P+1D
+    within a minute, a worker at a time: the planner kept planning for 2 workers. It now
+    plans for the pools' new total; a --max-workers budget stays a cap."""
+    import asyncio
+    import types
+
+    from prometheus_client import CollectorRegistry
+
+    from tandem.planner.live import LivePlanner
+    from tandem.planner.live_config import PlannerConfig, PlannerMode
+    from tandem.planner.live_inputs import InputWindow
+    from tandem.planner.live_plan import LivePlanResult
+    from tandem.router.membership import Membership, PoolTargets, WorkerInfo, WorkerLifecycle
+    from tandem.router.pool_gauges import PlannerGauges
+    from tandem.worker.config import WorkerRole
+
+    class Pools:
+        """Scaled by an operator to 2P+2D, every worker serving."""
+
+        async def get_pools(self) -> Membership:
+            roles = (WorkerRole.PREFILL, WorkerRole.DECODE)
+            workers = [WorkerInfo(f"{role.value}-{i}", role, WorkerLifecycle.SERVING)
+                       for role in roles for i in range(2)]  # fmt: skip
+            return Membership(3, workers, PoolTargets(prefill=2, decode=2), {}, "owner")
+
+    gauges = types.SimpleNamespace(planner=PlannerGauges(CollectorRegistry()))
+    router = types.SimpleNamespace(admin_backend=Pools(), metrics=gauges)
+    config = PlannerConfig(mode=PlannerMode.OBSERVE, interval_s=10, max_workers=max_workers)
+    planner = LivePlanner(config, router, limits=None)  # type: ignore[arg-type]
+    planner.budget = 2  # what start() set: --max-workers, or the pools' 1P+1D then
+    budgets = []
+
+    async def counters() -> Counters:
+        return Counters(first_tokens=100, prompt_tokens=10_000, generation_tokens=2_000,
+                        finished=100, goodput=100)  # fmt: skip
+
+    async def plan(load, split) -> LivePlanResult:
+        budgets.append(planner.budget)
+        return LivePlanResult((1, 1), "1P+1D", {(1, 1): 1.0}, 1.0)
+
+    planner._read_counters = counters  # type: ignore[method-assign]
+    planner._plan = plan  # type: ignore[method-assign]
+    planner._inputs = InputWindow(3, 0.0, Counters())
+    asyncio.run(planner.run_once())
+    assert budgets == [planned_budget]
+    assert planner.view()["budget"] == planned_budget
