@@ -389,7 +389,7 @@ def _add_serve_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     serve.add_argument(
         "--max-workers", type=positive_int, default=None,
-        help="the planner's worker budget [the pools' size at start]",
+        help="the planner's worker budget, a cap [the pools' size, following tandem scale]",
     )  # fmt: skip
     add_security_flags(serve, generates_token=True)
     serve.set_defaults(handler=_run_serve, serve_parser=serve)
