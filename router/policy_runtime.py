@@ -283,8 +283,13 @@ class PolicyRuntime:
             reply = await self.pool.worker_stats(worker, self.config.probe_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if worker.worker_id not in self._unreachable:
-                logger.warning("worker %s unreachable (%s); not placing on it",
-                               worker.worker_id, exc.code().name)  # fmt: skip
+                # One the membership took off placement (draining) stops answering as it
+                # leaves: routine in every scale-down, not a warning to alert on.
+                leaving = worker.worker_id in self._unplaceable
+                (logger.info if leaving else logger.warning)(
+                    "worker %s unreachable (%s); not placing on it", worker.worker_id,
+                    exc.code().name,
+                )  # fmt: skip
             self.mark_unreachable(worker.worker_id)
             return
         except KeyError:
