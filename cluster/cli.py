@@ -172,22 +172,27 @@ def port(text: str) -> int:
 
 def positive_float(text: str) -> float:
     """argparse type: a finite number > 0 (seconds)."""
-    value = non_negative_float(text)
-    if value == 0:
+    value = _finite_float(text)
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
 
 
 def non_negative_float(text: str) -> float:
     """argparse type: a finite number >= 0 (seconds)."""
+    value = _finite_float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    if value == math.inf:
-        raise argparse.ArgumentTypeError("must be finite, got inf")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value}")
     return value
 
 
@@ -528,7 +533,30 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
             ),
         )
     except (ValueError, FileNotFoundError) as exc:
-        raise CliError(str(exc)) from exc
+        raise CliError(_in_flag_terms(str(exc))) from exc
+
+
+# Config fields a `tandem serve` flag sets, as the config classes' errors name them.
+_FLAGS_OF_FIELDS = {
+    "planner.max_workers": "--max-workers",
+    "pools.max_workers_per_role": "--max-workers-per-role",
+    "max_workers_per_role": "--max-workers-per-role",
+    "pools.num_prefill": "--prefill",
+    "pools.num_decode": "--decode",
+    "pools.num_colocated": "--colocated",
+    "pools.metrics_port": "--pool-metrics-port",
+}
+_FIELD_NAMES = re.compile(
+    r"(?<![\w.-])("
+    + "|".join(re.escape(f) for f in sorted(_FLAGS_OF_FIELDS, key=len, reverse=True))
+    + r")\b"
+)
+
+
+def _in_flag_terms(message: str) -> str:
+    """A config error as the command line says it: "planner.max_workers must be >= 2"
+    becomes "--max-workers must be >= 2"."""
+    return _FIELD_NAMES.sub(lambda match: _FLAGS_OF_FIELDS[match.group(1)], message)
 
 
 def _flag(value: _T | None, default: _T) -> _T:

@@ -134,6 +134,8 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--max-local-prefill-tokens", "-5"), "--max-local-prefill-tokens: must be >= 0"),
         (("--ttft-slo", "0"), "--ttft-slo: must be > 0"),
         (("--step-watchdog", "0"), "--step-watchdog: must be > 0"),
+        (("--step-watchdog", "-5"), "--step-watchdog: must be > 0, got -5.0"),
+        (("--step-watchdog", "inf"), "--step-watchdog: must be a finite number, got inf"),
         (("--colocated", "2", "--prefill", "1"), "--colocated replaces the --prefill/--decode"),
         (("--colocated", "1", "--decode", "1"), "--colocated replaces the --prefill/--decode"),
         (("--device", "cpu", "--kv-backend", "nccl"), "--kv-backend nccl moves KV between GPUs"),
@@ -143,17 +145,19 @@ def test_an_explicit_budget_too_small_for_unchunked_prompts_is_refused(tiny_mode
         (("--gpus-per-worker", "nan"), "ray.gpus_per_worker must be in (0, 1] or whole"),
         (("--max-workers-per-role", "0"), "--max-workers-per-role: must be >= 1"),
         (("--restart-backoff", "-1"), "--restart-backoff: must be >= 0, got -1.0"),
-        (("--decode", "4", "--max-workers-per-role", "3"), "num_decode (4) is over max_workers"),
+        # Config errors name the flags that set the fields.
+        (("--decode", "4", "--max-workers-per-role", "3"), "--decode (4) is over --max-workers-"),
+        (("--planner", "auto", "--max-workers", "1"), "--max-workers must be >= 2 (one per role)"),
         (("--kv-cache-memory", "lots"), "--kv-cache-memory: expected bytes or a size like"),
         (("--kv-cache-memory", "0MiB"), "--kv-cache-memory: must be at least 1 byte"),
         (("--grpc-port", "8000", "--http-port", "8000"), "grpc_port and http_port must differ"),
         (
             ("--planner", "auto", "--max-workers", "9", "--max-workers-per-role", "4"),
-            "planner.max_workers (9) cannot be split with at most pools.max_workers_per_role (4)",
+            "--max-workers (9) cannot be split with at most --max-workers-per-role (4)",
         ),
         (
             ("--planner", "observe", "--prefill", "2", "--decode", "2", "--max-workers", "3"),
-            "planner.max_workers (3) is below the 4 prefill + decode workers the pools start",
+            "--max-workers (3) is below the 4 prefill + decode workers the pools start",
         ),
         # An empty key (an unset shell variable) must not mean an open server.
         (("--api-key", ""), "--api-key is empty"),
