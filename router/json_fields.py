@@ -159,11 +159,12 @@ def get_int_list(body: dict[str, Any], name: str) -> list[int]:
     return list(value)
 
 
-_INTEGER_KEY = re.compile(r"-?[0-9]+")
+# At most 18 digits: any token id fits, and int() refuses strings past 4,300 digits.
+_INTEGER_KEY = re.compile(r"-?[0-9]{1,18}")
 
 
 def integer_key(key: str) -> int | None:
     """A JSON object key that spells an integer in ASCII digits ("5", "-1") as that int;
     None for anything else that int() would take too (" 5", "+5", "5_0", other
-    scripts' digits such as "٥")."""
+    scripts' digits such as "٥"), and for more than 18 digits."""
     return int(key) if _INTEGER_KEY.fullmatch(key) else None
