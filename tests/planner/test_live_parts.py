@@ -81,7 +81,7 @@ def test_serve_planner_flags(tiny_model_dir):
     chosen = serve_config(tiny_model_dir, "--planner", "auto", "--planner-interval", "5",
                           "--max-workers", "4").planner  # fmt: skip
     assert (chosen.mode, chosen.interval_s, chosen.max_workers) == (PlannerMode.AUTO, 5, 4)
-    with pytest.raises(CliError, match="max_workers must be >= 2"):
+    with pytest.raises(CliError, match="--max-workers must be >= 2"):
         serve_config(tiny_model_dir, "--max-workers", "1")
     with pytest.raises(SystemExit):
         serve_config(tiny_model_dir, "--planner", "sometimes")
