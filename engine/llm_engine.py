@@ -34,7 +34,13 @@ from tandem.engine.kv_cache_manager import KVCacheManager
 from tandem.engine.kv_pins import KvPins, PinnedBlocks
 from tandem.engine.model.loader import load_model
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.outputs import EngineStats, KvExport, PromptLogprobs, RequestOutput
+from tandem.engine.outputs import (
+    CannotStart,
+    EngineStats,
+    KvExport,
+    PromptLogprobs,
+    RequestOutput,
+)
 from tandem.engine.request import FinishReason, Request, RequestStatus
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import Scheduler
@@ -167,9 +173,7 @@ class Engine:
         for request, failure in self.structured.poll():
             logger.warning("request %s cannot start: %s", request.req_id, failure.reason)
             self.scheduler.finish(request, FinishReason.ABORT)
-            out = self._emit_ended(request)
-            out.cannot_start = failure
-            outputs.append(out)
+            outputs.append(self._emit_ended(request, cannot_start=failure))
         return outputs
 
     def _end_grammar(self, request: Request, refused: set[str]) -> None:
@@ -199,8 +203,11 @@ class Engine:
         elif not request.is_finished:
             self.scheduler.finish(request, FinishReason.STOP)
 
-    def _emit_ended(self, request: Request) -> RequestOutput:
-        """The last output of a request that ends without a new token."""
+    def _emit_ended(
+        self, request: Request, cannot_start: CannotStart | None = None
+    ) -> RequestOutput:
+        """The last output of a request that ends without a new token (`cannot_start`:
+        its grammar could not start)."""
         del self._requests[request.req_id]
         self._detokenizers.pop(request.req_id, None)
         return RequestOutput(
@@ -214,6 +221,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
             num_output_tokens=len(request.output_token_ids),
+            cannot_start=cannot_start,
         )
 
     def _emit(self, request: Request) -> RequestOutput:

@@ -93,6 +93,11 @@ def _wrapped(behavior: Callable[..., Any], streaming: bool, admit: Callable[...,
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """Ends a call whose request message does not parse INVALID_ARGUMENT (see the module)."""
 
+    def __init__(self) -> None:
+        # Per method: the server's handler and its wrapped form, built on the first call
+        # (the server hands the same handler for every call of a method).
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Any],
@@ -101,6 +106,17 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_deserializer is None:
             return handler
+        cached = self._wrapped.get(handler_call_details.method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped_handler = self._wrap(handler, handler.request_deserializer)
+        self._wrapped[handler_call_details.method] = (handler, wrapped_handler)
+        return wrapped_handler
+
+    @staticmethod
+    def _wrap(
+        handler: grpc.RpcMethodHandler, deserializer: Callable[[bytes], Any]
+    ) -> grpc.RpcMethodHandler:
         behaviors = (handler.unary_unary, handler.unary_stream, handler.stream_unary,
                      handler.stream_stream)  # fmt: skip
         behavior = next(b for b in behaviors if b is not None)
@@ -110,6 +126,6 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             wrapped,
             handler.request_streaming,
             handler.response_streaming,
-            request_deserializer=_tolerant(handler.request_deserializer),
+            request_deserializer=_tolerant(deserializer),
             response_serializer=handler.response_serializer,
         )

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tandem.bench.harness import free_port
 from tandem.cluster import serve as serve_module
 from tandem.cluster.cli import main
 from tandem.decode_worker.server import DecodeWorker
@@ -34,12 +35,6 @@ def held_port() -> Iterator[int]:
         holder.bind((HOST, 0))
         holder.listen()
         yield holder.getsockname()[1]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind((HOST, 0))
-        return probe.getsockname()[1]
 
 
 def test_a_held_port_is_named_with_its_flag_and_free_ones_pass():
