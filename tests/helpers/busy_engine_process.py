@@ -1,13 +1,16 @@
 """A process whose engine thread is always mid-step, exiting on SIGTERM as a Ray worker
 does (its handler raises SystemExit): `python -m tests.helpers.busy_engine_process
-MODEL_DIR` prints BUSY once requests run, then keeps generating until signalled."""
+MODEL_DIR` prints BUSY once requests run, then keeps generating until signalled, or until
+its stdin closes (a test that died leaves no orphan)."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import signal
 import sys
+import threading
 
 from tandem.engine.config import EngineConfig
 from tandem.engine.llm_engine import Engine
@@ -30,7 +33,13 @@ async def generate_forever(loop: EngineLoop) -> None:
                     pass
 
 
+def exit_when_stdin_closes() -> None:
+    sys.stdin.read()
+    os._exit(0)
+
+
 def main(model_dir: str) -> None:
+    threading.Thread(target=exit_when_stdin_closes, daemon=True).start()
     config = EngineConfig(
         model=model_dir, num_threads=1, max_model_len=512, kv_cache_memory_bytes=TEST_KV_CACHE_BYTES
     )

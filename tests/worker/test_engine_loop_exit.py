@@ -20,6 +20,7 @@ def test_sigterm_while_the_engine_steps_exits_cleanly(tiny_model_dir):
     process = subprocess.Popen(
         [sys.executable, "-m", "tests.helpers.busy_engine_process", str(tiny_model_dir)],
         cwd=REPO_ROOT,
+        stdin=subprocess.PIPE,  # held open: the child exits when it closes
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -28,7 +29,9 @@ def test_sigterm_while_the_engine_steps_exits_cleanly(tiny_model_dir):
         assert process.stdout is not None
         assert process.stdout.readline().strip() == "BUSY"
         process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=60)
+        process.wait(timeout=60)  # not communicate(): closing stdin also ends the child
+        assert process.stderr is not None
+        stderr = process.stderr.read()
     finally:
         process.kill()
         process.wait(timeout=30)

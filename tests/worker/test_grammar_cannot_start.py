@@ -60,6 +60,8 @@ async def call_with_a_grammar_that_never_compiles(
                         request, timeout=30
                     ):
                         pass
+        # Nothing left behind: the request is gone from the engine.
+        assert await worker.host.loop.call(lambda engine: engine.is_idle())
         return info.value
     finally:
         await worker.stop()
