@@ -24,6 +24,10 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0)  # fmt: skip
+# Generated tokens of one finished request (vLLM's request_generation_tokens buckets,
+# 1-2-5 steps).
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)  # fmt: skip
 # Queue and prefill time of a request (vLLM's request_queue/prefill_time buckets).
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                  2.5, 5.0, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -49,6 +53,16 @@ class RouterMetrics:
         )
         self.generation_tokens = Counter(
             "tandem:generation_tokens", "Generated tokens.", labels, registry=r
+        )
+        # Counted when a request ends, so its mean over finished requests is the mean
+        # output length (generation_tokens over request_success counts the tokens of
+        # requests still running too: 1.6x too long in a window of long streams).
+        self.request_generation_tokens = Histogram(
+            "tandem:request_generation_tokens",
+            "Generated tokens of each finished request.",
+            labels,
+            buckets=LENGTH_BUCKETS,
+            registry=r,
         )
         self.ttft = Histogram(
             "tandem:time_to_first_token_seconds",
@@ -186,6 +200,7 @@ class RouterMetrics:
         name = self.model_name
         self.running.labels(name).dec()
         self.request_success.labels(name, reason).inc()
+        self.request_generation_tokens.labels(name).observe(record.num_tokens)
         if record.first_token_at is not None:
             self.e2e.labels(name).observe(record.last_token_at - record.arrival)
         if record.num_tokens > 1 and record.first_token_at is not None:

@@ -17,7 +17,8 @@ def test_counter_deltas_become_the_observed_load():
     registry = CollectorRegistry()
     ttft = Histogram("tandem:time_to_first_token_seconds", "", ["model_name"], registry=registry)
     prompt = Counter("tandem:prompt_tokens", "", ["model_name"], registry=registry)
-    generated = Counter("tandem:generation_tokens", "", ["model_name"], registry=registry)
+    generated = Histogram("tandem:request_generation_tokens", "", ["model_name"],
+                          registry=registry)  # fmt: skip
     done = Counter("tandem:request_success", "", ["model_name", "finished_reason"],
                    registry=registry)  # fmt: skip
     good = Counter("tandem:goodput_requests", "", ["model_name"], registry=registry)
@@ -25,7 +26,8 @@ def test_counter_deltas_become_the_observed_load():
     for _ in range(10):
         ttft.labels("m").observe(0.1)
     prompt.labels("m").inc(1000)
-    generated.labels("m").inc(400)
+    for num_tokens in (20, 30, 40, 50, 60, 60, 70, 70):
+        generated.labels("m").observe(num_tokens)
     done.labels("m", "length").inc(6)
     done.labels("m", "stop").inc(2)
     good.labels("m").inc(4)
@@ -35,6 +37,20 @@ def test_counter_deltas_become_the_observed_load():
     assert load.mean_output_tokens == 50.0  # 400 tokens over 8 finished requests
     assert load.prefix_hit_share == 0.25
     assert load.goodput_rps == 2.0
+
+
+def test_the_mean_output_length_counts_finished_requests_only():
+    """Tokens of requests still streaming are not output lengths yet: counted in, a window
+    of long streams read 1.6x their length (200 tokens a request for 128)."""
+    metrics = RouterMetrics("m")
+    before = read_counters(metrics.registry, cached_tokens=0)
+    done, running = metrics.record(10), metrics.record(10)
+    done.on_tokens(128)
+    done.finish("length")
+    running.on_tokens(300)
+    load = load_between(before, read_counters(metrics.registry, cached_tokens=0), 1.0)
+    assert load.num_finished == 1
+    assert load.mean_output_tokens == 128.0
 
 
 def test_requests_shed_for_overload_count_as_arrivals():

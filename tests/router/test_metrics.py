@@ -71,6 +71,8 @@ def test_metrics_match_a_known_workload(tiny_model_dir):
         assert metrics[f"tandem:request_success_total{{finished_reason=length,{model}}}"] == n
         assert metrics[f"tandem:prompt_tokens_total{{{model}}}"] == sum(map(len, prompts))
         assert metrics[f"tandem:generation_tokens_total{{{model}}}"] == n * MAX_TOKENS
+        assert metrics[f"tandem:request_generation_tokens_sum{{{model}}}"] == n * MAX_TOKENS
+        assert metrics[f"tandem:request_generation_tokens_count{{{model}}}"] == n
         assert metrics[f"tandem:time_to_first_token_seconds_count{{{model}}}"] == n
         assert metrics[f"tandem:inter_token_latency_seconds_count{{{model}}}"] == n * (
             MAX_TOKENS - 1
