@@ -30,7 +30,9 @@ from tandem.router.config import RouterConfig
 from tandem.router.membership import RestartHold
 from tandem.router.policy import (
     AdmissionConfig,
+    DecodeLatencyModel,
     GoodputPolicy,
+    PrefillLatencyModel,
     SelectorConfig,
     SloClass,
     SloConfig,
@@ -38,7 +40,7 @@ from tandem.router.policy import (
     WorkerStats,
 )
 from tandem.router.policy.slo import Slo, default_classes
-from tandem.router.warmup_profile import profile_decode, profile_prefill
+from tandem.router.warmup_profile import probe_batch_sizes, probe_decode, profile_prefill
 from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
 from tandem.worker.config import WorkerRole
 from tandem.worker.convert import WORKER_ROLE_FROM_PROTO
@@ -155,7 +157,7 @@ class PolicyRuntime:
         prefill_states = [state(w) for w in self.pool.prefill]
         decode_states = [state(w) for w in self.pool.decode]
         if self.config.warmup_profile:
-            await self._profile(prefill_states, decode_states, limits.max_model_len)
+            await self._profile(prefill_states, decode_states, stats, limits)
         self.policy = GoodputPolicy(
             prefill_states,
             decode_states,
@@ -172,21 +174,32 @@ class PolicyRuntime:
         self,
         prefill_states: list[WorkerState],
         decode_states: list[WorkerState],
-        max_len: int,
+        stats: dict[str, pb.StatsResponse],
+        limits: WorkerLimits,
     ) -> None:
         """Seed every worker's latency models from a few timed probe requests of at most
-        `max_len` tokens."""
+        `limits.max_model_len` tokens."""
         model = ModelConfig.from_model_dir(self.config.model_dir)
-        timeout = self.config.prefill_timeout_s
+        timeout, max_len = self.config.prefill_timeout_s, limits.max_model_len
         by_id = {w.worker_id: w for w in self.pool.workers}
         for state in prefill_states:
             state.prefill_model = await profile_prefill(
                 self.pool, by_id[state.worker_id], model.vocab_size, max_len, timeout
             )
         for state in decode_states:
-            state.prefill_model, state.decode_model = await profile_decode(
-                self.pool, by_id[state.worker_id], model.vocab_size, max_len, timeout
+            reply = stats[state.worker_id]
+            batches = probe_batch_sizes(
+                reply.max_num_seqs, reply.num_blocks, limits.block_size, max_len
             )
+            prefill_obs, decode_obs = await probe_decode(
+                self.pool, by_id[state.worker_id], model.vocab_size, max_len, timeout, batches
+            )
+            state.prefill_model = PrefillLatencyModel.from_profile(prefill_obs)
+            state.decode_model = DecodeLatencyModel.from_profile(decode_obs)
+            fixed_s, per_seq_s, _ = state.decode_model.coefficients
+            logger.info("%s: a decode step costs %.1f ms + %.2f ms per sequence (probed at "
+                        "batch 1%s)", state.worker_id, fixed_s * 1e3, per_seq_s * 1e3,
+                        "".join(f", {b}" for b in batches))  # fmt: skip
         logger.info("seeded latency models of %d workers from a start-up profile",
                     len(prefill_states) + len(decode_states))  # fmt: skip
 

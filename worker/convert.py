@@ -209,6 +209,7 @@ def stats_to_proto(
         block_size=engine.block_size,
         max_model_len=engine.max_model_len,
         dtype=engine.resolved_dtype,
+        max_num_seqs=engine.max_num_seqs,
         num_waiting=stats.num_waiting,
         num_running=stats.num_running,
         num_held=stats.num_held,
