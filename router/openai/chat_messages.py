@@ -38,10 +38,12 @@ def chat_message(index: int, message: Any) -> dict[str, Any]:
         out["tool_calls"] = _tool_calls(f"{label}.tool_calls", message["tool_calls"])
     if role == "tool":
         call_id = message.get("tool_call_id")
-        if call_id is not None and not isinstance(call_id, str):
-            raise invalid(f"{label}.tool_call_id", f"must be a string, got {show(call_id)}")
-        if call_id is not None:
-            out["tool_call_id"] = call_id
+        if not isinstance(call_id, str):
+            raise invalid(
+                f"{label}.tool_call_id",
+                f"is required: the id of the tool call this answers, got {show(call_id)}",
+            )
+        out["tool_call_id"] = call_id
     return out
 
 

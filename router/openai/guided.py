@@ -8,6 +8,7 @@ forced tool call brings its own, see tools.py).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from tandem.engine.structured.spec import GuidedDecoding, GuidedKind
@@ -15,6 +16,7 @@ from tandem.router.json_fields import get_object, invalid, show
 from tandem.router.structured_outputs import checked, one_of, vllm_guided
 
 _RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 def guided_from_body(body: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
@@ -42,8 +44,12 @@ def _response_format(body: dict[str, Any]) -> tuple[str, GuidedDecoding] | None:
             f"must be an object with 'name' and 'schema', got {show(spec)}",
         )
     name = spec.get("name")
-    if name is not None and not isinstance(name, str):
-        raise invalid("response_format.json_schema.name", f"must be a string, got {show(name)}")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise invalid(
+            "response_format.json_schema.name",
+            "is required: 1-64 letters, digits, underscores or dashes (as OpenAI's), "
+            f"got {show(name)}",
+        )
     schema = spec.get("schema", {})
     if not isinstance(schema, (dict, bool)):
         raise invalid(

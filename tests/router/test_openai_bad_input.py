@@ -372,6 +372,14 @@ CASES = [
         param="messages[0].role",
     ),
     Bad(
+        "tool message without the id of the call it answers",
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "12:00"}]},
+        400,
+        ("messages[1].tool_call_id", "required"),
+        path="/v1/chat/completions",
+        param="messages[1].tool_call_id",
+    ),
+    Bad(
         "message content not text",
         {"messages": [{"role": "user", "content": 42}]},
         400,

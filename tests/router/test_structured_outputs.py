@@ -322,10 +322,24 @@ def test_tool_choice_none_and_tool_messages_are_plain_chat(client, cluster):
             {
                 "response_format": {
                     "type": "json_schema",
-                    "json_schema": {"schema": {"$ref": "#/x"}},
+                    "json_schema": {"name": "x", "schema": {"$ref": "#/x"}},
                 }
             },
             "response_format.json_schema.schema",
+        ),
+        # OpenAI requires the schema's name (and refuses one outside [A-Za-z0-9_-]{1,64}).
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
+            "response_format.json_schema.name",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "my schema", "schema": {}},
+                }
+            },
+            "response_format.json_schema.name",
         ),
         ({"response_format": {"type": "xml"}}, "response_format.type"),
         (
@@ -352,7 +366,12 @@ def test_tool_choice_none_and_tool_messages_are_plain_chat(client, cluster):
         # Keywords a grammar cannot hold (the output broke them: `[2, 2, 3]` for unique
         # items) are refused where the output is constrained ...
         (
-            {"response_format": {"type": "json_schema", "json_schema": {"schema": UNIQUE}}},
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "unique", "schema": UNIQUE},
+                }
+            },
             "response_format.json_schema.schema",
         ),
         (
