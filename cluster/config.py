@@ -227,6 +227,11 @@ class ClusterConfig:
             )
         check_kv_backend(self.worker.kv_backend, self.engine.device)
         budget, per_role = self.planner.max_workers, self.pools.max_workers_per_role
+        if self.planner.mode is PlannerMode.OFF and budget is not None:
+            raise ValueError(
+                "planner.max_workers is the live planner's budget, and the planner is off; "
+                "drop it, or run the planner (observe or auto)"
+            )
         if (
             self.planner.mode is not PlannerMode.OFF
             and budget is not None

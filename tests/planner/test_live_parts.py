@@ -101,6 +101,9 @@ def test_serve_planner_flags(tiny_model_dir):
         serve_config(tiny_model_dir, "--max-workers", "1")
     with pytest.raises(SystemExit):
         serve_config(tiny_model_dir, "--planner", "sometimes")
+    # A budget for no planner did nothing, silently.
+    with pytest.raises(CliError, match="--max-workers is the live planner's budget"):
+        serve_config(tiny_model_dir, "--planner", "off", "--max-workers", "3")
 
 
 @pytest.mark.parametrize("operator_lands", ["while planning", "after the re-read"])
