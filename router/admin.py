@@ -147,11 +147,15 @@ class PoolsAdmin:
             raise _owner_error(exc) from exc
 
     async def scale(self, targets: PoolTargets) -> Membership:
+        asked = f"{targets.prefill} prefill + {targets.decode} decode"
         owner = self._owner()
         try:
-            return await owner.scale(targets)
+            membership = await owner.scale(targets)
         except (ValueError, RuntimeError) as exc:
+            logger.info("admin: scale to %s refused: %s", asked, exc)
             raise _owner_error(exc) from exc
+        logger.info("admin: pools scaled to %s", asked)
+        return membership
 
     async def drain(self, worker_id: Any) -> Membership:
         if not isinstance(worker_id, str) or not worker_id:
@@ -162,13 +166,15 @@ class PoolsAdmin:
                 "(see GET /admin/pools)",
                 param="worker_id",
             )
-        # Checked first, and quoted: a client's newline must not forge a log line.
-        logger.info("admin: drain %r", worker_id)
         owner = self._owner()
+        # Quoted (and checked first): a client's newline must not forge a log line.
         try:
-            return await owner.drain(worker_id)
+            membership = await owner.drain(worker_id)
         except (ValueError, RuntimeError) as exc:
+            logger.info("admin: drain of %r refused: %s", worker_id, exc)
             raise _owner_error(exc) from exc
+        logger.info("admin: draining %r", worker_id)
+        return membership
 
     def worker_json(self, worker: WorkerInfo) -> dict[str, Any]:
         load = self.load(worker.worker_id) or WorkerLoad()

@@ -8,7 +8,6 @@ POST /admin/drain   {"worker_id": "..."} -> the pools after the change
 from __future__ import annotations
 
 import json
-import logging
 
 from aiohttp import web
 
@@ -16,8 +15,6 @@ from tandem.router.admin import PoolsAdmin, parse_targets
 from tandem.router.errors import InvalidRequest
 from tandem.router.json_fields import check_text
 from tandem.router.openai.errors import dumps
-
-logger = logging.getLogger(__name__)
 
 
 async def _json_body(request: web.Request) -> object:
@@ -36,7 +33,6 @@ def add_admin_routes(app: web.Application, admin: PoolsAdmin) -> None:
 
     async def scale(request: web.Request) -> web.Response:
         targets = parse_targets(await _json_body(request))
-        logger.info("admin: scale to %d prefill + %d decode", targets.prefill, targets.decode)
         return web.json_response(admin.to_json(await admin.scale(targets)), dumps=dumps)
 
     async def drain(request: web.Request) -> web.Response:

@@ -3,7 +3,6 @@ API key, when set, is checked for every public service by `router.api_key`)."""
 
 from __future__ import annotations
 
-import logging
 import time
 
 from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
@@ -11,8 +10,6 @@ from tandem.proto.tandem.admin.v1 import admin_pb2_grpc
 from tandem.router.admin import PoolsAdmin, parse_targets
 from tandem.router.errors import RouterError, abort_with
 from tandem.router.membership import Membership, holds_not_passed
-
-logger = logging.getLogger(__name__)
 
 SERVICE_NAME = admin_pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
@@ -38,7 +35,6 @@ class AdminService(admin_pb2_grpc.AdminServicer):
                 if request.HasField(role)
             }
             targets = parse_targets(body)
-            logger.info("admin: scale to %d prefill + %d decode", targets.prefill, targets.decode)
             return self._response(await self.admin.scale(targets))
         except RouterError as exc:
             await abort_with(context, exc)

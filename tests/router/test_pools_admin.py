@@ -162,6 +162,18 @@ def test_bad_scale_is_refused_and_changes_nothing(pools, body, param):
     assert (pools.version, pools.targets) == before
 
 
+def test_a_refused_scale_is_logged_as_refused(pools, caplog):
+    """A scale the owner refused was logged as "admin: scale to 9 prefill + 1 decode",
+    as if it had happened."""
+    with caplog.at_level(logging.INFO, logger="tandem.router.admin"):
+        status, _ = pools.run(http(pools, "POST", "/admin/scale", {"prefill": 9, "decode": 1}))
+    assert status == 400
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("admin:")]
+    assert len(lines) == 1 and lines[0].startswith(
+        "admin: scale to 9 prefill + 1 decode refused: "
+    ), lines
+
+
 def test_a_worker_id_cannot_forge_a_log_line(pools, caplog):
     """The id a client names was logged raw before it was checked: a newline in it wrote
     a line of the client's own into the router log."""
@@ -170,7 +182,8 @@ def test_a_worker_id_cannot_forge_a_log_line(pools, caplog):
             status, _ = pools.run(http(pools, "POST", "/admin/drain", {"worker_id": worker_id}))
             assert status in (400, 404, 409)
     lines = [r.getMessage() for r in caplog.records if "admin: drain" in r.getMessage()]
-    assert lines == ["admin: drain 'nobody\\n2026-12-06 INFO forged'"], lines
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("admin: drain of 'nobody\\n2026-12-06 INFO forged' refused")
 
 
 def test_admin_errors_over_grpc_and_auth(pools):
