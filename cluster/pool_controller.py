@@ -28,6 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import ray
 from aiohttp import web
@@ -90,8 +91,10 @@ class PoolController:
         # The pool gauges routers re-export, served on the controller's own /metrics.
         self.metrics_registry = CollectorRegistry()
         self.gauges = PoolGauges(self.metrics_registry)
-        # The live planner's gauges, as it publishes them (`cluster.traffic`).
+        # The live planner's gauges, as it publishes them (`cluster.traffic`), and its
+        # view (`"planner"` of /admin/pools), handed to every router with its report.
         self.planner_gauges = PlannerGauges(self.metrics_registry)
+        self.planner_view: dict[str, Any] | None = None
         # Every router's traffic totals, for the live planner.
         self.traffic_totals = TrafficTotals()
         self._changed = asyncio.Condition()
@@ -214,18 +217,25 @@ class PoolController:
     async def drained_loads(self) -> dict[str, WorkerLoad]:
         return dict(self.drained)
 
-    async def report_traffic(self, router_id: str, counters: Counters) -> None:
-        """A router's running traffic totals (`cluster.traffic.TrafficReporter`)."""
+    async def report_traffic(self, router_id: str, counters: Counters) -> dict[str, Any] | None:
+        """A router's running traffic totals (`cluster.traffic.TrafficReporter`); the live
+        planner's last view in return (None: no planner runs)."""
         self.traffic_totals.report(router_id, counters, time.monotonic())
+        return self.planner_view
 
     async def traffic(self) -> Counters:
         """Every router's traffic totals, summed."""
         return self.traffic_totals.total()
 
     async def publish_plan(
-        self, recommended: tuple[int, int] | None, predicted_rps: float | None, observed_rps: float
+        self,
+        recommended: tuple[int, int] | None,
+        predicted_rps: float | None,
+        observed_rps: float,
+        view: dict[str, Any],
     ) -> None:
-        """The live planner's gauges, for this /metrics."""
+        """The live planner's gauges, for this /metrics, and its view, for every router."""
+        self.planner_view = view
         self.planner_gauges.observe(observed_rps)
         if recommended is not None and predicted_rps is not None:
             self.planner_gauges.recommend(recommended, predicted_rps)

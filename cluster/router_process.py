@@ -74,8 +74,11 @@ class AttachedRouter:
         self._owner = membership.owner
         self.watcher = MembershipWatcher(self.link, self._follow, membership.version)
         self.watcher.start()
-        self.reporter = TrafficReporter(self.link, router)
-        self.reporter.start()
+        self.reporter = reporter = TrafficReporter(self.link, router)
+        reporter.start()
+        # The live planner's view from the controller, unless one runs beside this router
+        # (`tandem serve`'s sets its own when it starts).
+        router.planner_view = lambda: reporter.planner_view
         return router
 
     async def _follow(self, membership: Membership) -> None:

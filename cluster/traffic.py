@@ -8,7 +8,8 @@ within SLO, prefix-cache hits) to the pool controller every `REPORT_INTERVAL_S`;
 controller sums them (`cluster.traffic_totals`), keeping a departed router's last totals so the
 sum never goes back; and the planner reads the sum (`ClusterTraffic.counters`). The
 planner's gauges go the same way to the controller's /metrics (`ClusterTraffic.publish`),
-which Kubernetes scrapes (the head's router is not scraped).
+which Kubernetes scrapes (the head's router is not scraped), and its `/admin/pools` view
+comes back to every router in answer to its report (`TrafficReporter.planner_view`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Any
 
 import ray
 
@@ -42,6 +44,10 @@ class TrafficReporter:
         self.router = router
         self.interval_s = interval_s
         self.router_id = uuid.uuid4().hex
+        # The live planner's view as the controller last answered a report (None: no
+        # planner runs, or no answer yet): `/admin/pools` of a router with no planner
+        # beside it shows this one.
+        self.planner_view: dict[str, Any] | None = None
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -65,7 +71,7 @@ class TrafficReporter:
         watcher finds a new one; the next report carries the totals anyway)."""
         try:
             counters = read_router_counters(self.router)
-            await asyncio.wait_for(
+            self.planner_view = await asyncio.wait_for(
                 self.link.handle.report_traffic.remote(self.router_id, counters), CONTROLLER_CALL_S
             )
         except (TimeoutError, RuntimeError, ray.exceptions.RayError) as exc:
@@ -84,10 +90,15 @@ class ClusterTraffic:
         return await asyncio.wait_for(self.link.handle.traffic.remote(), CONTROLLER_CALL_S)
 
     async def publish(
-        self, recommended: tuple[int, int] | None, predicted_rps: float | None, observed_rps: float
+        self,
+        recommended: tuple[int, int] | None,
+        predicted_rps: float | None,
+        observed_rps: float,
+        view: dict[str, Any],
     ) -> None:
-        """The planner's gauges on the controller's /metrics (None: no plan yet)."""
+        """The planner's gauges on the controller's /metrics (None: no plan yet), and its
+        view for every router's /admin/pools."""
         await asyncio.wait_for(
-            self.link.handle.publish_plan.remote(recommended, predicted_rps, observed_rps),
+            self.link.handle.publish_plan.remote(recommended, predicted_rps, observed_rps, view),
             CONTROLLER_CALL_S,
         )

@@ -48,7 +48,11 @@ class TrafficSource(Protocol):
     async def counters(self) -> Counters: ...
 
     async def publish(
-        self, recommended: tuple[int, int] | None, predicted_rps: float | None, observed_rps: float
+        self,
+        recommended: tuple[int, int] | None,
+        predicted_rps: float | None,
+        observed_rps: float,
+        view: dict[str, Any],
     ) -> None: ...
 
 
@@ -287,13 +291,14 @@ class LivePlanner:
         self._inputs = InputWindow(self.config.window_intervals, time.monotonic(), counters)
 
     async def _publish(self) -> None:
-        """This router's planner gauges, also where every router's traffic comes from."""
+        """This router's planner gauges and view, also where every router's traffic comes
+        from (every router shows the view)."""
         if self.traffic is None:
             return
         gauges = self.router.metrics.planner
         try:
             await self.traffic.publish(
-                gauges.recommended, gauges.predicted_rps, gauges.observed_rps or 0.0
+                gauges.recommended, gauges.predicted_rps, gauges.observed_rps or 0.0, self.view()
             )
         except Exception as exc:  # the gauges lag; planning goes on
             logger.warning("planner: publishing its gauges failed: %s", exc)

@@ -102,6 +102,20 @@ def test_second_router_command_serves_and_follows_a_scale_event(tiny_model_dir, 
                 assert asyncio.get_running_loop().time() < deadline, traffic
                 await asyncio.sleep(0.2)
             assert read_router_counters(first).first_tokens == 0
+            # What the live planner beside the first router publishes (its gauges and its
+            # /admin/pools view) reaches the second one with the answer to its report:
+            # `tandem pools` through any router shows the recommendation.
+            view = {"mode": "observe", "budget": 2, "recommended": {"prefill": 1, "decode": 1},
+                    "reason": "1P+1D sustains 3 req/s", "last_action": "observe mode"}  # fmt: skip
+            await cluster.controller.publish_plan.remote((1, 1), 2.5, 2.0, view)
+            await until(
+                lambda: admin_view(second.http_endpoint).get("planner") == view, 15.0,
+                "the planner's view on the second router",
+            )  # fmt: skip
+            capsys.readouterr()
+            pools_b = ["pools", "--address", second.http_endpoint.removeprefix("http://")]
+            assert await asyncio.to_thread(main, pools_b) == 0
+            assert "planner (observe): recommends 1 prefill + 1 decode" in capsys.readouterr().out
 
             # A scale event through the first router ...
             http_a = first.http_endpoint.removeprefix("http://")
