@@ -67,18 +67,14 @@ async def probe_decode(
     cannot tell a step's cost per sequence from its fixed cost."""
     rng = random.Random(worker.worker_id)
     stub = pool.decode_stub(worker)
-    prefill_obs, decode_obs = [], []
+    prefill_obs: list[PrefillObservation] = []
+    decode_obs: list[DecodeObservation] = []
     for n in (min(n, max_len - PROBE_DECODE_TOKENS - 1) for n in PROBE_PROMPT_LENS):
         request = _probe_request(f"profile-{worker.worker_id}-{n}", vocab_size, n, rng)
-        last_at = None
-        async for msg in stub.Decode(request, timeout=timeout_s):
-            now = time.monotonic()
-            if msg.HasField("prefill_timings"):
-                prefill_obs.append(PrefillObservation(n, msg.prefill_timings.compute_s))
-            elif last_at is not None and msg.token_ids:
-                gap = (now - last_at) / len(msg.token_ids)
-                decode_obs.append(DecodeObservation(1, n, gap))
-            last_at = now
+        prefill_s, gaps = await _stream_timings(stub, request, timeout_s, settle_tokens=1)
+        if prefill_s is not None:
+            prefill_obs.append(PrefillObservation(n, prefill_s))
+        decode_obs.extend(DecodeObservation(1, n, gap) for gap in gaps)
     for batch in batch_sizes:
         gap = await _batch_step_s(stub, worker.worker_id, vocab_size, batch, rng, timeout_s)
         context = batch * (PROBE_BATCH_PROMPT_LEN + PROBE_DECODE_TOKENS // 2)
@@ -110,6 +106,27 @@ def _probe_request(
     )
 
 
+async def _stream_timings(
+    stub: worker_pb2_grpc.DecodeWorkerStub,
+    request: pb.DecodeRequest,
+    timeout_s: float,
+    settle_tokens: int,
+) -> tuple[float | None, list[float]]:
+    """One probe's local-prefill compute time (None if not reported) and the seconds per
+    token between its token messages, counted once `settle_tokens` tokens have come."""
+    prefill_s, gaps, last_at, num_tokens = None, [], None, 0
+    async for msg in stub.Decode(request, timeout=timeout_s):
+        now = time.monotonic()
+        if msg.HasField("prefill_timings"):
+            prefill_s = msg.prefill_timings.compute_s
+        if not msg.token_ids:
+            continue
+        if last_at is not None and num_tokens >= settle_tokens:
+            gaps.append((now - last_at) / len(msg.token_ids))
+        last_at, num_tokens = now, num_tokens + len(msg.token_ids)
+    return prefill_s, gaps
+
+
 async def _batch_step_s(
     stub: worker_pb2_grpc.DecodeWorkerStub,
     worker_id: str,
@@ -123,15 +140,8 @@ async def _batch_step_s(
     async def gaps_of(index: int) -> list[float]:
         request = _probe_request(f"profile-{worker_id}-b{batch}-{index}", vocab_size,
                                  PROBE_BATCH_PROMPT_LEN, rng)  # fmt: skip
-        gaps, last_at, num_tokens = [], None, 0
-        async for msg in stub.Decode(request, timeout=timeout_s):
-            if not msg.token_ids:
-                continue
-            now = time.monotonic()
-            # The first tokens may still wait on the other probes' prefills.
-            if last_at is not None and num_tokens >= _SETTLE_TOKENS:
-                gaps.append((now - last_at) / len(msg.token_ids))
-            last_at, num_tokens = now, num_tokens + len(msg.token_ids)
+        # The first tokens may still wait on the other probes' prefills.
+        _, gaps = await _stream_timings(stub, request, timeout_s, _SETTLE_TOKENS)
         return gaps
 
     # A task group: one failed stream cancels the others (no probe outlives the call);
