@@ -10,6 +10,10 @@ MODEL_PRESET ?= small
 # CPU machines take the local CPU wheel; a CUDA machine takes a CUDA build.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch>=2.4" || echo "torch==2.13.0")
 PYTEST_ARGS ?=
+# `make test` runs pytest in two processes (pytest-xdist): tests go to whichever is free,
+# except that modules killing or signalling a cluster's processes run in one, one at a
+# time (tests/helpers/parallel.py). PYTEST_WORKERS=0 runs everything in one process.
+PYTEST_WORKERS ?= 2
 
 .PHONY: install serve demo test lint typecheck proto bench-engine bench-experiments clean
 
@@ -37,7 +41,7 @@ test: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(MAKE) --no-print-directory typecheck
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Regenerate the Python stubs (committed; tests/proto checks they are current).
 proto: $(VENV)/.installed

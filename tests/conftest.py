@@ -1,5 +1,6 @@
 """Shared fixtures: one tiny model and one in-process cluster per test session, the
-per-test idle check of any cluster a test used; CUDA-only tests skipped without CUDA."""
+per-test idle check of any cluster a test used; CUDA-only tests skipped without CUDA;
+under pytest-xdist, the scheduling of tests/helpers/parallel.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from tandem.engine.model_maker import make_model
 from tandem.proto.cluster_auth import ClusterAuth, generate_token
 from tests.helpers.inproc_cluster import InprocCluster, shared_router_config
+from tests.helpers.parallel import DisruptionScheduling
 
 # CI machines are small; more intra-op threads than cores only adds contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -63,3 +65,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> DisruptionScheduling | None:
+    """`-n N` (`make test`): marked modules in one process, one at a time
+    (tests/helpers/parallel.py); another `--dist` mode asked for by name is xdist's."""
+    if config.getvalue("dist") == "load":
+        return DisruptionScheduling(config, log)
+    return None

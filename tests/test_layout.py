@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.parallel import module_marks
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -120,6 +122,29 @@ def test_tests_share_code_only_through_helpers():
                 if parts[0] == "tests" and parts[1:2] != ["helpers"]:
                     offenders.append(f"{relative} imports {module}")
     assert not offenders, offenders
+
+
+# What starts a cluster of processes in a test module (Ray, `tandem serve`, workers), and
+# what kills or signals its processes.
+CLUSTER_STARTERS = re.compile(
+    r"\b(LocalCluster|ProcessCluster|TandemCommand|start_local_ray|init_ray_with_role_slots"
+    r"|Cluster)\("
+)
+PROCESS_KILLS = re.compile(r"os\.kill|\.kill(_session)?\b|\bSIG(KILL|TERM|STOP)\b")
+
+
+def test_modules_that_kill_cluster_processes_run_one_at_a_time():
+    """`make test` runs the suite in two pytest processes; a module that starts a cluster
+    of processes and kills or signals them carries `DISRUPTS_ITS_CLUSTER`
+    (tests/helpers/parallel.py), so that two such tests never overlap."""
+    unmarked = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "tests").rglob("test_*.py")
+        if CLUSTER_STARTERS.search(text := path.read_text())
+        and PROCESS_KILLS.search(text)
+        and "DISRUPTS_ITS_CLUSTER" not in module_marks(text)
+    ]
+    assert not unmarked, unmarked
 
 
 def test_every_code_folder_is_installed_and_type_checked():

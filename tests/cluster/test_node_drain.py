@@ -26,10 +26,11 @@ from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.ray_start import start_with_retries
 from tandem.router.membership import Membership
 from tests.helpers.grpc_calls import start_streams, stream_tokens
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import assert_idle, cluster_config, serving, wait_membership
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow, DISRUPTS_ITS_CLUSTER]
 
 NODES_TIMEOUT_S = 120
 MAX_TOKENS = 160

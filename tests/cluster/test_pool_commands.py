@@ -12,9 +12,10 @@ import ray
 from tandem.cluster.cli import main
 from tandem.cluster.launcher import LocalCluster
 from tandem.router.membership import PoolTargets
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.ray_pools import assert_idle, cluster_config, init_ray_with_role_slots
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow, DISRUPTS_ITS_CLUSTER]
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from tandem.router.membership import (
     WorkerLifecycle,
 )
 from tests.helpers.grpc_calls import generate_tokens
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import (
     assert_idle,
@@ -40,7 +41,7 @@ from tests.helpers.ray_pools import (
     wait_membership,
 )
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow, DISRUPTS_ITS_CLUSTER]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from tandem.proto.cluster_auth import ClusterAuth, generate_token
 from tandem.router.server import Router
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import (
     admin_pool_counts,
@@ -39,7 +40,7 @@ from tests.helpers.ray_pools import (
 )
 from tests.helpers.tandem_command import RouterCommand
 
-pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow, DISRUPTS_ITS_CLUSTER]
 
 MAX_TOKENS = 12
 

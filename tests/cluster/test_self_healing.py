@@ -29,6 +29,7 @@ from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.membership import Membership, PoolTargets, WorkerLifecycle
 from tests.helpers.grpc_calls import worker_stats
 from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.prompts import make_prompts
 from tests.helpers.ray_pools import (
     assert_idle,
@@ -41,6 +42,7 @@ from tests.helpers.ray_pools import (
 )
 
 pytestmark = [
+    DISRUPTS_ITS_CLUSTER,
     pytest.mark.timeout(420),
     pytest.mark.slow,
 ]

@@ -19,10 +19,11 @@ import pytest
 from tandem.bench.harness import free_port, session_pids
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.hf_reference import hf_greedy
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.prompts import make_prompts
 from tests.helpers.tandem_command import TandemCommand
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, DISRUPTS_ITS_CLUSTER]
 
 MAX_TOKENS = 8
 

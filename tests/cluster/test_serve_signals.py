@@ -11,10 +11,11 @@ import signal
 import pytest
 
 from tests.helpers.grpc_calls import stream_tokens, wait_streaming
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.prompts import make_prompts
 from tests.helpers.tandem_command import TandemCommand
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), DISRUPTS_ITS_CLUSTER]
 
 MAX_TOKENS = 400
 

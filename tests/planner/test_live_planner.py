@@ -25,6 +25,7 @@ from tandem.cluster.serve import start_planner
 from tandem.cluster.traffic import ClusterTraffic
 from tandem.planner.live_config import PlannerConfig, PlannerMode
 from tests.helpers.grpc_calls import stream_tokens
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.ray_pools import (
     assert_idle,
     cluster_config,
@@ -34,7 +35,7 @@ from tests.helpers.ray_pools import (
     wait_membership,
 )
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, DISRUPTS_ITS_CLUSTER]
 
 INTERVAL_S = 2.0
 CHAT = (8, 96)  # prompt tokens, output tokens

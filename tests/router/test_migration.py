@@ -31,10 +31,11 @@ from tests.helpers.grpc_calls import (
     stream_tokens,
     wait_streaming,
 )
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.process_cluster import ProcessCluster
 from tests.helpers.prompts import make_prompts
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), DISRUPTS_ITS_CLUSTER]
 
 MAX_TOKENS = 160
 # Every other stream of the decode-kill test carries these: after a migration the

@@ -13,9 +13,10 @@ from tandem.proto.tandem.v1 import generation_pb2_grpc
 from tandem.router.membership import WorkerLifecycle
 from tandem.worker.config import WorkerRole
 from tests.helpers.grpc_calls import public_channel
+from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.process_cluster import ProcessCluster
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), DISRUPTS_ITS_CLUSTER]
 
 # One legal token at every step: a grammar restarted after the migration would write
 # the option's beginning again; one resumed in the right state finishes it exactly. ~70
