@@ -68,8 +68,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log) -> DisruptionScheduling | None:
-    """`-n N` (`make test`): marked modules in one process, one at a time
-    (tests/helpers/parallel.py); another `--dist` mode asked for by name is xdist's."""
+    """`-n N` (`make test`) in xdist's default mode (`--dist load`): marked modules in one
+    process, one at a time (tests/helpers/parallel.py); other `--dist` modes are xdist's."""
     if config.getvalue("dist") == "load":
         return DisruptionScheduling(config, log)
     return None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.parallel import module_marks
+from tests.helpers.parallel import disrupting_modules
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,12 +137,13 @@ def test_modules_that_kill_cluster_processes_run_one_at_a_time():
     """`make test` runs the suite in two pytest processes; a module that starts a cluster
     of processes and kills or signals them carries `DISRUPTS_ITS_CLUSTER`
     (tests/helpers/parallel.py), so that two such tests never overlap."""
+    marked = disrupting_modules(ROOT)  # what the scheduler sends to one process
     unmarked = [
-        str(path.relative_to(ROOT))
+        name
         for path in (ROOT / "tests").rglob("test_*.py")
         if CLUSTER_STARTERS.search(text := path.read_text())
         and PROCESS_KILLS.search(text)
-        and "DISRUPTS_ITS_CLUSTER" not in module_marks(text)
+        and (name := path.relative_to(ROOT).as_posix()) not in marked
     ]
     assert not unmarked, unmarked
 
