@@ -39,6 +39,9 @@ _RELEASE_TIMEOUT_S = 5.0
 # one burst would teach it a free decode step (one such gap in five took its predicted
 # step from 25 ms to 0.1 ms).
 ITL_SPAN_TOKENS = 8
+# A stream's last span teaches too once it holds this many tokens, so that outputs
+# shorter than a span (at most 8 tokens) teach the model as well.
+ITL_LAST_SPAN_MIN_TOKENS = 4
 
 
 class TokenSpan:
@@ -48,11 +51,12 @@ class TokenSpan:
         self.start_s = start_s
         self.num_tokens = 0
 
-    def add(self, num_tokens: int, now_s: float) -> float | None:
-        """Count `num_tokens` arriving at `now_s`; once the span holds `ITL_SPAN_TOKENS`,
-        its mean inter-token gap (and a new span starts)."""
+    def add(self, num_tokens: int, now_s: float, last: bool = False) -> float | None:
+        """Count `num_tokens` arriving at `now_s`; once the span holds `ITL_SPAN_TOKENS`
+        (or, in the stream's `last` message, `ITL_LAST_SPAN_MIN_TOKENS`), its mean
+        inter-token gap (and a new span starts)."""
         self.num_tokens += num_tokens
-        if self.num_tokens < ITL_SPAN_TOKENS:
+        if self.num_tokens < (ITL_LAST_SPAN_MIN_TOKENS if last else ITL_SPAN_TOKENS):
             return None
         gap_s = (now_s - self.start_s) / self.num_tokens
         self.start_s, self.num_tokens = now_s, 0
@@ -127,6 +131,7 @@ class WorkerCalls:
             attempt.start_call(worker_id, call)
             async for msg in call:
                 now = time.monotonic()
+                finish = finish_reason_from_proto(msg.finish_reason)
                 if gaps is None:
                     gaps = TokenSpan(now)
                     if local:
@@ -138,7 +143,7 @@ class WorkerCalls:
                             else None,
                         )
                     self.policy.on_kv_pulled(key)
-                elif (gap_s := gaps.add(len(msg.token_ids), now)) is not None:
+                elif (gap_s := gaps.add(len(msg.token_ids), now, finish is not None)) is not None:
                     self.policy.observe_itl(key, gap_s)
                 if local and msg.HasField("prefill_timings"):
                     timings = msg.prefill_timings
@@ -148,7 +153,6 @@ class WorkerCalls:
                 record.on_decoded(worker_id, len(msg.token_ids))
                 if local and seq.reports_cached_tokens:
                     seq.usage.cached_prompt_tokens = msg.num_cached_tokens
-                finish = finish_reason_from_proto(msg.finish_reason)
                 if msg.timings.transfer_s > 0:
                     record.on_kv_transfer(msg.timings.transfer_s)
                 yield GenerationChunk(
