@@ -1,15 +1,19 @@
 """Shared fixtures: one tiny model and one in-process cluster per test session, the
 per-test idle check of any cluster a test used; CUDA-only tests skipped without CUDA;
-under pytest-xdist, the scheduling of tests/helpers/parallel.py."""
+under pytest-xdist, the scheduling of tests/helpers/parallel.py; the machine named at the
+end of the run (CI's output keeps the end), so a failure can be tied to its CPU."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from tandem.bench.report import cpu_model
+from tandem.engine.dtype import BF16_GEMM_FLAGS, auto_dtype, cpu_flags
 from tandem.engine.model_maker import make_model
 from tandem.proto.cluster_auth import ClusterAuth, generate_token
 from tests.helpers.inproc_cluster import InprocCluster, shared_router_config
@@ -73,3 +77,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log) -> DisruptionSchedul
     if config.getvalue("dist") == "load":
         return DisruptionScheduling(config, log)
     return None
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    flags = cpu_flags()
+    family_model = ", ".join(_cpuinfo_fields("cpu family", "model"))
+    bf16_units = ", ".join(sorted(set(BF16_GEMM_FLAGS) & flags)) or "none"
+    terminalreporter.write_line(
+        f"machine: {cpu_model()} ({family_model}), {os.cpu_count()} CPUs, bf16 GEMM "
+        f"instructions: {bf16_units}, CPU dtype auto = {auto_dtype('cpu', 'bfloat16', flags)}"
+    )
+
+
+def _cpuinfo_fields(*names: str) -> list[str]:
+    """`name value` of the first CPU's /proc/cpuinfo fields (none where it is absent)."""
+    try:
+        first_cpu = Path("/proc/cpuinfo").read_text().partition("\n\n")[0]
+    except OSError:
+        return []
+    found = {key.strip(): value.strip() for key, _, value in
+             (line.partition(":") for line in first_cpu.splitlines())}  # fmt: skip
+    return [f"{name} {found[name]}" for name in names if name in found]
