@@ -273,10 +273,13 @@ class ResponseBuilder:
     def _shows_nothing(self, chunk: GenerationChunk) -> bool:
         """Whether `chunk` has no text, no finish, and no tokens the client asked to see
         (logprobs, token ids: a token ending inside a UTF-8 character has no text yet)."""
-        wants_ids = (self.options.logprobs or self.options.return_token_ids) and bool(
+        return not chunk.text and chunk.finish_reason is None and not self._shows_tokens(chunk)
+
+    def _shows_tokens(self, chunk: GenerationChunk) -> bool:
+        """Whether `chunk` has tokens the client asked to see (logprobs or ids)."""
+        return bool(self.options.logprobs or self.options.return_token_ids) and bool(
             chunk.token_ids
         )
-        return not chunk.text and chunk.finish_reason is None and not wants_ids
 
     def _prompt_of(self, index: int) -> list[int]:
         """The ids of choice `index`'s prompt."""

@@ -1,8 +1,8 @@
 """Reading tool calls out of a model's text, per `tool_choice`.
 
-Forced choices produce grammar-shaped text (tools.py), so they always parse. `auto`
-recognises the two formats chat templates teach models: Hermes / Qwen
-(`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number) and Llama 3
+Forced choices produce grammar-shaped text (tools.py), so they parse unless max_tokens
+cuts them short. `auto` recognises the two formats chat templates teach models: Hermes /
+Qwen (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number) and Llama 3
 JSON (the whole reply is `{"name": ..., "parameters": {...}}`, or a list of them). A
 call naming no declared tool, or text that does not parse, stays content.
 """
@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.router.openai.call_scanner import CallListScanner
 from tandem.router.openai.tools import ToolChoice, ToolPlan
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -50,13 +51,24 @@ def parse_output(plan: ToolPlan, text: str) -> ParsedOutput:
     if plan.choice is ToolChoice.NAMED and plan.named is not None:
         return ParsedOutput(None, [ToolCall(plan.named.name, text)])
     if plan.choice is ToolChoice.REQUIRED:
-        calls = _calls_from_json(_loads(text), plan.names, args_keys=("arguments",))
+        calls = required_calls(plan, text)
         return ParsedOutput(None, calls) if calls else ParsedOutput(text, [])
     parsed = _parse_auto(plan, text)
     if not plan.parallel and len(parsed.calls) > 1:
         # parallel_tool_calls false: at most one call, as OpenAI (the first one made).
         parsed.calls = parsed.calls[:1]
     return parsed
+
+
+def required_calls(plan: ToolPlan, text: str) -> list[ToolCall]:
+    """The calls of a whole `required` reply, each with its arguments' text as generated
+    (as a stream sends it, `call_scanner`); [] when the reply is not a list of calls of
+    declared tools (cut short by max_tokens)."""
+    if not _calls_from_json(_loads(text), plan.names, args_keys=("arguments",)):
+        return []
+    scanner = CallListScanner()
+    scanner.feed(text)
+    return [ToolCall(name, arguments) for name, arguments in scanner.calls]
 
 
 def _parse_auto(plan: ToolPlan, text: str) -> ParsedOutput:

@@ -3,12 +3,15 @@
 Streaming follows OpenAI: a call's first delta carries `index`, `id`, `type` and the
 function `name`; later deltas carry pieces of `arguments`; the last chunk says
 `finish_reason: "tool_calls"` (`"stop"` for a named function, as OpenAI). A named
-choice streams its arguments as they are generated; `required` output is a JSON list
-whose calls are known only once it is complete, and `auto` output is held back while it
-may still be a call, so those calls are sent whole when the reply ends (content that
-turns out not to be a call is released as soon as that is clear). `auto` content
-streams until a Hermes `<tool_call>` (or a tail that may start one) appears; from there
-it is held, and sent as calls at the end or released as content once it is not one.
+choice streams its arguments as they are generated, and so does `required`: each call
+of its JSON list starts once its name is complete (`call_scanner`), and its arguments
+follow as they grow; before the first name the reply is held, and one that ends
+before it (cut short by max_tokens) is sent as content, as the whole response has it.
+`auto` output is held back while it may still be a call, so its calls are sent whole
+when the reply ends (content that turns out not to be a call is released as soon as
+that is clear): content streams until a Hermes `<tool_call>` (or a tail that may start
+one) appears; from there it is held, and sent as calls at the end or released as
+content once it is not one.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 from tandem.router.chunk_stream import public_finish_reason
+from tandem.router.openai.call_scanner import CallListScanner, CallPiece
 from tandem.router.openai.responses import (
     ChatResponses,
     Collected,
@@ -44,6 +48,14 @@ def _finish(reason: FinishReason | None, plan: ToolPlan) -> str | None:
     return public_finish_reason(reason)
 
 
+def _call_entry(piece: CallPiece) -> dict[str, Any]:
+    """A `tool_calls` delta entry: a call's first one with its id and name (OpenAI's
+    shape), later ones with arguments only."""
+    if piece.name is not None:
+        return ToolCall(piece.name, piece.arguments).json(piece.index)
+    return {"index": piece.index, "function": {"arguments": piece.arguments}}
+
+
 class ToolChatResponses(ChatResponses):
     """`ChatResponses` for a request whose output may be (or must be) tool calls."""
 
@@ -59,10 +71,13 @@ class ToolChatResponses(ChatResponses):
         super().__init__(req_id, model, created, formatter, options)
         self.plan = plan
         # Streaming state per choice index: output held back, the choices that turned
-        # out to be content, a named call's id (fixed by its first delta).
+        # out to be content, a named call's id (fixed by its first delta), a `required`
+        # reply's list as read so far and whether a call of it was sent.
         self._held: dict[int, Collected] = {}
         self._content: set[int] = set()
         self._named_calls: dict[int, ToolCall] = {}
+        self._call_lists: dict[int, CallListScanner] = {}
+        self._calls_begun: set[int] = set()
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         index = chunk.index
@@ -70,6 +85,8 @@ class ToolChatResponses(ChatResponses):
             return super().chunk(chunk)
         if self.plan.choice is ToolChoice.NAMED:
             return self._named_delta(chunk)
+        if self.plan.choice is ToolChoice.REQUIRED:
+            return self._required_delta(chunk)
         held = self._held.setdefault(index, Collected())
         held.add(chunk)
         if self.plan.choice is ToolChoice.AUTO:
@@ -103,6 +120,25 @@ class ToolChatResponses(ChatResponses):
                 entry = {"index": 0, "function": {"arguments": chunk.text}}
             delta["tool_calls"] = [entry]
         return self._delta(delta, chunk.token_ids, chunk.logprobs, chunk.top_logprobs, chunk)
+
+    def _required_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
+        index = chunk.index
+        scanner = self._call_lists.setdefault(index, CallListScanner())
+        entries = [_call_entry(piece) for piece in scanner.feed(chunk.text)]
+        if index in self._calls_begun:
+            # The list's own punctuation is not content: a chunk of only that is skipped.
+            if not entries and chunk.finish_reason is None and not self._shows_tokens(chunk):
+                return None
+            delta = {"tool_calls": entries} if entries else {}
+            return self._delta(delta, chunk.token_ids, chunk.logprobs, chunk.top_logprobs, chunk)
+        held = self._held.setdefault(index, Collected())
+        held.add(chunk)
+        if not entries:  # no call named yet: held, or content if the reply ends here
+            return super().chunk(self._released(index)) if chunk.finish_reason else None
+        self._calls_begun.add(index)
+        del self._held[index]
+        delta = {"tool_calls": entries}
+        return self._delta(delta, held.token_ids, held.logprobs, held.top_logprobs, chunk)
 
     def _delta(
         self,

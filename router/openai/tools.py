@@ -191,7 +191,8 @@ def _function(index: int, tool: Any) -> ToolFunction:
     if parameters.get("type", "object") != "object":
         # The arguments are a JSON object (OpenAI refuses other root types too).
         raise invalid(field, f"must describe an object ('type': 'object'), got {show(parameters)}")
-    return ToolFunction(name, description, parameters)
+    # Said outright, so a forced call's grammar makes an object of one that leaves it out.
+    return ToolFunction(name, description, {**parameters, "type": "object"})
 
 
 def _choice(raw: Any, functions: dict[str, ToolFunction]) -> tuple[ToolChoice, ToolFunction | None]:

@@ -232,28 +232,28 @@ def test_named_tool_choice_returns_valid_arguments(client, cluster):
 
 def test_required_tool_choice_calls_declared_tools(client, cluster):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, CLOCK)}
-    for stream in (False, True):
-        kwargs = dict(
-            model=_model(cluster),
-            messages=MESSAGES,
-            tools=[WEATHER, CLOCK],
-            tool_choice="required",
-            parallel_tool_calls=False,
-            max_tokens=MAX_TOKENS,
-            seed=3,
-        )
-        if stream:
-            chunks = list(client.chat.completions.create(stream=True, **kwargs))
-            calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-            finish = chunks[-1].choices[0].finish_reason
-        else:
-            choice = client.chat.completions.create(**kwargs).choices[0]
-            calls, finish = choice.message.tool_calls, choice.finish_reason
-        assert finish == "tool_calls"
-        assert len(calls) == 1
-        jsonschema.validate(
-            json.loads(calls[0].function.arguments), schemas[calls[0].function.name]
-        )
+    kwargs = dict(
+        model=_model(cluster),
+        messages=MESSAGES,
+        tools=[WEATHER, CLOCK],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=MAX_TOKENS,
+        seed=3,
+    )
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    # Streamed (the same seeded draws): the call is named first, then its arguments come
+    # in pieces as they are generated, joining into the whole response's text.
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id.startswith("call_") and deltas[0].function.name == call.function.name
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert len([d for d in deltas if d.function.arguments]) > 1
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 # Parameters with local definitions and a recursive reference (`#`).

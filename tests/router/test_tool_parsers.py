@@ -110,3 +110,52 @@ def test_auto_with_parallel_tool_calls_false_returns_one_call():
            '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')  # fmt: skip
     assert [c.name for c in parse_output(plan, two).calls] == ["add"]
     assert [c.name for c in parse_output(_plan(), two).calls] == ["add", "get_time"]
+
+
+REQUIRED_PIECES = ['[{"name"', ': "add", "argu', 'ments": {"a": ', "1}}, ", '{"name": "get_time"',
+                   ', "arguments": {', "}}", "]"]  # fmt: skip
+
+
+def test_required_stream_names_each_call_then_streams_its_arguments(tiny_model_dir):
+    formatter = LogprobsFormatter(PromptTokenizer(str(tiny_model_dir)))
+    options = ResponseOptions([[1]], logprobs=True)
+    builder = ToolChatResponses(_plan("required"), "id", "m", 0, formatter, options)
+    last = len(REQUIRED_PIECES) - 1
+    chunks = [
+        builder.chunk(GenerationChunk([i], text, [-0.5], FinishReason.STOP if i == last else None))
+        for i, text in enumerate(REQUIRED_PIECES)
+    ]
+    assert chunks[0] is None  # held until the first call's name is complete
+    first = chunks[1]["choices"][0]
+    (entry,) = first["delta"]["tool_calls"]
+    assert entry["index"] == 0 and entry["id"].startswith("call_")
+    assert entry["function"] == {"name": "add", "arguments": ""}
+    assert len(first["logprobs"]["content"]) == 2  # the held token's too
+    deltas = [e for c in chunks if c for e in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert [e["function"].get("name") for e in deltas if "id" in e] == ["add", "get_time"]
+    assert [e["index"] for e in deltas] == [0, 0, 0, 1, 1, 1]
+    joined = {
+        i: "".join(e["function"]["arguments"] for e in deltas if e["index"] == i) for i in (0, 1)
+    }
+    assert joined == {0: '{"a": 1}', 1: "{}"}
+    # The whole response's arguments are the same text.
+    whole = parse_output(_plan("required"), "".join(REQUIRED_PIECES))
+    assert [(c.name, c.arguments) for c in whole.calls] == [("add", '{"a": 1}'), ("get_time", "{}")]
+    assert chunks[last]["choices"][0]["finish_reason"] == "tool_calls"
+    # Every token's logprob went out once.
+    assert sum(len(c["choices"][0]["logprobs"]["content"]) for c in chunks if c) == last + 1
+
+
+def test_required_stream_cut_short_before_a_name_is_content_and_after_it_a_call(tiny_model_dir):
+    formatter = LogprobsFormatter(PromptTokenizer(str(tiny_model_dir)))
+    builder = ToolChatResponses(_plan("required"), "id", "m", 0, formatter, ResponseOptions([[1]]))
+    assert builder.chunk(GenerationChunk([1], '[{"name": "ad')) is None
+    cut = builder.chunk(GenerationChunk([2], "d", [], FinishReason.LENGTH))["choices"][0]
+    assert cut["delta"] == {"content": '[{"name": "add'} and cut["finish_reason"] == "length"
+    assert parse_output(_plan("required"), '[{"name": "add').content == '[{"name": "add'
+    builder = ToolChatResponses(_plan("required"), "id", "m", 0, formatter, ResponseOptions([[1]]))
+    begun = builder.chunk(GenerationChunk([1], '[{"name": "add", "arguments": {"a'))
+    assert begun["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"] == '{"a'
+    cut = builder.chunk(GenerationChunk([2], '": 2', [], FinishReason.LENGTH))["choices"][0]
+    assert cut["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": '": 2'}}]
+    assert cut["finish_reason"] == "length"
