@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,8 @@ def add_profile_command(commands: argparse._SubParsersAction) -> None:
     cmd.add_argument("--model", required=True, help="Hugging Face model directory")
     cmd.add_argument("--device", choices=["cpu", "cuda"], default=None,
                      help="[cuda if present, else cpu]")  # fmt: skip
-    cmd.add_argument("--threads", type=int, default=None, help="torch threads [torch default]")
+    cmd.add_argument("--threads", type=int, default=None,
+                     help="torch threads [every core, as tandem serve's workers get]")  # fmt: skip
     cmd.add_argument("--quick", action="store_true", help="fewer, smaller points (minutes)")
     cmd.add_argument("--out", required=True, help="where to write profile.json")
     cmd.set_defaults(handler=run_profile)
@@ -41,7 +43,10 @@ def run_profile(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     try:
-        profile = measure_profile(args.model, device, args.threads, args.quick)
+        # `tandem serve`'s default thread policy (shared) gives each worker every core;
+        # torch's own default can be fewer (physical cores, not logical CPUs).
+        threads = args.threads or os.cpu_count() or 1
+        profile = measure_profile(args.model, device, threads, args.quick)
     except ValueError as exc:
         print(f"tandem profile: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -78,6 +79,24 @@ def test_bad_input_names_the_culprit_and_exits_2(tmp_path, profile, capsys, args
 def test_profile_refuses_a_missing_model(tmp_path, capsys):
     assert main(["profile", "--model", str(tmp_path), "--out", str(tmp_path / "p.json")]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_profile_takes_every_core_unless_told(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """As `tandem serve`'s default thread policy gives each worker (torch's own default
+    can be the physical cores only)."""
+    asked: list[int | None] = []
+
+    def measure(model, device, threads, quick):
+        asked.append(threads)
+        raise ValueError("measured nothing")
+
+    monkeypatch.setattr("tandem.planner.profile.measure_profile", measure)
+    out = str(tmp_path / "p.json")
+    for threads in ([], ["--threads", "3"]):
+        args = ["profile", "--model", str(tiny_model_dir), "--device", "cpu", "--out", out]
+        assert main(args + threads) == 2
+    assert asked == [os.cpu_count(), 3]
+    assert "measured nothing" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(240)
