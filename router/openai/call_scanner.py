@@ -2,12 +2,15 @@
 complete, and its arguments' text as it grows.
 
 `tool_choice: required` output is a grammar-shaped list, `[{"name": "f", "arguments":
-{...}}, ...]` (tools.py). `CallListScanner.feed` takes the reply's text piece by piece
+{...}}, ...]` (tools.py); an `auto` Hermes block holds one call object or a list of them
+(hermes_stream.py). `CallListScanner.feed` takes the reply's text piece by piece
 and answers `CallPiece`s: a call's first piece names it (once the name's closing quote
 has come), later ones carry the text its arguments object grew by, exactly as generated,
 so the pieces of a call join into its arguments text. Only the list's own structure is
 read (depth, strings and their escapes, the keys of each call object); the arguments are
-passed through, not parsed, so a piece costs the length of its text.
+passed through, not parsed, so a piece costs the length of its text. Arguments that are
+not an object or a list (a JSON string holding one, as some models write) are not
+passed: their call's text stays empty.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ class CallPiece:
 class CallListScanner:
     """The calls of one streamed list (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, argument_keys: tuple[str, ...] = ("arguments",)) -> None:
+        self.argument_keys = argument_keys  # the call-level keys that hold its arguments
         self.calls: list[tuple[str, str]] = []  # complete calls: (name, arguments text)
         self._depth = 0
         self._in_string = False
@@ -100,7 +104,7 @@ class CallListScanner:
             self._index += 1
             self._name, self._named, self._key, self._value_next = None, False, None, False
             self._arguments, self._unsent = [], 0
-        elif self._depth == _CALL_DEPTH and self._value_next and self._key == "arguments":
+        elif self._depth == _CALL_DEPTH and self._value_next and self._key in self.argument_keys:
             self._in_arguments, self._value_next = True, False
             self._arguments.append(ch)
         self._depth += 1

@@ -61,14 +61,9 @@ def parse_output(plan: ToolPlan, text: str) -> ParsedOutput:
 
 
 def required_calls(plan: ToolPlan, text: str) -> list[ToolCall]:
-    """The calls of a whole `required` reply, each with its arguments' text as generated
-    (as a stream sends it, `call_scanner`); [] when the reply is not a list of calls of
+    """The calls of a whole `required` reply; [] when it is not a list of calls of
     declared tools (cut short by max_tokens)."""
-    if not _calls_from_json(_loads(text), plan.names, args_keys=("arguments",)):
-        return []
-    scanner = CallListScanner()
-    scanner.feed(text)
-    return [ToolCall(name, arguments) for name, arguments in scanner.calls]
+    return _calls_in(text, plan.names, args_keys=("arguments",))
 
 
 def _parse_auto(plan: ToolPlan, text: str) -> ParsedOutput:
@@ -77,7 +72,7 @@ def _parse_auto(plan: ToolPlan, text: str) -> ParsedOutput:
         return hermes
     stripped = text.strip()
     if stripped.startswith(("{", "[")):
-        calls = _calls_from_json(_loads(stripped), plan.names)
+        calls = _calls_in(stripped, plan.names)
         if calls:
             return ParsedOutput(None, calls)
     return ParsedOutput(text, [])
@@ -89,7 +84,7 @@ def parse_hermes(plan: ToolPlan, text: str) -> ParsedOutput:
     calls: list[ToolCall] = []
 
     def take(block: re.Match[str]) -> str:
-        found = _calls_from_json(_loads(block[1]), plan.names)
+        found = _calls_in(block[1], plan.names)
         calls.extend(found)
         return "" if found else block[0]
 
@@ -97,28 +92,30 @@ def parse_hermes(plan: ToolPlan, text: str) -> ParsedOutput:
     return ParsedOutput(rest or None, calls) if calls else ParsedOutput(text, [])
 
 
-def may_open_hermes_call(text: str) -> bool:
-    """Whether `text` holds `<tool_call>` or ends with the start of one (streamed content
-    is held back from there)."""
-    if HERMES_OPEN in text:
-        return True
-    return any(text.endswith(HERMES_OPEN[:n]) for n in range(1, len(HERMES_OPEN)))
-
-
-def may_be_tool_call(text: str) -> bool:
-    """Whether streamed text so far could still turn into an `auto` tool call (so it is
-    held back instead of streamed as content)."""
-    head = text.lstrip()
-    if not head:
-        return True
-    return head.startswith(("{", "[")) or HERMES_OPEN.startswith(head[: len(HERMES_OPEN)])
-
-
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError:
         return None
+
+
+def _calls_in(
+    text: str, names: frozenset[str], args_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> list[ToolCall]:
+    """The calls of a JSON call object or list of them (`_calls_from_json`), each with its
+    arguments' text as generated where that is an object, as a stream sends it
+    (`call_scanner`); arguments written as a JSON string are decoded."""
+    calls = _calls_from_json(_loads(text), names, args_keys)
+    if not calls:
+        return []
+    scanner = CallListScanner(args_keys)
+    if text.lstrip().startswith("{"):
+        scanner.feed("[")  # one call: read as a list of one
+    scanner.feed(text)
+    if len(scanner.calls) == len(calls):
+        for call, (_, generated) in zip(calls, scanner.calls, strict=True):
+            call.arguments = generated or call.arguments
+    return calls
 
 
 def _calls_from_json(

@@ -7,11 +7,10 @@ choice streams its arguments as they are generated, and so does `required`: each
 of its JSON list starts once its name is complete (`call_scanner`), and its arguments
 follow as they grow; before the first name the reply is held, and one that ends
 before it (cut short by max_tokens) is sent as content, as the whole response has it.
-`auto` output is held back while it may still be a call, so its calls are sent whole
-when the reply ends (content that turns out not to be a call is released as soon as
-that is clear): content streams until a Hermes `<tool_call>` (or a tail that may start
-one) appears; from there it is held, and sent as calls at the end or released as
-content once it is not one.
+`auto` output in the Hermes format streams the same way through a `HermesCallStream`
+(content around the `<tool_call>` blocks as soon as it cannot begin one); one that opens
+with `{` or `[` (Llama 3 JSON, or content that merely starts so) is held and read whole
+at its end, when its calls are sent whole or it is released as content.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 from tandem.router.chunk_stream import public_finish_reason
 from tandem.router.openai.call_scanner import CallListScanner, CallPiece
+from tandem.router.openai.hermes_stream import HermesCallStream
 from tandem.router.openai.responses import (
     ChatResponses,
     Collected,
@@ -31,9 +31,6 @@ from tandem.router.openai.responses import (
 )
 from tandem.router.openai.tool_parsers import (
     ToolCall,
-    may_be_tool_call,
-    may_open_hermes_call,
-    parse_hermes,
     parse_output,
 )
 from tandem.router.openai.tools import ToolChoice, ToolPlan
@@ -70,38 +67,72 @@ class ToolChatResponses(ChatResponses):
     ) -> None:
         super().__init__(req_id, model, created, formatter, options)
         self.plan = plan
-        # Streaming state per choice index: output held back, the choices that turned
-        # out to be content, a named call's id (fixed by its first delta), a `required`
-        # reply's list as read so far and whether a call of it was sent.
+        # Streaming state per choice index: output held back (text and the tokens no
+        # delta carried yet), a named call's id (fixed by its first delta), a `required`
+        # reply's list as read so far and whether a call of it was sent, an `auto`
+        # reply's Hermes stream or whether it is a Llama 3 JSON reply.
         self._held: dict[int, Collected] = {}
-        self._content: set[int] = set()
         self._named_calls: dict[int, ToolCall] = {}
         self._call_lists: dict[int, CallListScanner] = {}
         self._calls_begun: set[int] = set()
+        self._hermes: dict[int, HermesCallStream] = {}
+        self._json_replies: set[int] = set()
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
-        index = chunk.index
         if self.plan.choice is ToolChoice.NONE:
             return super().chunk(chunk)
         if self.plan.choice is ToolChoice.NAMED:
             return self._named_delta(chunk)
         if self.plan.choice is ToolChoice.REQUIRED:
             return self._required_delta(chunk)
+        return self._auto_delta(chunk)
+
+    def _auto_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
+        """`auto`: a reply that opens with `{` or `[` (Llama 3 JSON) is held and read
+        whole at its end; any other streams through a `HermesCallStream`."""
+        index = chunk.index
         held = self._held.setdefault(index, Collected())
         held.add(chunk)
-        if self.plan.choice is ToolChoice.AUTO:
-            if index not in self._content and not may_be_tool_call(held.text):
-                self._content.add(index)  # not a call from the start: content ...
-            if index in self._content and not may_open_hermes_call(held.text):
-                return super().chunk(self._released(index))  # ... unless a call opens
-        if chunk.finish_reason is None:
-            return None
-        if index in self._content:  # what was held since a `<tool_call>` began
-            parsed = parse_hermes(self.plan, held.text)
-        else:
-            parsed = parse_output(self.plan, held.text)
+        stream = self._hermes.get(index)
+        text = chunk.text
+        if stream is None and index not in self._json_replies:
+            head = held.text.lstrip()
+            if head.startswith(("{", "[")):
+                self._json_replies.add(index)
+            elif not head and chunk.finish_reason is None:
+                return None  # only whitespace yet
+            else:
+                stream = self._hermes[index] = HermesCallStream(self.plan.names, self.plan.parallel)
+                text = held.text
+        if stream is None:
+            return self._json_reply_delta(chunk) if chunk.finish_reason else None
+        content, pieces = stream.feed(text)
+        if chunk.finish_reason is not None:
+            content += stream.finish()
+        if not content and not pieces and chunk.finish_reason is None:
+            return None  # held: its tokens go with the next delta
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if pieces:
+            delta["tool_calls"] = [_call_entry(piece) for piece in pieces]
+        del self._held[index]
+        body = {
+            "delta": delta,
+            "logprobs": self._logprobs_of(held.token_ids, held.logprobs, held.top_logprobs, index),
+            "finish_reason": _finish(chunk.finish_reason, self.plan)
+            if stream.num_calls
+            else public_finish_reason(chunk.finish_reason),
+        }
+        add_stop_reason(body, chunk)
+        self._add_token_ids(body, held.token_ids, index)
+        return self._chunk(body, index)
+
+    def _json_reply_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
+        """The end of a held Llama 3 JSON reply: its calls whole, or it as content."""
+        held = self._held[chunk.index]
+        parsed = parse_output(self.plan, held.text)
         if not parsed.calls:
-            return super().chunk(self._released(index))
+            return super().chunk(self._released(chunk.index))
+        del self._held[chunk.index]
         delta: dict[str, Any] = {"tool_calls": [c.json(i) for i, c in enumerate(parsed.calls)]}
         if parsed.content:
             delta["content"] = parsed.content

@@ -6,7 +6,7 @@ import json
 
 from tandem.engine.request import FinishReason
 from tandem.router.openai.responses import LogprobsFormatter, ResponseOptions
-from tandem.router.openai.tool_parsers import may_be_tool_call, parse_output
+from tandem.router.openai.tool_parsers import parse_output
 from tandem.router.openai.tool_responses import ToolChatResponses
 from tandem.router.openai.tools import parse_tools
 from tandem.router.request_flow import GenerationChunk
@@ -37,8 +37,6 @@ def test_auto_reads_hermes_and_llama3_calls_and_leaves_other_text_as_content():
     for text in ('{"name": "nope", "parameters": {}}', "plain words", "<tool_call>{bad"):
         parsed = parse_output(_plan(), text)
         assert parsed.calls == [] and parsed.content == text
-    assert may_be_tool_call("  <tool_") and may_be_tool_call('{"na')
-    assert not may_be_tool_call("hello")
 
 
 def test_auto_stream_releases_content_and_sends_whole_calls_at_the_end(tiny_model_dir):
@@ -63,28 +61,38 @@ def test_a_hermes_call_naming_no_tool_stays_content_beside_one_that_does():
     assert parsed.content == 'keep me <tool_call>{"name": "oops", "arguments": {}}</tool_call>'
 
 
-def test_auto_stream_sends_content_then_the_calls_that_follow_it(tiny_model_dir):
-    """Content streams until a `<tool_call>` begins; the calls come whole at the end, as
-    the whole response has them (the stream sent the call's text as content)."""
+def test_auto_stream_sends_content_then_streams_the_calls_that_follow_it(tiny_model_dir):
+    """Content streams until a `<tool_call>` may begin; a call in it goes out once its
+    name is complete, then its arguments as they grow, joining into the whole
+    response's arguments."""
     formatter = LogprobsFormatter(PromptTokenizer(str(tiny_model_dir)))
     pieces = ["Sure! ", "<tool", '_call>{"name": "add", ', '"arguments": {"a": 1}}', "</tool_call>"]
-    builder = ToolChatResponses(_plan(), "id", "m", 0, formatter, ResponseOptions([[1]]))
+    options = ResponseOptions([[1]], logprobs=True)
+    builder = ToolChatResponses(_plan(), "id", "m", 0, formatter, options)
     chunks = [
-        builder.chunk(GenerationChunk([i], text, [], FinishReason.STOP if i == 4 else None))
+        builder.chunk(GenerationChunk([i], text, [-0.5], FinishReason.STOP if i == 4 else None))
         for i, text in enumerate(pieces)
     ]
     assert chunks[0]["choices"][0]["delta"] == {"content": "Sure! "}
-    assert chunks[1:4] == [None, None, None]  # held from the possible `<tool_call>` on
+    assert chunks[1] is None  # held: it may begin a `<tool_call>`
+    begun = chunks[2]["choices"][0]
+    (entry,) = begun["delta"]["tool_calls"]
+    assert entry["id"].startswith("call_")
+    assert entry["function"] == {"name": "add", "arguments": ""} and "content" not in begun["delta"]
+    assert len(begun["logprobs"]["content"]) == 2  # the held `<tool`'s token too
+    assert chunks[3]["choices"][0]["delta"]["tool_calls"] == [
+        {"index": 0, "function": {"arguments": '{"a": 1}'}}
+    ]
     last = chunks[4]["choices"][0]
-    assert last["finish_reason"] == "tool_calls" and "content" not in last["delta"]
-    (call,) = last["delta"]["tool_calls"]
-    assert call["function"] == {"name": "add", "arguments": '{"a": 1}'}
+    assert last["finish_reason"] == "tool_calls" and last["delta"] == {}
+    (call,) = parse_output(_plan(), "".join(pieces)).calls
+    assert (call.name, call.arguments) == ("add", '{"a": 1}')
     # A `<` that opens no call is released as content.
     builder = ToolChatResponses(_plan(), "id", "m", 0, formatter, ResponseOptions([[1]]))
-    assert builder.chunk(GenerationChunk([1], "a < b")) is not None
-    assert builder.chunk(GenerationChunk([2], " <")) is None
+    assert builder.chunk(GenerationChunk([1], "a < b"))["choices"][0]["delta"]["content"] == "a < b"
+    assert builder.chunk(GenerationChunk([2], " <"))["choices"][0]["delta"]["content"] == " "
     released = builder.chunk(GenerationChunk([3], "= c", [], FinishReason.STOP))
-    assert released["choices"][0]["delta"]["content"] == " <= c"
+    assert released["choices"][0]["delta"]["content"] == "<= c"
     assert released["choices"][0]["finish_reason"] == "stop"
 
 
