@@ -3,7 +3,7 @@ complete, and its arguments' text as it grows.
 
 `tool_choice: required` output is a grammar-shaped list, `[{"name": "f", "arguments":
 {...}}, ...]` (tools.py); an `auto` Hermes block holds one call object or a list of them
-(hermes_stream.py). `CallListScanner.feed` takes the reply's text piece by piece
+(auto_call_streams.py). `CallListScanner.feed` takes the reply's text piece by piece
 and answers `CallPiece`s: a call's first piece names it (once the name's closing quote
 has come), later ones carry the text its arguments object grew by, exactly as generated,
 so the pieces of a call join into its arguments text. Only the list's own structure is

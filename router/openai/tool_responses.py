@@ -7,10 +7,10 @@ choice streams its arguments as they are generated, and so does `required`: each
 of its JSON list starts once its name is complete (`call_scanner`), and its arguments
 follow as they grow; before the first name the reply is held, and one that ends
 before it (cut short by max_tokens) is sent as content, as the whole response has it.
-`auto` output in the Hermes format streams the same way through a `HermesCallStream`
-(content around the `<tool_call>` blocks as soon as it cannot begin one); one that opens
-with `{` or `[` (Llama 3 JSON, or content that merely starts so) is held and read whole
-at its end, when its calls are sent whole or it is released as content.
+`auto` output streams the same way (`auto_call_streams`): in the Hermes format, content
+around the `<tool_call>` blocks goes out as soon as it cannot begin one; a reply that
+opens with `{` or `[` is read as Llama 3 JSON, its calls streamed, and sent as content
+when it ends if it named no declared tool.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
 from tandem.router.chunk_stream import public_finish_reason
+from tandem.router.openai.auto_call_streams import HermesCallStream, JsonCallStream
 from tandem.router.openai.call_scanner import CallListScanner, CallPiece
-from tandem.router.openai.hermes_stream import HermesCallStream
 from tandem.router.openai.responses import (
     ChatResponses,
     Collected,
@@ -70,13 +70,12 @@ class ToolChatResponses(ChatResponses):
         # Streaming state per choice index: output held back (text and the tokens no
         # delta carried yet), a named call's id (fixed by its first delta), a `required`
         # reply's list as read so far and whether a call of it was sent, an `auto`
-        # reply's Hermes stream or whether it is a Llama 3 JSON reply.
+        # reply's stream.
         self._held: dict[int, Collected] = {}
         self._named_calls: dict[int, ToolCall] = {}
         self._call_lists: dict[int, CallListScanner] = {}
         self._calls_begun: set[int] = set()
-        self._hermes: dict[int, HermesCallStream] = {}
-        self._json_replies: set[int] = set()
+        self._auto_streams: dict[int, HermesCallStream | JsonCallStream] = {}
 
     def chunk(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         if self.plan.choice is ToolChoice.NONE:
@@ -88,55 +87,42 @@ class ToolChatResponses(ChatResponses):
         return self._auto_delta(chunk)
 
     def _auto_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
-        """`auto`: a reply that opens with `{` or `[` (Llama 3 JSON) is held and read
-        whole at its end; any other streams through a `HermesCallStream`."""
+        """`auto`: a reply that opens with `{` or `[` streams as Llama 3 JSON, any other
+        as Hermes (`auto_call_streams`); what they hold back waits, with its tokens."""
         index = chunk.index
         held = self._held.setdefault(index, Collected())
         held.add(chunk)
-        stream = self._hermes.get(index)
+        stream = self._auto_streams.get(index)
         text = chunk.text
-        if stream is None and index not in self._json_replies:
-            head = held.text.lstrip()
-            if head.startswith(("{", "[")):
-                self._json_replies.add(index)
-            elif not head and chunk.finish_reason is None:
-                return None  # only whitespace yet
-            else:
-                stream = self._hermes[index] = HermesCallStream(self.plan.names, self.plan.parallel)
-                text = held.text
         if stream is None:
-            return self._json_reply_delta(chunk) if chunk.finish_reason else None
+            head = held.text.lstrip()
+            if not head and chunk.finish_reason is None:
+                return None  # only whitespace yet
+            kind = JsonCallStream if head.startswith(("{", "[")) else HermesCallStream
+            stream = self._auto_streams[index] = kind(self.plan.names, self.plan.parallel)
+            text = held.text
         content, pieces = stream.feed(text)
         if chunk.finish_reason is not None:
-            content += stream.finish()
-        if not content and not pieces and chunk.finish_reason is None:
-            return None  # held: its tokens go with the next delta
+            held_content, last_pieces = stream.finish()
+            content += held_content
+            pieces += last_pieces
+        elif not content and not pieces:
+            return None
         delta: dict[str, Any] = {"content": content} if content else {}
         if pieces:
             delta["tool_calls"] = [_call_entry(piece) for piece in pieces]
         del self._held[index]
+        finish = chunk.finish_reason
         body = {
             "delta": delta,
             "logprobs": self._logprobs_of(held.token_ids, held.logprobs, held.top_logprobs, index),
-            "finish_reason": _finish(chunk.finish_reason, self.plan)
+            "finish_reason": _finish(finish, self.plan)
             if stream.num_calls
-            else public_finish_reason(chunk.finish_reason),
+            else public_finish_reason(finish),
         }
         add_stop_reason(body, chunk)
         self._add_token_ids(body, held.token_ids, index)
         return self._chunk(body, index)
-
-    def _json_reply_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
-        """The end of a held Llama 3 JSON reply: its calls whole, or it as content."""
-        held = self._held[chunk.index]
-        parsed = parse_output(self.plan, held.text)
-        if not parsed.calls:
-            return super().chunk(self._released(chunk.index))
-        del self._held[chunk.index]
-        delta: dict[str, Any] = {"tool_calls": [c.json(i) for i, c in enumerate(parsed.calls)]}
-        if parsed.content:
-            delta["content"] = parsed.content
-        return self._delta(delta, held.token_ids, held.logprobs, held.top_logprobs, chunk)
 
     def _named_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         if self._shows_nothing(chunk):

@@ -407,24 +407,31 @@ def test_a_tool_the_model_may_call_freely_may_use_any_keyword(client, cluster):
     assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
-def test_auto_streams_a_hermes_call_as_it_is_generated(client, cluster):
-    """An `auto` reply in the Hermes format (made so here by a regex: the model's weights
-    are random): content first, then the call named once its name is complete and its
+# `auto` replies in the Hermes and the Llama 3 JSON format, and their content.
+AUTO_CALL_REPLIES = [
+    (r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(utc|local)"\}\}'
+     r"</tool_call>", "Sure."),
+    (r'\{"name": "get_time", "parameters": \{"zone": "(utc|local)"\}\}', None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("regex, content", AUTO_CALL_REPLIES)
+def test_auto_streams_a_call_as_it_is_generated(client, cluster, regex, content):
+    """An `auto` reply that makes a call (made so here by a regex: the model's weights are
+    random): content first, then the call named once its name is complete and its
     arguments in pieces, joining into the whole response's."""
-    regex = (r'Sure\. <tool_call>\{"name": "get_time", "arguments": \{"zone": "(utc|local)"\}\}'
-             r"</tool_call>")  # fmt: skip
     kwargs = dict(
         model=_model(cluster), messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=MAX_TOKENS,
         seed=7, extra_body={"guided_regex": regex},
     )  # fmt: skip
     choice = client.chat.completions.create(**kwargs).choices[0]
-    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    assert choice.finish_reason == "tool_calls" and choice.message.content == content
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
-    content = "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert content.strip() == "Sure."
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert streamed.strip() == (content or "")
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
     assert deltas[0].id.startswith("call_") and deltas[0].function.name == "get_time"
     assert len([d for d in deltas if d.function.arguments]) > 1

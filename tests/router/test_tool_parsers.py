@@ -39,18 +39,18 @@ def test_auto_reads_hermes_and_llama3_calls_and_leaves_other_text_as_content():
         assert parsed.calls == [] and parsed.content == text
 
 
-def test_auto_stream_releases_content_and_sends_whole_calls_at_the_end(tiny_model_dir):
+def test_auto_stream_releases_content_and_streams_a_llama3_call(tiny_model_dir):
     formatter = LogprobsFormatter(PromptTokenizer(str(tiny_model_dir)))
     builder = ToolChatResponses(_plan(), "id", "m", 0, formatter, ResponseOptions([[1]]))
     assert builder.chunk(GenerationChunk([1], "hel")) is not None  # clearly content
     builder = ToolChatResponses(_plan(), "id", "m", 0, formatter, ResponseOptions([[1]]))
-    assert builder.chunk(GenerationChunk([1], '{"name": "add", ')) is None  # held back
+    assert builder.chunk(GenerationChunk([1], '{"na')) is None  # held: no name yet
+    begun = builder.chunk(GenerationChunk([1], 'me": "add", '))["choices"][0]
+    assert begun["delta"]["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
     last = builder.chunk(GenerationChunk([2], '"parameters": {}}', [], FinishReason.STOP))
-    assert last is not None
     choice = last["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
-    (call,) = choice["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["function"] == {"name": "add", "arguments": "{}"}
+    assert choice["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": "{}"}}]
 
 
 def test_a_hermes_call_naming_no_tool_stays_content_beside_one_that_does():

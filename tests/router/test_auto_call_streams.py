@@ -1,12 +1,12 @@
-"""`hermes_stream`: an `auto` reply in the Hermes format, read as it streams, against the
-whole reply's reading (`tool_parsers.parse_output`)."""
+"""`auto_call_streams`: `auto` replies in the Hermes and Llama 3 JSON formats, read as
+they stream, against the whole reply's reading (`tool_parsers.parse_output`)."""
 
 from __future__ import annotations
 
 import json
 import random
 
-from tandem.router.openai.hermes_stream import HermesCallStream
+from tandem.router.openai.auto_call_streams import HermesCallStream, JsonCallStream
 from tandem.router.openai.tool_parsers import parse_output
 from tandem.router.openai.tools import parse_tools
 
@@ -22,23 +22,26 @@ REPLY = (
 )
 
 
-def stream_in_pieces(text: str, rng: random.Random, parallel: bool = True):
+def stream_in_pieces(text: str, rng: random.Random, parallel: bool = True, kind=HermesCallStream):
     """Content and {number: (name, joined arguments)} of `text` fed in random pieces."""
-    stream = HermesCallStream(NAMES, parallel)
+    stream = kind(NAMES, parallel)
     content: list[str] = []
     calls: dict[int, list[str]] = {}
-    at = 0
-    while at < len(text):
-        end = at + rng.randint(1, 12)
-        released, pieces = stream.feed(text[at:end])
+
+    def take(released, pieces):
         content.append(released)
         for piece in pieces:
             if piece.name is not None:
                 assert piece.index not in calls, "a call is named once, on its first piece"
                 calls[piece.index] = [piece.name, ""]
             calls[piece.index][1] += piece.arguments
+
+    at = 0
+    while at < len(text):
+        end = at + rng.randint(1, 12)
+        take(*stream.feed(text[at:end]))
         at = end
-    content.append(stream.finish())
+    take(*stream.finish())
     assert stream.num_calls == len(calls)
     return "".join(content), {i: tuple(call) for i, call in calls.items()}
 
@@ -87,3 +90,24 @@ def test_a_block_with_a_list_of_calls():
               '{"name": "get_time", "arguments": {}}]</tool_call>')  # fmt: skip
     content, calls = stream_in_pieces(listed, random.Random(5))
     assert calls == {0: ("add", '{"a": 2}'), 1: ("get_time", "{}")} and content == ""
+
+
+LLAMA3 = [
+    ' {"name": "add", "parameters": {"a": [1, "}"]}}',
+    '[{"name": "get_time", "parameters": "{\\"zone\\": \\"utc\\"}"}, '
+    '{"parameters": {}, "name": "add"}]',
+    '{"answer": 42, "name": "nope"}',
+]  # fmt: skip
+
+
+def test_llama3_json_replies_stream_their_calls():
+    plan = parse_tools({"tools": TOOLS, "tool_choice": "auto"})
+    rng = random.Random(6)
+    for text in LLAMA3:
+        whole = parse_output(plan, text)
+        for _ in range(100):
+            content, calls = stream_in_pieces(text, rng, kind=JsonCallStream)
+            assert calls == {i: (c.name, c.arguments) for i, c in enumerate(whole.calls)}
+            assert (content or None) == (whole.content if not whole.calls else None)
+    assert [c.name for c in parse_output(plan, LLAMA3[1]).calls] == ["get_time", "add"]
+    assert parse_output(plan, LLAMA3[2]).content == LLAMA3[2]
