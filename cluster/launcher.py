@@ -49,6 +49,18 @@ def threads_per_worker(policy: ThreadPolicy, num_cores: int, num_workers: int) -
     return max(1, num_cores // max(1, num_workers))
 
 
+def release_name(dead: Any) -> None:
+    """Free a dead controller's name for the next one: Ray keeps the name of an actor
+    whose process was killed (`kill -9`, the OOM killer) taken while handles to it live
+    (this cluster's, its routers'), so a new controller by that name was refused on
+    every try and a served cluster stayed down until stopped; `ray.kill` of the dead
+    handle releases the name at once."""
+    try:
+        ray.kill(dead, no_restart=True)
+    except (ValueError, ray.exceptions.RayError) as exc:
+        logger.warning("could not release the dead pool controller's name (%s)", exc)
+
+
 class LocalCluster:
     """Owns the pool controller (and through it the workers) and one router."""
 
@@ -153,6 +165,7 @@ class LocalCluster:
                 "the pool controller died (%s) and its workers with it; starting a new one "
                 "with targets %s", reason, membership.targets or self.config.pools.roles,
             )  # fmt: skip
+            release_name(self.controller)
             try:
                 await self._start_controller(self._config_at(membership))
             except (TimeoutError, ValueError, ray.exceptions.RayError) as exc:

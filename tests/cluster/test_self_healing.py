@@ -148,10 +148,12 @@ def test_kill_9_decode_worker_with_streams_in_flight(ray_session, tiny_model_dir
 
 def test_a_dead_pool_controller_is_replaced_with_its_workers(ray_session, tiny_model_dir,
                                                              prompts, expected):  # fmt: skip
-    """The controller's process killed: its workers die with it (Ray ends the actors an
-    actor created). The cluster starts a new controller with the targets the old one had
-    (2 decode workers here, scaled up from 1), the router follows it by name, and the
-    streams in flight migrate to the new workers. Before, nothing answered again."""
+    """The controller's process killed (SIGKILL, as the OOM killer does): its workers die
+    with it (Ray ends the actors an actor created). The cluster starts a new controller
+    with the targets the old one had (2 decode workers here, scaled up from 1), the router
+    follows it by name, and the streams in flight migrate to the new workers. Before,
+    nothing answered again; then, after a SIGKILL (not `ray.kill`), the dead one's name
+    stayed taken and no new controller could start."""
 
     async def scenario() -> None:
         cluster = LocalCluster(config_for(tiny_model_dir, 1, 1))
@@ -167,11 +169,12 @@ def test_a_dead_pool_controller_is_replaced_with_its_workers(ray_session, tiny_m
             running = asyncio.create_task(streams.run())
             await until(streams.all_started, 60.0, "every stream's first tokens")
             old = cluster.controller
-            ray.kill(old, no_restart=True)
+            os.kill(await old.__ray_call__.remote(lambda _: os.getpid()), signal.SIGKILL)
             got = await asyncio.wait_for(running, 180.0)
             for i, (tokens, want) in enumerate(zip(got, expected, strict=True)):
                 assert tokens == want, f"stream {i} differs from an uninterrupted run"
-            assert cluster.num_controller_restarts == 1 and cluster.controller != old
+            await until(lambda: cluster.num_controller_restarts == 1, 60.0, "a new controller")
+            assert cluster.controller != old
             healed = await cluster.controller.wait_at_target.remote(120.0)
             assert healed.targets == PoolTargets(prefill=1, decode=2)
             await assert_idle(healed, auth=cluster.config.worker.cluster_auth)
