@@ -51,6 +51,12 @@ class Sequence:
     waited_for_decode_worker: bool = False
 
     @property
+    def request_has_tokens(self) -> bool:
+        """Whether its request sent the client tokens: this sequence's, or (n > 1) any
+        other's (the usage counts the tokens the request flow passed on)."""
+        return bool(self.output_ids) or self.usage.completion_tokens > 0
+
+    @property
     def first_attempt(self) -> bool:
         return self.num_migrations == 0
 

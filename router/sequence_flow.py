@@ -17,12 +17,13 @@ an uninterrupted run). After a migration the router detokenizes the output itsel
 `WorkerUnavailable`.
 
 When no decode worker is available to move to (the only one died), a migrating sequence
-that has streamed tokens waits up to `migration_wait_s` for one to join or come back
-(the pool controller replaces a dead worker within seconds) rather than end half
-streamed; one that has streamed nothing gets 503 at once, as a new request does, and
-its client may retry. A sequence waits so once: if the worker it moved to dies too with
-none left, it may be what kills them (a crash on its input), and waiting again would
-crash replacement after replacement; it gets the 503 at once.
+whose request has streamed tokens (its own, or with n > 1 another sequence's: one 503
+would end the stream the client is reading) waits up to `migration_wait_s` for one to
+join or come back (the pool controller replaces a dead worker within seconds) rather
+than end half streamed; one whose request has streamed nothing gets 503 at once, as a
+new request does, and its client may retry. A sequence waits so once: if the worker it
+moved to dies too with none left, it may be what kills them (a crash on its input), and
+waiting again would crash replacement after replacement; it gets the 503 at once.
 
 A sequence that was in a failed engine step on two workers (worker/step_failure.py) is
 not moved again: it may be what breaks the engine, and moving it on would take down one
@@ -168,10 +169,10 @@ class SequenceFlow:
 
     async def _place_migrated(self, seq: Sequence, request: PlacementRequest) -> Placement:
         """The migrating sequence's next pair. While no decode worker is available, one
-        that streamed tokens and never waited before looks again every
+        whose request streamed tokens and that never waited before looks again every
         MIGRATION_WAIT_POLL_S for up to `migration_wait_s`; then (at once for any other)
         the policy's `WorkerUnavailable`."""
-        if not seq.output_ids or seq.waited_for_decode_worker:
+        if not seq.request_has_tokens or seq.waited_for_decode_worker:
             return self.policy.place_migrated(request)
         deadline = time.monotonic() + self.migration_wait_s
         while True:

@@ -31,6 +31,7 @@ from tests.helpers.grpc_calls import (
     stream_tokens,
     wait_streaming,
 )
+from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.parallel import DISRUPTS_ITS_CLUSTER
 from tests.helpers.process_cluster import ProcessCluster
 from tests.helpers.prompts import make_prompts
@@ -77,11 +78,15 @@ async def run_all(
 
 
 async def stream_choices(
-    endpoint: str, req_id: str, prompt: list[int], progress: dict[str, int] | None = None
+    endpoint: str,
+    req_id: str,
+    prompt: list[int],
+    progress: dict[str, int] | None = None,
+    first_token: asyncio.Event | None = None,
 ) -> tuple[list[list[int]], list[str], int]:
     """One greedy `n = N_CHOICES` request over `Generate`: (token ids, text) per choice,
     and the completion tokens of the final usage; `progress[req_id]`: the fewest tokens
-    any choice has so far."""
+    any choice has so far; `first_token` set once any choice has one."""
     tokens: list[list[int]] = [[] for _ in range(N_CHOICES)]
     texts = ["" for _ in range(N_CHOICES)]
     num_completion_tokens = 0
@@ -98,6 +103,8 @@ async def stream_choices(
                 num_completion_tokens = msg.usage.completion_tokens
             if progress is not None:
                 progress[req_id] = min(len(t) for t in tokens)
+            if first_token is not None and msg.token_ids:
+                first_token.set()
     return tokens, texts, num_completion_tokens
 
 
@@ -538,6 +545,46 @@ def test_an_sse_stream_waiting_for_a_decode_worker_sends_keep_alives(tiny_model_
         waiting = lines[last_token + 1 : -2]
         assert set(waiting) == {b": keep-alive"} and len(waiting) >= 4, waiting
         cluster.set_state("decode-0", WorkerLifecycle.DEAD)
+        cluster.assert_idle()
+    finally:
+        cluster.stop()
+
+
+def test_every_choice_of_a_streaming_n_request_waits_for_a_decode_worker(tiny_model_dir):
+    """`n = 3` on 1P + 1D: the prefill worker's first token reaches the client while the
+    only decode worker is frozen (SIGSTOP), before the other choices have a token; then
+    it is killed. Every choice waits for the replacement and the request completes as an
+    uninterrupted run (transformers' greedy tokens: a reference run through the cluster
+    would leave the prompt in the decode worker's prefix cache, and the router would then
+    prefill it there). Before, the choices without tokens of their own got 503 at once,
+    which ended the stream the client was reading (chaos probe: HTTP 200, one token,
+    then an error event)."""
+    (want,) = hf_greedy(tiny_model_dir, [FORK_PROMPT], FORK_MAX_TOKENS)
+    roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE}
+    cluster = ProcessCluster(str(tiny_model_dir), roles).start()
+    try:
+        cluster.prepare("decode-1", WorkerRole.DECODE)  # published after the kill
+        frozen = cluster.procs["decode-0"].pid
+
+        async def scenario() -> tuple[tuple, bool]:
+            loop = asyncio.get_running_loop()
+            os.kill(frozen, signal.SIGSTOP)
+            first_token = asyncio.Event()
+            fork = asyncio.ensure_future(
+                stream_choices(cluster.grpc_endpoint, "fork", FORK_PROMPT, None, first_token)
+            )
+            await asyncio.wait_for(first_token.wait(), 60.0)
+            assert not fork.done()
+            await loop.run_in_executor(None, cluster.kill, "decode-0")
+            await asyncio.sleep(1.0)  # the router sees the broken calls (and used to fail)
+            waited = not fork.done()
+            await loop.run_in_executor(None, cluster.set_state, "decode-0", WorkerLifecycle.DEAD)
+            await loop.run_in_executor(None, cluster.set_state, "decode-1", WorkerLifecycle.SERVING)
+            return await fork, waited
+
+        (tokens, _, _), waited = cluster.run(scenario(), timeout_s=240)
+        assert waited, "the request ended while no decode worker was there to move to"
+        assert tokens == [want] * N_CHOICES
         cluster.assert_idle()
     finally:
         cluster.stop()
