@@ -51,9 +51,13 @@ SOURCES = [
         "register_ops.cpp",
     )
 ]
-# The cache folder's name: a change of source or flags rebuilds it (torch hashes both).
-# `-march=native` makes a build fit only CPUs with this one's instruction sets, so the
-# name carries them too: a home directory shared by different CPUs keeps one build each.
+# The cache folder's name (`extension_name`): a change of source or flags rebuilds it
+# (torch hashes both). `-march=native` makes a build fit only CPUs with this one's
+# instruction sets, so the name carries them too: a home directory shared by different
+# CPUs keeps one build each. So does the sources' folder: torch's build file names the
+# sources by absolute path, so two installs (a checkout and a clone of it) sharing one
+# name rebuilt the ops whenever the other had loaded them last (30-47 s a start here,
+# 152 s for a worker start waiting on the lock).
 EXTENSION_BASE_NAME = "tandem_cpu_ops"
 # -ffast-math lets the compiler vectorize the remaining scalar loops and reductions;
 # -mprefer-vector-width=512 lets it use 16-float vectors where the CPU has them (GCC
@@ -90,7 +94,7 @@ def cpu_ops_error() -> str | None:
     if shutil.which(compiler) is None:
         return f"no C++ compiler: {compiler!r} is not on PATH"
     started = time.perf_counter()
-    name = f"{EXTENSION_BASE_NAME}_{cpu_fingerprint()}"
+    name = extension_name()
     try:
         _put_ninja_on_path()
         with build_lock(build_directory(name), BUILD_WAIT_S):
@@ -146,6 +150,13 @@ def build_lock(build_dir: Path, timeout_s: float) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def extension_name() -> str:
+    """The ops' cache folder name: this CPU's fingerprint and 8 hex digits of where the
+    sources are (see EXTENSION_BASE_NAME)."""
+    where = hashlib.sha1(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+    return f"{EXTENSION_BASE_NAME}_{cpu_fingerprint()}_{where}"
 
 
 def cpu_fingerprint() -> str:

@@ -55,7 +55,7 @@ def test_loading_the_ops_after_a_killed_build_does_not_hang():
     """The real cache: torch's lock file left in the ops' build folder; a fresh process
     loads the (cached) ops at once and the file is gone."""
     assert loader.cpu_ops_error() is None
-    build_dir = loader.build_directory(f"{loader.EXTENSION_BASE_NAME}_{loader.cpu_fingerprint()}")
+    build_dir = loader.build_directory(loader.extension_name())
     stale = build_dir / "lock"
     stale.touch()
     try:
@@ -66,3 +66,18 @@ def test_loading_the_ops_after_a_killed_build_does_not_hang():
         assert not stale.exists()
     finally:
         stale.unlink(missing_ok=True)
+
+
+def test_two_installs_keep_a_build_each(tmp_path, monkeypatch):
+    """The same sources in another folder (a clone beside a checkout) name another cache
+    folder of the same CPU's: torch's build file names the sources by path, and one
+    shared folder was rebuilt whenever the other install had loaded it last."""
+    here = loader.extension_name()
+    monkeypatch.setattr(loader, "SOURCES", [tmp_path / "cpu_ops" / s.name for s in loader.SOURCES])
+    there = loader.extension_name()
+    assert here != there
+    assert (
+        here.rsplit("_", 1)[0]
+        == there.rsplit("_", 1)[0]
+        == (f"{loader.EXTENSION_BASE_NAME}_{loader.cpu_fingerprint()}")
+    )
