@@ -11,6 +11,9 @@
 - best-effort requests (no target, e.g. class `batch`) are admitted only into idle
   capacity: when the predicted queue wait is at most `best_effort_max_wait_s`, so the
   work they add to worker queues stays small for the interactive requests behind it;
+- so is a request whose TTFT target its own prefill misses even with no queue (a
+  prompt too long for it): no wait would let it meet the target, and a refusal with a
+  short Retry-After was refused again on every retry;
 - nobody is admitted ahead of a waiting request of higher or equal priority.
 
 When a request cannot be admitted, policy `shed` rejects it at once with
@@ -107,7 +110,8 @@ class AdmissionConfig:
 @dataclass(frozen=True)
 class AdmissionDecision:
     admit: bool
-    # Why not: "kv_blocks", "ttft", "itl", "idle_capacity", "priority"; "" when admitted.
+    # Why not: "kv_blocks", "ttft", "ttft_out_of_reach", "itl", "idle_capacity",
+    # "priority"; "" when admitted.
     reason: str = ""
     # When retrying is worth it (seconds), for a rejection.
     retry_after_s: float = 0.0
@@ -156,14 +160,23 @@ class AdmissionController:
         if not placement.fits:
             return self._reject("kv_blocks", 0.0)
         if slo.is_best_effort:
-            excess = placement.predicted_queue_s - cfg.best_effort_max_wait_s
-            return AdmissionDecision(True) if excess <= 0 else self._reject("idle_capacity", excess)
+            return self._into_idle_capacity(placement, "idle_capacity")
         predicted_ttft = placement.predicted_ttft_s + self.ttft_padding_s
         if slo.ttft_s is not None and predicted_ttft > slo.ttft_s:
+            if predicted_ttft - placement.predicted_queue_s > slo.ttft_s:
+                # Its own prefill misses the target with no queue at all: no wait makes
+                # it meet it (a retry would be refused again, forever), so it is served
+                # as best effort.
+                return self._into_idle_capacity(placement, "ttft_out_of_reach")
             return self._reject("ttft", predicted_ttft - slo.ttft_s)
         if slo.itl_s is not None and placement.predicted_itl_s > slo.itl_s:
             return self._reject("itl", 0.0)
         return AdmissionDecision(True)
+
+    def _into_idle_capacity(self, placement: Placement, reason: str) -> AdmissionDecision:
+        """Admitted while the predicted queue wait is at most `best_effort_max_wait_s`."""
+        excess = placement.predicted_queue_s - self.config.best_effort_max_wait_s
+        return AdmissionDecision(True) if excess <= 0 else self._reject(reason, excess)
 
     def _reject(self, reason: str, excess_s: float) -> AdmissionDecision:
         cfg = self.config

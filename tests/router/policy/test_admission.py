@@ -95,9 +95,15 @@ def placement(**overrides) -> Placement:
 def test_evaluate_rules():
     shed = AdmissionController(AdmissionConfig(policy="shed", best_effort_max_wait_s=0.1))
     assert shed.evaluate(placement(), INTERACTIVE).admit
-    late = shed.evaluate(placement(predicted_ttft_s=4.0), INTERACTIVE)
+    late = shed.evaluate(placement(predicted_queue_s=3.9, predicted_ttft_s=4.0), INTERACTIVE)
     assert not late.admit and late.reason == "ttft"
     assert late.retry_after_s == pytest.approx(3.0)
+    # A prompt whose own prefill misses the target with no queue (no wait helps it) is
+    # served as best effort: into idle capacity, else refused until the queue drains.
+    assert shed.evaluate(placement(predicted_ttft_s=4.0), INTERACTIVE).admit
+    long_busy = shed.evaluate(placement(predicted_queue_s=2.1, predicted_ttft_s=6.0), INTERACTIVE)
+    assert not long_busy.admit and long_busy.reason == "ttft_out_of_reach"
+    assert long_busy.retry_after_s == pytest.approx(2.0)
     assert shed.evaluate(placement(predicted_itl_s=1.0), INTERACTIVE).reason == "itl"
     assert shed.evaluate(placement(fits=False), INTERACTIVE).reason == "kv_blocks"
     assert shed.evaluate(placement(), INTERACTIVE, outranked=True).reason == "priority"
@@ -106,7 +112,8 @@ def test_evaluate_rules():
     busy = shed.evaluate(placement(predicted_queue_s=0.5), BATCH)
     assert not busy.admit and busy.reason == "idle_capacity"
     # Retry-After is bounded.
-    assert shed.evaluate(placement(predicted_ttft_s=1e6), INTERACTIVE).retry_after_s == 30.0
+    far = placement(predicted_queue_s=1e6 - 0.1, predicted_ttft_s=1e6)
+    assert shed.evaluate(far, INTERACTIVE).retry_after_s == 30.0
     none = AdmissionController(AdmissionConfig(policy="none"))
     assert none.evaluate(placement(predicted_ttft_s=1e6, fits=False), INTERACTIVE).admit
     with pytest.raises(ValueError, match="policy"):

@@ -10,6 +10,7 @@ from tandem.router.policy import (
     AdmissionPolicy,
     GoodputPolicy,
     PlacementRequest,
+    SelectorConfig,
     SloConfig,
     WorkerState,
     WorkerStats,
@@ -153,9 +154,16 @@ def test_migrated_placement_skips_admission():
     prefill = [WorkerState("p0", "prefill", block_size=BS, num_blocks=4096)]
     decode = [WorkerState("d0", "decode", block_size=BS, num_blocks=4096)]
     policy = GoodputPolicy(
-        prefill, decode, admission_config=AdmissionConfig(policy=AdmissionPolicy.SHED)
+        prefill,
+        decode,
+        selector_config=SelectorConfig(enable_local_prefill=False),
+        admission_config=AdmissionConfig(policy=AdmissionPolicy.SHED),
     )
     tight = SloConfig().resolve("interactive", ttft_s=1e-9)
+    # A long prompt ahead of it: the prefill worker is busy (an idle one takes a request
+    # whose target is out of reach as best effort).
+    relaxed = SloConfig().resolve("interactive", ttft_s=1e9)
+    policy.place_now(PlacementRequest("busy", list(range(10_000, 14_000)), 16, relaxed))
     with pytest.raises(Overloaded):
         policy.place_now(PlacementRequest("new", list(range(300)), 16, tight))
     placement = policy.place_migrated(PlacementRequest("old", list(range(300)), 16, tight))
@@ -163,4 +171,5 @@ def test_migrated_placement_skips_admission():
     with pytest.raises(ValueError, match="still placed"):
         policy.place_migrated(PlacementRequest("old", list(range(300)), 16, tight))
     policy.on_finish("old")
+    policy.on_finish("busy")
     assert policy.is_idle()
