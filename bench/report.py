@@ -12,6 +12,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from tandem.engine.dtype import cpu_info
+
 DOC_TITLE = "# Benchmarks"
 
 
@@ -124,14 +126,7 @@ def plain(value: Any) -> Any:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_info().get("model name") or platform.processor() or platform.machine()
 
 
 def machine_facts() -> dict[str, Any]:

@@ -26,16 +26,20 @@ BF16_GEMM_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @functools.cache
+def cpu_info(cpuinfo: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The first CPU's fields of /proc/cpuinfo ("model name", "cpu family", "flags", ...;
+    empty where it does not exist)."""
+    try:
+        first_cpu = Path(cpuinfo).read_text().partition("\n\n")[0]
+    except OSError:
+        return {}
+    return {key.strip(): value.strip() for key, _, value in
+            (line.partition(":") for line in first_cpu.splitlines())}  # fmt: skip
+
+
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
     """The CPU's feature flags (empty where /proc/cpuinfo does not exist)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+    return frozenset(cpu_info(cpuinfo).get("flags", "").split())
 
 
 def auto_dtype(device: str, checkpoint_dtype: str, flags: frozenset[str] | None = None) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tandem.bench.report import cpu_model
-from tandem.engine.dtype import BF16_GEMM_FLAGS, auto_dtype, cpu_flags
+from tandem.engine.dtype import BF16_GEMM_FLAGS, auto_dtype, cpu_flags, cpu_info
 from tandem.engine.model_maker import make_model
 from tandem.proto.cluster_auth import ClusterAuth, generate_token
 from tests.helpers.inproc_cluster import InprocCluster, shared_router_config
@@ -80,21 +80,10 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log) -> DisruptionSchedul
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    flags = cpu_flags()
-    family_model = ", ".join(_cpuinfo_fields("cpu family", "model"))
+    flags, info = cpu_flags(), cpu_info()
+    family_model = ", ".join(f"{key} {info[key]}" for key in ("cpu family", "model") if key in info)
     bf16_units = ", ".join(sorted(set(BF16_GEMM_FLAGS) & flags)) or "none"
     terminalreporter.write_line(
         f"machine: {cpu_model()} ({family_model}), {os.cpu_count()} CPUs, bf16 GEMM "
         f"instructions: {bf16_units}, CPU dtype auto = {auto_dtype('cpu', 'bfloat16', flags)}"
     )
-
-
-def _cpuinfo_fields(*names: str) -> list[str]:
-    """`name value` of the first CPU's /proc/cpuinfo fields (none where it is absent)."""
-    try:
-        first_cpu = Path("/proc/cpuinfo").read_text().partition("\n\n")[0]
-    except OSError:
-        return []
-    found = {key.strip(): value.strip() for key, _, value in
-             (line.partition(":") for line in first_cpu.splitlines())}  # fmt: skip
-    return [f"{name} {found[name]}" for name in names if name in found]

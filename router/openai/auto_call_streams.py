@@ -20,10 +20,9 @@ began (as vLLM's tool parsers stream).
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from tandem.router.openai.call_scanner import CallListScanner, CallPiece
-from tandem.router.openai.tool_parsers import HERMES_CLOSE, HERMES_OPEN
+from tandem.router.openai.tool_parsers import HERMES_CLOSE, HERMES_OPEN, arguments_json
 
 # An auto call's arguments key: `arguments` (Hermes), `parameters` (Llama 3's).
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -91,15 +90,10 @@ class CallObjects:
         pieces = []
         for i in missing:
             item = items[i] if i < len(items) and isinstance(items[i], dict) else {}
-            arguments: Any = next((item[k] for k in ARGUMENT_KEYS if k in item), {})
-            if isinstance(arguments, str):
-                try:
-                    arguments = json.loads(arguments)
-                except ValueError:
-                    continue
+            arguments = arguments_json(item, ARGUMENT_KEYS)
             number = self._numbers[i]
-            assert number is not None
-            pieces.append(CallPiece(number, None, json.dumps(arguments, ensure_ascii=False)))
+            if arguments is not None and number is not None:
+                pieces.append(CallPiece(number, None, arguments))
         return pieces
 
 

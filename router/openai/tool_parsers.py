@@ -128,11 +128,22 @@ def _calls_from_json(
     for item in items:
         if not isinstance(item, dict) or item.get("name") not in names:
             return []
-        key = next((k for k in args_keys if k in item), None)
-        arguments = item.get(key) if key is not None else {}
-        if isinstance(arguments, str):
-            arguments = _loads(arguments)
-        if not isinstance(arguments, dict):
+        arguments = arguments_json(item, args_keys)
+        if arguments is None:
             return []
-        calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append(ToolCall(item["name"], arguments))
     return calls
+
+
+def arguments_json(
+    call: dict[str, Any], args_keys: tuple[str, ...] = ("arguments", "parameters")
+) -> str | None:
+    """A call object's arguments as JSON object text (`{}` when it has none; decoded
+    first where the model wrote them as a JSON string); None when they are no object."""
+    key = next((k for k in args_keys if k in call), None)
+    arguments = call.get(key) if key is not None else {}
+    if isinstance(arguments, str):
+        arguments = _loads(arguments)
+    if not isinstance(arguments, dict):
+        return None
+    return json.dumps(arguments, ensure_ascii=False)

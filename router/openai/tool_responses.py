@@ -112,17 +112,10 @@ class ToolChatResponses(ChatResponses):
         if pieces:
             delta["tool_calls"] = [_call_entry(piece) for piece in pieces]
         del self._held[index]
-        finish = chunk.finish_reason
-        body = {
-            "delta": delta,
-            "logprobs": self._logprobs_of(held.token_ids, held.logprobs, held.top_logprobs, index),
-            "finish_reason": _finish(finish, self.plan)
-            if stream.num_calls
-            else public_finish_reason(finish),
-        }
-        add_stop_reason(body, chunk)
-        self._add_token_ids(body, held.token_ids, index)
-        return self._chunk(body, index)
+        return self._delta(
+            delta, held.token_ids, held.logprobs, held.top_logprobs, chunk,
+            made_calls=stream.num_calls > 0,
+        )  # fmt: skip
 
     def _named_delta(self, chunk: GenerationChunk) -> dict[str, Any] | None:
         if self._shows_nothing(chunk):
@@ -164,12 +157,17 @@ class ToolChatResponses(ChatResponses):
         logprobs: list[float],
         tops: list[TopLogprobs],
         chunk: GenerationChunk,
+        made_calls: bool = True,
     ) -> dict[str, Any]:
-        """A chunk of tool-call deltas (finishing with `tool_calls` on a stop)."""
+        """A chunk of tool-call deltas (finishing with `tool_calls` on a stop, where the
+        reply `made_calls`) and content."""
+        reason = chunk.finish_reason
         body = {
             "delta": delta,
             "logprobs": self._logprobs_of(token_ids, logprobs, tops, chunk.index),
-            "finish_reason": _finish(chunk.finish_reason, self.plan),
+            "finish_reason": _finish(reason, self.plan)
+            if made_calls
+            else public_finish_reason(reason),
         }
         add_stop_reason(body, chunk)
         self._add_token_ids(body, token_ids, chunk.index)
