@@ -8,6 +8,7 @@ the pool controller would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -562,9 +563,9 @@ def test_every_choice_of_a_streaming_n_request_waits_for_a_decode_worker(tiny_mo
     (want,) = hf_greedy(tiny_model_dir, [FORK_PROMPT], FORK_MAX_TOKENS)
     roles = {"prefill-0": WorkerRole.PREFILL, "decode-0": WorkerRole.DECODE}
     cluster = ProcessCluster(str(tiny_model_dir), roles).start()
+    frozen = cluster.procs["decode-0"].pid
     try:
         cluster.prepare("decode-1", WorkerRole.DECODE)  # published after the kill
-        frozen = cluster.procs["decode-0"].pid
 
         async def scenario() -> tuple[tuple, bool]:
             loop = asyncio.get_running_loop()
@@ -587,6 +588,8 @@ def test_every_choice_of_a_streaming_n_request_waits_for_a_decode_worker(tiny_mo
         assert tokens == [want] * N_CHOICES
         cluster.assert_idle()
     finally:
+        with contextlib.suppress(ProcessLookupError):  # frozen, not yet killed: a failure
+            os.kill(frozen, signal.SIGCONT)  # before the kill lets it stop at once
         cluster.stop()
 
 
