@@ -1,5 +1,6 @@
-"""What a request's stream carries to the APIs, the task-owning stream itself, and the
-merge of several such streams into one (a request's `n` sequences, a batch's prompts)."""
+"""The task-owning stream of a request's chunks, and the merge of several such streams
+into one (a request's `n` sequences, a batch's prompts). Both hand chunks to their
+consumer through a `ChunkBuffer`, so a consumer that lags gets them joined."""
 
 from __future__ import annotations
 
@@ -7,48 +8,11 @@ import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 
-from tandem.engine.outputs import PromptLogprobs
-from tandem.engine.request import FinishReason
-from tandem.engine.sampler import TopLogprobs
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int = 0
-    cached_prompt_tokens: int = 0
-
-
-@dataclass
-class GenerationChunk:
-    """New tokens of a request, in the order the client sees them."""
-
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] = field(default_factory=list)
-    # STOP, LENGTH or ABORT on the last chunk; None before.
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    # Which of the request's `n` sequences (choices) the tokens belong to.
-    index: int = 0
-    # With the first token when asked (SamplingParams.prompt_logprobs).
-    prompt_logprobs: PromptLogprobs | None = None
-    # One per token when asked (SamplingParams.top_logprobs > 0): the most likely tokens
-    # at its position.
-    top_logprobs: list[TopLogprobs] = field(default_factory=list)
-    # With STOP: the stop token id or stop string that ended the sequence (vLLM's
-    # stop_reason); None for EOS and a finished grammar.
-    stop_reason: int | str | None = None
-
+from tandem.router.chunk_buffer import ChunkBuffer
+from tandem.router.generation_chunk import GenerationChunk
 
 _END = object()
-
-
-def public_finish_reason(reason: FinishReason | None) -> str | None:
-    """The string the public APIs (OpenAI, KServe) put in `finish_reason`."""
-    return None if reason is None else reason.value
 
 
 class ChunkStream:
@@ -61,7 +25,7 @@ class ChunkStream:
 
     def __init__(self, source: AsyncGenerator[GenerationChunk, None]) -> None:
         self._source = source
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._buffer = ChunkBuffer()
         self._task: asyncio.Task | None = None
         self._cancel_requested = False
 
@@ -72,7 +36,7 @@ class ChunkStream:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._pump())
         try:
-            item = await self._queue.get()
+            item = await self._buffer.get()
         except asyncio.CancelledError:
             self.cancel()
             raise
@@ -80,15 +44,16 @@ class ChunkStream:
             raise StopAsyncIteration
         if isinstance(item, BaseException):
             raise item
+        assert isinstance(item, GenerationChunk)
         return item
 
     async def _pump(self) -> None:
         try:
             async for chunk in self._source:
-                self._queue.put_nowait(chunk)
-            self._queue.put_nowait(_END)
+                self._buffer.put(chunk)
+            self._buffer.put(_END)
         except Exception as exc:  # handed to the consumer, never swallowed
-            self._queue.put_nowait(exc)
+            self._buffer.put(exc)
 
     def cancel(self) -> None:
         self._cancel()
@@ -123,7 +88,7 @@ class MergedChunks:
     """
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[object] = asyncio.Queue()
+        self._buffer = ChunkBuffer()
         self.tasks: list[asyncio.Task] = []
 
     def start(self, chunks: ClosableChunks, first_index: int = 0) -> None:
@@ -136,16 +101,16 @@ class MergedChunks:
                 async for chunk in chunks:
                     if first_index:
                         chunk = dataclasses.replace(chunk, index=first_index + chunk.index)
-                    self.queue.put_nowait(chunk)
-            self.queue.put_nowait(_DONE)
+                    self._buffer.put(chunk)
+            self._buffer.put(_DONE)
         except Exception as exc:  # handed to the consumer, never swallowed
-            self.queue.put_nowait(exc)
+            self._buffer.put(exc)
 
     async def chunks(self) -> AsyncGenerator[GenerationChunk, None]:
         """Every stream's chunks until all ended; the first error ends the merge."""
         num_open = len(self.tasks)
         while num_open:
-            item = await self.queue.get()
+            item = await self._buffer.get()
             if isinstance(item, BaseException):
                 raise item
             if item is _DONE:

@@ -14,7 +14,7 @@ from typing import Any
 from tandem.engine.detokenizer import IncrementalDetokenizer, hides_stop_token
 from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router.chunk_stream import GenerationChunk
+from tandem.router.generation_chunk import GenerationChunk
 
 
 def continuation_params(

@@ -27,7 +27,8 @@ import contextlib
 
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.router.attempts import Attempt, AttemptFailed
-from tandem.router.chunk_stream import GenerationChunk, MergedChunks
+from tandem.router.chunk_stream import MergedChunks
+from tandem.router.generation_chunk import GenerationChunk
 from tandem.router.policy import Placement
 from tandem.router.sequence import Sequence
 from tandem.router.sequence_flow import Chunks, SequenceFlow

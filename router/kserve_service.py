@@ -23,12 +23,12 @@ from importlib import metadata
 
 from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.proto.inference import grpc_service_pb2_grpc
-from tandem.router.chunk_stream import public_finish_reason
 from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError, abort_with
+from tandem.router.generation_chunk import Usage, public_finish_reason
 from tandem.router.kserve_request import MODEL_INPUTS, MODEL_OUTPUTS, KserveRequest, parse_request
 from tandem.router.kserve_tensors import encode_bytes
 from tandem.router.policy_runtime import PolicyRuntime
-from tandem.router.request_flow import RequestFlow, Usage
+from tandem.router.request_flow import RequestFlow
 from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
 

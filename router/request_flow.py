@@ -27,9 +27,10 @@ from opentelemetry.trace import Span
 from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.router.attempts import AttemptRegistry, MigrationReason
-from tandem.router.chunk_stream import ChunkStream, GenerationChunk, Usage
+from tandem.router.chunk_stream import ChunkStream
 from tandem.router.errors import Overloaded, RouterError, WorkerUnavailable, from_worker_error
 from tandem.router.forked_flow import generate_forked
+from tandem.router.generation_chunk import GenerationChunk, Usage
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy import GoodputPolicy, Placement, PlacementRequest, RequestSlo, SloConfig
 from tandem.router.sequence import Sequence, sequence_id, sequence_params

@@ -12,7 +12,7 @@ import dataclasses
 from opentelemetry.trace import Span
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.router.chunk_stream import Usage
+from tandem.router.generation_chunk import Usage
 from tandem.router.metrics import RequestRecord
 from tandem.router.policy import RequestSlo
 

@@ -51,7 +51,6 @@ from tandem.router.attempts import (
     MigrationReason,
     worker_lost_failure,
 )
-from tandem.router.chunk_stream import GenerationChunk
 from tandem.router.continuation import (
     continuation_params,
     final_chunk,
@@ -59,6 +58,7 @@ from tandem.router.continuation import (
     replay_detokenizer,
 )
 from tandem.router.errors import RouterError, WorkerUnavailable
+from tandem.router.generation_chunk import GenerationChunk
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy import GoodputPolicy, Placement, PlacementRequest
 from tandem.router.sequence import Sequence

@@ -19,7 +19,7 @@ from opentelemetry.trace import Span
 
 from tandem.proto.tandem.worker.v1 import worker_pb2 as pb
 from tandem.router.attempts import Attempt, MigrationReason, call_failure
-from tandem.router.chunk_stream import GenerationChunk
+from tandem.router.generation_chunk import GenerationChunk
 from tandem.router.policy import GoodputPolicy
 from tandem.router.sequence import Sequence
 from tandem.router.worker_pool import WorkerPair

@@ -15,7 +15,8 @@ import dataclasses
 from collections.abc import AsyncGenerator, Iterable
 
 from tandem.engine.request import FinishReason
-from tandem.router.chunk_stream import ClosableChunks, GenerationChunk, MergedChunks, Usage
+from tandem.router.chunk_stream import ClosableChunks, MergedChunks
+from tandem.router.generation_chunk import GenerationChunk, Usage
 from tandem.router.openai.protocol import GenerationRequest
 from tandem.router.request_flow import RequestFlow
 

@@ -25,8 +25,7 @@ from typing import Any
 from tandem.engine.outputs import PromptLogprobs
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
-from tandem.router.chunk_stream import public_finish_reason
-from tandem.router.request_flow import GenerationChunk, Usage
+from tandem.router.generation_chunk import GenerationChunk, Usage, public_finish_reason
 from tandem.router.tokenization import PromptTokenizer
 
 # What OpenAI reports for a token whose logprob is -inf (JSON has no infinities).

@@ -19,7 +19,7 @@ from typing import Any
 
 from tandem.engine.request import FinishReason
 from tandem.engine.sampler import TopLogprobs
-from tandem.router.chunk_stream import public_finish_reason
+from tandem.router.generation_chunk import GenerationChunk, public_finish_reason
 from tandem.router.openai.auto_call_streams import HermesCallStream, JsonCallStream
 from tandem.router.openai.call_scanner import CallListScanner, CallPiece
 from tandem.router.openai.responses import (
@@ -34,7 +34,6 @@ from tandem.router.openai.tool_parsers import (
     parse_output,
 )
 from tandem.router.openai.tools import ToolChoice, ToolPlan
-from tandem.router.request_flow import GenerationChunk
 
 
 def _finish(reason: FinishReason | None, plan: ToolPlan) -> str | None:

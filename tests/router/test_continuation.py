@@ -8,8 +8,8 @@ import pytest
 from tandem.engine.request import FinishReason
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.tokenizer_loader import load_tokenizer
-from tandem.router.chunk_stream import GenerationChunk
 from tandem.router.continuation import redetokenize, replay_detokenizer
+from tandem.router.generation_chunk import GenerationChunk
 
 pytestmark = pytest.mark.timeout(60)
 

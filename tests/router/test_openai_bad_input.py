@@ -22,9 +22,9 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from tandem.router.config import RouterConfig
 from tandem.router.errors import Overloaded, RouterError, WorkerUnavailable, from_worker_error
+from tandem.router.generation_chunk import GenerationChunk, Usage
 from tandem.router.http_server import make_http_app
 from tandem.router.policy import SloConfig
-from tandem.router.request_flow import GenerationChunk, Usage
 from tandem.router.tokenization import PromptTokenizer
 from tests.helpers.inproc_cluster import SHARED_API_KEY, SHARED_MAX_BODY_BYTES, InprocCluster
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 from tandem.engine.request import FinishReason
+from tandem.router.generation_chunk import GenerationChunk
 from tandem.router.openai.responses import LogprobsFormatter, ResponseOptions
 from tandem.router.openai.tool_parsers import parse_output
 from tandem.router.openai.tool_responses import ToolChatResponses
 from tandem.router.openai.tools import parse_tools
-from tandem.router.request_flow import GenerationChunk
 from tandem.router.tokenization import PromptTokenizer
 
 TOOLS = [
