@@ -19,15 +19,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
 from tandem.router.errors import RouterError, WorkerUnavailable
+from tandem.router.generation_chunk import GenerationChunk, Usage
+from tandem.router.openai.client_backlog import unsent_bytes
 from tandem.router.openai.errors import HttpApiError, dumps, error_body
 from tandem.router.openai.responses import ResponseBuilder
-from tandem.router.request_flow import GenerationChunk, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,14 @@ ENDING_WRITE_S = 1.0
 # skip comments.
 KEEPALIVE_S = 15.0
 KEEPALIVE_COMMENT = b": keep-alive\n\n"
-# A client whose connection takes no write for this long (it reads nothing, its socket
-# buffers full) counts as gone: its stream ends, and with it the request's worker calls,
-# instead of the handler waiting on it for as long as the connection stays open.
+# A client that takes no byte for this long while a write waits on it (it reads
+# nothing, its connection's buffers are full) counts as gone: its stream ends, and with
+# it the request's worker calls, instead of the handler waiting on it for as long as the
+# connection stays open. A slow client is not cut as long as TCP shows it taking bytes
+# (its receive window reopening) within this long; one reading a few KB/s may not.
 WRITE_TIMEOUT_S = 60.0
+# How often a waiting write looks whether its client took anything.
+PROGRESS_CHECK_S = 1.0
 
 
 def sse_event(payload: dict[str, Any] | str) -> bytes:
@@ -67,7 +72,7 @@ async def stream_sse(
     first = await anext(chunks, None)
     response = web.StreamResponse(headers={**SSE_HEADERS, **extra_headers})
     await response.prepare(request)
-    writer = SseWriter(response)
+    writer = SseWriter(response, lambda: unsent_bytes(request.transport))
     keep_alive = asyncio.create_task(writer.keep_alive(), name=f"keep-alive {builder.id}")
     try:
         await _write_events(writer, first, chunks, builder)
@@ -99,8 +104,8 @@ async def _write_events(
             chunk = await anext(chunks, None)
         if builder.options.include_usage and usage is not None:
             await writer.write(sse_event(builder.usage_chunk(usage)))
-    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
-        logger.info("client of %s went away mid-stream", builder.id)
+    except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError is one
+        logger.info("client of %s went away mid-stream: %s", builder.id, exc)
         return
     except asyncio.CancelledError:
         # The router stopping (its grace over), or the client gone (then this write fails).
@@ -125,23 +130,32 @@ async def _write_events(
 
 class SseWriter:
     """Writes one prepared SSE response, an event at a time, and a comment whenever
-    KEEPALIVE_S pass without a write (`keep_alive()`, a task its stream owns)."""
+    KEEPALIVE_S pass without a write (`keep_alive()`, a task its stream owns).
 
-    def __init__(self, response: web.StreamResponse) -> None:
+    `unsent`: how many bytes written so far the client has not taken (see
+    client_backlog.py); a write waiting on the client lasts while that number falls.
+    """
+
+    def __init__(self, response: web.StreamResponse, unsent: Callable[[], int]) -> None:
         self.response = response
+        self._unsent = unsent
         self._lock = asyncio.Lock()  # one write at a time: events stay whole
         self._last_write_s = time.monotonic()
         self._ended = False
 
     async def write(self, data: bytes, eof: bool = False) -> None:
         """ConnectionResetError when the client is gone, or takes nothing for
-        WRITE_TIMEOUT_S."""
+        WRITE_TIMEOUT_S while this write waits on it."""
         async with self._lock:
             try:
-                async with asyncio.timeout(WRITE_TIMEOUT_S):
-                    await self.response.write(data)
-                    if eof:
-                        await self.response.write_eof()
+                async with asyncio.timeout(WRITE_TIMEOUT_S) as deadline:
+                    progress = _ProgressWatch(deadline, self._unsent)
+                    try:
+                        await self.response.write(data)
+                        if eof:
+                            await self.response.write_eof()
+                    finally:
+                        progress.stop()
             except TimeoutError:
                 raise ConnectionResetError(
                     f"the client took no data for {WRITE_TIMEOUT_S:g} s"
@@ -166,3 +180,27 @@ class SseWriter:
                 await asyncio.sleep(KEEPALIVE_S - idle_s)
             elif not await self.write_quietly(KEEPALIVE_COMMENT):
                 return
+
+
+class _ProgressWatch:
+    """Pushes a waiting write's deadline WRITE_TIMEOUT_S on whenever its client has taken
+    bytes since the last look (every PROGRESS_CHECK_S): a timer, not a task, as most
+    writes finish at once."""
+
+    def __init__(self, deadline: asyncio.Timeout, unsent: Callable[[], int]) -> None:
+        self._deadline = deadline
+        self._unsent = unsent
+        self._last_unsent: int | None = None
+        self._loop = asyncio.get_running_loop()
+        self._timer = self._loop.call_later(PROGRESS_CHECK_S, self._look)
+
+    def _look(self) -> None:
+        unsent = self._unsent()
+        progressed = self._last_unsent is not None and unsent < self._last_unsent
+        if progressed and not self._deadline.expired():
+            self._deadline.reschedule(self._loop.time() + WRITE_TIMEOUT_S)
+        self._last_unsent = unsent
+        self._timer = self._loop.call_later(PROGRESS_CHECK_S, self._look)
+
+    def stop(self) -> None:
+        self._timer.cancel()
