@@ -2,7 +2,9 @@
 
 Middlewares, outermost first: the handler task tracking a stopping router cancels at
 the end of its grace, OpenAI error JSON for every failure, then the optional API key
-check. The body size limit is aiohttp's `client_max_size`.
+check. The body size limit is aiohttp's `client_max_size`. The router serves the app with
+`http_protocol_errors.OpenAIErrorsAppRunner`, so the requests aiohttp's own parser
+refuses get OpenAI error JSON as well.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ from tandem.router.admin_service import AdminService
 from tandem.router.api_key import ApiKeyInterceptor
 from tandem.router.config import RouterConfig
 from tandem.router.generation_service import GenerationService
+from tandem.router.http_protocol_errors import OpenAIErrorsAppRunner
 from tandem.router.http_server import HANDLER_TASKS, make_http_app
 from tandem.router.kserve_service import SERVICE_NAME as KSERVE_SERVICE_NAME
 from tandem.router.kserve_service import KserveService
@@ -188,7 +189,9 @@ class Router:
         app.router.add_get("/metrics", self._metrics_handler)
         add_admin_routes(app, admin)
         # A client that disconnects cancels its handler, which cancels its worker calls.
-        self._http = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=STOP_GRACE_S)
+        self._http = OpenAIErrorsAppRunner(
+            app, handler_cancellation=True, shutdown_timeout=STOP_GRACE_S
+        )
         await self._http.setup()
         site = web.TCPSite(self._http, config.host, config.http_port)
         try:

@@ -1,0 +1,158 @@
+"""The router's HTTP edge, over a loopback socket: requests aiohttp refuses before the
+app sees them answer OpenAI error JSON (`router/http_protocol_errors.py`).
+
+Raw bytes, not an HTTP client: these requests are malformed on purpose. The app is the
+router's (`make_http_app`) served by the router's runner, with a flow no request here
+reaches (`/tokenize` and `/health` need none).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tandem.router.config import RouterConfig
+from tandem.router.http_protocol_errors import OpenAIErrorsAppRunner
+from tandem.router.http_server import make_http_app
+from tandem.router.policy import SloConfig
+from tandem.router.tokenization import PromptTokenizer
+
+pytestmark = pytest.mark.timeout(60)
+
+# Every network wait of a test is bounded by this.
+WAIT_S = 10.0
+BODY = b'{"prompt": "hi"}'
+
+
+class NoFlow:
+    """Stands in for `RequestFlow`: the routes used here never generate."""
+
+    slo = SloConfig()
+
+
+@dataclass
+class Reply:
+    """One HTTP response as it came over the socket."""
+
+    status: int
+    # Header names lower-cased.
+    headers: dict[str, str]
+    body: bytes
+
+    def error(self) -> dict[str, Any]:
+        """The OpenAI error object; checks the JSON content type and shape first."""
+        assert self.headers["content-type"].startswith("application/json"), self
+        answer = json.loads(self.body)
+        assert set(answer) == {"error"}, answer
+        assert set(answer["error"]) == {"message", "type", "param", "code"}, answer
+        return answer["error"]
+
+
+@contextlib.asynccontextmanager
+async def serving(model_dir: Path) -> AsyncIterator[int]:
+    """The router's HTTP app on a loopback port (which it yields), as the router runs it."""
+    config = RouterConfig(model_dir=str(model_dir), grpc_port=0, http_port=0)
+    tokenizer = PromptTokenizer(str(model_dir))
+    runner = OpenAIErrorsAppRunner(make_http_app(None, NoFlow(), tokenizer, config))
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+        tokenizer.close()
+
+
+async def read_reply(reader: asyncio.StreamReader) -> Reply:
+    """The next response (a `100 Continue` too) from `reader`."""
+    async with asyncio.timeout(WAIT_S):
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        status_line, *lines = head.split("\r\n")[:-2]
+        headers = {}
+        for line in lines:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        status = int(status_line.split()[1])
+        body = await reader.readexactly(int(headers.get("content-length", 0)))
+    return Reply(status, headers, body)
+
+
+async def exchange(port: int, request: bytes) -> Reply:
+    """Sends the raw `request` on a new connection and reads the answer."""
+    async with asyncio.timeout(WAIT_S):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        return await read_reply(reader)
+    finally:
+        writer.close()
+
+
+def post(path: str, headers: str, body: bytes = BODY) -> bytes:
+    """A raw POST; `headers`: its header lines after Host, each ending in CRLF."""
+    return f"POST {path} HTTP/1.1\r\nHost: router\r\n{headers}\r\n".encode() + body
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "words"),
+    [
+        (post("/tokenize", "Content-Length: abc\r\n"), ("malformed", "content-length")),
+        (post("/tokenize", "Content-Length: -5\r\n"), ("malformed", "content-length")),
+        (
+            post("/tokenize", f"X-Padding: {'a' * 9000}\r\nContent-Length: {len(BODY)}\r\n"),
+            ("header line", "8190 bytes"),
+        ),
+    ],
+    ids=["content-length-abc", "content-length-negative", "header-line-9000-bytes"],
+)
+def test_a_request_the_parser_refuses_gets_openai_json_and_one_log_line(
+    tiny_model_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    request_bytes: bytes,
+    words: tuple[str, ...],
+):
+    """aiohttp answered these itself, in plain text, and logged each as an ERROR with a
+    traceback (any client could fill the log)."""
+
+    async def scenario() -> tuple[Reply, list[logging.LogRecord]]:
+        async with serving(tiny_model_dir) as port:
+            caplog.clear()
+            reply = await exchange(port, request_bytes)
+            return reply, list(caplog.records)
+
+    with caplog.at_level(logging.DEBUG):
+        reply, records = asyncio.run(scenario())
+    assert reply.status == 400, reply
+    error = reply.error()
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "malformed_request"
+    for word in words:
+        assert word in error["message"].lower(), error
+    # The access log has its own line for every request.
+    logged = [r for r in records if r.name != "aiohttp.access" and r.levelno >= logging.INFO]
+    assert len(logged) <= 1, [r.getMessage() for r in logged]
+    assert all(r.levelno < logging.ERROR and r.exc_info is None for r in logged), logged
+
+
+def test_a_good_request_after_a_malformed_one_is_served(tiny_model_dir: Path):
+    """The runner's protocol serves ordinary requests as aiohttp's does."""
+
+    async def scenario() -> tuple[Reply, Reply]:
+        async with serving(tiny_model_dir) as port:
+            bad = await exchange(port, post("/tokenize", "Content-Length: abc\r\n"))
+            good = await exchange(port, post("/tokenize", f"Content-Length: {len(BODY)}\r\n"))
+            return bad, good
+
+    bad, good = asyncio.run(scenario())
+    assert bad.status == 400, bad
+    assert good.status == 200, good
+    assert json.loads(good.body)["count"] > 0
