@@ -14,6 +14,7 @@ from aiohttp import web
 from tandem.router.admin import PoolsAdmin, parse_targets
 from tandem.router.errors import InvalidRequest
 from tandem.router.json_fields import check_text
+from tandem.router.openai.body_checks import check_expect
 from tandem.router.openai.errors import dumps
 
 
@@ -46,6 +47,6 @@ def add_admin_routes(app: web.Application, admin: PoolsAdmin) -> None:
         return web.json_response(admin.to_json(await admin.drain(body.get("worker_id"))),
                                  dumps=dumps)  # fmt: skip
 
-    app.router.add_get("/admin/pools", pools)
-    app.router.add_post("/admin/scale", scale)
-    app.router.add_post("/admin/drain", drain)
+    app.router.add_get("/admin/pools", pools, expect_handler=check_expect)
+    app.router.add_post("/admin/scale", scale, expect_handler=check_expect)
+    app.router.add_post("/admin/drain", drain, expect_handler=check_expect)

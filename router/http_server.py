@@ -16,6 +16,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from tandem.router.config import RouterConfig
 from tandem.router.openai.auth import make_auth_middleware
+from tandem.router.openai.body_checks import check_expect
 from tandem.router.openai.errors import MAX_BODY_BYTES, error_middleware
 from tandem.router.openai.handlers import OpenAIHandlers
 from tandem.router.policy_runtime import PolicyRuntime
@@ -78,7 +79,7 @@ def make_http_app(
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[HANDLER_TASKS] = handler_tasks
     app[MAX_BODY_BYTES] = config.max_body_bytes
-    app.router.add_get("/health", health)
+    app.router.add_get("/health", health, expect_handler=check_expect)
     OpenAIHandlers(
         flow, tokenizer, config.model_name, config.model_dir, config.max_body_bytes, dtype,
         max_n=config.max_n, defaults=defaults,

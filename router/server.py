@@ -44,6 +44,7 @@ from tandem.router.membership import (
     WorkerLifecycle,
 )
 from tandem.router.metrics import RouterMetrics
+from tandem.router.openai.body_checks import check_expect
 from tandem.router.policy_runtime import PolicyRuntime
 from tandem.router.ports import public_listens
 from tandem.router.request_flow import RequestFlow
@@ -186,7 +187,7 @@ class Router:
         app = make_http_app(
             self.policy_runtime, flow, tokenizer, config, self.policy_runtime.limits.dtype, defaults
         )
-        app.router.add_get("/metrics", self._metrics_handler)
+        app.router.add_get("/metrics", self._metrics_handler, expect_handler=check_expect)
         add_admin_routes(app, admin)
         # A client that disconnects cancels its handler, which cancels its worker calls.
         self._http = OpenAIErrorsAppRunner(

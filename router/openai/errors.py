@@ -90,6 +90,12 @@ def error_response(exc: RouterError) -> web.Response:
     )
 
 
+def body_too_large(limit: int) -> HttpApiError:
+    return HttpApiError(
+        413, f"request body is too large: the limit is {limit} bytes", code="request_too_large"
+    )
+
+
 def from_http_exception(exc: web.HTTPException, request: web.Request) -> HttpApiError:
     """The OpenAI-shaped equivalent of an aiohttp HTTP error (404 route, 405, 413 ...)."""
     status = exc.status
@@ -101,9 +107,7 @@ def from_http_exception(exc: web.HTTPException, request: web.Request) -> HttpApi
         message = f"method {request.method} is not allowed on {request.path} (allowed: {allowed})"
         return HttpApiError(405, message, code="method_not_allowed")
     if status == 413:
-        limit = request.app[MAX_BODY_BYTES]
-        message = f"request body is too large: the limit is {limit} bytes"
-        return HttpApiError(413, message, code="request_too_large")
+        return body_too_large(request.app[MAX_BODY_BYTES])
     openai_type = "server_error" if status >= 500 else "invalid_request_error"
     return HttpApiError(status, exc.text or exc.reason, openai_type)
 

@@ -20,6 +20,7 @@ from aiohttp import hdrs, web
 
 from tandem.router.errors import InvalidRequest, ModelNotFound
 from tandem.router.json_fields import check_text, get_bool, show
+from tandem.router.openai.body_checks import check_expect
 from tandem.router.openai.errors import dumps
 from tandem.router.openai.prompt_batch import generate_prompts
 from tandem.router.openai.protocol import GenerationRequest, RequestParser
@@ -67,12 +68,14 @@ class OpenAIHandlers:
         self.started = int(time.time())
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.list_models)
-        app.router.add_get("/v1/models/{model:.+}", self.get_model)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=check_expect)
+        app.router.add_post(
+            "/v1/chat/completions", self.chat_completions, expect_handler=check_expect
+        )
+        app.router.add_get("/v1/models", self.list_models, expect_handler=check_expect)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model, expect_handler=check_expect)
+        app.router.add_post("/tokenize", self.tokenize, expect_handler=check_expect)
+        app.router.add_post("/detokenize", self.detokenize, expect_handler=check_expect)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._read_json(request)

@@ -62,7 +62,8 @@ async def serving(model_dir: Path) -> AsyncIterator[int]:
     """The router's HTTP app on a loopback port (which it yields), as the router runs it."""
     config = RouterConfig(model_dir=str(model_dir), grpc_port=0, http_port=0)
     tokenizer = PromptTokenizer(str(model_dir))
-    runner = OpenAIErrorsAppRunner(make_http_app(None, NoFlow(), tokenizer, config))
+    app = make_http_app(None, NoFlow(), tokenizer, config)
+    runner = OpenAIErrorsAppRunner(app, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -156,3 +157,70 @@ def test_a_good_request_after_a_malformed_one_is_served(tiny_model_dir: Path):
     assert bad.status == 400, bad
     assert good.status == 200, good
     assert json.loads(good.body)["count"] > 0
+
+
+# --- Expect: router/openai/body_checks.check_expect -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        post("/tokenize", f"Expect: 200-ok\r\nContent-Length: {len(BODY)}\r\n"),
+        b"GET /health HTTP/1.1\r\nHost: router\r\nExpect: 200-ok\r\n\r\n",
+    ],
+    ids=["post", "get"],
+)
+def test_an_unknown_expectation_is_a_417_in_json(tiny_model_dir: Path, request_bytes: bytes):
+    """aiohttp's default expect handler, which runs before the middlewares, answered it
+    in plain text."""
+
+    async def scenario() -> Reply:
+        async with serving(tiny_model_dir) as port:
+            return await exchange(port, request_bytes)
+
+    reply = asyncio.run(scenario())
+    assert reply.status == 417, reply
+    error = reply.error()
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "expectation_failed"
+    assert "200-ok" in error["message"] and "100-continue" in error["message"], error
+
+
+def test_expect_continue_over_the_body_limit_is_a_413_without_100_continue(
+    tiny_model_dir: Path,
+):
+    """aiohttp's default answered `100 Continue` first: the client was invited to send
+    the body it was then refused for."""
+    limit = RouterConfig(model_dir=str(tiny_model_dir)).max_body_bytes
+    head = post("/tokenize", f"Expect: 100-continue\r\nContent-Length: {limit + 1}\r\n", b"")
+
+    async def scenario() -> Reply:
+        async with serving(tiny_model_dir) as port:
+            return await exchange(port, head)
+
+    reply = asyncio.run(scenario())
+    assert reply.status == 413, reply  # the first answer, not a 100
+    error = reply.error()
+    assert error["code"] == "request_too_large" and str(limit) in error["message"], error
+    assert reply.headers["connection"] == "close"  # the body never read ends the connection
+
+
+def test_expect_continue_within_the_body_limit_gets_100_then_the_answer(tiny_model_dir: Path):
+    head = post("/tokenize", f"Expect: 100-continue\r\nContent-Length: {len(BODY)}\r\n", b"")
+
+    async def scenario() -> tuple[Reply, Reply]:
+        async with serving(tiny_model_dir) as port:
+            async with asyncio.timeout(WAIT_S):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(head)
+                invited = await read_reply(reader)
+                writer.write(BODY)
+                return invited, await read_reply(reader)
+            finally:
+                writer.close()
+
+    invited, answer = asyncio.run(scenario())
+    assert invited.status == 100, invited
+    assert answer.status == 200, answer
+    assert json.loads(answer.body)["count"] > 0

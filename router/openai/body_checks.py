@@ -1,0 +1,35 @@
+"""Checks on an HTTP request's body made before a byte of it is read.
+
+`check_expect` is the `expect_handler` of every route the router adds. aiohttp's
+default answered `Expect: 100-continue` with `100 Continue` at once, so a client was
+invited to send a body over the size limit and only then refused (413); and it answered
+any other expectation with a plain-text 417. aiohttp runs a route's expect handler before
+the app's middlewares, so its answers here are OpenAI error responses already.
+"""
+
+from __future__ import annotations
+
+from aiohttp import HttpVersion11, hdrs, web
+
+from tandem.router.json_fields import show
+from tandem.router.openai.errors import MAX_BODY_BYTES, HttpApiError, body_too_large, error_response
+
+
+async def check_expect(request: web.Request) -> web.StreamResponse | None:
+    """`100 Continue` for a body the router may read; otherwise the final answer (417 for
+    an expectation other than 100-continue, 413 for a declared length over the limit)."""
+    if request.version != HttpVersion11:  # HTTP/1.0 has no Expect; aiohttp ignores it too
+        return None
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if expect.lower() != "100-continue":
+        message = f"unsupported Expect: {show(expect)}; only 100-continue is supported"
+        return error_response(HttpApiError(417, message, code="expectation_failed"))
+    limit = request.app[MAX_BODY_BYTES]
+    if request.content_length is not None and request.content_length > limit:
+        response = error_response(body_too_large(limit))
+        # The body is never read, so the connection cannot carry a next request.
+        response.force_close()
+        return response
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # as aiohttp's own: the response proper starts later
+    return None
