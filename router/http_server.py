@@ -1,8 +1,9 @@
 """The router's HTTP side (aiohttp): `/health` and the OpenAI-compatible API.
 
 Middlewares, outermost first: the handler task tracking a stopping router cancels at
-the end of its grace, OpenAI error JSON for every failure, then the optional API key
-check. The body size limit is aiohttp's `client_max_size`. The router serves the app with
+the end of its grace, OpenAI error JSON for every failure, the optional API key check,
+then the 415 for a body in a content coding aiohttp does not decode. The body size
+limit is aiohttp's `client_max_size`. The router serves the app with
 `http_protocol_errors.OpenAIErrorsAppRunner`, so the requests aiohttp's own parser
 refuses get OpenAI error JSON as well.
 """
@@ -16,7 +17,7 @@ from aiohttp.typedefs import Handler, Middleware
 
 from tandem.router.config import RouterConfig
 from tandem.router.openai.auth import make_auth_middleware
-from tandem.router.openai.body_checks import check_expect
+from tandem.router.openai.body_checks import check_expect, content_encoding_middleware
 from tandem.router.openai.errors import MAX_BODY_BYTES, error_middleware
 from tandem.router.openai.handlers import OpenAIHandlers
 from tandem.router.policy_runtime import PolicyRuntime
@@ -76,6 +77,7 @@ def make_http_app(
     middlewares: list[Middleware] = [handler_tasks.middleware, error_middleware]
     if config.api_key is not None:
         middlewares.append(make_auth_middleware(config.api_key))
+    middlewares.append(content_encoding_middleware)
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[HANDLER_TASKS] = handler_tasks
     app[MAX_BODY_BYTES] = config.max_body_bytes

@@ -5,14 +5,23 @@ default answered `Expect: 100-continue` with `100 Continue` at once, so a client
 invited to send a body over the size limit and only then refused (413); and it answered
 any other expectation with a plain-text 417. aiohttp runs a route's expect handler before
 the app's middlewares, so its answers here are OpenAI error responses already.
+
+`content_encoding_middleware`: aiohttp decodes a body in the codings of
+DECODED_CONTENT_CODINGS and reads one in any other coding as it came, so a body sent
+with `Content-Encoding: foo` was parsed as plain JSON and answered 200. It is a 415.
 """
 
 from __future__ import annotations
 
 from aiohttp import HttpVersion11, hdrs, web
+from aiohttp.typedefs import Handler
 
 from tandem.router.json_fields import show
 from tandem.router.openai.errors import MAX_BODY_BYTES, HttpApiError, body_too_large, error_response
+
+# What aiohttp 3.14's request parser decodes (http_parser.py, _http_parser.pyx: one
+# coding, any case; br and zstd with their packages installed).
+DECODED_CONTENT_CODINGS = ("gzip", "deflate", "br", "zstd")
 
 
 async def check_expect(request: web.Request) -> web.StreamResponse | None:
@@ -33,3 +42,19 @@ async def check_expect(request: web.Request) -> web.StreamResponse | None:
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # as aiohttp's own: the response proper starts later
     return None
+
+
+@web.middleware
+async def content_encoding_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """415 for a body in a content coding aiohttp does not decode (`identity`: none)."""
+    encoding = request.headers.get(hdrs.CONTENT_ENCODING, "identity")
+    if not request.body_exists or encoding.lower() in ("identity", *DECODED_CONTENT_CODINGS):
+        return await handler(request)
+    accepted = ", ".join(DECODED_CONTENT_CODINGS)
+    message = (
+        f"unsupported content encoding {show(encoding)}; send the body uncompressed or in "
+        f"one of {accepted}"
+    )
+    response = error_response(HttpApiError(415, message, code="unsupported_content_encoding"))
+    response.headers[hdrs.ACCEPT_ENCODING] = accepted  # as RFC 9110 asks of a 415
+    return response

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import json
 import logging
+import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from aiohttp import web
 from tandem.router.config import RouterConfig
 from tandem.router.http_protocol_errors import OpenAIErrorsAppRunner
 from tandem.router.http_server import make_http_app
+from tandem.router.openai.body_checks import DECODED_CONTENT_CODINGS
 from tandem.router.policy import SloConfig
 from tandem.router.tokenization import PromptTokenizer
 
@@ -224,3 +227,59 @@ def test_expect_continue_within_the_body_limit_gets_100_then_the_answer(tiny_mod
     assert invited.status == 100, invited
     assert answer.status == 200, answer
     assert json.loads(answer.body)["count"] > 0
+
+
+# --- Content-Encoding: router/openai/body_checks.content_encoding_middleware ----------
+
+
+@pytest.mark.parametrize("encoding", ["foo", "x-gzip", "gzip, br"])
+def test_a_body_in_a_coding_aiohttp_does_not_decode_is_a_415(tiny_model_dir: Path, encoding: str):
+    """aiohttp read such a body as it came: a JSON body with `Content-Encoding: foo` was
+    answered 200."""
+    request_bytes = post(
+        "/tokenize", f"Content-Encoding: {encoding}\r\nContent-Length: {len(BODY)}\r\n"
+    )
+
+    async def scenario() -> Reply:
+        async with serving(tiny_model_dir) as port:
+            return await exchange(port, request_bytes)
+
+    reply = asyncio.run(scenario())
+    assert reply.status == 415, reply
+    error = reply.error()
+    assert error["type"] == "invalid_request_error"
+    assert error["code"] == "unsupported_content_encoding"
+    assert "unsupported content encoding" in error["message"], error
+    assert json.dumps(encoding) in error["message"], error
+    assert reply.headers["accept-encoding"] == ", ".join(DECODED_CONTENT_CODINGS)
+
+
+def test_a_body_in_a_coding_aiohttp_decodes_is_read(tiny_model_dir: Path):
+    """Identity, and each coding the middleware lets through, in any case: read as the
+    plain body (fails if an aiohttp upgrade stops decoding one of them)."""
+    import brotli
+
+    try:
+        from compression import zstd  # type: ignore[import-not-found]  # Python >= 3.14
+    except ImportError:
+        from backports import zstd
+
+    encoders = {"identity": lambda body: body, "IDENTITY": lambda body: body,
+                "gzip": gzip.compress, "GZip": gzip.compress, "deflate": zlib.compress,
+                "br": brotli.compress, "zstd": zstd.compress}  # fmt: skip
+    assert set(DECODED_CONTENT_CODINGS) <= set(encoders)
+
+    async def scenario() -> tuple[Reply, dict[str, Reply]]:
+        async with serving(tiny_model_dir) as port:
+            plain = await exchange(port, post("/tokenize", f"Content-Length: {len(BODY)}\r\n"))
+            encoded = {}
+            for name, encode in encoders.items():
+                body = encode(BODY)
+                head = f"Content-Encoding: {name}\r\nContent-Length: {len(body)}\r\n"
+                encoded[name] = await exchange(port, post("/tokenize", head, body))
+            return plain, encoded
+
+    plain, encoded = asyncio.run(scenario())
+    assert plain.status == 200, plain
+    for name, reply in encoded.items():
+        assert (reply.status, reply.body) == (200, plain.body), (name, reply)
