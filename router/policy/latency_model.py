@@ -9,6 +9,11 @@ Both are linear in their coefficients and fitted by non-negative weighted least
 squares over a bounded window of recent observations, minimising relative error.
 Weights halve every `half_life` observations, so the model follows a regime shift
 (thermal throttling, a noisy neighbour, a different GPU) after a few half-lives.
+Observations older than `max_age_s` (60 s) leave the window: only placed requests teach
+a worker's model, so a worker once seen slow (a contended minute) and then placed on
+by nobody would keep that slow prediction, and with it lose every placement, for good;
+its model goes back to its prior instead, the worker is placed on again and learns
+what it is now.
 
 The warm-up profile seeds the window and fixes the *prior*: a few low-weight
 pseudo-observations drawn from the profile's fit (or from built-in defaults) and
@@ -21,7 +26,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Generic, Self, TypeVar
 
@@ -33,6 +39,8 @@ _BATCH_SCALE = 32.0
 _CONTEXT_SCALE = 65536.0
 # Floor on durations in ratios and weights (timer resolution, empty steps).
 _MIN_SECONDS = 1e-4
+# How long an observation counts (see the module doc).
+MAX_OBSERVATION_AGE_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,8 @@ class LinearLatencyModel(Generic[ObservationT]):
         window: int = 256,
         half_life: float = 32.0,
         prior_weight: float = 0.5,
+        max_age_s: float = MAX_OBSERVATION_AGE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
@@ -116,6 +126,10 @@ class LinearLatencyModel(Generic[ObservationT]):
             raise ValueError(f"prior_weight must be >= 0, got {prior_weight}")
         self.half_life = half_life
         self.prior_weight = prior_weight
+        self.max_age_s = max_age_s
+        self._clock = clock
+        # When the oldest observation of the last fit leaves the window (a refit then).
+        self._fit_expires_at = math.inf
         # Ring buffer of the last `window` observations: features, seconds, sequence no.
         self._window = window
         self._seq = 0
@@ -126,6 +140,7 @@ class LinearLatencyModel(Generic[ObservationT]):
         self._x = np.zeros((window, dim))
         self._y = np.zeros(window)
         self._obs_seq = np.zeros(window)
+        self._obs_time = np.zeros(window)
 
     @classmethod
     def from_profile(
@@ -135,9 +150,10 @@ class LinearLatencyModel(Generic[ObservationT]):
         window: int = 256,
         half_life: float = 32.0,
         prior_weight: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
     ) -> Self:
         """A model whose prior is the profile's fit and whose window starts with it."""
-        model = cls(window=window, half_life=half_life, prior_weight=prior_weight)
+        model = cls(window=window, half_life=half_life, prior_weight=prior_weight, clock=clock)
         model.observe_all(observations)
         if model.num_observations:
             model._set_prior(model._coefficients())
@@ -170,13 +186,19 @@ class LinearLatencyModel(Generic[ObservationT]):
         self._x[slot] = self._features(*inputs)
         self._y[slot] = seconds
         self._obs_seq[slot] = self._seq
+        self._obs_time[slot] = self._clock()
         self._seq += 1
         self._dirty = True
 
-    def _fit_window(self) -> np.ndarray:
+    def _fit_window(self, now: float) -> np.ndarray:
         count = self.num_observations
-        x, y = self._x[:count], self._y[:count]
-        age = self._seq - 1 - self._obs_seq[:count]
+        live = now - self._obs_time[:count] <= self.max_age_s
+        if not live.any():
+            self._fit_expires_at = math.inf
+            return self._prior_coef
+        self._fit_expires_at = float(self._obs_time[:count][live].min()) + self.max_age_s
+        x, y = self._x[:count][live], self._y[:count][live]
+        age = self._seq - 1 - self._obs_seq[:count][live]
         w = np.power(0.5, age / self.half_life)
         # The prior's *shape* is kept but its level follows the data: scale it by the
         # weighted geometric mean of observed / prior, so one observation 3x slower
@@ -196,8 +218,9 @@ class LinearLatencyModel(Generic[ObservationT]):
         return _nnls(gram, rhs)
 
     def _coefficients(self) -> tuple[float, ...]:
-        if self._dirty:
-            self._coef = tuple(float(v) for v in self._fit_window())
+        now = self._clock()
+        if self._dirty or now > self._fit_expires_at:
+            self._coef = tuple(float(v) for v in self._fit_window(now))
             self._dirty = False
         return self._coef
 

@@ -107,6 +107,32 @@ def test_sane_with_few_observations():
     assert same.predict(1, 100) <= same.predict(8, 4096) <= same.predict(64, 100_000)
 
 
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_observations_leave_the_window_after_a_minute():
+    clock = FakeClock()
+    profile = [DecodeObservation(b, b * 300, decode_law(b, b * 300)) for b in (1, 8, 32)]
+    model = DecodeLatencyModel.from_profile(profile, clock=clock)
+    fresh = model.predict(4, 1200)
+    assert fresh == pytest.approx(decode_law(4, 1200), rel=0.05)
+    clock.now += 30
+    for _ in range(300):  # a contended half-minute, 10x slower (the seeds leave the ring)
+        model.observe(4, 1200, 10 * decode_law(4, 1200))
+    assert model.predict(4, 1200) == pytest.approx(10 * fresh, rel=0.1)
+    clock.now += 59  # 59 s after the slow ones: they still count
+    assert model.predict(4, 1200) == pytest.approx(10 * fresh, rel=0.1)
+    clock.now += 2  # nobody observed it for over a minute: its prior (the profile) again
+    assert model.predict(4, 1200) == pytest.approx(fresh, rel=0.05)
+    model.observe(4, 1200, 2 * fresh)  # and it learns from new observations at once
+    assert model.predict(4, 1200) == pytest.approx(2 * fresh, rel=0.05)
+
+
 def test_nonsense_data_keeps_predictions_non_negative_and_monotone():
     model = PrefillLatencyModel()
     for n in range(16, 4096, 64):

@@ -10,6 +10,8 @@ from tandem.router.policy import (
     DISAGGREGATED,
     LOCAL_PREFILL,
     AdmissionConfig,
+    DecodeLatencyModel,
+    DecodeObservation,
     GoodputPolicy,
     PairSelector,
     PlacementRequest,
@@ -265,6 +267,40 @@ def test_decode_choice_by_free_blocks_and_step_time():
     small.available = False
     with pytest.raises(WorkerUnavailable, match="no decode worker"):
         PairSelector(prefill, [small]).select(unique(0, 10), 10, INTERACTIVE)
+
+
+def test_a_decode_worker_seen_slow_once_is_placed_on_again_a_minute_later():
+    """Only placed requests teach a worker's model: one seen slow in a contended minute
+    and then placed on by nobody (its peer looks faster) would never be placed on again
+    (a soak's 1P+2D cluster ran one decode worker at 15 sequences, the other at none)."""
+    clock = FakeClock(start=1000.0)
+    profile = [DecodeObservation(b, b * 300, 0.008 + 0.0005 * b) for b in (1, 8, 32)]
+    busy, starved = (
+        WorkerState(name, "decode", block_size=BS, num_blocks=4000,
+                    decode_model=DecodeLatencyModel.from_profile(profile, clock=clock))
+        for name in ("d0", "d1")
+    )  # fmt: skip
+    for _ in range(64):  # the contended minute: both see 120 ms gaps
+        busy.decode_model.observe(4, 1200, 0.12)
+        starved.decode_model.observe(1, 300, 0.12)
+    clock.advance(30)
+    for _ in range(64):  # quiet again, and only d0 is placed on, so only it learns
+        busy.decode_model.observe(4, 1200, 0.012)
+    selector = PairSelector([], [busy, starved])
+
+    def place(requests: range) -> list[str]:
+        chosen = []
+        for i in requests:
+            placement = selector.select(unique(i * 1000, 300), 48, INTERACTIVE)
+            worker = busy if placement.decode_worker_id == "d0" else starved
+            worker.on_send(f"r{i}", num_prefill_tokens=0, num_blocks=22, decoding=True,
+                           now_s=clock(), itl_slo_s=INTERACTIVE.itl_s)  # fmt: skip
+            chosen.append(placement.decode_worker_id)
+        return chosen
+
+    assert place(range(8)) == ["d0"] * 8  # d1 still predicted to miss the ITL target
+    clock.advance(31)  # a minute since d1's last observation
+    assert "d1" in place(range(8, 16))
 
 
 def test_a_busy_prefill_pool_does_not_hold_short_prompts_hostage():
