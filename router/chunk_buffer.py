@@ -14,16 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from dataclasses import dataclass, field
 
 from tandem.router.generation_chunk import GenerationChunk
 
-
-@dataclass
-class _Run:
-    """Chunks of one sequence, in order, that the consumer has not taken yet."""
-
-    chunks: list[GenerationChunk] = field(default_factory=list)
+# Chunks of one sequence, in order, that the consumer has not taken yet.
+_Run = list[GenerationChunk]
 
 
 class ChunkBuffer:
@@ -40,11 +35,12 @@ class ChunkBuffer:
         if isinstance(item, GenerationChunk):
             run = self._waiting.get(item.index)
             if run is not None:
-                run.chunks.append(item)
+                run.append(item)
                 return
-            run = self._waiting[item.index] = _Run([item])
-            item = run
-        self._items.append(item)
+            self._waiting[item.index] = run = [item]
+            self._items.append(run)
+        else:
+            self._items.append(item)
         self._ready.set()
 
     async def get(self) -> object:
@@ -53,9 +49,9 @@ class ChunkBuffer:
             self._ready.clear()
             await self._ready.wait()
         item = self._items.popleft()
-        if isinstance(item, _Run):
-            del self._waiting[item.chunks[0].index]
-            return joined(item.chunks)
+        if isinstance(item, list):
+            del self._waiting[item[0].index]
+            return joined(item)
         return item
 
 

@@ -106,6 +106,16 @@ def post(path: str, headers: str, body: bytes = BODY) -> bytes:
     return f"POST {path} HTTP/1.1\r\nHost: router\r\n{headers}\r\n".encode() + body
 
 
+def answer(model_dir: Path, request: bytes) -> Reply:
+    """The router's reply to one request sent on its own connection."""
+
+    async def scenario() -> Reply:
+        async with serving(model_dir) as port:
+            return await exchange(port, request)
+
+    return asyncio.run(scenario())
+
+
 @pytest.mark.parametrize(
     ("request_bytes", "words"),
     [
@@ -177,11 +187,7 @@ def test_an_unknown_expectation_is_a_417_in_json(tiny_model_dir: Path, request_b
     """aiohttp's default expect handler, which runs before the middlewares, answered it
     in plain text."""
 
-    async def scenario() -> Reply:
-        async with serving(tiny_model_dir) as port:
-            return await exchange(port, request_bytes)
-
-    reply = asyncio.run(scenario())
+    reply = answer(tiny_model_dir, request_bytes)
     assert reply.status == 417, reply
     error = reply.error()
     assert error["type"] == "invalid_request_error"
@@ -197,11 +203,7 @@ def test_expect_continue_over_the_body_limit_is_a_413_without_100_continue(
     limit = RouterConfig(model_dir=str(tiny_model_dir)).max_body_bytes
     head = post("/tokenize", f"Expect: 100-continue\r\nContent-Length: {limit + 1}\r\n", b"")
 
-    async def scenario() -> Reply:
-        async with serving(tiny_model_dir) as port:
-            return await exchange(port, head)
-
-    reply = asyncio.run(scenario())
+    reply = answer(tiny_model_dir, head)
     assert reply.status == 413, reply  # the first answer, not a 100
     error = reply.error()
     assert error["code"] == "request_too_large" and str(limit) in error["message"], error
@@ -240,11 +242,7 @@ def test_a_body_in_a_coding_aiohttp_does_not_decode_is_a_415(tiny_model_dir: Pat
         "/tokenize", f"Content-Encoding: {encoding}\r\nContent-Length: {len(BODY)}\r\n"
     )
 
-    async def scenario() -> Reply:
-        async with serving(tiny_model_dir) as port:
-            return await exchange(port, request_bytes)
-
-    reply = asyncio.run(scenario())
+    reply = answer(tiny_model_dir, request_bytes)
     assert reply.status == 415, reply
     error = reply.error()
     assert error["type"] == "invalid_request_error"
