@@ -85,7 +85,7 @@ OPTIONS: dict[str, list[Option]] = {
         _model("models/tandem-small"), _OUT, _QUICK,
         (("--variants",), {"nargs": "*", "default": [], "choices": ["split", "one-thread",
                            "colocated-1", "colocated-2", "all-remote", "spin-wait",
-                           "passive-wait"],
+                           "passive-wait", "decode-2", "decode-2-spin-wait"],
                            "help": "more `tandem serve` layouts measured alike"}),
         (("--no-peer",), {"action": "store_true", "help": "Tandem layouts only (A/B runs)"}),
         (("--plain-peer",), {"action": "store_true",

@@ -94,9 +94,7 @@ class LocalCluster:
         )
         source = "--threads" if config.engine.num_threads else config.ray.thread_policy.value
         env = {
-            role: worker_env_vars(
-                role, threads, len(roles), num_cores, config.engine.device, os.environ
-            )
+            role: worker_env_vars(role, threads, roles, num_cores, config.engine.device, os.environ)
             for role in set(roles)
         }
         logger.info("torch threads per worker: %d (%s); worker env %s", threads, source, env)

@@ -4,16 +4,27 @@ Under the `shared` thread policy every worker on a node runs as many torch (Open
 threads as the node has cores, so a prefill and a decode worker together ask for
 twice the cores there are. libgomp's default wait policy makes a thread that reaches
 the end of a parallel region spin (about 300,000 pause loops, milliseconds) before it
-sleeps. That spin is what a decode worker wants: its step is hundreds of small
-parallel regions a few microseconds apart, and a sleeping thread costs a futex wake-up
-per region (a batch-1 step's GEMMs took 56% longer with `OMP_WAIT_POLICY=PASSIVE`).
-A prefill worker works in bursts (one prompt, then idle): there the spin after each
-burst only takes a core from the decode worker, so prefill workers that oversubscribe
-the node get `OMP_WAIT_POLICY=PASSIVE` (their threads sleep at once).
+sleeps. That spin is what a decode worker wants when it has the cores to itself: its
+step is hundreds of small parallel regions a few microseconds apart, and a sleeping
+thread costs a futex wake-up per region (a batch-1 step's GEMMs took 56% longer with
+`OMP_WAIT_POLICY=PASSIVE`). So:
 
-When the workers' threads fit the node's cores nothing is set. A wait policy the
-operator set (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment of `tandem
-serve`) is left alone, and nothing is set for GPU workers.
+- A prefill worker works in bursts (one prompt, then idle): the spin after each burst
+  only takes a core from the decode workers, so prefill workers that oversubscribe the
+  node (all workers' threads > cores) get `OMP_WAIT_POLICY=PASSIVE`.
+- Decode (and colocated) workers keep the spin while their own threads fit the cores
+  (one of them under `shared`). Two or more that step at once would each spin on the
+  cores the other needs, and a spinning thread that holds a core makes the other's
+  parallel regions wait for a time slice: 1P+2D on 2 cores gave 78.6 output tok/s at
+  concurrency 8 with every worker spinning and 275.7 with the decode workers passive
+  (96.6 and 80.7 at concurrency 1; docs/benchmarks.md). So they get
+  `OMP_WAIT_POLICY=PASSIVE` too when their threads together exceed the cores.
+
+When the workers' threads fit the node's cores nothing is set. The pools counted are
+the starting ones (workers added later by `tandem scale` or the planner get what their
+role got at start). A wait policy the operator set (`OMP_WAIT_POLICY` or
+`GOMP_SPINCOUNT` in the environment of `tandem serve`) is left alone, and nothing is set
+for GPU workers.
 
 Variables of `tandem serve`'s own environment that decide how a worker runs (the wait
 policy above, `TRITON_INTERPRET`, which start-up checked the attention backend
@@ -23,7 +34,7 @@ inherits that node's environment, not the serve process's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from tandem.worker.config import WorkerRole
 
@@ -36,18 +47,22 @@ FORWARDED_VARS = (*WAIT_POLICY_VARS, "TRITON_INTERPRET")
 def worker_env_vars(
     role: WorkerRole,
     num_threads: int,
-    num_workers: int,
+    roles: Sequence[WorkerRole],
     num_cores: int,
     device: str,
     environ: Mapping[str, str],
 ) -> dict[str, str]:
     """Variables to add to the environment of a `role` worker process (may be empty):
-    the forwarded ones `environ` has, and passive OpenMP waits for prefill workers when
-    `num_workers` workers of `num_threads` threads each oversubscribe a node of
-    `num_cores` cores."""
+    the forwarded ones `environ` has, and passive OpenMP waits where the starting pools'
+    `roles`, `num_threads` threads each, oversubscribe a node of `num_cores` cores (see
+    the module doc)."""
     forwarded = {name: environ[name] for name in FORWARDED_VARS if name in environ}
     if not device.startswith("cpu") or any(name in environ for name in WAIT_POLICY_VARS):
         return forwarded
-    if role is WorkerRole.PREFILL and num_threads * num_workers > num_cores:
+    if role is WorkerRole.PREFILL:
+        sharing = len(roles)
+    else:
+        sharing = sum(r is not WorkerRole.PREFILL for r in roles)
+    if num_threads * sharing > num_cores:
         return {**forwarded, "OMP_WAIT_POLICY": "PASSIVE"}
     return forwarded

@@ -70,6 +70,10 @@ VARIANTS: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
     "spin-wait": ((), {"GOMP_SPINCOUNT": "300000"}),
     # Every worker's OpenMP threads sleep at once (prefill and decode alike).
     "passive-wait": ((), {"OMP_WAIT_POLICY": "PASSIVE"}),
+    # Two decode workers (1P+2D), as the wait policy makes them (passive when their
+    # threads oversubscribe the node), and with every worker spinning.
+    "decode-2": (("--decode", "2"), {}),
+    "decode-2-spin-wait": (("--decode", "2"), {"GOMP_SPINCOUNT": "300000"}),
 }
 
 # system label -> concurrency -> one run per round

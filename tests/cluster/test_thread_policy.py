@@ -29,21 +29,38 @@ def test_thread_policy_flag(tiny_model_dir) -> None:
 
 def test_worker_env_makes_prefill_threads_sleep_only_when_workers_oversubscribe() -> None:
     prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
+    one_each = [prefill, decode]
     # 2 workers x 2 threads on 2 cores (shared on a 2-core node): the bursty prefill
     # worker's threads sleep at once; the decode worker keeps libgomp's spin.
-    assert worker_env_vars(prefill, 2, 2, 2, "cpu", {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert worker_env_vars(decode, 2, 2, 2, "cpu", {}) == {}
-    assert worker_env_vars(WorkerRole.COLOCATED, 2, 2, 2, "cpu", {}) == {}
+    assert worker_env_vars(prefill, 2, one_each, 2, "cpu", {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env_vars(decode, 2, one_each, 2, "cpu", {}) == {}
     # Threads that fit the cores (split, or one worker) keep libgomp's default spin.
-    assert worker_env_vars(prefill, 1, 2, 2, "cpu", {}) == {}
-    assert worker_env_vars(prefill, 2, 1, 2, "cpu", {}) == {}
+    assert worker_env_vars(prefill, 1, one_each, 2, "cpu", {}) == {}
+    assert worker_env_vars(prefill, 2, [prefill], 2, "cpu", {}) == {}
+    assert worker_env_vars(WorkerRole.COLOCATED, 2, [WorkerRole.COLOCATED], 2, "cpu", {}) == {}
     # The operator's own setting wins (and reaches workers on joined nodes as it is);
     # GPU workers get no wait policy.
     active = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert worker_env_vars(prefill, 2, 2, 2, "cpu", active) == active
+    assert worker_env_vars(prefill, 2, one_each, 2, "cpu", active) == active
     spin = {"GOMP_SPINCOUNT": "1000"}
-    assert worker_env_vars(prefill, 2, 2, 2, "cpu", spin) == spin
-    assert worker_env_vars(prefill, 8, 2, 2, "cuda", {}) == {}
+    assert worker_env_vars(prefill, 2, one_each, 2, "cpu", spin) == spin
+    assert worker_env_vars(prefill, 8, one_each, 2, "cuda", {}) == {}
+
+
+def test_worker_env_makes_decode_threads_sleep_when_decode_workers_oversubscribe() -> None:
+    # Two decode workers of 2 threads on 2 cores step at once: spinning, each holds the
+    # cores the other needs (1P+2D on 2 cores: 78.6 against 275.7 output tok/s
+    # at concurrency 8), so both sleep at once; so do two colocated workers.
+    prefill, decode, colocated = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.COLOCATED
+    passive = {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env_vars(decode, 2, [prefill, decode, decode], 2, "cpu", {}) == passive
+    assert worker_env_vars(prefill, 2, [prefill, decode, decode], 2, "cpu", {}) == passive
+    assert worker_env_vars(colocated, 2, [colocated, colocated], 2, "cpu", {}) == passive
+    # Prefill workers are not counted against the decode side: they sleep already.
+    assert worker_env_vars(decode, 2, [prefill, prefill, decode], 2, "cpu", {}) == {}
+    # split: one thread each, and the two decode workers' threads fit the 2 cores.
+    assert worker_env_vars(decode, 1, [prefill, decode, decode], 2, "cpu", {}) == {}
+    assert worker_env_vars(decode, 2, [prefill, decode, decode], 2, "cuda", {}) == {}
 
 
 def test_worker_env_forwards_triton_interpret_to_every_worker() -> None:
@@ -52,7 +69,9 @@ def test_worker_env_forwards_triton_interpret_to_every_worker() -> None:
     interpret = {"TRITON_INTERPRET": "1", "HOME": "/root"}
     for role in WorkerRole:
         for device in ("cpu", "cuda"):
-            env = worker_env_vars(role, 1, 1, 2, device, interpret)
+            env = worker_env_vars(role, 1, [role], 2, device, interpret)
             assert env == {"TRITON_INTERPRET": "1"}
-    both = worker_env_vars(WorkerRole.PREFILL, 2, 2, 2, "cpu", interpret)
+    both = worker_env_vars(
+        WorkerRole.PREFILL, 2, [WorkerRole.PREFILL, WorkerRole.DECODE], 2, "cpu", interpret
+    )
     assert both == {"TRITON_INTERPRET": "1", "OMP_WAIT_POLICY": "PASSIVE"}
