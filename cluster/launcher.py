@@ -31,7 +31,8 @@ from tandem.cluster.pool_controller import (
 )
 from tandem.cluster.ray_start import check_reachable, start_local_ray
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
-from tandem.cluster.worker_env import worker_env_vars
+from tandem.cluster.worker_env import NodePools, worker_env_vars
+from tandem.planner.live_config import PlannerMode
 from tandem.router.membership import Membership
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
@@ -47,6 +48,17 @@ def threads_per_worker(policy: ThreadPolicy, num_cores: int, num_workers: int) -
     if policy is ThreadPolicy.SHARED:
         return max(1, num_cores)
     return max(1, num_cores // max(1, num_workers))
+
+
+def node_pools(config: ClusterConfig) -> NodePools:
+    """The pools the workers' environment is set for (`cluster.worker_env`): the starting
+    ones, and under the planner's `auto` mode the most decode workers its budget may
+    run (the budget less one prefill worker)."""
+    pools = NodePools.of(config.roles)
+    if config.planner.mode is not PlannerMode.AUTO or config.pools.num_colocated:
+        return pools
+    budget = config.planner.max_workers or pools.num_workers
+    return NodePools(max(pools.num_workers, budget), max(pools.num_decode_capable, budget - 1))
 
 
 def release_name(dead: Any) -> None:
@@ -93,8 +105,9 @@ class LocalCluster:
             config.ray.thread_policy, num_cores, len(roles)
         )
         source = "--threads" if config.engine.num_threads else config.ray.thread_policy.value
+        pools, device = node_pools(config), config.engine.device
         env = {
-            role: worker_env_vars(role, threads, roles, num_cores, config.engine.device, os.environ)
+            role: worker_env_vars(role, threads, pools, num_cores, device, os.environ)
             for role in set(roles)
         }
         logger.info("torch threads per worker: %d (%s); worker env %s", threads, source, env)

@@ -20,11 +20,14 @@ thread costs a futex wake-up per region (a batch-1 step's GEMMs took 56% longer 
   (96.6 and 80.7 at concurrency 1; docs/benchmarks.md). So they get
   `OMP_WAIT_POLICY=PASSIVE` too when their threads together exceed the cores.
 
-When the workers' threads fit the node's cores nothing is set. The pools counted are
-the starting ones (workers added later by `tandem scale` or the planner get what their
-role got at start). A wait policy the operator set (`OMP_WAIT_POLICY` or
-`GOMP_SPINCOUNT` in the environment of `tandem serve`) is left alone, and nothing is set
-for GPU workers.
+When the workers' threads fit the node's cores nothing is set. The pools counted
+(`NodePools`) are the starting ones and, when the planner runs in `auto` mode, the most
+decode workers its budget may turn them into (the budget less one prefill worker): a
+worker's wait policy is fixed when its process starts, and a planner that moves a
+worker from prefill to decode would otherwise start a second spinning decode worker.
+Workers added by `tandem scale` beyond that get what their role got at start. A wait
+policy the operator set (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment of
+`tandem serve`) is left alone, and nothing is set for GPU workers.
 
 Variables of `tandem serve`'s own environment that decide how a worker runs (the wait
 policy above, `TRITON_INTERPRET`, which start-up checked the attention backend
@@ -35,8 +38,23 @@ inherits that node's environment, not the serve process's.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from tandem.worker.config import WorkerRole
+
+
+@dataclass(frozen=True)
+class NodePools:
+    """The most workers a node runs at once, as far as start-up can tell."""
+
+    num_workers: int
+    # Decode and colocated workers among them (they step at the same time).
+    num_decode_capable: int
+
+    @classmethod
+    def of(cls, roles: Sequence[WorkerRole]) -> NodePools:
+        return cls(len(roles), sum(r is not WorkerRole.PREFILL for r in roles))
+
 
 # Environment variables that already say how OpenMP threads wait.
 WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -47,22 +65,19 @@ FORWARDED_VARS = (*WAIT_POLICY_VARS, "TRITON_INTERPRET")
 def worker_env_vars(
     role: WorkerRole,
     num_threads: int,
-    roles: Sequence[WorkerRole],
+    pools: NodePools,
     num_cores: int,
     device: str,
     environ: Mapping[str, str],
 ) -> dict[str, str]:
     """Variables to add to the environment of a `role` worker process (may be empty):
-    the forwarded ones `environ` has, and passive OpenMP waits where the starting pools'
-    `roles`, `num_threads` threads each, oversubscribe a node of `num_cores` cores (see
-    the module doc)."""
+    the forwarded ones `environ` has, and passive OpenMP waits where `pools`, workers
+    of `num_threads` threads each, oversubscribe a node of `num_cores` cores (see the
+    module doc)."""
     forwarded = {name: environ[name] for name in FORWARDED_VARS if name in environ}
     if not device.startswith("cpu") or any(name in environ for name in WAIT_POLICY_VARS):
         return forwarded
-    if role is WorkerRole.PREFILL:
-        sharing = len(roles)
-    else:
-        sharing = sum(r is not WorkerRole.PREFILL for r in roles)
+    sharing = pools.num_workers if role is WorkerRole.PREFILL else pools.num_decode_capable
     if num_threads * sharing > num_cores:
         return {**forwarded, "OMP_WAIT_POLICY": "PASSIVE"}
     return forwarded

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.cluster.config import RayConfig, ThreadPolicy
-from tandem.cluster.launcher import threads_per_worker
-from tandem.cluster.worker_env import worker_env_vars
+from tandem.cluster.launcher import node_pools, threads_per_worker
+from tandem.cluster.worker_env import NodePools, worker_env_vars
 from tandem.worker.config import WorkerRole
 
 
@@ -29,15 +29,16 @@ def test_thread_policy_flag(tiny_model_dir) -> None:
 
 def test_worker_env_makes_prefill_threads_sleep_only_when_workers_oversubscribe() -> None:
     prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
-    one_each = [prefill, decode]
+    one_each = NodePools.of([prefill, decode])
     # 2 workers x 2 threads on 2 cores (shared on a 2-core node): the bursty prefill
     # worker's threads sleep at once; the decode worker keeps libgomp's spin.
     assert worker_env_vars(prefill, 2, one_each, 2, "cpu", {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert worker_env_vars(decode, 2, one_each, 2, "cpu", {}) == {}
     # Threads that fit the cores (split, or one worker) keep libgomp's default spin.
     assert worker_env_vars(prefill, 1, one_each, 2, "cpu", {}) == {}
-    assert worker_env_vars(prefill, 2, [prefill], 2, "cpu", {}) == {}
-    assert worker_env_vars(WorkerRole.COLOCATED, 2, [WorkerRole.COLOCATED], 2, "cpu", {}) == {}
+    assert worker_env_vars(prefill, 2, NodePools.of([prefill]), 2, "cpu", {}) == {}
+    one_colocated = NodePools.of([WorkerRole.COLOCATED])
+    assert worker_env_vars(WorkerRole.COLOCATED, 2, one_colocated, 2, "cpu", {}) == {}
     # The operator's own setting wins (and reaches workers on joined nodes as it is);
     # GPU workers get no wait policy.
     active = {"OMP_WAIT_POLICY": "ACTIVE"}
@@ -53,14 +54,30 @@ def test_worker_env_makes_decode_threads_sleep_when_decode_workers_oversubscribe
     # at concurrency 8), so both sleep at once; so do two colocated workers.
     prefill, decode, colocated = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.COLOCATED
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert worker_env_vars(decode, 2, [prefill, decode, decode], 2, "cpu", {}) == passive
-    assert worker_env_vars(prefill, 2, [prefill, decode, decode], 2, "cpu", {}) == passive
-    assert worker_env_vars(colocated, 2, [colocated, colocated], 2, "cpu", {}) == passive
+    two_decode = NodePools.of([prefill, decode, decode])
+    assert worker_env_vars(decode, 2, two_decode, 2, "cpu", {}) == passive
+    assert worker_env_vars(prefill, 2, two_decode, 2, "cpu", {}) == passive
+    assert worker_env_vars(colocated, 2, NodePools.of([colocated] * 2), 2, "cpu", {}) == passive
     # Prefill workers are not counted against the decode side: they sleep already.
-    assert worker_env_vars(decode, 2, [prefill, prefill, decode], 2, "cpu", {}) == {}
+    assert worker_env_vars(decode, 2, NodePools.of([prefill, prefill, decode]), 2, "cpu", {}) == {}
     # split: one thread each, and the two decode workers' threads fit the 2 cores.
-    assert worker_env_vars(decode, 1, [prefill, decode, decode], 2, "cpu", {}) == {}
-    assert worker_env_vars(decode, 2, [prefill, decode, decode], 2, "cuda", {}) == {}
+    assert worker_env_vars(decode, 1, two_decode, 2, "cpu", {}) == {}
+    assert worker_env_vars(decode, 2, two_decode, 2, "cuda", {}) == {}
+
+
+def test_node_pools_count_the_decode_workers_the_auto_planner_may_start(tiny_model_dir) -> None:
+    # A worker's wait policy is fixed when it starts: under `--planner auto` the decode
+    # side is set for the most decode workers the budget allows (budget less 1 prefill).
+    def pools(*flags: str) -> NodePools:
+        argv = ["serve", "--model", str(tiny_model_dir), "--device", "cpu", *flags]
+        return node_pools(cluster_config_from_args(build_parser().parse_args(argv)))
+
+    assert pools("--prefill", "2") == NodePools(3, 1)
+    assert pools("--prefill", "2", "--planner", "observe") == NodePools(3, 1)
+    assert pools("--prefill", "2", "--planner", "auto") == NodePools(3, 2)
+    assert pools("--planner", "auto", "--max-workers", "4") == NodePools(4, 3)
+    assert pools("--planner", "auto") == NodePools(2, 1)  # budget 2: one of each, always
+    assert pools("--colocated", "2", "--planner", "auto") == NodePools(2, 2)
 
 
 def test_worker_env_forwards_triton_interpret_to_every_worker() -> None:
@@ -69,9 +86,8 @@ def test_worker_env_forwards_triton_interpret_to_every_worker() -> None:
     interpret = {"TRITON_INTERPRET": "1", "HOME": "/root"}
     for role in WorkerRole:
         for device in ("cpu", "cuda"):
-            env = worker_env_vars(role, 1, [role], 2, device, interpret)
+            env = worker_env_vars(role, 1, NodePools.of([role]), 2, device, interpret)
             assert env == {"TRITON_INTERPRET": "1"}
-    both = worker_env_vars(
-        WorkerRole.PREFILL, 2, [WorkerRole.PREFILL, WorkerRole.DECODE], 2, "cpu", interpret
-    )
+    one_each = NodePools.of([WorkerRole.PREFILL, WorkerRole.DECODE])
+    both = worker_env_vars(WorkerRole.PREFILL, 2, one_each, 2, "cpu", interpret)
     assert both == {"TRITON_INTERPRET": "1", "OMP_WAIT_POLICY": "PASSIVE"}
