@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import AsyncIterator
 
 import grpc
 
@@ -20,6 +19,12 @@ from tandem.router.errors import (
     Overloaded,
     RouterError,
     abort_with,
+)
+from tandem.router.grpc_streams import (
+    ClientStalled,
+    end_stalled,
+    end_stream_with,
+    write_message,
 )
 from tandem.router.openai.sampling_fields import DEFAULT_MAX_N
 from tandem.router.request_flow import RequestFlow
@@ -61,9 +66,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Router ids of the requests (and their sequences) in flight here.
         self._in_flight: set[str] = set()
 
-    async def Generate(
-        self, request: gen_pb.GenerateRequest, context
-    ) -> AsyncIterator[gen_pb.GenerateResponse]:
+    async def Generate(self, request: gen_pb.GenerateRequest, context) -> None:
         try:
             prompt_ids, params = await self.tokenizer.off_loop(self._validate, request)
             slo = self.flow.slo.resolve(
@@ -102,13 +105,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                             cached_prompt_tokens=chunk.usage.cached_prompt_tokens,
                         )
                     )
-                yield msg
+                await write_message(context, msg)
+        except ClientStalled as exc:
+            logger.info("request %s: %s, its stream is ended", req_id, exc)
+            end_stalled(context, exc)
         except Overloaded as exc:
             logger.info("request %s shed: %s", req_id, exc)
-            await abort_with(context, exc)
+            end_stream_with(context, exc)
         except RouterError as exc:
             logger.warning("request %s failed: %s", req_id, exc)
-            await abort_with(context, exc)
+            end_stream_with(context, exc)
         finally:
             await stream.aclose()
             self._in_flight.difference_update(held)

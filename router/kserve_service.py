@@ -25,6 +25,7 @@ from tandem.proto.inference import grpc_service_pb2 as kserve_pb
 from tandem.proto.inference import grpc_service_pb2_grpc
 from tandem.router.errors import InvalidRequest, ModelNotFound, RouterError, abort_with
 from tandem.router.generation_chunk import Usage, public_finish_reason
+from tandem.router.grpc_streams import ClientStalled, end_stalled, write_message
 from tandem.router.kserve_request import MODEL_INPUTS, MODEL_OUTPUTS, KserveRequest, parse_request
 from tandem.router.kserve_tensors import encode_bytes
 from tandem.router.policy_runtime import PolicyRuntime
@@ -130,7 +131,10 @@ class KserveService(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         reader = asyncio.create_task(self._read_stream(request_iterator, responses, tasks))
         try:
             while (message := await responses.get()) is not None:
-                await context.write(message)
+                await write_message(context, message)
+        except ClientStalled as exc:
+            logger.info("ModelStreamInfer: %s, the stream is ended", exc)
+            end_stalled(context, exc)
         finally:
             # Client gone, deadline passed or server stopping: cancel what still runs.
             reader.cancel()
