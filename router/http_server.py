@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from tandem.router.config import RouterConfig
-from tandem.router.openai.auth import make_auth_middleware
+from tandem.router.openai.auth import API_KEY, make_auth_middleware
 from tandem.router.openai.body_checks import check_expect, content_encoding_middleware
 from tandem.router.openai.errors import MAX_BODY_BYTES, error_middleware
 from tandem.router.openai.handlers import OpenAIHandlers
@@ -81,6 +81,8 @@ def make_http_app(
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[HANDLER_TASKS] = handler_tasks
     app[MAX_BODY_BYTES] = config.max_body_bytes
+    if config.api_key is not None:
+        app[API_KEY] = config.api_key.encode()
     app.router.add_get("/health", health, expect_handler=check_expect)
     OpenAIHandlers(
         flow, tokenizer, config.model_name, config.model_dir, config.max_body_bytes, dtype,

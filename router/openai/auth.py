@@ -14,26 +14,39 @@ from tandem.router.openai.errors import Handler, HttpApiError
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
+# The key the app wants (set only when it wants one): read by `check_expect`, which runs
+# before the middlewares.
+API_KEY = web.AppKey("api_key", bytes)
+
+
+def refusal(request: web.Request, expected: bytes) -> HttpApiError | None:
+    """The 401 for a request to a path that needs the key and lacks it; None if it may
+    pass."""
+    if request.path in OPEN_PATHS:
+        return None
+    header = request.headers.get("Authorization", "")
+    if not header:
+        return HttpApiError(
+            401,
+            "missing API key: send the header 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+    if not bearer_matches(header, expected):
+        return HttpApiError(
+            401,
+            "incorrect API key in the Authorization header (expected 'Bearer <key>')",
+            code="invalid_api_key",
+        )
+    return None
+
+
 def make_auth_middleware(api_key: str) -> Middleware:
     expected = api_key.encode()
 
     @web.middleware
     async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in OPEN_PATHS:
-            return await handler(request)
-        header = request.headers.get("Authorization", "")
-        if not header:
-            raise HttpApiError(
-                401,
-                "missing API key: send the header 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
-        if not bearer_matches(header, expected):
-            raise HttpApiError(
-                401,
-                "incorrect API key in the Authorization header (expected 'Bearer <key>')",
-                code="invalid_api_key",
-            )
+        if (refused := refusal(request, expected)) is not None:
+            raise refused
         return await handler(request)
 
     return auth_middleware

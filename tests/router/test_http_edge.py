@@ -61,9 +61,9 @@ class Reply:
 
 
 @contextlib.asynccontextmanager
-async def serving(model_dir: Path) -> AsyncIterator[int]:
+async def serving(model_dir: Path, api_key: str | None = None) -> AsyncIterator[int]:
     """The router's HTTP app on a loopback port (which it yields), as the router runs it."""
-    config = RouterConfig(model_dir=str(model_dir), grpc_port=0, http_port=0)
+    config = RouterConfig(model_dir=str(model_dir), grpc_port=0, http_port=0, api_key=api_key)
     tokenizer = PromptTokenizer(str(model_dir))
     app = make_http_app(None, NoFlow(), tokenizer, config)
     runner = OpenAIErrorsAppRunner(app, handler_cancellation=True)
@@ -106,11 +106,11 @@ def post(path: str, headers: str, body: bytes = BODY) -> bytes:
     return f"POST {path} HTTP/1.1\r\nHost: router\r\n{headers}\r\n".encode() + body
 
 
-def answer(model_dir: Path, request: bytes) -> Reply:
+def answer(model_dir: Path, request: bytes, api_key: str | None = None) -> Reply:
     """The router's reply to one request sent on its own connection."""
 
     async def scenario() -> Reply:
-        async with serving(model_dir) as port:
+        async with serving(model_dir, api_key) as port:
             return await exchange(port, request)
 
     return asyncio.run(scenario())
@@ -210,11 +210,14 @@ def test_expect_continue_over_the_body_limit_is_a_413_without_100_continue(
     assert reply.headers["connection"] == "close"  # the body never read ends the connection
 
 
-def test_expect_continue_within_the_body_limit_gets_100_then_the_answer(tiny_model_dir: Path):
-    head = post("/tokenize", f"Expect: 100-continue\r\nContent-Length: {len(BODY)}\r\n", b"")
+def invited_then_answered(
+    model_dir: Path, head: bytes, api_key: str | None = None
+) -> tuple[Reply, Reply]:
+    """The reply to a request head that expects 100-continue, then the reply to its body
+    sent after it."""
 
     async def scenario() -> tuple[Reply, Reply]:
-        async with serving(tiny_model_dir) as port:
+        async with serving(model_dir, api_key) as port:
             async with asyncio.timeout(WAIT_S):
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
             try:
@@ -225,10 +228,41 @@ def test_expect_continue_within_the_body_limit_gets_100_then_the_answer(tiny_mod
             finally:
                 writer.close()
 
-    invited, answer = asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_expect_continue_within_the_body_limit_gets_100_then_the_answer(tiny_model_dir: Path):
+    head = post("/tokenize", f"Expect: 100-continue\r\nContent-Length: {len(BODY)}\r\n", b"")
+
+    invited, answer = invited_then_answered(tiny_model_dir, head)
     assert invited.status == 100, invited
     assert answer.status == 200, answer
     assert json.loads(answer.body)["count"] > 0
+
+
+@pytest.mark.parametrize("authorization", ["", "Authorization: Bearer wrong\r\n"])
+def test_expect_continue_without_the_api_key_is_a_401_without_100_continue(
+    tiny_model_dir: Path, authorization: str
+):
+    """aiohttp runs the expect handler before the auth middleware: a client without the
+    key was answered `100 Continue`, sent its body, and only then got its 401."""
+    head = post(
+        "/tokenize", f"{authorization}Expect: 100-continue\r\nContent-Length: {len(BODY)}\r\n", b""
+    )
+
+    reply = answer(tiny_model_dir, head, api_key="sesame")
+    assert reply.status == 401, reply  # the first answer, not a 100
+    assert reply.error()["code"] == "invalid_api_key"
+    assert reply.headers["connection"] == "close"
+
+
+def test_expect_continue_with_the_api_key_gets_100_then_the_answer(tiny_model_dir: Path):
+    key = "Authorization: Bearer sesame\r\n"
+    head = post("/tokenize", f"{key}Expect: 100-continue\r\nContent-Length: {len(BODY)}\r\n", b"")
+
+    invited, answer = invited_then_answered(tiny_model_dir, head, api_key="sesame")
+    assert invited.status == 100, invited
+    assert answer.status == 200, answer
 
 
 # --- Content-Encoding: router/openai/body_checks.content_encoding_middleware ----------
