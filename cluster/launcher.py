@@ -31,7 +31,7 @@ from tandem.cluster.pool_controller import (
 )
 from tandem.cluster.ray_start import check_reachable, start_local_ray
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
-from tandem.cluster.worker_env import NodePools, worker_env_vars
+from tandem.cluster.worker_env import NodePools, WorkerEnvRule
 from tandem.planner.live_config import PlannerMode
 from tandem.router.membership import Membership
 from tandem.router.server import Router
@@ -93,7 +93,9 @@ class LocalCluster:
         # targets).
         self.kept_membership: Membership | None = None
         self._threads = 1
-        self._env: dict[Any, dict[str, str]] = {}
+        # What the controller decides each worker's environment from (`cluster.worker_env`).
+        self._env_rule: WorkerEnvRule | None = None
+        self._pools: NodePools | None = None
 
     async def start(self) -> Router:
         """Start the workers, then the router; returns the running router."""
@@ -105,13 +107,11 @@ class LocalCluster:
             config.ray.thread_policy, num_cores, len(roles)
         )
         source = "--threads" if config.engine.num_threads else config.ray.thread_policy.value
-        pools, device = node_pools(config), config.engine.device
-        env = {
-            role: worker_env_vars(role, threads, pools, num_cores, device, os.environ)
-            for role in set(roles)
-        }
+        env_rule = WorkerEnvRule.of(threads, num_cores, config.engine.device, os.environ)
+        pools = node_pools(config)
+        env = {role: env_rule.env(role, pools) for role in set(roles)}
         logger.info("torch threads per worker: %d (%s); worker env %s", threads, source, env)
-        self._threads, self._env = threads, env
+        self._threads, self._env_rule, self._pools = threads, env_rule, pools
         await self._start_controller(config)
         timeout_s = config.ray.worker_start_timeout_s
         membership: Membership = await asyncio.wait_for(
@@ -138,7 +138,7 @@ class LocalCluster:
             namespace=CONTROLLER_NAMESPACE,
             scheduling_strategy=here,
             enable_task_events=False,
-        ).remote(config, self._threads, self._env)
+        ).remote(config, self._threads, self._env_rule, self._pools)
         # The first call also waits for the controller's process to start.
         self.controller_metrics_url = await asyncio.wait_for(
             self.controller.start.remote(),

@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -40,6 +39,7 @@ from tandem.cluster.ray_nodes import check_drainable, keep_new_actors_off
 from tandem.cluster.restart_backoff import BackoffPolicy
 from tandem.cluster.traffic_totals import TrafficTotals
 from tandem.cluster.worker_actor import RemoteWorkerActor, WorkerPlacement, node_host
+from tandem.cluster.worker_env import NodePools, WorkerEnvRule
 from tandem.planner.observe import Counters
 from tandem.router.membership import (
     Membership,
@@ -72,14 +72,18 @@ class PoolController:
         self,
         config: ClusterConfig,
         num_threads: int,
-        worker_env: Mapping[WorkerRole, dict[str, str]] | None = None,
+        env_rule: WorkerEnvRule | None = None,
+        start_pools: NodePools | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.config = config
         # torch threads per worker, fixed at cluster start.
         self.num_threads = num_threads
-        # Added to each role's worker processes' environment (`cluster.worker_env`).
-        self.worker_env = dict(worker_env or {})
+        # Decides what each worker process's environment gets (`cluster.worker_env`), from
+        # the pools at its start: the larger of `start_pools` and the targets then. None:
+        # nothing added.
+        self.env_rule = env_rule
+        self.start_pools = start_pools or NodePools.of(config.roles)
         pools = config.pools
         targets: dict[WorkerRole, int] = {}
         for role in pools.roles:
@@ -333,7 +337,7 @@ class PoolController:
             options["num_gpus"] = needs.pop("GPU")
         if needs:
             options["resources"] = needs
-        env = self.worker_env.get(role)
+        env = self.worker_env(role)
         if env:
             options["runtime_env"] = {"env_vars": env}
         actor = RemoteWorkerActor.options(**options).remote(
@@ -343,6 +347,16 @@ class PoolController:
         self.state.add(WorkerRecord(info=info, actor=actor, since_s=now_s))
         self._starts[worker_id] = asyncio.create_task(self._bring_up(worker_id, actor))
         logger.info("pools: starting %s", worker_id)
+
+    def worker_env(self, role: WorkerRole) -> dict[str, str]:
+        """Variables for a `role` worker starting now. Counted with the targets, so a
+        second decode worker that `tandem scale` adds on a node sleeps its OpenMP threads
+        (the first keeps what it started with: a process's wait policy is fixed)."""
+        if self.env_rule is None:
+            return {}
+        targets = self.state.targets.items()
+        now = NodePools.of(r for r, count in targets for _ in range(count))
+        return self.env_rule.env(role, self.start_pools.widest(now))
 
     async def _bring_up(self, worker_id: str, actor) -> None:
         timeout_s = self.config.ray.worker_start_timeout_s

@@ -20,14 +20,17 @@ thread costs a futex wake-up per region (a batch-1 step's GEMMs took 56% longer 
   (96.6 and 80.7 at concurrency 1; docs/benchmarks.md). So they get
   `OMP_WAIT_POLICY=PASSIVE` too when their threads together exceed the cores.
 
-When the workers' threads fit the node's cores nothing is set. The pools counted
-(`NodePools`) are the starting ones and, when the planner runs in `auto` mode, the most
-decode workers its budget may turn them into (the budget less one prefill worker): a
-worker's wait policy is fixed when its process starts, and a planner that moves a
-worker from prefill to decode would otherwise start a second spinning decode worker.
-Workers added by `tandem scale` beyond that get what their role got at start. A wait
-policy the operator set (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment of
-`tandem serve`) is left alone, and nothing is set for GPU workers.
+When the workers' threads fit the node's cores nothing is set. A worker's wait policy
+is fixed when its process starts, so the pool controller decides each worker's variables
+as it starts it (`WorkerEnvRule.env`), counting the larger of the pools' targets then and
+the pools set at cluster start (`NodePools`): the starting ones and, when the planner
+runs in `auto` mode, the most decode workers its budget may turn them into (the budget
+less one prefill worker). A second decode worker that `tandem scale` adds to 1P+1D thus
+sleeps its threads (1P+2D on 2 cores: 155.4 output tok/s at concurrency 8, against 61.5
+with it spinning as the first one does), and under the planner the first decode worker
+already sleeps when the budget allows two. A wait policy the operator set
+(`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment of `tandem serve`) is left
+alone, and nothing is set for GPU workers.
 
 Variables of `tandem serve`'s own environment that decide how a worker runs (the wait
 policy above, `TRITON_INTERPRET`, which start-up checked the attention backend
@@ -37,7 +40,7 @@ inherits that node's environment, not the serve process's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from tandem.worker.config import WorkerRole
@@ -52,8 +55,16 @@ class NodePools:
     num_decode_capable: int
 
     @classmethod
-    def of(cls, roles: Sequence[WorkerRole]) -> NodePools:
+    def of(cls, roles: Iterable[WorkerRole]) -> NodePools:
+        roles = list(roles)
         return cls(len(roles), sum(r is not WorkerRole.PREFILL for r in roles))
+
+    def widest(self, other: NodePools) -> NodePools:
+        """The larger count of each kind."""
+        return NodePools(
+            max(self.num_workers, other.num_workers),
+            max(self.num_decode_capable, other.num_decode_capable),
+        )
 
 
 # Environment variables that already say how OpenMP threads wait.
@@ -81,3 +92,30 @@ def worker_env_vars(
     if num_threads * sharing > num_cores:
         return {**forwarded, "OMP_WAIT_POLICY": "PASSIVE"}
     return forwarded
+
+
+@dataclass(frozen=True)
+class WorkerEnvRule:
+    """What a worker's environment is decided from besides the pools, fixed at cluster
+    start: torch threads per worker, the node's cores, the device, and the variables of
+    `tandem serve`'s environment that count (`FORWARDED_VARS`)."""
+
+    num_threads: int
+    num_cores: int
+    device: str
+    environ: Mapping[str, str]
+
+    @classmethod
+    def of(
+        cls, num_threads: int, num_cores: int, device: str, environ: Mapping[str, str]
+    ) -> WorkerEnvRule:
+        """The rule with only the variables of `environ` that count (it travels to the
+        pool controller's process)."""
+        kept = {name: environ[name] for name in FORWARDED_VARS if name in environ}
+        return cls(num_threads, num_cores, device, kept)
+
+    def env(self, role: WorkerRole, pools: NodePools) -> dict[str, str]:
+        """`worker_env_vars` of a `role` worker started while the node runs `pools`."""
+        return worker_env_vars(
+            role, self.num_threads, pools, self.num_cores, self.device, self.environ
+        )

@@ -5,7 +5,8 @@ from __future__ import annotations
 from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.cluster.config import RayConfig, ThreadPolicy
 from tandem.cluster.launcher import node_pools, threads_per_worker
-from tandem.cluster.worker_env import NodePools, worker_env_vars
+from tandem.cluster.pool_controller import PoolController
+from tandem.cluster.worker_env import NodePools, WorkerEnvRule, worker_env_vars
 from tandem.worker.config import WorkerRole
 
 
@@ -91,3 +92,21 @@ def test_worker_env_forwards_triton_interpret_to_every_worker() -> None:
     one_each = NodePools.of([WorkerRole.PREFILL, WorkerRole.DECODE])
     both = worker_env_vars(WorkerRole.PREFILL, 2, one_each, 2, "cpu", interpret)
     assert both == {"TRITON_INTERPRET": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_a_decode_worker_that_scale_adds_sleeps_where_two_oversubscribe(tiny_model_dir) -> None:
+    # 1P+1D on 2 cores, 2 threads each: the decode worker spins. `tandem scale` to two
+    # decode workers: the one it adds sleeps (1P+2D on 2 cores with it spinning too:
+    # 61.5 output tok/s at concurrency 8; with it passive: 155.4).
+    argv = ["serve", "--model", str(tiny_model_dir), "--device", "cpu"]
+    config = cluster_config_from_args(build_parser().parse_args(argv))
+    rule = WorkerEnvRule.of(2, 2, "cpu", {"HOME": "/root"})
+    controller = PoolController(config, 2, rule, node_pools(config))
+    prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
+    assert controller.worker_env(decode) == {}
+    assert controller.worker_env(prefill) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    controller.state.set_targets({prefill: 1, decode: 2})
+    assert controller.worker_env(decode) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    # Back to one: a replacement decode worker spins again.
+    controller.state.set_targets({prefill: 1, decode: 1})
+    assert controller.worker_env(decode) == {}
