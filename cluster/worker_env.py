@@ -48,7 +48,8 @@ from tandem.worker.config import WorkerRole
 
 @dataclass(frozen=True)
 class NodePools:
-    """The most workers a node runs at once, as far as start-up can tell."""
+    """How many workers share a node's cores (every worker of the pools is counted as on
+    one node, as `threads_per_worker` does)."""
 
     num_workers: int
     # Decode and colocated workers among them (they step at the same time).
