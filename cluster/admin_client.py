@@ -196,14 +196,23 @@ def still_running(view: PoolsView, worker_id: str | None = None, node: str | Non
     ]  # fmt: skip
 
 
+def _milliseconds(seconds: float | None) -> str:
+    """A router's prediction for the table: "" where there is none (0: no model yet, a
+    prefill worker's step, or a view read from the pool controller, which has none)."""
+    return f"{seconds * 1e3:.1f}" if seconds else ""
+
+
 def format_table(view: PoolsView) -> str:
     """`tandem pools`'s table."""
-    columns = ("id", "role", "state", "node", "pid", "endpoint", "running", "waiting", "kv_usage")
+    columns = ("id", "role", "state", "node", "pid", "endpoint", "running", "waiting", "kv_usage",
+               "step_ms", "queue_ms")  # fmt: skip
     rows: list[tuple[str, ...]] = [columns]
     for w in sorted(view["workers"], key=lambda w: (w["role"], w["id"])):
         state = w["state"] + (" (being replaced)" if w.get("being_replaced") else "")
         row = dict(w, state=state, node=str(w.get("node", ""))[:12],
-                   kv_usage=f"{w.get('kv_usage', 0):.0%}")  # fmt: skip
+                   kv_usage=f"{w.get('kv_usage', 0):.0%}",
+                   step_ms=_milliseconds(w.get("predicted_step_s")),
+                   queue_ms=_milliseconds(w.get("predicted_queue_s")))  # fmt: skip
         rows.append(tuple(str(row.get(c, "")) for c in columns))
     widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(r, widths, strict=True)).rstrip()

@@ -6,7 +6,9 @@ here first, so a bad request never reaches the owner; the owner's own refusals m
 404 / NOT_FOUND (`UnknownWorker`: a drain of a worker the pools do not hold), 400 /
 INVALID_ARGUMENT (another `ValueError`: bad input, e.g. a target beyond the budget) and
 409 / FAILED_PRECONDITION (`RuntimeError`: cannot be done now).
-Each worker's load (`running`, `waiting`, `kv_usage`) is this router's last view of it.
+Each worker's load (`running`, `waiting`, `kv_usage`) is this router's last view of it,
+and `predicted_step_s` / `predicted_queue_s` what this router's latency models predict
+there (why placement prefers one worker to another).
 """
 
 from __future__ import annotations
@@ -70,12 +72,17 @@ class AdminRefused(RouterError):
 
 @dataclass(frozen=True)
 class WorkerLoad:
-    """A worker's load from the router's last Stats poll."""
+    """A worker's load from the router's last Stats poll, and what its latency models
+    predict."""
 
     running: int = 0
     waiting: int = 0
     # Fraction of its KV blocks in use, [0, 1].
     kv_usage: float = 0.0
+    # This router's predictions (admin.proto `Worker`): decode step with one more
+    # sequence (0 for prefill workers), and wait before a new prompt starts prefilling.
+    predicted_step_s: float = 0.0
+    predicted_queue_s: float = 0.0
 
 
 def parse_targets(body: Any) -> PoolTargets:
@@ -190,6 +197,8 @@ class PoolsAdmin:
             "waiting": load.waiting,
             "kv_usage": load.kv_usage,
             "being_replaced": worker.being_replaced,
+            "predicted_step_s": round(load.predicted_step_s, 6),
+            "predicted_queue_s": round(load.predicted_queue_s, 6),
         }
 
     def to_json(self, membership: Membership) -> dict[str, Any]:

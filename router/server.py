@@ -52,6 +52,7 @@ from tandem.router.sampling_defaults import OPENAI_DEFAULTS, SamplingDefaults
 from tandem.router.tokenization import PromptTokenizer
 from tandem.router.worker_pool import WorkerEndpoint, WorkerPool
 from tandem.telemetry.tracing import Tracing
+from tandem.worker.config import WorkerRole
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +312,8 @@ class Router:
             running=stats.num_running,
             waiting=stats.num_waiting,
             kv_usage=used / stats.num_blocks if stats.num_blocks else 0.0,
+            predicted_step_s=0.0 if state.role is WorkerRole.PREFILL else state.predicted_step_s(1),
+            predicted_queue_s=state.predicted_queue_s(),
         )
 
     def _planner_json(self) -> dict[str, Any] | None:

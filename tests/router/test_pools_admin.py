@@ -12,6 +12,7 @@ import aiohttp
 import grpc
 import pytest
 
+from tandem.cluster.admin_client import format_table
 from tandem.decode_worker.server import DecodeWorker
 from tandem.engine.config import EngineConfig
 from tandem.proto.tandem.admin.v1 import admin_pb2 as admin_pb
@@ -80,9 +81,18 @@ def test_get_pools_lists_workers_and_targets(pools):
     assert sorted(w["role"] for w in body["workers"]) == ["decode", "prefill"]
     for worker in body["workers"]:
         assert set(worker) >= {"id", "role", "state", "node", "pid", "endpoint", "metrics_url",
-                               "running", "waiting", "kv_usage"}  # fmt: skip
+                               "running", "waiting", "kv_usage", "predicted_step_s",
+                               "predicted_queue_s"}  # fmt: skip
         assert worker["state"] == "serving" and worker["endpoint"]
         assert 0.0 <= worker["kv_usage"] <= 1.0
+        # The router's latency models: a decode worker's next step (idle: its fixed cost
+        # plus one sequence), none for a prefill worker; an empty queue waits nothing.
+        policy_state = pools.router.policy_runtime.policy.workers[worker["id"]]
+        if worker["role"] == "decode":
+            assert worker["predicted_step_s"] == round(policy_state.predicted_step_s(1), 6) > 0
+        else:
+            assert worker["predicted_step_s"] == 0.0
+        assert worker["predicted_queue_s"] == 0.0
 
     async def grpc_pools() -> admin_pb.PoolsResponse:
         async with grpc.aio.insecure_channel(pools.router.grpc_endpoint) as channel:
@@ -91,6 +101,9 @@ def test_get_pools_lists_workers_and_targets(pools):
 
     reply = pools.run(grpc_pools())
     assert {w.id for w in reply.workers} == {w["id"] for w in body["workers"]}
+    by_id = {w["id"]: w for w in body["workers"]}
+    for w in reply.workers:
+        assert w.predicted_step_s == by_id[w.id]["predicted_step_s"]
     assert (reply.version, reply.owner) == (body["version"], body["owner"])
     assert (reply.targets.prefill, reply.targets.decode) == (1, 1)
 
@@ -517,3 +530,24 @@ def test_a_worker_slow_to_answer_stats_holds_up_no_other_workers_stats(pools):
 
     pools.run(scenario())
     assert len(during_freeze) >= 3, during_freeze
+
+
+def test_tandem_pools_shows_the_routers_predictions_in_milliseconds():
+    worker = {"state": "serving", "node": "n", "pid": 1, "endpoint": "e", "running": 0,
+              "waiting": 0, "kv_usage": 0.0}  # fmt: skip
+    decode = {**worker, "id": "decode-0", "role": "decode"}
+    prefill = {**worker, "id": "prefill-0", "role": "prefill"}
+    view = {
+        "workers": [
+            {**decode, "predicted_step_s": 0.0123, "predicted_queue_s": 0.0},
+            {**prefill, "predicted_step_s": 0.0, "predicted_queue_s": 0.25},
+            # From the pool controller (`tandem pools --ray-address`): no router, none.
+            {**prefill, "id": "prefill-1"},
+        ],
+        "targets": {"prefill": 2, "decode": 1},
+    }
+    header, decode_row, prefill_row, controller_row, _ = format_table(view).splitlines()
+    assert header.split()[-2:] == ["step_ms", "queue_ms"]
+    assert decode_row.split()[-1] == "12.3"  # no queue: blank
+    assert prefill_row.split()[-1] == "250.0"  # no step: blank
+    assert controller_row.split()[-1] == "0%"
