@@ -32,7 +32,6 @@ from tandem.cluster.pool_controller import (
 from tandem.cluster.ray_start import check_reachable, start_local_ray
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
 from tandem.cluster.worker_env import NodePools, WorkerEnvRule
-from tandem.planner.live_config import PlannerMode
 from tandem.router.membership import Membership
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
@@ -48,17 +47,6 @@ def threads_per_worker(policy: ThreadPolicy, num_cores: int, num_workers: int) -
     if policy is ThreadPolicy.SHARED:
         return max(1, num_cores)
     return max(1, num_cores // max(1, num_workers))
-
-
-def node_pools(config: ClusterConfig) -> NodePools:
-    """The pools the workers' environment is set for (`cluster.worker_env`): the starting
-    ones, and under the planner's `auto` mode the most decode workers its budget may
-    run (the budget less one prefill worker)."""
-    pools = NodePools.of(config.roles)
-    if config.planner.mode is not PlannerMode.AUTO or config.pools.num_colocated:
-        return pools
-    budget = config.planner.max_workers or pools.num_workers
-    return NodePools(max(pools.num_workers, budget), max(pools.num_decode_capable, budget - 1))
 
 
 def release_name(dead: Any) -> None:
@@ -95,7 +83,6 @@ class LocalCluster:
         self._threads = 1
         # What the controller decides each worker's environment from (`cluster.worker_env`).
         self._env_rule: WorkerEnvRule | None = None
-        self._pools: NodePools | None = None
 
     async def start(self) -> Router:
         """Start the workers, then the router; returns the running router."""
@@ -108,10 +95,10 @@ class LocalCluster:
         )
         source = "--threads" if config.engine.num_threads else config.ray.thread_policy.value
         env_rule = WorkerEnvRule.of(threads, num_cores, config.engine.device, os.environ)
-        pools = node_pools(config)
+        pools = NodePools.at_start(config)
         env = {role: env_rule.env(role, pools) for role in set(roles)}
         logger.info("torch threads per worker: %d (%s); worker env %s", threads, source, env)
-        self._threads, self._env_rule, self._pools = threads, env_rule, pools
+        self._threads, self._env_rule = threads, env_rule
         await self._start_controller(config)
         timeout_s = config.ray.worker_start_timeout_s
         membership: Membership = await asyncio.wait_for(
@@ -138,7 +125,7 @@ class LocalCluster:
             namespace=CONTROLLER_NAMESPACE,
             scheduling_strategy=here,
             enable_task_events=False,
-        ).remote(config, self._threads, self._env_rule, self._pools)
+        ).remote(config, self._threads, self._env_rule)
         # The first call also waits for the controller's process to start.
         self.controller_metrics_url = await asyncio.wait_for(
             self.controller.start.remote(),

@@ -73,17 +73,16 @@ class PoolController:
         config: ClusterConfig,
         num_threads: int,
         env_rule: WorkerEnvRule | None = None,
-        start_pools: NodePools | None = None,
     ) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         self.config = config
         # torch threads per worker, fixed at cluster start.
         self.num_threads = num_threads
         # Decides what each worker process's environment gets (`cluster.worker_env`), from
-        # the pools at its start: the larger of `start_pools` and the targets then. None:
-        # nothing added.
+        # the pools at its start: the larger of the start's pools and the targets then.
+        # None: nothing added.
         self.env_rule = env_rule
-        self.start_pools = start_pools or NodePools.of(config.roles)
+        self.start_pools = NodePools.at_start(config)
         pools = config.pools
         targets: dict[WorkerRole, int] = {}
         for role in pools.roles:

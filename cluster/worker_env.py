@@ -42,8 +42,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from tandem.planner.live_config import PlannerMode
 from tandem.worker.config import WorkerRole
+
+if TYPE_CHECKING:
+    from tandem.cluster.config import ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,17 @@ class NodePools:
     def of(cls, roles: Iterable[WorkerRole]) -> NodePools:
         roles = list(roles)
         return cls(len(roles), sum(r is not WorkerRole.PREFILL for r in roles))
+
+    @classmethod
+    def at_start(cls, config: ClusterConfig) -> NodePools:
+        """The pools a cluster's workers are set for from the start: the starting ones,
+        and under the planner's `auto` mode the most decode workers its budget may run
+        (the budget less one prefill worker)."""
+        pools = cls.of(config.roles)
+        if config.planner.mode is not PlannerMode.AUTO or config.pools.num_colocated:
+            return pools
+        budget = config.planner.max_workers or pools.num_workers
+        return cls(max(pools.num_workers, budget), max(pools.num_decode_capable, budget - 1))
 
     def widest(self, other: NodePools) -> NodePools:
         """The larger count of each kind."""

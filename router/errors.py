@@ -86,9 +86,14 @@ def from_worker_error(exc: grpc.aio.AioRpcError) -> RouterError:
     return error
 
 
-async def abort_with(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
-    """End a gRPC call with the error's status (and a `retry-after` trailer if it has one)."""
+def set_retry_after_trailer(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
+    """The call's `retry-after` trailer, if the error asks for one."""
     retry_after = retry_after_header(exc)
     if retry_after is not None:
         context.set_trailing_metadata((("retry-after", retry_after),))
+
+
+async def abort_with(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
+    """End a gRPC call with the error's status (and a `retry-after` trailer if it has one)."""
+    set_retry_after_trailer(context, exc)
     await context.abort(exc.grpc_code, str(exc))

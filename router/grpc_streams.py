@@ -26,7 +26,7 @@ import asyncio
 import grpc
 from google.protobuf.message import Message
 
-from tandem.router.errors import RouterError, retry_after_header
+from tandem.router.errors import RouterError, set_retry_after_trailer
 
 WRITE_TIMEOUT_S = 60.0
 
@@ -57,9 +57,7 @@ def end_stream(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details
 
 def end_stream_with(context: grpc.aio.ServicerContext, exc: RouterError) -> None:
     """`end_stream` with the error's status (and a `retry-after` trailer if it has one)."""
-    retry_after = retry_after_header(exc)
-    if retry_after is not None:
-        context.set_trailing_metadata((("retry-after", retry_after),))
+    set_retry_after_trailer(context, exc)
     end_stream(context, exc.grpc_code, str(exc))
 
 

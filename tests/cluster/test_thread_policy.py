@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.cluster.config import RayConfig, ThreadPolicy
-from tandem.cluster.launcher import node_pools, threads_per_worker
+from tandem.cluster.launcher import threads_per_worker
 from tandem.cluster.pool_controller import PoolController
 from tandem.cluster.worker_env import NodePools, WorkerEnvRule, worker_env_vars
 from tandem.worker.config import WorkerRole
@@ -66,12 +66,12 @@ def test_worker_env_makes_decode_threads_sleep_when_decode_workers_oversubscribe
     assert worker_env_vars(decode, 2, two_decode, 2, "cuda", {}) == {}
 
 
-def test_node_pools_count_the_decode_workers_the_auto_planner_may_start(tiny_model_dir) -> None:
+def test_pools_at_start_count_the_decode_workers_the_auto_planner_may_start(tiny_model_dir) -> None:
     # A worker's wait policy is fixed when it starts: under `--planner auto` the decode
     # side is set for the most decode workers the budget allows (budget less 1 prefill).
     def pools(*flags: str) -> NodePools:
         argv = ["serve", "--model", str(tiny_model_dir), "--device", "cpu", *flags]
-        return node_pools(cluster_config_from_args(build_parser().parse_args(argv)))
+        return NodePools.at_start(cluster_config_from_args(build_parser().parse_args(argv)))
 
     assert pools("--prefill", "2") == NodePools(3, 1)
     assert pools("--prefill", "2", "--planner", "observe") == NodePools(3, 1)
@@ -101,7 +101,7 @@ def test_a_decode_worker_that_scale_adds_sleeps_where_two_oversubscribe(tiny_mod
     argv = ["serve", "--model", str(tiny_model_dir), "--device", "cpu"]
     config = cluster_config_from_args(build_parser().parse_args(argv))
     rule = WorkerEnvRule.of(2, 2, "cpu", {"HOME": "/root"})
-    controller = PoolController(config, 2, rule, node_pools(config))
+    controller = PoolController(config, 2, rule)
     prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
     assert controller.worker_env(decode) == {}
     assert controller.worker_env(prefill) == {"OMP_WAIT_POLICY": "PASSIVE"}

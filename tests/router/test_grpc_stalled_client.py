@@ -28,6 +28,13 @@ STALL_S = 0.5
 SMALL_WINDOW = [("grpc.http2.bdp_probe", 0)]
 
 
+def small_window_channel(endpoint: str) -> grpc.aio.Channel:
+    """A channel to the router's public port with the test API key and a 64 KiB window."""
+    return grpc.aio.insecure_channel(
+        endpoint, options=SMALL_WINDOW, interceptors=metadata_interceptors(*BEARER)
+    )
+
+
 async def _wait_until(condition, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -51,12 +58,7 @@ def test_generate_stream_of_a_client_that_stops_reading_is_ended(cluster, monkey
     )
 
     async def scenario() -> tuple[bool, int, grpc.StatusCode, str]:
-        channel = grpc.aio.insecure_channel(
-            cluster.grpc_endpoint,
-            options=SMALL_WINDOW,
-            interceptors=metadata_interceptors(*BEARER),
-        )
-        async with channel:
+        async with small_window_channel(cluster.grpc_endpoint) as channel:
             call = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
             messages = call.__aiter__()
             await messages.__anext__()
@@ -150,12 +152,7 @@ def test_kserve_stream_of_a_client_that_stops_reading_is_ended(cluster, monkeypa
         return request
 
     async def scenario() -> tuple[bool, grpc.StatusCode, str]:
-        channel = grpc.aio.insecure_channel(
-            cluster.grpc_endpoint,
-            options=SMALL_WINDOW,
-            interceptors=metadata_interceptors(*BEARER),
-        )
-        async with channel:
+        async with small_window_channel(cluster.grpc_endpoint) as channel:
             stub = kserve_grpc.GRPCInferenceServiceStub(channel)
             # Four requests of ~900 text deltas each, one response per delta.
             call = stub.ModelStreamInfer(iter([streamed(i) for i in range(4)]), timeout=60)
