@@ -29,7 +29,7 @@ from tandem.cluster.pool_controller import (
     CONTROLLER_REPLY_S,
     RemotePoolController,
 )
-from tandem.cluster.ray_start import check_reachable, start_local_ray
+from tandem.cluster.ray_start import join_ray, start_local_ray
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
 from tandem.cluster.worker_env import NodePools, WorkerEnvRule
 from tandem.router.membership import Membership
@@ -203,8 +203,7 @@ class LocalCluster:
         if ray.is_initialized():
             return
         if self.config.ray.address:
-            check_reachable(self.config.ray.address)
-            ray.init(address=self.config.ray.address, log_to_driver=False)
+            join_ray(self.config.ray.address)
             return
         pools = self.config.pools
         roles = sorted(set(pools.roles))

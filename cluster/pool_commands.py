@@ -134,7 +134,7 @@ def _client(args: argparse.Namespace):
     if args.ray_address:
         ray_auth_env()
         from tandem.cluster.controller_link import find_controller
-        from tandem.cluster.router_process import join_ray
+        from tandem.cluster.ray_start import join_ray
 
         try:
             join_ray(args.ray_address)

@@ -13,13 +13,11 @@ import logging
 import time
 from typing import Any
 
-import ray
-
 from tandem.cluster.admin_backend import RayAdminBackend
 from tandem.cluster.controller_link import ControllerLink, find_controller
 from tandem.cluster.membership_watcher import MembershipWatcher
 from tandem.cluster.pool_controller import CONTROLLER_REPLY_S
-from tandem.cluster.ray_start import check_reachable
+from tandem.cluster.ray_start import join_ray
 from tandem.cluster.traffic import TrafficReporter
 from tandem.router.config import RouterConfig
 from tandem.router.membership import Membership, WorkerLifecycle
@@ -27,14 +25,6 @@ from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
 
 logger = logging.getLogger(__name__)
-
-
-def join_ray(address: str) -> None:
-    """Connect this process to the Ray cluster at `address` (once); ConnectionError when
-    none answers there."""
-    if not ray.is_initialized():
-        check_reachable(address)
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
 
 
 def serving_endpoints(membership: Membership) -> list[WorkerEndpoint]:

@@ -2,7 +2,8 @@
 
 16 concurrent `Generate` streams of mixed prompt lengths must equal `transformers`
 greedy generation token for token, for 1 prefill + 1 decode, 2 colocated workers,
-and 2 prefill + 2 decode; afterwards every worker is idle.
+and 2 prefill + 2 decode; afterwards every worker is idle. Every process of the
+cluster (router, workers, Ray's own) listens on loopback only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from tandem.router.config import RouterConfig
 from tests.helpers.grpc_calls import assert_workers_idle, generate_tokens
 from tests.helpers.hf_reference import hf_greedy
 from tests.helpers.kv_budget import TEST_KV_CACHE_BYTES
+from tests.helpers.listeners import non_loopback_listeners
 from tests.helpers.prompts import make_prompts
 
 MAX_TOKENS = 12
@@ -68,6 +70,7 @@ def run_cluster_check(model_dir, prompts, expected, pools: PoolsConfig) -> None:
             router = cluster.router
             health = await asyncio.to_thread(_http_status, f"{router.http_endpoint}/health")
             assert health == 200
+            assert non_loopback_listeners() == []
             outputs = await generate_tokens(router.grpc_endpoint, prompts, MAX_TOKENS)
             for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
                 assert got == want, f"prompt {i} ({len(prompts[i])} tokens) diverged"

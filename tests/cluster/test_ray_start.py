@@ -1,15 +1,24 @@
-"""Ray's start tried again after a node start timeout, and a Ray address nothing
-answers at refused at once (cluster/ray_start.py)."""
+"""Ray's start tried again after a node start timeout, a Ray address nothing answers at
+refused at once, and loopback addresses joined in Ray's single-machine mode
+(cluster/ray_start.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
+import ray._private.ray_constants as ray_constants
 
 from tandem.bench.harness import free_port
-from tandem.cluster.ray_start import START_ATTEMPTS, RayStartError, start_with_retries
+from tandem.cluster.ray_start import (
+    START_ATTEMPTS,
+    RayStartError,
+    is_loopback_address,
+    single_machine_ray,
+    start_with_retries,
+)
 
 # `tandem` as a fresh process (no Ray initialized by other tests).
 CLI = "import sys; from tandem.cluster.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -74,3 +83,24 @@ def test_a_ray_address_nothing_answers_at_is_one_line_at_once(command):
     assert done.stderr.strip().splitlines() == [
         f"tandem {command[0]}: no Ray cluster answers at {address}: [Errno 111] Connection refused"
     ]
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [("127.0.0.1:6379", True), ("localhost:6379", True), ("[::1]:6379", True),
+     ("ray://127.0.0.1:10001", True), ("10.0.0.5:6379", False), ("ray-head:6379", False),
+     ("auto", False)],
+)  # fmt: skip
+def test_a_loopback_ray_address_is_joined_in_single_machine_mode(address, loopback):
+    """A local instance's GCS listens on loopback only; Ray replaces a loopback address by
+    the machine's outward one unless the joining process is in single-machine mode."""
+    assert is_loopback_address(address) is loopback
+
+
+def test_single_machine_mode_is_undone_after_the_start():
+    variable = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    before = (os.environ.get(variable), ray_constants.ENABLE_RAY_CLUSTER)
+    with single_machine_ray():
+        assert os.environ[variable] == "0"
+        assert ray_constants.ENABLE_RAY_CLUSTER is False
+    assert (os.environ.get(variable), ray_constants.ENABLE_RAY_CLUSTER) == before
