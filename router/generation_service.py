@@ -182,8 +182,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         defaults = self.defaults
         if request.prompt_token_ids:
             prompt_ids = self.tokenizer.check_ids(list(request.prompt_token_ids))
-        else:
+        elif request.prompt:
             prompt_ids = self.tokenizer.encode(request.prompt)
+        else:  # proto3: an empty prompt is no prompt
+            raise InvalidRequest("prompt or prompt_token_ids is required", "prompt")
         num_prompt_top = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
         if num_prompt_top is not None and num_prompt_top > MAX_TOP_LOGPROBS:
             raise InvalidRequest(

@@ -46,9 +46,9 @@ class PromptTokenizer:
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt; `add_special_tokens` adds what the tokenizer puts
-        around a text of its own (a BOS token, for Llama)."""
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError("prompt must be a non-empty string")
+        around a text of its own (a BOS token, for Llama: an empty text is the BOS alone)."""
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def encode_chat(

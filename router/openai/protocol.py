@@ -282,8 +282,8 @@ class RequestParser:
     def _prompt(self, prompt: Any, where: str, add_special_tokens: bool) -> _Prompt:
         """One prompt; errors name it by `where` ("prompt", or "prompt[i]" in a batch)."""
         if isinstance(prompt, str):
-            if not prompt:
-                raise invalid(where, "must not be empty")
+            # An empty text is a prompt of the tokenizer's BOS alone (OpenAI's and vLLM's
+            # reading: generation from the start of a document).
             ids = self.tokenizer.encode(prompt, add_special_tokens)
             if not ids:
                 raise invalid(where, f"encodes to no tokens: {show(prompt)}")

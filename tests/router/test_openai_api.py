@@ -231,6 +231,30 @@ def test_seeded_sampling_is_reproducible(client, cluster):
     assert negative != texts[0]
 
 
+def test_an_empty_text_prompt_is_the_bos_alone(client, cluster, model_dir, tokenizer):
+    """OpenAI's and vLLM's reading of `prompt: ""`: generation from the start of a
+    document, the tokenizer's BOS the whole prompt; without the BOS it is no prompt."""
+    bos = tokenizer.encode("")
+    assert bos == [tokenizer.tokenizer.bos_token_id]
+    assert post(cluster, "/tokenize", {"prompt": ""}) == {
+        "tokens": bos, "count": 1, "max_model_len": 1024,
+    }  # fmt: skip
+    reply = client.completions.create(
+        model=model_name(cluster), prompt="", max_tokens=3, temperature=0.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.usage.prompt_tokens == 1 and reply.usage.completion_tokens == 3
+    greedy = hf_greedy(model_dir, [bos], 3)[0]
+    assert reply.choices[0].text == tokenizer.decode(greedy)
+    with pytest.raises(openai.BadRequestError) as refusal:
+        client.completions.create(
+            model=model_name(cluster), prompt="", max_tokens=3,
+            extra_body={"add_special_tokens": False},
+        )  # fmt: skip
+    assert refusal.value.body["param"] == "prompt"
+    assert "encodes to no tokens" in refusal.value.body["message"]
+
+
 def test_models_and_tokenize(client, cluster, model_dir, tokenizer):
     models = client.models.list()
     assert [m.id for m in models.data] == [model_name(cluster)]

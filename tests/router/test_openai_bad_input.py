@@ -107,7 +107,14 @@ def _nested(depth: int) -> dict[str, Any]:
 
 
 CASES = [
-    Bad("empty prompt", {"prompt": ""}, 400, ("'prompt'", "empty"), param="prompt"),
+    Bad(
+        "empty prompt without the BOS",
+        {"prompt": "", "add_special_tokens": False},
+        400,
+        ("'prompt'", "encodes to no tokens"),
+        param="prompt",
+    ),
+    Bad("empty token ids", {"prompt": []}, 400, ("'prompt'", "must not be empty"), param="prompt"),
     Bad(
         "gzip body that is not gzip",
         b'{"prompt": "hi"}',
@@ -207,7 +214,7 @@ CASES = [
     Bad("prompt is a dict", {"prompt": {"text": "hi"}}, 400, ("'prompt'", "string", "token ids")),
     Bad(
         "an empty prompt in a batch",
-        {"prompt": ["one", ""]},
+        {"prompt": ["one", []]},
         400,
         ("'prompt[1]'", "must not be empty"),
         param="prompt[1]",

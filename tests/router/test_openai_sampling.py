@@ -868,7 +868,7 @@ def test_a_bad_prompt_in_a_batch_refuses_the_whole_batch(client, cluster):
     before = prompt_tokens_prefilled(cluster)
     too_long = [1] * 1100  # the module cluster's context is 1,024 tokens
     for prompt, param, words in (
-        (["fine", ""], "prompt[1]", "must not be empty"),
+        (["fine", []], "prompt[1]", "must not be empty"),
         ([[1, 2], [3, 99999]], "prompt[1]", "99999"),
         (["fine", too_long], "prompt[1]", "maximum context length"),
         (["x"] * 257, "prompt", "at most 256"),
