@@ -353,8 +353,7 @@ class PoolController:
         (the first keeps what it started with: a process's wait policy is fixed)."""
         if self.env_rule is None:
             return {}
-        targets = self.state.targets.items()
-        now = NodePools.of(r for r, count in targets for _ in range(count))
+        now = NodePools.of_counts(self.state.targets)
         return self.env_rule.env(role, self.start_pools.widest(now))
 
     async def _bring_up(self, worker_id: str, actor) -> None:

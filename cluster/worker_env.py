@@ -66,6 +66,11 @@ class NodePools:
         return cls(len(roles), sum(r is not WorkerRole.PREFILL for r in roles))
 
     @classmethod
+    def of_counts(cls, counts: Mapping[WorkerRole, int]) -> NodePools:
+        """The pools of so many workers per role (a controller's targets)."""
+        return cls.of(role for role, count in counts.items() for _ in range(count))
+
+    @classmethod
     def at_start(cls, config: ClusterConfig) -> NodePools:
         """The pools a cluster's workers are set for from the start: the starting ones,
         and under the planner's `auto` mode the most decode workers its budget may run
@@ -90,27 +95,6 @@ WAIT_POLICY_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 FORWARDED_VARS = (*WAIT_POLICY_VARS, "TRITON_INTERPRET")
 
 
-def worker_env_vars(
-    role: WorkerRole,
-    num_threads: int,
-    pools: NodePools,
-    num_cores: int,
-    device: str,
-    environ: Mapping[str, str],
-) -> dict[str, str]:
-    """Variables to add to the environment of a `role` worker process (may be empty):
-    the forwarded ones `environ` has, and passive OpenMP waits where `pools`, workers
-    of `num_threads` threads each, oversubscribe a node of `num_cores` cores (see the
-    module doc)."""
-    forwarded = {name: environ[name] for name in FORWARDED_VARS if name in environ}
-    if not device.startswith("cpu") or any(name in environ for name in WAIT_POLICY_VARS):
-        return forwarded
-    sharing = pools.num_workers if role is WorkerRole.PREFILL else pools.num_decode_capable
-    if num_threads * sharing > num_cores:
-        return {**forwarded, "OMP_WAIT_POLICY": "PASSIVE"}
-    return forwarded
-
-
 @dataclass(frozen=True)
 class WorkerEnvRule:
     """What a worker's environment is decided from besides the pools, fixed at cluster
@@ -132,7 +116,13 @@ class WorkerEnvRule:
         return cls(num_threads, num_cores, device, kept)
 
     def env(self, role: WorkerRole, pools: NodePools) -> dict[str, str]:
-        """`worker_env_vars` of a `role` worker started while the node runs `pools`."""
-        return worker_env_vars(
-            role, self.num_threads, pools, self.num_cores, self.device, self.environ
-        )
+        """Variables to add to the environment of a `role` worker process started while
+        the node runs `pools` (may be empty): the forwarded ones, and passive OpenMP waits
+        where those workers' threads oversubscribe the node's cores (see the module doc)."""
+        forwarded = dict(self.environ)
+        if not self.device.startswith("cpu") or any(v in forwarded for v in WAIT_POLICY_VARS):
+            return forwarded
+        sharing = pools.num_workers if role is WorkerRole.PREFILL else pools.num_decode_capable
+        if self.num_threads * sharing > self.num_cores:
+            return {**forwarded, "OMP_WAIT_POLICY": "PASSIVE"}
+        return forwarded

@@ -6,8 +6,16 @@ from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.cluster.config import RayConfig, ThreadPolicy
 from tandem.cluster.launcher import threads_per_worker
 from tandem.cluster.pool_controller import PoolController
-from tandem.cluster.worker_env import NodePools, WorkerEnvRule, worker_env_vars
+from tandem.cluster.worker_env import NodePools, WorkerEnvRule
 from tandem.worker.config import WorkerRole
+
+
+def env_of(
+    role: WorkerRole, num_threads: int, pools: NodePools, num_cores: int, device: str,
+    environ: dict[str, str],
+) -> dict[str, str]:  # fmt: skip
+    """The variables a `role` worker gets under that rule while the node runs `pools`."""
+    return WorkerEnvRule.of(num_threads, num_cores, device, environ).env(role, pools)
 
 
 def test_shared_gives_every_worker_the_node_and_split_divides_it() -> None:
@@ -33,20 +41,20 @@ def test_worker_env_makes_prefill_threads_sleep_only_when_workers_oversubscribe(
     one_each = NodePools.of([prefill, decode])
     # 2 workers x 2 threads on 2 cores (shared on a 2-core node): the bursty prefill
     # worker's threads sleep at once; the decode worker keeps libgomp's spin.
-    assert worker_env_vars(prefill, 2, one_each, 2, "cpu", {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert worker_env_vars(decode, 2, one_each, 2, "cpu", {}) == {}
+    assert env_of(prefill, 2, one_each, 2, "cpu", {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert env_of(decode, 2, one_each, 2, "cpu", {}) == {}
     # Threads that fit the cores (split, or one worker) keep libgomp's default spin.
-    assert worker_env_vars(prefill, 1, one_each, 2, "cpu", {}) == {}
-    assert worker_env_vars(prefill, 2, NodePools.of([prefill]), 2, "cpu", {}) == {}
+    assert env_of(prefill, 1, one_each, 2, "cpu", {}) == {}
+    assert env_of(prefill, 2, NodePools.of([prefill]), 2, "cpu", {}) == {}
     one_colocated = NodePools.of([WorkerRole.COLOCATED])
-    assert worker_env_vars(WorkerRole.COLOCATED, 2, one_colocated, 2, "cpu", {}) == {}
+    assert env_of(WorkerRole.COLOCATED, 2, one_colocated, 2, "cpu", {}) == {}
     # The operator's own setting wins (and reaches workers on joined nodes as it is);
     # GPU workers get no wait policy.
     active = {"OMP_WAIT_POLICY": "ACTIVE"}
-    assert worker_env_vars(prefill, 2, one_each, 2, "cpu", active) == active
+    assert env_of(prefill, 2, one_each, 2, "cpu", active) == active
     spin = {"GOMP_SPINCOUNT": "1000"}
-    assert worker_env_vars(prefill, 2, one_each, 2, "cpu", spin) == spin
-    assert worker_env_vars(prefill, 8, one_each, 2, "cuda", {}) == {}
+    assert env_of(prefill, 2, one_each, 2, "cpu", spin) == spin
+    assert env_of(prefill, 8, one_each, 2, "cuda", {}) == {}
 
 
 def test_worker_env_makes_decode_threads_sleep_when_decode_workers_oversubscribe() -> None:
@@ -56,14 +64,14 @@ def test_worker_env_makes_decode_threads_sleep_when_decode_workers_oversubscribe
     prefill, decode, colocated = WorkerRole.PREFILL, WorkerRole.DECODE, WorkerRole.COLOCATED
     passive = {"OMP_WAIT_POLICY": "PASSIVE"}
     two_decode = NodePools.of([prefill, decode, decode])
-    assert worker_env_vars(decode, 2, two_decode, 2, "cpu", {}) == passive
-    assert worker_env_vars(prefill, 2, two_decode, 2, "cpu", {}) == passive
-    assert worker_env_vars(colocated, 2, NodePools.of([colocated] * 2), 2, "cpu", {}) == passive
+    assert env_of(decode, 2, two_decode, 2, "cpu", {}) == passive
+    assert env_of(prefill, 2, two_decode, 2, "cpu", {}) == passive
+    assert env_of(colocated, 2, NodePools.of([colocated] * 2), 2, "cpu", {}) == passive
     # Prefill workers are not counted against the decode side: they sleep already.
-    assert worker_env_vars(decode, 2, NodePools.of([prefill, prefill, decode]), 2, "cpu", {}) == {}
+    assert env_of(decode, 2, NodePools.of([prefill, prefill, decode]), 2, "cpu", {}) == {}
     # split: one thread each, and the two decode workers' threads fit the 2 cores.
-    assert worker_env_vars(decode, 1, two_decode, 2, "cpu", {}) == {}
-    assert worker_env_vars(decode, 2, two_decode, 2, "cuda", {}) == {}
+    assert env_of(decode, 1, two_decode, 2, "cpu", {}) == {}
+    assert env_of(decode, 2, two_decode, 2, "cuda", {}) == {}
 
 
 def test_pools_at_start_count_the_decode_workers_the_auto_planner_may_start(tiny_model_dir) -> None:
@@ -87,10 +95,10 @@ def test_worker_env_forwards_triton_interpret_to_every_worker() -> None:
     interpret = {"TRITON_INTERPRET": "1", "HOME": "/root"}
     for role in WorkerRole:
         for device in ("cpu", "cuda"):
-            env = worker_env_vars(role, 1, NodePools.of([role]), 2, device, interpret)
+            env = env_of(role, 1, NodePools.of([role]), 2, device, interpret)
             assert env == {"TRITON_INTERPRET": "1"}
     one_each = NodePools.of([WorkerRole.PREFILL, WorkerRole.DECODE])
-    both = worker_env_vars(WorkerRole.PREFILL, 2, one_each, 2, "cpu", interpret)
+    both = env_of(WorkerRole.PREFILL, 2, one_each, 2, "cpu", interpret)
     assert both == {"TRITON_INTERPRET": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
