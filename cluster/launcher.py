@@ -31,7 +31,7 @@ from tandem.cluster.pool_controller import (
 )
 from tandem.cluster.ray_start import join_ray, start_local_ray
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
-from tandem.cluster.worker_env import NodePools, WorkerEnvRule
+from tandem.cluster.worker_env import WorkerEnvRule
 from tandem.router.membership import Membership
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint
@@ -94,11 +94,9 @@ class LocalCluster:
             config.ray.thread_policy, num_cores, len(roles)
         )
         source = "--threads" if config.engine.num_threads else config.ray.thread_policy.value
-        env_rule = WorkerEnvRule.of(threads, num_cores, config.engine.device, os.environ)
-        pools = NodePools.at_start(config)
-        env = {role: env_rule.env(role, pools) for role in set(roles)}
-        logger.info("torch threads per worker: %d (%s); worker env %s", threads, source, env)
-        self._threads, self._env_rule = threads, env_rule
+        logger.info("torch threads per worker: %d (%s)", threads, source)
+        self._threads = threads
+        self._env_rule = WorkerEnvRule.of(threads, num_cores, config.engine.device, os.environ)
         await self._start_controller(config)
         timeout_s = config.ray.worker_start_timeout_s
         membership: Membership = await asyncio.wait_for(

@@ -345,7 +345,7 @@ class PoolController:
         info = WorkerInfo(worker_id=worker_id, role=role, state=WorkerLifecycle.STARTING)
         self.state.add(WorkerRecord(info=info, actor=actor, since_s=now_s))
         self._starts[worker_id] = asyncio.create_task(self._bring_up(worker_id, actor))
-        logger.info("pools: starting %s", worker_id)
+        logger.info("pools: starting %s (worker env %s)", worker_id, env)
 
     def worker_env(self, role: WorkerRole) -> dict[str, str]:
         """Variables for a `role` worker starting now. Counted with the targets, so a

@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from tandem.router.config import RouterConfig
-from tandem.router.openai.auth import API_KEY, make_auth_middleware
+from tandem.router.openai.auth import API_KEY, auth_middleware
 from tandem.router.openai.body_checks import check_expect, content_encoding_middleware
 from tandem.router.openai.errors import MAX_BODY_BYTES, error_middleware
 from tandem.router.openai.handlers import OpenAIHandlers
@@ -74,10 +74,9 @@ def make_http_app(
         return web.json_response({"status": "unavailable", **body}, status=503)
 
     handler_tasks = HandlerTasks()
-    middlewares: list[Middleware] = [handler_tasks.middleware, error_middleware]
-    if config.api_key is not None:
-        middlewares.append(make_auth_middleware(config.api_key))
-    middlewares.append(content_encoding_middleware)
+    middlewares: list[Middleware] = [
+        handler_tasks.middleware, error_middleware, auth_middleware, content_encoding_middleware,
+    ]  # fmt: skip
     app = web.Application(client_max_size=config.max_body_bytes, middlewares=middlewares)
     app[HANDLER_TASKS] = handler_tasks
     app[MAX_BODY_BYTES] = config.max_body_bytes

@@ -6,7 +6,6 @@ Probes (`/health`, `/metrics`) stay open so load balancers and Prometheus need n
 from __future__ import annotations
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from tandem.router.api_key import bearer_matches
 from tandem.router.openai.errors import Handler, HttpApiError
@@ -14,8 +13,8 @@ from tandem.router.openai.errors import Handler, HttpApiError
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
-# The key the app wants (set only when it wants one): read by `check_expect`, which runs
-# before the middlewares.
+# The key the app wants (set only when it wants one): read by `auth_middleware` and by
+# `check_expect`, which runs before the middlewares.
 API_KEY = web.AppKey("api_key", bytes)
 
 
@@ -40,13 +39,11 @@ def refusal(request: web.Request, expected: bytes) -> HttpApiError | None:
     return None
 
 
-def make_auth_middleware(api_key: str) -> Middleware:
-    expected = api_key.encode()
-
-    @web.middleware
-    async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if (refused := refusal(request, expected)) is not None:
-            raise refused
-        return await handler(request)
-
-    return auth_middleware
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuses a request without the app's API key (`API_KEY`); passes every request of
+    an app without one."""
+    expected = request.app.get(API_KEY)
+    if expected is not None and (refused := refusal(request, expected)) is not None:
+        raise refused
+    return await handler(request)
