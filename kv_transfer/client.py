@@ -27,6 +27,7 @@ from tandem.kv_transfer.cuda_ipc import Placement
 from tandem.kv_transfer.cuda_ipc_channel import CudaIpcClientChannel, pull_over_ipc
 from tandem.kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
 from tandem.kv_transfer.handle import KvHandle
+from tandem.kv_transfer.idle_channels import DECODE_IDLE_CLOSE_S
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.local import LocalChannel, LocalRegistry
 from tandem.kv_transfer.nccl import NcclError
@@ -47,8 +48,6 @@ BACKENDS = {
     "auto": worker_pb2.KV_BACKEND_AUTO,
 }
 Channel = TcpChannel | LocalChannel | NcclClientChannel | CudaIpcClientChannel
-# A channel no pull used for this long is closed (reopened by the next pull, in ms).
-DEFAULT_IDLE_CLOSE_S = 60.0
 _ChannelKey = tuple[str, str]  # (prefill worker id, endpoint)
 
 
@@ -67,7 +66,7 @@ class KvTransferClient:
         max_num_threads: int = 4,
         max_pooled_bytes: int = 1 << 30,
         auth: ClusterAuth | None = None,
-        idle_close_s: float = DEFAULT_IDLE_CLOSE_S,
+        idle_close_s: float = DECODE_IDLE_CLOSE_S,
     ) -> None:
         """`local_registry`: required by the local backend. `device`: CUDA device of NCCL
         receive buffers (default the current one). `max_pooled_bytes`: idle receive

@@ -6,8 +6,9 @@ host:port of the service's data server (one socket per channel), for NCCL a 2-ra
 communicator, for CUDA IPC the cache's IPC description; AUTO (and every explicit
 GPU choice) is settled by `cuda_ipc.choose_channel_backend` from both workers'
 placements. `Pull` is NCCL's send trigger and CUDA IPC's pin (TCP pulls on its
-socket); `FinishPull` ends a CUDA IPC pull. `CloseChannel` frees a channel; `stop()`
-frees everything.
+socket); `FinishPull` ends a CUDA IPC pull. `CloseChannel` frees a channel, and so
+does the service for an NCCL or CUDA IPC channel no call has used for `idle_close_s`
+(its decode worker is gone, `kv_transfer.idle_channels`); `stop()` frees everything.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tandem.kv_transfer.cuda_ipc import (
 )
 from tandem.kv_transfer.cuda_ipc_channel import CudaIpcServerChannel
 from tandem.kv_transfer.errors import LayoutMismatchError
+from tandem.kv_transfer.idle_channels import PREFILL_IDLE_CLOSE_S, IdleChannels
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.nccl import NCCL_UNIQUE_ID_BYTES, NcclError, load_nccl
 from tandem.kv_transfer.nccl_channel import PREFILL_RANK, NcclServerChannel
@@ -64,6 +66,7 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         auth: ClusterAuth | None = None,
         on_refused: Callable[[], None] | None = None,
         kv_cache: torch.Tensor | None = None,
+        idle_close_s: float = PREFILL_IDLE_CLOSE_S,
     ) -> None:
         """`read_blocks(request_id)`: see `kv_transfer.blocks` (called from transfer
         threads, so it must be thread-safe; KeyError when nothing is held).
@@ -73,7 +76,8 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         are checked by the server's interceptor, see `tandem.proto.cluster_auth`);
         `on_refused` is called (from a transfer thread) for each connection refused.
         `kv_cache`: the paged cache `read_blocks` serves from; a CUDA one is shared with
-        decode workers on this node (cuda_ipc) and places this worker on its GPU."""
+        decode workers on this node (cuda_ipc) and places this worker on its GPU.
+        `idle_close_s`: an NCCL or cuda_ipc channel no call has used this long is closed."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.layout = layout
@@ -85,6 +89,8 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         )
         self._nccl: dict[str, NcclServerChannel] = {}
         self._ipc: dict[str, CudaIpcServerChannel] = {}
+        # When each NCCL and cuda_ipc channel was last used (TCP ones end with their socket).
+        self._idle = IdleChannels(idle_close_s)
         self._kv_cache = kv_cache
         self._ipc_export: bytes | None = None  # the cache's IPC description, made once
         gpu = kv_cache.device if kv_cache is not None and kv_cache.is_cuda else device
@@ -94,8 +100,9 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         # Unpins cuda_ipc pulls whose FinishPull never came (a decode worker that died
         # between its Pull and FinishPull pulls on that channel no more, so the expiry at
-        # the next Pull never ran); started with the first cuda_ipc channel.
-        self._pin_expiry: asyncio.Task | None = None
+        # the next Pull never ran) and closes idle NCCL and cuda_ipc channels; started
+        # with the first of those.
+        self._sweeper: asyncio.Task | None = None
         self._stopped = False
 
     def start(self) -> str:
@@ -105,10 +112,10 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
     async def stop(self) -> None:
         """Close every channel, the data server, its sockets and threads."""
         self._stopped = True
-        if self._pin_expiry is not None:
-            self._pin_expiry.cancel()
-            await asyncio.gather(self._pin_expiry, return_exceptions=True)
-            self._pin_expiry = None
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
         for channel in self._nccl.values():
             channel.close(abort=True)
         self._nccl.clear()
@@ -173,7 +180,7 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         if chosen == "cuda_ipc":
             description = await self._cuda_ipc_export(context)
             self._ipc[channel_id] = CudaIpcServerChannel(channel_id, self.timeout_s)
-            self._start_pin_expiry()
+            self._opened(channel_id)
             return worker_pb2.OpenChannelResponse(
                 channel_id=channel_id,
                 backend=worker_pb2.KV_BACKEND_CUDA_IPC,
@@ -184,16 +191,42 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
             channel_id=channel_id, tcp_endpoint=endpoint, backend=worker_pb2.KV_BACKEND_TCP
         )
 
-    def _start_pin_expiry(self) -> None:
-        if self._pin_expiry is None:
-            self._pin_expiry = asyncio.get_running_loop().create_task(self._expire_pins())
+    def _opened(self, channel_id: str) -> None:
+        """An NCCL or cuda_ipc channel was opened: its idle clock and the sweeper start."""
+        self._idle.touch(channel_id)
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
 
-    async def _expire_pins(self) -> None:
-        """Every half timeout: unpin each cuda_ipc channel's pulls past their deadline."""
+    async def _sweep_forever(self) -> None:
+        """Every half timeout: unpin each cuda_ipc channel's pulls past their deadline,
+        then close the idle channels."""
         while True:
             await asyncio.sleep(self.timeout_s / 2)
             for channel in list(self._ipc.values()):
                 channel.expire()
+            self.close_idle_channels()
+
+    def close_idle_channels(self) -> int:
+        """Close the NCCL and cuda_ipc channels no call has used for `idle_close_s` (one
+        with a pull pinned or sending waits for the next sweep); how many."""
+        closed = 0
+        for channel_id in self._idle.idle():
+            ipc, nccl = self._ipc.get(channel_id), self._nccl.get(channel_id)
+            if (ipc is not None and ipc.num_pinned) or (nccl is not None and nccl.lock.locked()):
+                continue
+            self._idle.forget(channel_id)
+            if ipc is None and nccl is None:  # closed meanwhile (a failed send)
+                continue
+            if ipc is not None:
+                del self._ipc[channel_id]
+                ipc.close()
+            if nccl is not None:
+                del self._nccl[channel_id]
+                nccl.close(abort=True)
+            closed += 1
+            logger.info("KV channel %s: unused for %g s, closed (its decode worker is gone)",
+                        channel_id, self._idle.idle_close_s)  # fmt: skip
+        return closed
 
     async def _cuda_ipc_export(self, context: grpc.aio.ServicerContext) -> bytes:
         if self._ipc_export is None:
@@ -224,18 +257,24 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         channel = NcclServerChannel(channel_id, device, self.timeout_s)
         channel.start_init(request.nccl_unique_id, self._nccl_executor())
         self._nccl[channel_id] = channel
+        self._opened(channel_id)
         logger.info("KV channel %s (nccl) for %s", channel_id, request.decode_worker_id)
 
     async def Pull(
         self, request: worker_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.PullResponse:
         if request.channel_id in self._ipc:
+            self._idle.touch(request.channel_id)
             return await self._pull_ipc(request, context)
         channel = self._nccl.get(request.channel_id)
         if channel is None:
+            # Not NOT_FOUND, which says the request's KV is not held: the channel is what
+            # is missing (closed, or idle too long), and the decode side opens a new one.
             await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"no NCCL channel {request.channel_id!r}"
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"no open NCCL or cuda_ipc channel {request.channel_id!r}",
             )
+        self._idle.touch(request.channel_id)
         loop = asyncio.get_running_loop()
         async with channel.lock:
             try:
@@ -297,6 +336,7 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no cuda_ipc channel {request.channel_id!r}"
             )
+        self._idle.touch(request.channel_id)
         if not channel.finish(request.request_id):
             logger.warning("FinishPull of %s: not pinned (expired?)", request.request_id)
         return worker_pb2.FinishPullResponse()
@@ -317,6 +357,7 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
     async def CloseChannel(
         self, request: worker_pb2.CloseChannelRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.CloseChannelResponse:
+        self._idle.forget(request.channel_id)
         ipc = self._ipc.pop(request.channel_id, None)
         if ipc is not None:
             ipc.close()

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from tandem.kv_transfer import CacheBlocks, KvHandle, KvLayout, KvTransferService, ReadBlocks
+from tandem.kv_transfer.idle_channels import PREFILL_IDLE_CLOSE_S
 from tandem.proto.cluster_auth import ClusterAuth, add_internal_port, internal_server
 from tandem.proto.tandem.worker.v1 import worker_pb2_grpc
 
@@ -81,11 +82,15 @@ async def prefill_server(
     timeout_s: float = 10.0,
     device: str | None = None,
     auth: ClusterAuth | None = None,
+    idle_close_s: float = PREFILL_IDLE_CLOSE_S,
 ) -> AsyncIterator[Prefill]:
     """A KvTransfer server; with `auth`, guarded like a worker's (token interceptor on
     gRPC, token proof on TCP data connections)."""
     auth = auth or ClusterAuth()
-    service = KvTransferService(layout, read_blocks, timeout_s=timeout_s, device=device, auth=auth)
+    service = KvTransferService(
+        layout, read_blocks, timeout_s=timeout_s, device=device, auth=auth,
+        idle_close_s=idle_close_s,
+    )  # fmt: skip
     server = internal_server(auth, options=())
     worker_pb2_grpc.add_KvTransferServicer_to_server(service, server)
     port = add_internal_port(server, "127.0.0.1:0", auth)

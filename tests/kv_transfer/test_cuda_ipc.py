@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import replace
 
+import grpc
 import pytest
 import torch
 
@@ -22,6 +23,8 @@ from tandem.kv_transfer.cuda_ipc import (
 )
 from tandem.kv_transfer.cuda_ipc_channel import CudaIpcServerChannel
 from tandem.kv_transfer.service import KvTransferService
+from tandem.proto.cluster_auth import ClusterAuth, internal_channel
+from tandem.proto.tandem.worker.v1 import worker_pb2, worker_pb2_grpc
 from tandem.worker.config import KvBackend, WorkerSettings, check_kv_backend, resolve_kv_backend
 from tests.helpers.clock import FakeClock
 from tests.helpers.kv_transfer_harness import TINY, FakeEngine, bits, prefill_server, random_cache
@@ -120,7 +123,7 @@ def test_the_service_unpins_a_pull_whose_finish_never_comes() -> None:
     async def scenario() -> None:
         channel = CudaIpcServerChannel("ch", timeout_s=0.2)
         service._ipc["ch"] = channel  # what OpenChannel adds (it needs a CUDA cache)
-        service._start_pin_expiry()
+        service._opened("ch")
         channel.pin("r", CacheBlocks(torch.zeros(1), [3], on_done=lambda: unpinned.append("r")))
         async with asyncio.timeout(5.0):
             while channel.num_pinned:
@@ -129,7 +132,51 @@ def test_the_service_unpins_a_pull_whose_finish_never_comes() -> None:
 
     asyncio.run(scenario())
     assert unpinned == ["r"]
-    assert service._pin_expiry is None
+    assert service._sweeper is None
+
+
+def test_the_service_closes_the_channels_of_a_gone_decode_worker() -> None:
+    """A decode worker killed, or lost with its node, never closes its channels (a live
+    one closes those idle for a minute): the service closes each cuda_ipc channel no
+    call has used for `idle_close_s`, not one a call used since (here FinishPull, over
+    gRPC) nor one with a pull pinned (until that pin ends). A Pull on a closed channel
+    then fails with FAILED_PRECONDITION, on which the decode side opens a new one. (NCCL
+    channels are closed the same way; they need GPUs.)"""
+    idle_close_s = 0.5
+    unpinned: list[str] = []
+
+    async def scenario() -> None:
+        async with prefill_server(TINY, lambda request_id: None, timeout_s=60.0,
+                                  idle_close_s=idle_close_s) as prefill:  # fmt: skip
+            service = prefill.service
+            for channel_id in ("gone", "used", "pinned"):
+                # What OpenChannel adds (it needs a CUDA cache).
+                service._ipc[channel_id] = CudaIpcServerChannel(channel_id, timeout_s=60.0)
+                service._opened(channel_id)
+            service._ipc["pinned"].pin(
+                "r", CacheBlocks(torch.zeros(1), [3], on_done=lambda: unpinned.append("r"))
+            )
+            assert service.close_idle_channels() == 0
+            assert service.stats().num_open_channels == 3
+            await asyncio.sleep(idle_close_s + 0.1)
+            async with internal_channel(prefill.endpoint, ClusterAuth(), options=()) as channel:
+                stub = worker_pb2_grpc.KvTransferStub(channel)
+                finish = worker_pb2.FinishPullRequest(channel_id="used", request_id="x")
+                await stub.FinishPull(finish, timeout=5.0)
+                assert service.close_idle_channels() == 1
+                assert sorted(service._ipc) == ["pinned", "used"] and unpinned == []
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    pull = worker_pb2.PullRequest(channel_id="gone", request_id="r")
+                    await stub.Pull(pull, timeout=5.0)
+            assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "no open NCCL or cuda_ipc channel 'gone'" in str(refused.value.details())
+            service._ipc["pinned"].finish("r")
+            await asyncio.sleep(idle_close_s + 0.1)
+            assert service.close_idle_channels() == 2
+            assert service.stats().num_open_channels == 0
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert unpinned == ["r"]
 
 
 def test_start_up_errors_for_impossible_choices(tiny_model_dir: object) -> None:
