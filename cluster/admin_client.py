@@ -42,6 +42,7 @@ def membership_json(membership: Membership) -> PoolsView:
             "state": w.state.value,
             "node": w.node,
             "pid": w.pid,
+            "threads": w.threads,
             "endpoint": w.endpoint,
             "metrics_url": w.metrics_url,
             "running": w.running,
@@ -204,8 +205,8 @@ def _milliseconds(seconds: float | None) -> str:
 
 def format_table(view: PoolsView) -> str:
     """`tandem pools`'s table."""
-    columns = ("id", "role", "state", "node", "pid", "endpoint", "running", "waiting", "kv_usage",
-               "step_ms", "queue_ms")  # fmt: skip
+    columns = ("id", "role", "state", "node", "pid", "threads", "endpoint", "running", "waiting",
+               "kv_usage", "step_ms", "queue_ms")  # fmt: skip
     rows: list[tuple[str, ...]] = [columns]
     for w in sorted(view["workers"], key=lambda w: (w["role"], w["id"])):
         state = w["state"] + (" (being replaced)" if w.get("being_replaced") else "")

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tandem.cluster.config import ClusterConfig, ThreadPolicy, role_resource
+from tandem.cluster.config import ClusterConfig, role_resource
 from tandem.cluster.controller_link import ControllerLink
 from tandem.cluster.pool_controller import (
     CONTROLLER_NAME,
@@ -31,6 +31,7 @@ from tandem.cluster.pool_controller import (
 )
 from tandem.cluster.ray_start import join_ray, start_local_ray
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
+from tandem.cluster.threads import available_cpus, threads_per_worker
 from tandem.cluster.worker_env import WorkerEnvRule
 from tandem.router.membership import Membership
 from tandem.router.server import Router
@@ -39,14 +40,6 @@ from tandem.router.worker_pool import WorkerEndpoint
 logger = logging.getLogger(__name__)
 
 __all__ = ["ClusterConfig", "LocalCluster"]
-
-
-def threads_per_worker(policy: ThreadPolicy, num_cores: int, num_workers: int) -> int:
-    """torch intra-op threads of each worker on a node of `num_cores` cores running
-    `num_workers` workers (the starting pools)."""
-    if policy is ThreadPolicy.SHARED:
-        return max(1, num_cores)
-    return max(1, num_cores // max(1, num_workers))
 
 
 def release_name(dead: Any) -> None:
@@ -89,7 +82,7 @@ class LocalCluster:
         config = self.config
         roles = config.roles
         self._init_ray()
-        num_cores = os.cpu_count() or 1
+        num_cores = available_cpus()
         threads = config.engine.num_threads or threads_per_worker(
             config.ray.thread_policy, num_cores, len(roles)
         )

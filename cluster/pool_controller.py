@@ -108,6 +108,9 @@ class PoolController:
         self.metrics_url = ""
         self._role_resources = False
         self._advertise_node_ip = False
+        # This node (`tandem serve`'s), whose CPUs `num_threads` counts; None when the
+        # operator gave the threads (`--threads`): every worker runs those.
+        self._home_node: str | None = None
         # Final load of each worker stopped after a drain (for admin views and tests).
         self.drained: dict[str, WorkerLoad] = {}
 
@@ -125,6 +128,8 @@ class PoolController:
         # node's address: loopback would not reach them from other nodes.
         alive_nodes = [node for node in ray.nodes() if node.get("Alive")]
         self._advertise_node_ip = ray_config.address is not None or len(alive_nodes) > 1
+        if self.config.engine.num_threads is None:
+            self._home_node = ray.get_runtime_context().get_node_id()
         await self._start_metrics()
         self._publish()
         self._loop_task = asyncio.create_task(self._reconcile_forever())
@@ -340,7 +345,7 @@ class PoolController:
         if env:
             options["runtime_env"] = {"env_vars": env}
         actor = RemoteWorkerActor.options(**options).remote(
-            worker_config, advertise_node_ip=self._advertise_node_ip
+            worker_config, advertise_node_ip=self._advertise_node_ip, home_node=self._home_node
         )
         info = WorkerInfo(worker_id=worker_id, role=role, state=WorkerLifecycle.STARTING)
         self.state.add(WorkerRecord(info=info, actor=actor, since_s=now_s))
@@ -381,6 +386,7 @@ class PoolController:
             metrics_url=placement.metrics_url,
             node=placement.node,
             pid=placement.pid,
+            threads=placement.num_threads,
         )
         logger.info("pools: %s %s on %s (pid %d)", worker_id,
                     "serving" if state is WorkerLifecycle.SERVING else "up, draining at once: "

@@ -13,8 +13,10 @@ import os
 from typing import TYPE_CHECKING
 
 import ray
+import torch
 
 from tandem.cluster.pool_state import WorkerLoad
+from tandem.cluster.threads import threads_away_from
 from tandem.worker.config import WorkerConfig, WorkerRole
 
 if TYPE_CHECKING:
@@ -33,6 +35,8 @@ class WorkerPlacement:
     # Ray node id (hex) of the worker's node.
     node: str
     pid: int
+    # torch threads the worker's engine runs.
+    num_threads: int
 
 
 def node_host(configured_host: str, node_ip: str) -> str:
@@ -49,13 +53,25 @@ def node_host(configured_host: str, node_ip: str) -> str:
 class WorkerActor:
     """Async actor: its event loop runs the worker's grpc.aio server for its lifetime."""
 
-    def __init__(self, config: WorkerConfig, advertise_node_ip: bool = False) -> None:
+    def __init__(
+        self, config: WorkerConfig, advertise_node_ip: bool = False, home_node: str | None = None
+    ) -> None:
+        """`home_node`: the node whose CPUs `config`'s threads count (None: the operator
+        gave them); on another node the worker counts its own (`cluster.threads`)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         if advertise_node_ip:
             host = node_host(config.settings.host, ray.util.get_node_ip_address())
             if host != config.settings.host:
                 settings = dataclasses.replace(config.settings, host=host)
                 config = dataclasses.replace(config, settings=settings)
+        node = ray.get_runtime_context().get_node_id()
+        home_threads = config.engine.num_threads or 1
+        threads = threads_away_from(home_node, node, home_threads)
+        if threads != home_threads:
+            logger.info("%s: %d torch threads, this node's CPUs (%d on the serve node)",
+                        config.worker_id, threads, home_threads)  # fmt: skip
+            engine = dataclasses.replace(config.engine, num_threads=threads)
+            config = dataclasses.replace(config, engine=engine)
         self.config = config
         self.worker: PrefillWorker | DecodeWorker | None = None
 
@@ -80,6 +96,7 @@ class WorkerActor:
             metrics_url=f"{self.worker.metrics.endpoint}/metrics",
             node=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
+            num_threads=torch.get_num_threads(),
         )
 
     async def load(self) -> WorkerLoad:

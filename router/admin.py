@@ -191,6 +191,7 @@ class PoolsAdmin:
             "state": worker.state.value,
             "node": worker.node,
             "pid": worker.pid,
+            "threads": worker.threads,
             "endpoint": worker.endpoint,
             "metrics_url": worker.metrics_url,
             "running": load.running,

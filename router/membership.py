@@ -54,6 +54,8 @@ class WorkerInfo:
     # A serving worker asked to drain (`tandem drain`, its node going) while the cluster
     # had room for one more: it serves on until a new worker of its role does, then drains.
     being_replaced: bool = False
+    # torch threads of its engine (0 while starting).
+    threads: int = 0
 
 
 @dataclass(frozen=True)

@@ -3,19 +3,24 @@
 Each worker asks for its role's Ray resource, so the prefill worker lands on the node
 that offers `tandem_prefill` and the decode worker on the other; KV crosses nodes
 over TCP (to the node's address, which the workers bind and advertise) and the
-text equals `transformers` greedy generation.
+text equals `transformers` greedy generation. Without `--threads`, a worker on the
+driver's node runs the threads the launcher decided, one on the other node its own
+node's CPUs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from tandem.cluster.config import ThreadPolicy
 from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.ray_start import start_with_retries
+from tandem.cluster.threads import available_cpus
 from tandem.router.membership import WorkerLifecycle
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.hf_reference import hf_greedy
@@ -79,6 +84,29 @@ def test_placement_by_role_and_cross_node_kv(two_nodes, tiny_model_dir):
                 assert worker.metrics_url.startswith(f"http://{node_ip}:"), worker
             got = await generate_tokens(cluster.router.grpc_endpoint, prompts, MAX_TOKENS)
             assert got == expected
+            await assert_idle(membership, auth=cluster.config.worker.cluster_auth)
+        finally:
+            await cluster.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_on_another_node_counts_that_nodes_cpus(two_nodes, tiny_model_dir):
+    """`split` without `--threads`: the launcher (on the driver's node, the prefill one)
+    gives each of the two starting workers half of its CPUs; the decode worker, on the
+    other node, runs all of that node's (one machine here: the same count)."""
+    config = cluster_config(tiny_model_dir)
+    config.engine = dataclasses.replace(config.engine, num_threads=None)
+    config.ray = dataclasses.replace(config.ray, thread_policy=ThreadPolicy.SPLIT)
+
+    async def scenario() -> None:
+        cluster = LocalCluster(config)
+        try:
+            await cluster.start()
+            membership = await cluster.membership()
+            threads = {w.role.value: w.threads for w in membership.workers}
+            cpus = available_cpus()
+            assert threads == {"prefill": max(1, cpus // 2), "decode": cpus}
             await assert_idle(membership, auth=cluster.config.worker.cluster_auth)
         finally:
             await cluster.stop()

@@ -61,6 +61,8 @@ def test_pools_and_scale_commands_through_the_controller(ray_session, tiny_model
             states = sorted((w["role"], w["state"]) for w in view["workers"])
             assert states == [("decode", "serving")] * 2 + [("prefill", "serving")]
             assert all(w["pid"] > 0 and w["endpoint"] for w in view["workers"])
+            # The test clusters give every worker --threads 1.
+            assert [w["threads"] for w in view["workers"]] == [1, 1, 1]
 
             # Drain one worker through the router's HTTP admin API: returns 0 once it
             # stopped; the target stays, so a replacement starts. Unknown: exit 2.

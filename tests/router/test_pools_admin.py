@@ -80,9 +80,9 @@ def test_get_pools_lists_workers_and_targets(pools):
     assert body["targets"] == {"prefill": 1, "decode": 1}
     assert sorted(w["role"] for w in body["workers"]) == ["decode", "prefill"]
     for worker in body["workers"]:
-        assert set(worker) >= {"id", "role", "state", "node", "pid", "endpoint", "metrics_url",
-                               "running", "waiting", "kv_usage", "predicted_step_s",
-                               "predicted_queue_s"}  # fmt: skip
+        assert set(worker) >= {"id", "role", "state", "node", "pid", "threads", "endpoint",
+                               "metrics_url", "running", "waiting", "kv_usage",
+                               "predicted_step_s", "predicted_queue_s"}  # fmt: skip
         assert worker["state"] == "serving" and worker["endpoint"]
         assert 0.0 <= worker["kv_usage"] <= 1.0
         # The router's latency models: a decode worker's next step (idle: its fixed cost

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(tandem/proto/tandem/admin/v1/admin.proto\x12\x0ftandem.admin.v1\"\x11\n\x0fGetPoolsRequest\"U\n\x11ScalePoolsRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\".\n\x0bPoolTargets\x12\x0f\n\x07prefill\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\r\"\xf4\x01\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x06 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x16\n\x0e\x62\x65ing_replaced\x18\x0b \x01(\x08\x12\x18\n\x10predicted_step_s\x18\x0c \x01(\x01\x12\x19\n\x11predicted_queue_s\x18\r \x01(\x01\"5\n\x0bRestartHold\x12\x10\n\x08\x66\x61ilures\x18\x01 \x01(\r\x12\x14\n\x0cuntil_unix_s\x18\x02 \x01(\x01\"\xa4\x02\n\rPoolsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.admin.v1.Worker\x12-\n\x07targets\x18\x02 \x01(\x0b\x32\x1c.tandem.admin.v1.PoolTargets\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\r\n\x05owner\x18\x04 \x01(\t\x12G\n\rrestart_holds\x18\x05 \x03(\x0b\x32\x30.tandem.admin.v1.PoolsResponse.RestartHoldsEntry\x1aQ\n\x11RestartHoldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.tandem.admin.v1.RestartHold:\x02\x38\x01\x32\xfb\x01\n\x05\x41\x64min\x12L\n\x08GetPools\x12 .tandem.admin.v1.GetPoolsRequest\x1a\x1e.tandem.admin.v1.PoolsResponse\x12P\n\nScalePools\x12\".tandem.admin.v1.ScalePoolsRequest\x1a\x1e.tandem.admin.v1.PoolsResponse\x12R\n\x0b\x44rainWorker\x12#.tandem.admin.v1.DrainWorkerRequest\x1a\x1e.tandem.admin.v1.PoolsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(tandem/proto/tandem/admin/v1/admin.proto\x12\x0ftandem.admin.v1\"\x11\n\x0fGetPoolsRequest\"U\n\x11ScalePoolsRequest\x12\x14\n\x07prefill\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x06\x64\x65\x63ode\x18\x02 \x01(\rH\x01\x88\x01\x01\x42\n\n\x08_prefillB\t\n\x07_decode\"\'\n\x12\x44rainWorkerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\".\n\x0bPoolTargets\x12\x0f\n\x07prefill\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65\x63ode\x18\x02 \x01(\r\"\x85\x02\n\x06Worker\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0c\n\x04node\x18\x04 \x01(\t\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x06 \x01(\t\x12\x13\n\x0bmetrics_url\x18\x07 \x01(\t\x12\x0f\n\x07running\x18\x08 \x01(\r\x12\x0f\n\x07waiting\x18\t \x01(\r\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x16\n\x0e\x62\x65ing_replaced\x18\x0b \x01(\x08\x12\x18\n\x10predicted_step_s\x18\x0c \x01(\x01\x12\x19\n\x11predicted_queue_s\x18\r \x01(\x01\x12\x0f\n\x07threads\x18\x0e \x01(\r\"5\n\x0bRestartHold\x12\x10\n\x08\x66\x61ilures\x18\x01 \x01(\r\x12\x14\n\x0cuntil_unix_s\x18\x02 \x01(\x01\"\xa4\x02\n\rPoolsResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.admin.v1.Worker\x12-\n\x07targets\x18\x02 \x01(\x0b\x32\x1c.tandem.admin.v1.PoolTargets\x12\x0f\n\x07version\x18\x03 \x01(\x04\x12\r\n\x05owner\x18\x04 \x01(\t\x12G\n\rrestart_holds\x18\x05 \x03(\x0b\x32\x30.tandem.admin.v1.PoolsResponse.RestartHoldsEntry\x1aQ\n\x11RestartHoldsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.tandem.admin.v1.RestartHold:\x02\x38\x01\x32\xfb\x01\n\x05\x41\x64min\x12L\n\x08GetPools\x12 .tandem.admin.v1.GetPoolsRequest\x1a\x1e.tandem.admin.v1.PoolsResponse\x12P\n\nScalePools\x12\".tandem.admin.v1.ScalePoolsRequest\x1a\x1e.tandem.admin.v1.PoolsResponse\x12R\n\x0b\x44rainWorker\x12#.tandem.admin.v1.DrainWorkerRequest\x1a\x1e.tandem.admin.v1.PoolsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,13 +42,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_POOLTARGETS']._serialized_start=208
   _globals['_POOLTARGETS']._serialized_end=254
   _globals['_WORKER']._serialized_start=257
-  _globals['_WORKER']._serialized_end=501
-  _globals['_RESTARTHOLD']._serialized_start=503
-  _globals['_RESTARTHOLD']._serialized_end=556
-  _globals['_POOLSRESPONSE']._serialized_start=559
-  _globals['_POOLSRESPONSE']._serialized_end=851
-  _globals['_POOLSRESPONSE_RESTARTHOLDSENTRY']._serialized_start=770
-  _globals['_POOLSRESPONSE_RESTARTHOLDSENTRY']._serialized_end=851
-  _globals['_ADMIN']._serialized_start=854
-  _globals['_ADMIN']._serialized_end=1105
+  _globals['_WORKER']._serialized_end=518
+  _globals['_RESTARTHOLD']._serialized_start=520
+  _globals['_RESTARTHOLD']._serialized_end=573
+  _globals['_POOLSRESPONSE']._serialized_start=576
+  _globals['_POOLSRESPONSE']._serialized_end=868
+  _globals['_POOLSRESPONSE_RESTARTHOLDSENTRY']._serialized_start=787
+  _globals['_POOLSRESPONSE_RESTARTHOLDSENTRY']._serialized_end=868
+  _globals['_ADMIN']._serialized_start=871
+  _globals['_ADMIN']._serialized_end=1122
 # @@protoc_insertion_point(module_scope)

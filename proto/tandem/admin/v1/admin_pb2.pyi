@@ -33,7 +33,7 @@ class PoolTargets(_message.Message):
     def __init__(self, prefill: _Optional[int] = ..., decode: _Optional[int] = ...) -> None: ...
 
 class Worker(_message.Message):
-    __slots__ = ("id", "role", "state", "node", "pid", "endpoint", "metrics_url", "running", "waiting", "kv_usage", "being_replaced", "predicted_step_s", "predicted_queue_s")
+    __slots__ = ("id", "role", "state", "node", "pid", "endpoint", "metrics_url", "running", "waiting", "kv_usage", "being_replaced", "predicted_step_s", "predicted_queue_s", "threads")
     ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class Worker(_message.Message):
     BEING_REPLACED_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_STEP_S_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
     id: str
     role: str
     state: str
@@ -60,7 +61,8 @@ class Worker(_message.Message):
     being_replaced: bool
     predicted_step_s: float
     predicted_queue_s: float
-    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., metrics_url: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., being_replaced: _Optional[bool] = ..., predicted_step_s: _Optional[float] = ..., predicted_queue_s: _Optional[float] = ...) -> None: ...
+    threads: int
+    def __init__(self, id: _Optional[str] = ..., role: _Optional[str] = ..., state: _Optional[str] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., endpoint: _Optional[str] = ..., metrics_url: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_usage: _Optional[float] = ..., being_replaced: _Optional[bool] = ..., predicted_step_s: _Optional[float] = ..., predicted_queue_s: _Optional[float] = ..., threads: _Optional[int] = ...) -> None: ...
 
 class RestartHold(_message.Message):
     __slots__ = ("failures", "until_unix_s")

@@ -1,0 +1,41 @@
+"""How many torch threads a worker runs when `--threads` is not given.
+
+A worker may use fewer CPUs than its machine has: a container's CPU limit (a cgroup
+quota: Kubernetes `resources.limits.cpu`, `docker run --cpus`) or CPU set (affinity)
+leaves `os.cpu_count()` at every CPU of the host, and a worker that ran that many
+OpenMP threads under an 8-CPU quota would be throttled most of each scheduling period.
+`available_cpus` counts what the process may use (joblib's count: the smallest of the
+CPU count, the affinity and the cgroup quota). `tandem serve` decides the threads of the
+workers on its own node from it (`--thread-policy`); a worker that Ray places on another
+node (a Kubernetes worker pod, a node that joined with `ray start`) counts that node's
+CPUs itself as it starts (`threads_away_from`): all of them, one worker per node, as the
+Helm chart's pods hold one each.
+"""
+
+from __future__ import annotations
+
+import joblib
+
+from tandem.cluster.config import ThreadPolicy
+
+
+def available_cpus() -> int:
+    """The CPUs this process may use (affinity and cgroup quota counted); at least 1."""
+    return max(1, joblib.cpu_count(only_physical_cores=False))
+
+
+def threads_per_worker(policy: ThreadPolicy, num_cores: int, num_workers: int) -> int:
+    """torch intra-op threads of each worker on a node of `num_cores` cores running
+    `num_workers` workers (the starting pools)."""
+    if policy is ThreadPolicy.SHARED:
+        return max(1, num_cores)
+    return max(1, num_cores // max(1, num_workers))
+
+
+def threads_away_from(home_node: str | None, node: str, home_threads: int) -> int:
+    """The threads of a worker on `node`: `home_threads` (decided by `tandem serve`)
+    on its node `home_node` or when the operator gave them (`home_node` None), else the
+    CPUs this process may use on its own node."""
+    if home_node is None or node == home_node:
+        return home_threads
+    return available_cpus()
