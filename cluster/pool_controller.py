@@ -39,7 +39,7 @@ from tandem.cluster.ray_nodes import check_drainable, keep_new_actors_off
 from tandem.cluster.restart_backoff import BackoffPolicy
 from tandem.cluster.traffic_totals import TrafficTotals
 from tandem.cluster.worker_actor import RemoteWorkerActor, WorkerPlacement, node_host
-from tandem.cluster.worker_env import NodePools, WorkerEnvRule
+from tandem.cluster.worker_env import NodePools, WorkerEnvRule, node_capacity
 from tandem.planner.observe import Counters
 from tandem.router.membership import (
     Membership,
@@ -358,8 +358,10 @@ class PoolController:
         (the first keeps what it started with: a process's wait policy is fixed)."""
         if self.env_rule is None:
             return {}
-        now = NodePools.of_counts(self.state.targets)
-        return self.env_rule.env(role, self.start_pools.widest(now))
+        pools = self.start_pools.widest(NodePools.of_counts(self.state.targets))
+        if self._role_resources and (most := node_capacity(role, ray.nodes())) is not None:
+            pools = pools.capped(most)
+        return self.env_rule.env(role, pools)
 
     async def _bring_up(self, worker_id: str, actor) -> None:
         timeout_s = self.config.ray.worker_start_timeout_s

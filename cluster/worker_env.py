@@ -28,7 +28,11 @@ runs in `auto` mode, the most decode workers its budget may turn them into (the 
 less one prefill worker). A second decode worker that `tandem scale` adds to 1P+1D thus
 sleeps its threads (1P+2D on 2 cores: 155.4 output tok/s at concurrency 8, against 61.5
 with it spinning as the first one does), and under the planner the first decode worker
-already sleeps when the budget allows two. A wait policy the operator set
+already sleeps when the budget allows two. Where workers are placed by role resources,
+no more of them share a node than the role resources one node offers
+(`node_capacity`, the most over the nodes that can take the worker): the Helm chart's
+pods offer one each, so a worker there keeps its spin however many pods run. A wait
+policy the operator set
 (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment of `tandem serve`) is left
 alone, and nothing is set for GPU workers.
 
@@ -42,8 +46,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from tandem.cluster.config import role_resource
 from tandem.planner.live_config import PlannerMode
 from tandem.worker.config import WorkerRole
 
@@ -53,8 +58,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class NodePools:
-    """How many workers share a node's cores (every worker of the pools is counted as on
-    one node, as `threads_per_worker` does)."""
+    """How many workers share a node's cores: every worker of the pools counted as on one
+    node, as `threads_per_worker` does, unless the nodes' role resources say one node
+    holds fewer (`capped`)."""
 
     num_workers: int
     # Decode and colocated workers among them (they step at the same time).
@@ -87,6 +93,28 @@ class NodePools:
             max(self.num_workers, other.num_workers),
             max(self.num_decode_capable, other.num_decode_capable),
         )
+
+    def capped(self, most: NodePools) -> NodePools:
+        """The smaller count of each kind: these pools on a node that holds at most
+        `most`."""
+        return NodePools(
+            min(self.num_workers, most.num_workers),
+            min(self.num_decode_capable, most.num_decode_capable),
+        )
+
+
+def node_capacity(role: WorkerRole, nodes: Iterable[Mapping[str, Any]]) -> NodePools | None:
+    """The most workers one alive node that can take a `role` worker holds, by the role
+    resources it offers (`nodes`: `ray.nodes()` entries); None when no node offers the
+    role's resource."""
+    most: NodePools | None = None
+    for node in nodes:
+        offered = node.get("Resources", {})
+        if not node.get("Alive") or offered.get(role_resource(role), 0) <= 0:
+            continue
+        slots = NodePools.of_counts({r: int(offered.get(role_resource(r), 0)) for r in WorkerRole})
+        most = slots if most is None else most.widest(slots)
+    return most
 
 
 # Environment variables that already say how OpenMP threads wait.

@@ -10,7 +10,7 @@ from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.cluster.config import RayConfig, ThreadPolicy
 from tandem.cluster.pool_controller import PoolController
 from tandem.cluster.threads import available_cpus, threads_away_from, threads_per_worker
-from tandem.cluster.worker_env import NodePools, WorkerEnvRule
+from tandem.cluster.worker_env import NodePools, WorkerEnvRule, node_capacity
 from tandem.worker.config import WorkerRole
 
 
@@ -140,3 +140,24 @@ def test_a_decode_worker_that_scale_adds_sleeps_where_two_oversubscribe(tiny_mod
     # Back to one: a replacement decode worker spins again.
     controller.state.set_targets({prefill: 1, decode: 1})
     assert controller.worker_env(decode) == {}
+
+
+def test_node_capacity_counts_the_role_resources_one_node_offers() -> None:
+    """`ray.nodes()` entries: Helm's shape (a head without workers, one worker's role
+    resource per pod) holds one worker a node; a local node offers the budget of each."""
+    prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
+
+    def node(alive: bool = True, **resources: float) -> dict:
+        return {"Alive": alive, "Resources": {"CPU": 8.0, **resources}}
+
+    helm = [node(), node(tandem_prefill=1), node(tandem_decode=1), node(tandem_decode=1)]
+    assert node_capacity(decode, helm) == NodePools(1, 1)
+    assert node_capacity(prefill, helm) == NodePools(1, 0)
+    assert node_capacity(WorkerRole.COLOCATED, helm) is None  # no node takes one
+    local = [node(tandem_prefill=3, tandem_decode=3)]
+    assert node_capacity(decode, local) == NodePools(6, 3)
+    # A dead node's resources are not counted.
+    gone = [node(tandem_decode=1), node(alive=False, tandem_decode=4, tandem_prefill=4)]
+    assert node_capacity(decode, gone) == NodePools(1, 1)
+    # Capped: 1P+2D counted as on one node, on a node that holds one worker.
+    assert NodePools(3, 2).capped(NodePools(1, 1)) == NodePools(1, 1)
