@@ -31,8 +31,9 @@ from tandem.cluster.pool_controller import (
 )
 from tandem.cluster.ray_start import join_ray, start_local_ray
 from tandem.cluster.router_process import AttachedRouter, serving_endpoints
-from tandem.cluster.threads import available_cpus, threads_per_worker
+from tandem.cluster.threads import threads_per_worker
 from tandem.cluster.worker_env import WorkerEnvRule
+from tandem.engine.host_cpus import available_cpus
 from tandem.router.membership import Membership
 from tandem.router.server import Router
 from tandem.router.worker_pool import WorkerEndpoint

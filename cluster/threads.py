@@ -1,27 +1,17 @@
 """How many torch threads a worker runs when `--threads` is not given.
 
-A worker may use fewer CPUs than its machine has: a container's CPU limit (a cgroup
-quota: Kubernetes `resources.limits.cpu`, `docker run --cpus`) or CPU set (affinity)
-leaves `os.cpu_count()` at every CPU of the host, and a worker that ran that many
-OpenMP threads under an 8-CPU quota would be throttled most of each scheduling period.
-`available_cpus` counts what the process may use (joblib's count: the smallest of the
-CPU count, the affinity and the cgroup quota). `tandem serve` decides the threads of the
-workers on its own node from it (`--thread-policy`); a worker that Ray places on another
-node (a Kubernetes worker pod, a node that joined with `ray start`) counts that node's
-CPUs itself as it starts (`threads_away_from`): all of them, one worker per node, as the
-Helm chart's pods hold one each.
+Counted from the CPUs the process may use (`engine.host_cpus.available_cpus`: affinity
+and a container's CPU quota counted, not every CPU of the host). `tandem serve` decides
+the threads of the workers on its own node (`--thread-policy`); a worker that Ray places
+on another node (a Kubernetes worker pod, a node that joined with `ray start`) counts
+that node's CPUs itself as it starts (`threads_away_from`): all of them, one worker per
+node, as the Helm chart's pods hold one each.
 """
 
 from __future__ import annotations
 
-import joblib
-
 from tandem.cluster.config import ThreadPolicy
-
-
-def available_cpus() -> int:
-    """The CPUs this process may use (affinity and cgroup quota counted); at least 1."""
-    return max(1, joblib.cpu_count(only_physical_cores=False))
+from tandem.engine.host_cpus import available_cpus
 
 
 def threads_per_worker(policy: ThreadPolicy, num_cores: int, num_workers: int) -> int:

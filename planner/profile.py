@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
-import os
 import platform
 import statistics
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from tandem.engine.config import EngineConfig, EngineMode
+from tandem.engine.host_cpus import available_cpus
 from tandem.engine.llm_engine import Engine
 from tandem.engine.sampling_params import SamplingParams
 from tandem.planner.profile_format import (
@@ -108,7 +108,7 @@ def measure_profile(
             "device": device,
             "processor": platform.processor() or platform.machine(),
             "num_threads": torch.get_num_threads(),
-            "num_cores": os.cpu_count(),
+            "num_cores": available_cpus(),
             "dtype": str(config.torch_dtype).removeprefix("torch."),
             "torch": torch.__version__,
             "cuda": torch.cuda.get_device_name() if device.startswith("cuda") else None,

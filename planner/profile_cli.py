@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,15 +36,16 @@ def run_profile(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").is_file():
         print(f"tandem profile: --model {args.model}: no config.json there", file=sys.stderr)
         return EXIT_USAGE
+    from tandem.engine.host_cpus import available_cpus
     from tandem.planner.profile import measure_profile
     from tandem.planner.profile_format import save_profile
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     try:
-        # `tandem serve`'s default thread policy (shared) gives each worker every core;
-        # torch's own default can be fewer (physical cores, not logical CPUs).
-        threads = args.threads or os.cpu_count() or 1
+        # `tandem serve`'s default thread policy (shared) gives each worker every CPU it
+        # may use; torch's own default can be fewer (physical cores, not logical CPUs).
+        threads = args.threads or available_cpus()
         profile = measure_profile(args.model, device, threads, args.quick)
     except ValueError as exc:
         print(f"tandem profile: {exc}", file=sys.stderr)

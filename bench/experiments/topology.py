@@ -49,6 +49,7 @@ from tandem.bench.report import (
     write_json,
 )
 from tandem.engine.config import EngineConfig
+from tandem.engine.host_cpus import available_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,7 @@ def render_rows(results: Results, peer_label: str) -> list[list[str]]:
 def render(
     results: Results, plan: TopologyPlan, command: str, facts: Mapping[str, Any], dtype: str
 ) -> str:
-    threads = os.cpu_count() or 1
+    threads = available_cpus()
     header = ["system · concurrency", "out tok/s", "÷ peer", "per round", "÷ plain peer",
               "TTFT p50 ms",
               "ITL p50 ms", "CPU ms/token", "failed"]  # fmt: skip

@@ -35,6 +35,7 @@ from tandem.bench.loadgen.workloads import FixedWorkload, Vocab, take
 from tandem.bench.planner.fidelity_sweep import TARGET_ATTAINMENT, Cell, RatePoint, SweepSettings
 from tandem.bench.planner.fidelity_table import METRICS, Pair, Row, render, summary_line
 from tandem.bench.report import machine_facts, machine_sentence, publish, run_block, write_json
+from tandem.engine.host_cpus import available_cpus
 from tandem.planner.profile import ProfileGrid, measure_profile
 from tandem.planner.profile_format import Profile, load_profile, save_profile
 from tandem.planner.profile_model import LatencyLaws
@@ -88,7 +89,7 @@ def _profile(args: argparse.Namespace, model: Path) -> tuple[Profile, str]:
     if args.profile is not None:
         return load_profile(args.profile), f"Profile: `{args.profile}` (`tandem profile`)."
     # `--thread-policy shared` (serve's default) gives every worker all the cores.
-    threads = os.cpu_count() or 1
+    threads = available_cpus()
     grid = ProfileGrid.make(True) if args.quick else PROFILE_GRID
     started = time.perf_counter()
     profile = measure_profile(str(model), "cpu", threads, quick=args.quick, grid=grid)
@@ -206,7 +207,7 @@ def main(args: argparse.Namespace) -> int:
     profile, profile_note = _profile(args, model)
     laws = LatencyLaws.fit(profile)
     threads = int(profile.hardware.get("num_threads") or 1)
-    num_cores = int(profile.hardware.get("num_cores") or os.cpu_count() or 1)
+    num_cores = int(profile.hardware.get("num_cores") or available_cpus())
     settings = {
         True: SimSettings(profile.engine, shared_cores=num_cores, threads_per_worker=threads),
         False: SimSettings(profile.engine),

@@ -21,7 +21,7 @@ from ray.cluster_utils import Cluster
 from tandem.cluster.config import ThreadPolicy
 from tandem.cluster.launcher import LocalCluster
 from tandem.cluster.ray_start import start_with_retries
-from tandem.cluster.threads import available_cpus
+from tandem.engine.host_cpus import available_cpus
 from tandem.router.membership import WorkerLifecycle
 from tests.helpers.grpc_calls import generate_tokens
 from tests.helpers.hf_reference import hf_greedy
