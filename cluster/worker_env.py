@@ -32,9 +32,8 @@ already sleeps when the budget allows two. Where workers are placed by role reso
 no more of them share a node than the role resources one node offers
 (`node_capacity`, the most over the nodes that can take the worker): the Helm chart's
 pods offer one each, so a worker there keeps its spin however many pods run. A wait
-policy the operator set
-(`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment of `tandem serve`) is left
-alone, and nothing is set for GPU workers.
+policy the operator set (`OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` in the environment of
+`tandem serve`) is left alone, and nothing is set for GPU workers.
 
 Variables of `tandem serve`'s own environment that decide how a worker runs (the wait
 policy above, `TRITON_INTERPRET`, which start-up checked the attention backend
