@@ -96,7 +96,8 @@ class WorkerActor:
             metrics_url=f"{self.worker.metrics.endpoint}/metrics",
             node=ray.get_runtime_context().get_node_id(),
             pid=os.getpid(),
-            num_threads=torch.get_num_threads(),
+            # What its engine was told to run (torch's count is per OpenMP thread).
+            num_threads=self.config.engine.num_threads or torch.get_num_threads(),
         )
 
     async def load(self) -> WorkerLoad:
