@@ -33,7 +33,7 @@ import ray
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from tandem.cluster.config import ClusterConfig, role_resource
+from tandem.cluster.config import ClusterConfig, ThreadPolicy, role_resource
 from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
 from tandem.cluster.ray_nodes import check_drainable, keep_new_actors_off
 from tandem.cluster.restart_backoff import BackoffPolicy
@@ -341,27 +341,36 @@ class PoolController:
             options["num_gpus"] = needs.pop("GPU")
         if needs:
             options["resources"] = needs
-        env = self.worker_env(role)
+        node_pools = self.node_pools(role)
+        env = self.env_rule.env(role, node_pools) if self.env_rule is not None else {}
         if env:
             options["runtime_env"] = {"env_vars": env}
+        # On another node than this one the worker counts that node's CPUs, all of them
+        # (`shared`) or its share among the workers the node may hold (`split`).
+        share = node_pools.num_workers if self.config.ray.thread_policy is ThreadPolicy.SPLIT else 1
         actor = RemoteWorkerActor.options(**options).remote(
-            worker_config, advertise_node_ip=self._advertise_node_ip, home_node=self._home_node
-        )
+            worker_config, advertise_node_ip=self._advertise_node_ip, home_node=self._home_node,
+            away_share=share,
+        )  # fmt: skip
         info = WorkerInfo(worker_id=worker_id, role=role, state=WorkerLifecycle.STARTING)
         self.state.add(WorkerRecord(info=info, actor=actor, since_s=now_s))
         self._starts[worker_id] = asyncio.create_task(self._bring_up(worker_id, actor))
         logger.info("pools: starting %s (worker env %s)", worker_id, env)
 
     def worker_env(self, role: WorkerRole) -> dict[str, str]:
-        """Variables for a `role` worker starting now. Counted with the targets, so a
-        second decode worker that `tandem scale` adds on a node sleeps its OpenMP threads
-        (the first keeps what it started with: a process's wait policy is fixed)."""
-        if self.env_rule is None:
-            return {}
+        """Variables for a `role` worker starting now (see `node_pools`)."""
+        return self.env_rule.env(role, self.node_pools(role)) if self.env_rule is not None else {}
+
+    def node_pools(self, role: WorkerRole) -> NodePools:
+        """The workers a `role` worker starting now may share a node with, itself
+        included: the targets then or the pools set at start, whichever are more (so a
+        second decode worker that `tandem scale` adds on a node sleeps its OpenMP
+        threads; the first keeps what it started with, a process's wait policy being
+        fixed), and no more than one node that can take it holds by its role resources."""
         pools = self.start_pools.widest(NodePools.of_counts(self.state.targets))
         if self._role_resources and (most := node_capacity(role, ray.nodes())) is not None:
             pools = pools.capped(most)
-        return self.env_rule.env(role, pools)
+        return pools
 
     async def _bring_up(self, worker_id: str, actor) -> None:
         timeout_s = self.config.ray.worker_start_timeout_s

@@ -54,10 +54,15 @@ class WorkerActor:
     """Async actor: its event loop runs the worker's grpc.aio server for its lifetime."""
 
     def __init__(
-        self, config: WorkerConfig, advertise_node_ip: bool = False, home_node: str | None = None
+        self,
+        config: WorkerConfig,
+        advertise_node_ip: bool = False,
+        home_node: str | None = None,
+        away_share: int = 1,
     ) -> None:
         """`home_node`: the node whose CPUs `config`'s threads count (None: the operator
-        gave them); on another node the worker counts its own (`cluster.threads`)."""
+        gave them); on another node the worker runs its node's CPUs divided by
+        `away_share` (`cluster.threads`)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         if advertise_node_ip:
             host = node_host(config.settings.host, ray.util.get_node_ip_address())
@@ -66,7 +71,7 @@ class WorkerActor:
                 config = dataclasses.replace(config, settings=settings)
         node = ray.get_runtime_context().get_node_id()
         home_threads = config.engine.num_threads or 1
-        threads = threads_away_from(home_node, node, home_threads)
+        threads = threads_away_from(home_node, node, home_threads, away_share)
         if threads != home_threads:
             logger.info("%s: %d torch threads, this node's CPUs (%d on the serve node)",
                         config.worker_id, threads, home_threads)  # fmt: skip

@@ -30,6 +30,8 @@ def test_a_worker_away_from_the_serve_node_counts_its_own_cpus() -> None:
     assert threads_away_from("home", "home", 3) == 3
     assert threads_away_from(None, "other", 3) == 3  # --threads given: every worker runs them
     assert threads_away_from("home", "other", 3) == available_cpus()
+    # `split` on a node that may hold two workers: half of it (at least one thread).
+    assert threads_away_from("home", "other", 3, share=2) == max(1, available_cpus() // 2)
 
 
 def test_thread_policy_flag(tiny_model_dir) -> None:
