@@ -357,10 +357,6 @@ class PoolController:
         self._starts[worker_id] = asyncio.create_task(self._bring_up(worker_id, actor))
         logger.info("pools: starting %s (worker env %s)", worker_id, env)
 
-    def worker_env(self, role: WorkerRole) -> dict[str, str]:
-        """Variables for a `role` worker starting now (see `node_pools`)."""
-        return self.env_rule.env(role, self.node_pools(role)) if self.env_rule is not None else {}
-
     def node_pools(self, role: WorkerRole) -> NodePools:
         """The workers a `role` worker starting now may share a node with, itself
         included: the targets then or the pools set at start, whichever are more (so a

@@ -120,13 +120,18 @@ def test_a_decode_worker_that_scale_adds_sleeps_where_two_oversubscribe(tiny_mod
     rule = WorkerEnvRule.of(2, 2, "cpu", {"HOME": "/root"})
     controller = PoolController(config, 2, rule)
     prefill, decode = WorkerRole.PREFILL, WorkerRole.DECODE
-    assert controller.worker_env(decode) == {}
-    assert controller.worker_env(prefill) == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+    def worker_env(role: WorkerRole) -> dict[str, str]:
+        """What the controller gives a `role` worker it starts now."""
+        return rule.env(role, controller.node_pools(role))
+
+    assert worker_env(decode) == {}
+    assert worker_env(prefill) == {"OMP_WAIT_POLICY": "PASSIVE"}
     controller.state.set_targets({prefill: 1, decode: 2})
-    assert controller.worker_env(decode) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert worker_env(decode) == {"OMP_WAIT_POLICY": "PASSIVE"}
     # Back to one: a replacement decode worker spins again.
     controller.state.set_targets({prefill: 1, decode: 1})
-    assert controller.worker_env(decode) == {}
+    assert worker_env(decode) == {}
 
 
 def test_node_capacity_counts_the_role_resources_one_node_offers() -> None:
