@@ -69,9 +69,11 @@ class WorkerActor:
             if host != config.settings.host:
                 settings = dataclasses.replace(config.settings, host=host)
                 config = dataclasses.replace(config, settings=settings)
-        node = ray.get_runtime_context().get_node_id()
         home_threads = config.engine.num_threads or 1
-        threads = threads_away_from(home_node, node, home_threads, away_share)
+        threads = home_threads
+        if home_node is not None:  # (asks Ray only then: tests build the actor without Ray)
+            node = ray.get_runtime_context().get_node_id()
+            threads = threads_away_from(home_node, node, home_threads, away_share)
         if threads != home_threads:
             logger.info("%s: %d torch threads, this node's CPUs (%d on the serve node)",
                         config.worker_id, threads, home_threads)  # fmt: skip
