@@ -33,10 +33,11 @@ import ray
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from tandem.cluster.config import ClusterConfig, ThreadPolicy, role_resource
+from tandem.cluster.config import ClusterConfig, role_resource
 from tandem.cluster.pool_state import PoolState, WorkerLoad, WorkerRecord
 from tandem.cluster.ray_nodes import check_drainable, keep_new_actors_off
 from tandem.cluster.restart_backoff import BackoffPolicy
+from tandem.cluster.threads import AwayThreads
 from tandem.cluster.traffic_totals import TrafficTotals
 from tandem.cluster.worker_actor import RemoteWorkerActor, WorkerPlacement, node_host
 from tandem.cluster.worker_env import NodePools, WorkerEnvRule, node_capacity
@@ -345,13 +346,13 @@ class PoolController:
         env = self.env_rule.env(role, node_pools) if self.env_rule is not None else {}
         if env:
             options["runtime_env"] = {"env_vars": env}
-        # On another node than this one the worker counts that node's CPUs, all of them
-        # (`shared`) or its share among the workers the node may hold (`split`).
-        share = node_pools.num_workers if self.config.ray.thread_policy is ThreadPolicy.SPLIT else 1
+        away = None
+        if self._home_node is not None:
+            policy = self.config.ray.thread_policy
+            away = AwayThreads(self._home_node, policy, node_pools.num_workers)
         actor = RemoteWorkerActor.options(**options).remote(
-            worker_config, advertise_node_ip=self._advertise_node_ip, home_node=self._home_node,
-            away_share=share,
-        )  # fmt: skip
+            worker_config, advertise_node_ip=self._advertise_node_ip, away=away
+        )
         info = WorkerInfo(worker_id=worker_id, role=role, state=WorkerLifecycle.STARTING)
         self.state.add(WorkerRecord(info=info, actor=actor, since_s=now_s))
         self._starts[worker_id] = asyncio.create_task(self._bring_up(worker_id, actor))

@@ -16,7 +16,7 @@ import ray
 import torch
 
 from tandem.cluster.pool_state import WorkerLoad
-from tandem.cluster.threads import threads_away_from
+from tandem.cluster.threads import AwayThreads
 from tandem.worker.config import WorkerConfig, WorkerRole
 
 if TYPE_CHECKING:
@@ -57,26 +57,21 @@ class WorkerActor:
         self,
         config: WorkerConfig,
         advertise_node_ip: bool = False,
-        home_node: str | None = None,
-        away_share: int = 1,
+        away: AwayThreads | None = None,
     ) -> None:
-        """`home_node`: the node whose CPUs `config`'s threads count (None: the operator
-        gave them); on another node the worker runs its node's CPUs divided by
-        `away_share` (`cluster.threads`)."""
+        """`away`: how the worker counts its threads off `tandem serve`'s node (None: the
+        operator gave them, `--threads`)."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
         if advertise_node_ip:
             host = node_host(config.settings.host, ray.util.get_node_ip_address())
             if host != config.settings.host:
                 settings = dataclasses.replace(config.settings, host=host)
                 config = dataclasses.replace(config, settings=settings)
-        home_threads = config.engine.num_threads or 1
-        threads = home_threads
-        if home_node is not None:  # (asks Ray only then: tests build the actor without Ray)
-            node = ray.get_runtime_context().get_node_id()
-            threads = threads_away_from(home_node, node, home_threads, away_share)
-        if threads != home_threads:
-            logger.info("%s: %d torch threads, this node's CPUs (%d on the serve node)",
-                        config.worker_id, threads, home_threads)  # fmt: skip
+        # Ray is asked only then: tests build the actor without Ray.
+        threads = away.on(ray.get_runtime_context().get_node_id()) if away is not None else None
+        if threads is not None and threads != config.engine.num_threads:
+            logger.info("%s: %d torch threads, counted on this node (%s on the serve node)",
+                        config.worker_id, threads, config.engine.num_threads)  # fmt: skip
             engine = dataclasses.replace(config.engine, num_threads=threads)
             config = dataclasses.replace(config, engine=engine)
         self.config = config

@@ -15,7 +15,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import time
 from typing import Any
 
 import grpc
@@ -27,7 +26,7 @@ from tandem.kv_transfer.cuda_ipc import Placement
 from tandem.kv_transfer.cuda_ipc_channel import CudaIpcClientChannel, pull_over_ipc
 from tandem.kv_transfer.errors import KvPullError, KvTransferError, LayoutMismatchError
 from tandem.kv_transfer.handle import KvHandle
-from tandem.kv_transfer.idle_channels import DECODE_IDLE_CLOSE_S
+from tandem.kv_transfer.idle_channels import DECODE_IDLE_CLOSE_S, IdleChannels
 from tandem.kv_transfer.layout import KvLayout
 from tandem.kv_transfer.local import LocalChannel, LocalRegistry
 from tandem.kv_transfer.nccl import NcclError
@@ -80,13 +79,10 @@ class KvTransferClient:
             raise ValueError("the local backend needs a local_registry")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if idle_close_s <= 0:
-            raise ValueError(f"idle_close_s must be > 0, got {idle_close_s}")
         self.layout = layout
         self.worker_id = worker_id
         self.backend = backend
         self.timeout_s = timeout_s
-        self.idle_close_s = idle_close_s
         self._registry = local_registry
         self._auth = auth or ClusterAuth()
         self._device = device
@@ -98,8 +94,8 @@ class KvTransferClient:
         # Channels being opened: the client owns each opening until its channel is stored.
         self._opening: dict[_ChannelKey, asyncio.Task[Channel]] = {}
         self._locks: dict[_ChannelKey, asyncio.Lock] = {}
-        # When each channel's last pull ended (time.monotonic()).
-        self._last_used: dict[_ChannelKey, float] = {}
+        # When each channel was opened or a pull on it ended.
+        self._idle = IdleChannels[_ChannelKey](idle_close_s)
         # Closes idle channels; started by the first pull.
         self._idle_closer: asyncio.Task[None] | None = None
         self._grpc: dict[str, grpc.aio.Channel] = {}
@@ -152,7 +148,7 @@ class KvTransferClient:
             if self._closed:  # closed while this pull waited for the channel
                 raise KvTransferError("KV transfer client is closed")
             channel = await self._channel_to(key, handle)
-            self._last_used[key] = time.monotonic()
+            self._idle.touch(key)
             try:
                 if writer is not None and isinstance(channel, TcpChannel):
                     return await writer.run(
@@ -168,7 +164,7 @@ class KvTransferClient:
                 self._drop(key)
                 raise
             finally:
-                self._last_used[key] = time.monotonic()
+                self._idle.touch(key)
 
     async def _channel_to(self, key: _ChannelKey, handle: KvHandle) -> Channel:
         """The open channel to the handle's prefill worker, opened first if needed (under
@@ -190,19 +186,21 @@ class KvTransferClient:
         self._opening.pop(key, None)
         if not opening.cancelled() and opening.exception() is None:
             self._channels[key] = opening.result()
+            self._idle.touch(key)
 
-    def close_idle(self, unused_since: float) -> int:
-        """Close the channels no pull has used since `unused_since` (time.monotonic());
-        how many. Their CloseChannel calls run in tasks `close` waits for."""
-        idle = [
-            key
-            for key, channel in self._channels.items()
-            if self._last_used.get(key, 0.0) < unused_since and not self._locks[key].locked()
-        ]
+    def close_idle(self) -> int:
+        """Close the channels no pull has used for `idle_close_s`; how many. Their
+        CloseChannel calls run in tasks `close` waits for."""
+        idle = []
+        for key in self._idle.idle():
+            if key not in self._channels:  # dropped (broken, cancelled) since
+                self._idle.forget(key)
+            elif not self._locks[key].locked():
+                idle.append(key)
         for key in idle:
             channel = self._channels.pop(key)
             del self._locks[key]
-            self._last_used.pop(key, None)
+            self._idle.forget(key)
             task = asyncio.create_task(self._close_channel(key[1], channel))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
@@ -210,9 +208,10 @@ class KvTransferClient:
 
     async def _close_idle_channels(self) -> None:
         while True:
-            await asyncio.sleep(self.idle_close_s / 4)
-            if num_closed := self.close_idle(time.monotonic() - self.idle_close_s):
-                logger.info("closed %d KV channel(s) idle for %g s", num_closed, self.idle_close_s)
+            await asyncio.sleep(self._idle.idle_close_s / 4)
+            if num_closed := self.close_idle():
+                logger.info("closed %d KV channel(s) idle for %g s", num_closed,
+                            self._idle.idle_close_s)  # fmt: skip
 
     async def _close_channel(self, endpoint: str, channel: Channel) -> None:
         """Close one channel at both ends; the endpoint's gRPC channel too when no other

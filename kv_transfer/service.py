@@ -90,7 +90,7 @@ class KvTransferService(worker_pb2_grpc.KvTransferServicer):
         self._nccl: dict[str, NcclServerChannel] = {}
         self._ipc: dict[str, CudaIpcServerChannel] = {}
         # When each NCCL and cuda_ipc channel was last used (TCP ones end with their socket).
-        self._idle = IdleChannels(idle_close_s)
+        self._idle = IdleChannels[str](idle_close_s)
         self._kv_cache = kv_cache
         self._ipc_export: bytes | None = None  # the cache's IPC description, made once
         gpu = kv_cache.device if kv_cache is not None and kv_cache.is_cuda else device

@@ -5,7 +5,7 @@ from __future__ import annotations
 from tandem.cluster.cli import build_parser, cluster_config_from_args
 from tandem.cluster.config import RayConfig, ThreadPolicy
 from tandem.cluster.pool_controller import PoolController
-from tandem.cluster.threads import threads_away_from, threads_per_worker
+from tandem.cluster.threads import AwayThreads, threads_per_worker
 from tandem.cluster.worker_env import NodePools, WorkerEnvRule, node_capacity
 from tandem.engine.host_cpus import available_cpus
 from tandem.worker.config import WorkerRole
@@ -27,11 +27,12 @@ def test_shared_gives_every_worker_the_node_and_split_divides_it() -> None:
 
 
 def test_a_worker_away_from_the_serve_node_counts_its_own_cpus() -> None:
-    assert threads_away_from("home", "home", 3) == 3
-    assert threads_away_from(None, "other", 3) == 3  # --threads given: every worker runs them
-    assert threads_away_from("home", "other", 3) == available_cpus()
+    shared = AwayThreads("home", ThreadPolicy.SHARED, node_workers=2)
+    assert shared.on("home") is None  # serve's decision stands on its own node
+    assert shared.on("other") == available_cpus()
     # `split` on a node that may hold two workers: half of it (at least one thread).
-    assert threads_away_from("home", "other", 3, share=2) == max(1, available_cpus() // 2)
+    split = AwayThreads("home", ThreadPolicy.SPLIT, node_workers=2)
+    assert split.on("other") == max(1, available_cpus() // 2)
 
 
 def test_thread_policy_flag(tiny_model_dir) -> None:
